@@ -1,0 +1,51 @@
+"""zarrckpt: checkpoints of JAX pytrees as zarr v3 groups on any fsspec URL.
+
+    save_pytree / load_pytree            one checkpoint at one URL
+    save_checkpoint / load_checkpoint_if_it_exists / all_steps / latest_step
+                                         numbered steps under a checkpoint directory
+    metadata                             what a checkpoint holds, without reading data
+
+The on-disk format is specified in docs/pytree-zarr-checkpoint.md.
+"""
+
+from . import _dtypes
+from ._metadata import CheckpointMetadata, LeafMetadata, metadata
+from ._naming import FORMAT_VERSION
+from ._restore import load_pytree
+from ._save import save_pytree
+from ._steps import all_steps, latest_step, load_checkpoint_if_it_exists, save_checkpoint
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    CoordinationTimeoutError,
+    UnsupportedLeafError,
+)
+
+_dtypes.register()  # bfloat16 and float8 must be known to zarr before any array is opened
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointMetadata",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointWriteError",
+    "CoordinationTimeoutError",
+    "LeafMetadata",
+    "UnsupportedLeafError",
+    "all_steps",
+    "latest_step",
+    "load_checkpoint_if_it_exists",
+    "load_pytree",
+    "metadata",
+    "save_checkpoint",
+    "save_pytree",
+]

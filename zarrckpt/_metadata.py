@@ -1,0 +1,65 @@
+"""What a checkpoint holds, read from its metadata alone (no array data)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _reader, _storage, _tree
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafMetadata:
+    """One saved leaf: where it sits in the tree and how it is stored."""
+
+    key_path: str  # as jax.tree_util.keystr prints it
+    name: str  # the zarr array's name in the group
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunks: tuple[int, ...]
+    kind: str  # "jax", "numpy", "numpy_scalar", or a Python scalar type's name
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointMetadata:
+    """A checkpoint's description. `tree` mirrors the saved tree with a
+    jax.ShapeDtypeStruct per leaf (add shardings to it to build a restore target)."""
+
+    url: str
+    layout: str  # "zarrckpt" or "seqax"
+    committed: bool
+    format_version: int | None
+    created_at: str | None
+    leaves: tuple[LeafMetadata, ...]
+    tree: Any
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.nbytes for leaf in self.leaves)
+
+
+def metadata(url: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointMetadata:
+    """Describes the checkpoint at `url` without reading array data. Not collective.
+
+    Works on uncommitted checkpoints too (`committed` says which).
+    Raises CheckpointNotFoundError if there is no checkpoint at `url`, and
+    CheckpointCorruptError if its metadata cannot be understood.
+    """
+    ckpt = _reader.open_checkpoint(_storage.resolve(url, storage_options), require_committed=False)
+    leaves = {
+        name: LeafMetadata(_tree.describe_path(s.path), name, s.shape, s.dtype,
+                           tuple(ckpt.array(name).chunks), s.kind)
+        for name, s in ckpt.leaves.items()
+    }
+    tree = _tree.rebuild(ckpt.spec, lambda rec: jax.ShapeDtypeStruct(leaves[rec["name"]].shape,
+                                                                     leaves[rec["name"]].dtype))
+    return CheckpointMetadata(ckpt.loc.url, ckpt.layout, ckpt.committed, ckpt.meta.get("format_version"),
+                              ckpt.meta.get("created_at"), tuple(leaves.values()), tree)

@@ -1,0 +1,63 @@
+"""Names in the on-disk format: leaf array names, step directory names, attribute keys.
+
+The rules here are the format (docs/pytree-zarr-checkpoint.md); changing one changes
+FORMAT_VERSION.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Sequence
+
+FORMAT_VERSION = 1
+COMMIT_ATTR = "write_completed"  # seqax's commit marker; its presence as `true` is the commit
+META_ATTR = "zarrckpt"  # group attribute holding format_version and the tree record
+
+ROOT_LEAF_NAME = "%root"  # the name of the only leaf of a tree that is a single array
+EMPTY_COMPONENT = "%"  # an empty-string key; "%" alone is never produced by escaping
+MAX_NAME_LENGTH = 200  # file systems refuse path components over 255 bytes
+_HASHED_PREFIX_LENGTH = 160
+_UNESCAPED = re.compile(r"[A-Za-z0-9_\-]")
+_STEP_DIR = re.compile(r"\d{10,}")
+
+
+def escape_component(text: str) -> str:
+    """Percent-encodes every character outside [A-Za-z0-9_-], byte by byte in UTF-8.
+
+    "." (the separator), "/", "%" and ".." therefore can never appear raw in a name,
+    which is what makes names unambiguous and keeps them inside the group.
+    """
+    if text == "":
+        return EMPTY_COMPONENT
+    return "".join(
+        c if _UNESCAPED.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode("utf-8"))
+        for c in text
+    )
+
+
+def leaf_name(components: Sequence[str]) -> str:
+    """Joins escaped key components with "." into an array name.
+
+    Names longer than MAX_NAME_LENGTH keep a readable prefix and end in "~" plus a
+    hash of the full name; "~" is escaped everywhere else, so these cannot collide
+    with an ordinary name.
+    """
+    name = ".".join(components) if components else ROOT_LEAF_NAME
+    if len(name) > MAX_NAME_LENGTH:
+        digest = hashlib.sha256(name.encode("ascii")).hexdigest()[:32]
+        name = f"{name[:_HASHED_PREFIX_LENGTH]}~{digest}"
+    return name
+
+
+def step_dir_name(step: int) -> str:
+    """The directory name of a step: zero-padded to 10 digits, as seqax names them."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return str(step).zfill(10)
+
+
+def parse_step_dir_name(name: str) -> int | None:
+    """The step a directory name stands for, or None if it is not a step directory."""
+    name = name.rstrip("/")
+    return int(name) if _STEP_DIR.fullmatch(name) else None

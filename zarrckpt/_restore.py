@@ -1,0 +1,233 @@
+"""Restoring one checkpoint onto a target: match, validate, then read.
+
+Nothing is read until the whole target has been checked against the checkpoint;
+every mismatch is reported at once. Each leaf is then rebuilt with
+`jax.make_array_from_callback` on the target's sharding, which is what makes
+restoring onto another mesh, device count or process count work.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+from concurrent.futures import Future
+import dataclasses
+import logging
+import math
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _planning, _reader, _storage, _tree
+from ._planning import Region
+from .errors import CheckpointMismatchError, UnsupportedLeafError
+
+log = logging.getLogger("zarrckpt")
+
+DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
+DEFAULT_MAX_WORKERS = 16
+_PY_SCALARS = {"bool": bool, "int": int, "float": float, "complex": complex}
+
+
+@dataclasses.dataclass
+class _Request:
+    """One leaf to restore and the form it must come back in."""
+
+    stored: _reader.StoredLeaf
+    dtype: np.dtype
+    make: str  # "jax" (on `sharding`), "device" (default device), "numpy", "numpy_scalar", or a Python scalar type
+    sharding: jax.sharding.Sharding | None = None
+    old: jax.Array | None = None  # the target array this replaces, freed before reading
+
+
+def load_pytree(
+    url: str,
+    target: Any = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    allow_dtype_cast: bool = False,
+    donate_target: bool = True,
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+    max_workers: int = DEFAULT_MAX_WORKERS,
+) -> Any:
+    """Restores the committed checkpoint at `url`.
+
+    Not collective: each process reads only what its own devices need, so it works
+    whatever the process count; under `jax.distributed` every process should call it
+    with the same target structure to get one consistent global state.
+
+    Args:
+      url: a local path or fsspec URL of one checkpoint (not a step directory parent).
+      target: what to restore into, a pytree with the saved structure whose leaves are
+        jax.Array (shape, dtype and sharding are taken from it), jax.ShapeDtypeStruct
+        (with a sharding, or none for the default device), jax.sharding.Sharding (shape
+        and dtype from the checkpoint), numpy arrays or scalars, or Python scalars.
+        None restores the saved tree as nested dicts/lists of numpy arrays and scalars.
+      allow_dtype_cast: convert leaves whose saved dtype differs from the target's;
+        without it such a leaf is a mismatch.
+      donate_target: free each jax.Array of the target just before its replacement is
+        read, so that peak device memory stays near one copy of the state. The target
+        must not be used afterwards. Nothing is freed if validation fails.
+      max_inflight_bytes: bound on host bytes read and not yet placed on devices.
+      max_workers: concurrent reads.
+
+    Raises:
+      CheckpointNotFoundError: nothing committed at `url`.
+      CheckpointMismatchError: the target does not match; lists every missing and
+        unexpected key path and every shape and dtype difference. Nothing was read.
+      CheckpointCorruptError: a chunk or metadata the checkpoint declares is missing.
+    """
+    started = time.perf_counter()
+    ckpt = _reader.open_checkpoint(_storage.resolve(url, storage_options))
+    if target is None:
+        requests = [_Request(s, s.dtype, "numpy" if s.kind in ("jax", "numpy") else s.kind)
+                    for s in ckpt.leaves.values()]
+        values = _read_all(ckpt, requests, max_inflight_bytes, max_workers, donate_target)
+        result = _tree.rebuild(ckpt.spec, lambda rec: values[rec["name"]])
+    else:
+        requests, treedef = _match(ckpt, target, allow_dtype_cast)
+        values = _read_all(ckpt, requests, max_inflight_bytes, max_workers, donate_target)
+        result = jax.tree_util.tree_unflatten(treedef, [values[r.stored.name] for r in requests])
+    total = sum(math.prod(r.stored.shape) * r.dtype.itemsize for r in requests)
+    seconds = time.perf_counter() - started
+    log.info("restored %s: %d leaves, %.3f GB in %.2fs (%.2f GB/s)", ckpt.loc.url, len(requests),
+             total / 1e9, seconds, total / 1e9 / max(seconds, 1e-9))
+    return result
+
+
+def _match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool) -> tuple[list[_Request], Any]:
+    """One request per target leaf; raises listing every mismatch before any read."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    problems: list[str] = []
+    requests: list[_Request] = []
+    seen: set[str] = set()
+    for path, leaf in flat:
+        where = _tree.describe_path(path)
+        name = ckpt.name_of(tuple(path))
+        stored = ckpt.leaves.get(name)
+        if stored is None:
+            problems.append(f"{where}: in the target but not in the checkpoint")
+            continue
+        seen.add(name)
+        request, shape = _request_for(leaf, stored, where)
+        requests.append(request)
+        if shape != stored.shape:
+            problems.append(f"{where}: shape {stored.shape} in the checkpoint, {shape} in the target")
+        elif request.make in _PY_SCALARS:
+            if stored.dtype.kind not in _scalar_kinds(request.make):
+                problems.append(f"{where}: dtype {stored.dtype} in the checkpoint, Python {request.make} in the target")
+        elif request.dtype != stored.dtype and not allow_dtype_cast:
+            problems.append(f"{where}: dtype {stored.dtype} in the checkpoint, {request.dtype} in the target "
+                            "(pass allow_dtype_cast=True to convert)")
+    for name, stored in ckpt.leaves.items():
+        if name not in seen:
+            problems.append(f"{stored.where}: in the checkpoint but not in the target")
+    if problems:
+        raise CheckpointMismatchError(
+            f"checkpoint {ckpt.loc.url} does not match the target ({len(problems)} problem(s)):\n  "
+            + "\n  ".join(problems)
+        )
+    return requests, treedef
+
+
+def _scalar_kinds(python_type: str) -> str:
+    return {"bool": "b", "int": "iub", "float": "f", "complex": "c"}[python_type]
+
+
+def _request_for(leaf: Any, stored: _reader.StoredLeaf, where: str) -> tuple[_Request, tuple[int, ...]]:
+    """How a target leaf asks to be restored, and the shape it expects."""
+    if isinstance(leaf, jax.Array):
+        return _Request(stored, np.dtype(leaf.dtype), "jax", leaf.sharding, old=leaf), tuple(leaf.shape)
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        sharding = leaf.sharding
+        return _Request(stored, np.dtype(leaf.dtype), "jax" if sharding else "device", sharding), tuple(leaf.shape)
+    if isinstance(leaf, jax.sharding.Sharding):
+        return _Request(stored, stored.dtype, "jax", leaf), stored.shape
+    if isinstance(leaf, np.ndarray):
+        return _Request(stored, leaf.dtype, "numpy"), leaf.shape
+    if isinstance(leaf, np.generic):
+        return _Request(stored, leaf.dtype, "numpy_scalar"), ()
+    if isinstance(leaf, (bool, int, float, complex)):
+        return _Request(stored, stored.dtype, type(leaf).__name__), ()
+    raise UnsupportedLeafError(
+        f"target leaf {where} is a {type(leaf).__qualname__}; expected jax.Array, jax.ShapeDtypeStruct, "
+        "a Sharding, a numpy array or scalar, or a Python scalar"
+    )
+
+
+def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], max_inflight_bytes: int,
+              max_workers: int, donate_target: bool) -> dict[str, Any]:
+    """Reads every request, leaf by leaf in order, with bounded host memory.
+
+    Reads run on a thread pool while the main thread puts finished leaves on devices.
+    """
+    done: dict[str, Any] = {}
+    pending: collections.deque[tuple[_Request, list[tuple[Region, list[Region], Future]], int]]
+    pending = collections.deque()
+    inflight = 0
+    donated: set[int] = set()
+    with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
+        for request in requests:
+            groups = _read_plan(ckpt, request)
+            nbytes = sum(_planning.region_size(box) for box, _ in groups) * request.dtype.itemsize
+            while pending and inflight + nbytes > max_inflight_bytes:
+                inflight -= _finish(pending.popleft(), done)
+            old = request.old
+            if donate_target and old is not None and id(old) not in donated and not old.is_deleted():
+                donated.add(id(old))
+                old.delete()
+            request.old = None
+            futures = [(box, regions, pool.submit(_read_box, ckpt, request, box)) for box, regions in groups]
+            pending.append((request, futures, nbytes))
+            inflight += nbytes
+        while pending:
+            _finish(pending.popleft(), done)
+    return done
+
+
+def _read_plan(ckpt: _reader.Checkpoint, request: _Request) -> list[tuple[Region, list[Region]]]:
+    shape = request.stored.shape
+    full: Region = tuple((0, d) for d in shape)
+    if request.make != "jax":
+        return [(full, [full])]
+    regions = [_planning.region_of(index, shape)
+               for index in request.sharding.addressable_devices_indices_map(shape).values()]
+    return _planning.plan_reads(regions, ckpt.array(request.stored.name).chunks, shape)
+
+
+def _read_box(ckpt: _reader.Checkpoint, request: _Request, box: Region) -> np.ndarray:
+    try:
+        data = np.asarray(ckpt.array(request.stored.name)[_planning.region_slices(box)])
+    except Exception as e:
+        e.add_note(f"while reading leaf {request.stored.where} (array {request.stored.name!r}) of {ckpt.loc.url}")
+        raise
+    return data if data.dtype == request.dtype else data.astype(request.dtype)
+
+
+def _finish(entry: tuple[_Request, list[tuple[Region, list[Region], Future]], int],
+            done: dict[str, Any]) -> int:
+    request, futures, nbytes = entry
+    pieces: dict[Region, np.ndarray] = {}
+    for box, regions, future in futures:
+        data = future.result()
+        for region in regions:
+            pieces[region] = data[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(region, box))]
+    done[request.stored.name] = _build(request, pieces)
+    return nbytes
+
+
+def _build(request: _Request, pieces: dict[Region, np.ndarray]) -> Any:
+    shape = request.stored.shape
+    if request.make == "jax":
+        return jax.make_array_from_callback(
+            shape, request.sharding, lambda index: pieces[_planning.region_of(index, shape)])
+    (data,) = pieces.values()
+    if request.make == "device":
+        return jax.device_put(data)
+    if request.make == "numpy":
+        return data
+    if request.make == "numpy_scalar":
+        return data[()]
+    return _PY_SCALARS[request.make](data.item())

@@ -1,0 +1,199 @@
+"""Saving one pytree as one zarr group: the write protocol.
+
+    process 0: remove a leftover uncommitted group, create the group and its arrays
+    all:       agree that it worked
+    all:       write the chunks this process owns (see _planning)
+    all:       agree that every write of every process succeeded
+    process 0: write the commit marker (see _commit)
+    all:       agree that the commit happened
+
+A failure anywhere is reported to every process at the next agreement, so all of
+them raise and nothing is committed.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import datetime
+import logging
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import zarr
+
+from . import _commit, _dtypes, _multihost, _naming, _planning, _storage, _tree
+from . import errors
+from ._planning import ArrayPlan, WriteUnit
+
+log = logging.getLogger("zarrckpt")
+
+DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
+DEFAULT_MAX_WORKERS = 16
+_WRITE_CONFIG = {"write_empty_chunks": True}  # an all-zero chunk is data, not a gap
+
+
+def save_pytree(
+    url: str,
+    tree: Any,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    max_chunk_bytes: int = _planning.DEFAULT_MAX_CHUNK_BYTES,
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+    max_workers: int = DEFAULT_MAX_WORKERS,
+    timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
+) -> None:
+    """Saves `tree` as a checkpoint at `url` and commits it.
+
+    Collective: under `jax.distributed` every process must call it with the same tree
+    structure (each passes its own shards). Returns once the checkpoint is committed.
+
+    Args:
+      url: a local path or fsspec URL (file://, memory://, s3://, gs://...).
+      tree: a pytree whose leaves are jax.Array (any sharding), numpy arrays or scalars,
+        or Python bool/int/float/complex. None and empty containers are kept.
+      storage_options: passed to fsspec (credentials, endpoint_url...). Never logged.
+      overwrite: replace a committed checkpoint at `url`. Without it that is an error.
+      max_chunk_bytes: shards larger than this are split into several chunks.
+      max_inflight_bytes: bound on host bytes copied off devices and not yet written.
+      max_workers: concurrent chunk writes per process.
+      timeout_s: how long a process waits for the others at each agreement.
+
+    Raises:
+      UnsupportedLeafError: a leaf or key that cannot be saved (names its key path).
+      CheckpointExistsError: `url` holds a committed checkpoint and overwrite is False.
+      CheckpointWriteError: a write failed on some process (names process and leaf);
+        nothing was committed.
+      CoordinationTimeoutError: a process did not arrive at an agreement in time.
+    """
+    loc = _storage.resolve(url, storage_options)
+    spec, leaves = _tree.record(tree)
+    plans = [_planning.plan_array(leaf, i, max_chunk_bytes) for i, leaf in enumerate(leaves)]
+    is_primary = _multihost.process_index() == 0
+    started = time.perf_counter()
+    op = _multihost.Collective("save", timeout_s)
+    try:
+        created: dict[str, zarr.Array] = {}
+        _agree(op, "prepare", loc, lambda: created.update(_prepare(loc, spec, plans, overwrite))
+               if is_primary else None)
+        _agree(op, "write", loc, lambda: _write_chunks(loc, plans, created, max_inflight_bytes, max_workers))
+        _agree(op, "commit", loc, lambda: _commit.commit(loc) if is_primary else None)
+    finally:
+        op.close()
+    if is_primary:
+        seconds = time.perf_counter() - started
+        total = sum(p.nbytes for p in plans)
+        log.info("saved %s: %d leaves, %.3f GB in %.2fs (%.2f GB/s)", loc.url, len(plans), total / 1e9,
+                 seconds, total / 1e9 / max(seconds, 1e-9))
+
+
+def _agree(op: _multihost.Collective, tag: str, loc: _storage.Location, step: Callable[[], Any]) -> None:
+    """Runs this process's part of a step, then raises on every process if any failed."""
+    mine: BaseException | None = None
+    report = None
+    try:
+        step()
+    except Exception as e:  # reported to every process, then re-raised below
+        mine = e
+        kind = type(e).__name__ if isinstance(e, errors.CheckpointError) else None
+        report = [kind, f"{type(e).__name__}: {e}" if kind is None else str(e)]
+    failures = op.agree(tag, report)
+    if not failures:
+        return
+    if len(failures) == 1:
+        pid, (kind, message) = failures[0]
+        if mine is not None and kind is not None:
+            raise mine
+        if kind is not None and kind != errors.CheckpointWriteError.__name__:
+            raise getattr(errors, kind)(message)
+    lines = "\n".join(f"  process {pid}: {message}" for pid, (_, message) in failures)
+    raise errors.CheckpointWriteError(
+        f"saving {loc.url} failed at '{tag}' on {len(failures)} of {_multihost.process_count()} "
+        f"process(es); nothing was committed:\n{lines}"
+    ) from mine
+
+
+def _prepare(loc: _storage.Location, spec: dict[str, Any], plans: list[ArrayPlan],
+             overwrite: bool) -> dict[str, zarr.Array]:
+    """Process 0: clears the way and creates the group and every array (not yet committed)."""
+    current = _commit.state(loc)
+    if current is _commit.State.COMMITTED and not overwrite:
+        raise errors.CheckpointExistsError(
+            f"{loc.url} already holds a committed checkpoint; pass overwrite=True to replace it"
+        )
+    if current is not _commit.State.ABSENT:
+        _commit.remove(loc)
+    store = loc.store()
+    meta = {
+        "format_version": _naming.FORMAT_VERSION,
+        "tree": spec,
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "jax_version": jax.__version__,
+        "zarr_version": zarr.__version__,
+    }
+    group = zarr.create_group(store, attributes={_naming.META_ATTR: meta}, zarr_format=3)
+
+    def create(plan: ArrayPlan) -> tuple[str, zarr.Array]:
+        array = group.create_array(
+            plan.leaf.name, shape=plan.shape, dtype=plan.dtype, chunks=plan.chunks,
+            compressors=None, filters=None, fill_value=_dtypes.zero(plan.dtype), config=_WRITE_CONFIG,
+        )
+        return plan.leaf.name, array
+
+    with concurrent.futures.ThreadPoolExecutor(DEFAULT_MAX_WORKERS) as pool:
+        return dict(pool.map(create, plans))
+
+
+def _write_chunks(loc: _storage.Location, plans: list[ArrayPlan], arrays: dict[str, zarr.Array],
+                  max_inflight_bytes: int, max_workers: int) -> None:
+    """Writes this process's chunks, at most `max_inflight_bytes` staged on the host at once.
+
+    Device-to-host copies are started for everything that fits in the bound before
+    any write waits, so transfers overlap with each other and with writing.
+    """
+    work = [(plan, unit) for plan in plans for unit in plan.writes]
+    if not work:
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
+        if not arrays:
+            store = loc.store()
+            names = [p.leaf.name for p in plans if p.writes]
+            opened = pool.map(lambda n: zarr.open_array(store, path=n, mode="r+", config=_WRITE_CONFIG), names)
+            arrays = dict(zip(names, opened))
+        _write_units(work, arrays, pool, max_inflight_bytes)
+
+
+def _write_units(work: list[tuple[ArrayPlan, WriteUnit]], arrays: dict[str, zarr.Array],
+                 pool: concurrent.futures.ThreadPoolExecutor, max_inflight_bytes: int) -> None:
+    pending: collections.deque[tuple[concurrent.futures.Future[None], int]] = collections.deque()
+    inflight = 0
+    try:
+        for plan, unit in work:
+            while pending and inflight + unit.nbytes > max_inflight_bytes:
+                future, nbytes = pending.popleft()
+                future.result()
+                inflight -= nbytes
+            unit.start_transfer()
+            pending.append((pool.submit(_write_one, arrays[plan.leaf.name], plan, unit), unit.nbytes))
+            inflight += unit.nbytes
+        for future, _ in pending:
+            future.result()
+    except BaseException:
+        for future, _ in pending:
+            future.cancel()
+        raise
+
+
+def _write_one(array: zarr.Array, plan: ArrayPlan, unit: WriteUnit) -> None:
+    try:
+        array[_planning.region_slices(unit.region)] = unit.host_array()
+    except Exception as e:
+        raise errors.CheckpointWriteError(
+            f"writing leaf {plan.leaf.where} (array {plan.leaf.name!r}) chunk "
+            f"{[list(r) for r in unit.region]}: {type(e).__name__}: {e}"
+        ) from e
+    finally:
+        unit.release()

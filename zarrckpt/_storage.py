@@ -1,0 +1,120 @@
+"""URLs -> zarr stores and the few file-system operations zarrckpt needs.
+
+Local paths and file:// URLs go to zarr's LocalStore (about 5x faster than
+FsspecStore over file://); every other protocol goes through fsspec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import posixpath
+from typing import Any
+
+import fsspec
+import zarr
+import zarr.storage
+
+from .errors import CheckpointCorruptError
+
+# Keys that hold metadata; any other key zarr asks for is a chunk.
+_METADATA_KEYS = frozenset({"zarr.json", ".zgroup", ".zattrs", ".zarray", ".zmetadata"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """A directory-like place on some file system: a checkpoint or a checkpoint dir.
+
+    `url` is what the user gave (used in messages; storage options and their
+    credentials are kept apart and never printed).
+    """
+
+    url: str
+    fs: fsspec.AbstractFileSystem = dataclasses.field(repr=False)
+    path: str
+    storage_options: dict[str, Any] = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def is_local(self) -> bool:
+        return "file" in _protocols(self.fs)
+
+    def child(self, name: str) -> "Location":
+        return dataclasses.replace(
+            self, url=posixpath.join(self.url.rstrip("/"), name), path=posixpath.join(self.path, name)
+        )
+
+    def store(self, *, read_only: bool = False) -> zarr.abc.store.Store:
+        """A zarr store rooted here. Read-only stores raise on a missing chunk."""
+        if self.is_local:
+            store: zarr.abc.store.Store = zarr.storage.LocalStore(self.path, read_only=read_only)
+        else:
+            store = zarr.storage.FsspecStore.from_url(
+                self.url, storage_options=dict(self.storage_options) or None, read_only=read_only
+            )
+        return _StrictStore(store, self.url) if read_only else store
+
+    def list_dir(self) -> list[str]:
+        """Names of the entries directly below; empty if the directory does not exist."""
+        try:
+            entries = self.fs.ls(self.path, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
+
+    def exists(self) -> bool:
+        return bool(self.fs.exists(self.path))
+
+    def remove_file(self, name: str) -> None:
+        path = posixpath.join(self.path, name)
+        if self.fs.exists(path):
+            self.fs.rm(path)
+
+    def remove_tree(self) -> None:
+        if self.fs.exists(self.path):
+            self.fs.rm(self.path, recursive=True)
+        self.fs.invalidate_cache(self.path)
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    proto = fs.protocol
+    return (proto,) if isinstance(proto, str) else tuple(proto)
+
+
+def resolve(url: str, storage_options: dict[str, Any] | None = None) -> Location:
+    """A Location for a local path or any fsspec URL (file://, memory://, s3://, gs://...)."""
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"checkpoint URL must be a non-empty string, got {url!r}")
+    options = dict(storage_options or {})
+    fs, path = _url_to_fs(url, tuple(sorted(options.items(), key=lambda kv: kv[0])))
+    return Location(url=url.rstrip("/") or url, fs=fs, path=path.rstrip("/") or path, storage_options=options)
+
+
+def _url_to_fs(url: str, options: tuple[tuple[str, Any], ...]) -> tuple[fsspec.AbstractFileSystem, str]:
+    try:
+        return _cached_url_to_fs(url, options)
+    except TypeError:  # unhashable storage option values: skip the cache
+        return fsspec.core.url_to_fs(url, **dict(options))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_url_to_fs(url: str, options: tuple[tuple[str, Any], ...]) -> tuple[fsspec.AbstractFileSystem, str]:
+    return fsspec.core.url_to_fs(url, **dict(options))
+
+
+class _StrictStore(zarr.storage.WrapperStore):
+    """Raises on a missing chunk instead of letting zarr return fill values.
+
+    zarrckpt writes every chunk, so in a committed checkpoint an absent chunk is
+    damage, never "all zeros". One wrapper does this for every zarr version (zarr
+    3.1 has no setting for it).
+    """
+
+    def __init__(self, store: zarr.abc.store.Store, url: str) -> None:
+        super().__init__(store)
+        self._url = url
+
+    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+        value = await super().get(key, prototype, byte_range)
+        if value is None and posixpath.basename(key) not in _METADATA_KEYS:
+            raise CheckpointCorruptError(f"chunk {key!r} is missing from checkpoint {self._url}")
+        return value

@@ -1,0 +1,200 @@
+"""Pytree structure <-> the JSON tree record stored in the checkpoint.
+
+The record keeps what `jax.tree_util` flattening throws away (None, empty containers,
+key kinds), so that a checkpoint loaded without a target rebuilds nested dicts and
+lists, and a target can be matched leaf by leaf by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from . import _dtypes, _naming
+from .errors import UnsupportedLeafError
+
+KeyPath = tuple[Any, ...]
+_tu = jax.tree_util
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One leaf of a tree: where it is, the array name it is stored under, its value."""
+
+    path: KeyPath
+    name: str
+    value: Any
+
+    @property
+    def where(self) -> str:
+        return describe_path(self.path)
+
+
+def describe_path(path: KeyPath) -> str:
+    """A key path as a user reads it in an error message, e.g. `['params']['w']`."""
+    return _tu.keystr(tuple(path)) if path else "<root>"
+
+
+def _component(entry: Any, path: KeyPath) -> str:
+    if isinstance(entry, _tu.DictKey):
+        key = entry.key
+        if isinstance(key, str):
+            return _naming.escape_component(key)
+        if isinstance(key, int) and not isinstance(key, bool):
+            return str(key)
+        raise UnsupportedLeafError(
+            f"dict key {key!r} of type {type(key).__name__} at {describe_path(path)}: "
+            "only str and int dict keys can be saved"
+        )
+    if isinstance(entry, _tu.SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, _tu.GetAttrKey):
+        return _naming.escape_component(entry.name)
+    if isinstance(entry, _tu.FlattenedIndexKey):
+        return str(entry.key)
+    raise UnsupportedLeafError(f"key entry {entry!r} at {describe_path(path)} is of an unknown kind")
+
+
+def name_of(path: KeyPath) -> str:
+    """The array name of the leaf at `path` (see docs/pytree-zarr-checkpoint.md)."""
+    return _naming.leaf_name([_component(e, path[: i + 1]) for i, e in enumerate(path)])
+
+
+def _check_unique(leaves: Sequence[Leaf]) -> None:
+    seen: dict[str, Leaf] = {}
+    for leaf in leaves:
+        other = seen.setdefault(leaf.name, leaf)
+        if other is not leaf:
+            raise UnsupportedLeafError(
+                f"key paths {other.where} and {leaf.where} both map to array name {leaf.name!r}"
+            )
+
+
+def leaves_with_names(tree: Any) -> tuple[list[Leaf], Any]:
+    """Flattens like jax does, naming each leaf; returns the leaves and the treedef."""
+    flat, treedef = _tu.tree_flatten_with_path(tree)
+    leaves = [Leaf(tuple(path), name_of(tuple(path)), value) for path, value in flat]
+    _check_unique(leaves)
+    return leaves, treedef
+
+
+def leaf_record(leaf: Leaf) -> dict[str, Any]:
+    """What the tree record says of a saved leaf: its kind, shape and dtype."""
+    value = leaf.value
+    if isinstance(value, jax.Array):
+        if _dtypes.is_prng_key(value.dtype):
+            raise UnsupportedLeafError(
+                f"leaf {leaf.where} is a typed PRNG key array; save jax.random.key_data(key) "
+                "and rebuild it with jax.random.wrap_key_data"
+            )
+        kind = "jax"
+    elif isinstance(value, np.ndarray):
+        kind = "numpy"
+    elif isinstance(value, np.generic):
+        kind = "numpy_scalar"
+    elif isinstance(value, (bool, int, float, complex)):
+        kind = type(value).__name__
+    else:
+        raise UnsupportedLeafError(
+            f"leaf {leaf.where} is a {type(value).__module__}.{type(value).__qualname__}; "
+            "only jax.Array, numpy arrays and scalars, and Python bool/int/float/complex can be saved"
+        )
+    try:
+        dtype = _dtypes.check_savable(np.result_type(value) if kind in ("int", "float", "bool", "complex")
+                                      else np.dtype(value.dtype))
+        if kind == "int":
+            np.int64(value)  # Python ints beyond int64 cannot be stored exactly
+    except (TypeError, OverflowError) as e:
+        raise UnsupportedLeafError(f"leaf {leaf.where}: {e}") from None
+    return {"kind": "leaf", "name": leaf.name, "type": kind,
+            "shape": list(np.shape(value)), "dtype": _dtypes.dtype_name(dtype)}
+
+
+def record(tree: Any) -> tuple[dict[str, Any], list[Leaf]]:
+    """The JSON tree record of `tree` and its leaves in jax's flattening order.
+
+    Raises UnsupportedLeafError naming the key path of the first leaf or key that
+    cannot be saved, or of two key paths whose names would collide.
+    """
+    leaves: list[Leaf] = []
+
+    def walk(node: Any, path: KeyPath) -> dict[str, Any]:
+        if node is None:
+            return {"kind": "none"}
+        treedef = _tu.tree_structure(node)
+        if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+            leaf = Leaf(path, name_of(path), node)
+            leaves.append(leaf)
+            return leaf_record(leaf)
+        # Flatten one level only: every child counts as a leaf here.
+        children, _ = _tu.tree_flatten_with_path(node, is_leaf=lambda c: c is not node)
+        entries = [(p[0], walk(child, path + (p[0],))) for p, child in children]
+        nodes = [n for _, n in entries]
+        if type(node) in (list, tuple):
+            return {"kind": type(node).__name__, "children": nodes}
+        if isinstance(node, dict):
+            return {"kind": "dict", "keys": [e.key for e, _ in entries], "children": nodes}
+        return {"kind": "node", "type": f"{type(node).__module__}.{type(node).__qualname__}",
+                "keys": [_entry_json(e) for e, _ in entries], "children": nodes}
+
+    spec = walk(tree, ())
+    _check_unique(leaves)
+    return spec, leaves
+
+
+def _entry_json(entry: Any) -> Any:
+    if isinstance(entry, _tu.GetAttrKey):
+        return entry.name
+    if isinstance(entry, _tu.DictKey):
+        return entry.key
+    return entry.idx if isinstance(entry, _tu.SequenceKey) else entry.key
+
+
+def _entry_from_json(kind: str, key: Any) -> Any:
+    if kind == "dict":
+        return _tu.DictKey(key)
+    if kind in ("list", "tuple"):
+        return _tu.SequenceKey(key)
+    return _tu.GetAttrKey(key) if isinstance(key, str) else _tu.FlattenedIndexKey(key)
+
+
+def recorded_leaves(spec: dict[str, Any]) -> list[tuple[KeyPath, dict[str, Any]]]:
+    """The leaf records of a tree record with their key paths, in flattening order."""
+    out: list[tuple[KeyPath, dict[str, Any]]] = []
+
+    def walk(node: dict[str, Any], path: KeyPath) -> None:
+        if node["kind"] == "leaf":
+            out.append((path, node))
+        for key, child in _keyed_children(node):
+            walk(child, path + (_entry_from_json(node["kind"], key),))
+
+    walk(spec, ())
+    return out
+
+
+def _keyed_children(node: dict[str, Any]) -> list[tuple[Any, dict[str, Any]]]:
+    children = node.get("children", [])
+    keys = node.get("keys", range(len(children)))
+    return list(zip(keys, children))
+
+
+def rebuild(spec: dict[str, Any], value_of: Callable[[dict[str, Any]], Any]) -> Any:
+    """Builds nested dicts/lists/tuples from a tree record; `value_of` makes each leaf.
+
+    Custom nodes (dataclasses, namedtuples, flax structs) come back as dicts keyed by
+    field name: loading never imports or runs code named by a checkpoint.
+    """
+    kind = spec["kind"]
+    if kind == "leaf":
+        return value_of(spec)
+    if kind == "none":
+        return None
+    items = [(key, rebuild(child, value_of)) for key, child in _keyed_children(spec)]
+    if kind == "list":
+        return [v for _, v in items]
+    if kind == "tuple":
+        return tuple(v for _, v in items)
+    return dict(items)

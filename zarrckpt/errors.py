@@ -1,0 +1,38 @@
+"""The exceptions zarrckpt raises. Every message names the URL, step or leaf at fault."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error zarrckpt raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint (or no committed checkpoint) exists where one was asked for."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A save would replace a committed checkpoint and `overwrite=True` was not given."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The restore target does not match the saved tree; lists every mismatched leaf."""
+
+
+class UnsupportedLeafError(CheckpointError, TypeError):
+    """A pytree leaf (or dict key) of a type that cannot be saved; names its key path."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A committed checkpoint is missing data or metadata it declares."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save failed on at least one process; nothing was committed.
+
+    Raised on every process, with the failures of all processes in the message.
+    """
+
+
+class CoordinationTimeoutError(CheckpointError, TimeoutError):
+    """Processes did not all reach a synchronisation point in time; names the missing ones."""
