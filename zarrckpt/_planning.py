@@ -149,7 +149,7 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
     """Plans one leaf. Every process computes the same chunks and the same writers.
 
     `salt` (the leaf's position) rotates which replica writes a single-chunk shard,
-    so that many small replicated leaves spread over devices and hosts.
+    so that many small replicated leaves spread over devices and hosts too.
     """
     value = leaf.value
     dtype = np.dtype(value.dtype) if hasattr(value, "dtype") else np.result_type(value)
@@ -182,8 +182,11 @@ def _plan_sharded(leaf: Leaf, value: jax.Array, shape: tuple[int, ...], dtype: n
     shards = {s.device: s for s in value.addressable_shards}
     writes = []
     for region, devices in replicas.items():
-        for k, chunk in enumerate(_chunks_in(region, chunks)):
-            writer = devices[(k + salt) % len(devices)]
+        inside = list(_chunks_in(region, chunks))
+        for k, chunk in enumerate(inside):
+            # Contiguous runs of chunks per replica, replicas spaced evenly over the
+            # (id-sorted, so host-grouped) devices: few chunks still reach every host.
+            writer = devices[(salt + k * len(devices) // len(inside)) % len(devices)]
             if writer in shards and region_size(chunk):
                 writes.append(WriteUnit(chunk, region_size(chunk) * dtype.itemsize,
                                         device_data=shards[writer].data,

@@ -103,12 +103,12 @@ def _agree(op: _multihost.Collective, tag: str, loc: _storage.Location, step: Ca
     failures = op.agree(tag, report)
     if not failures:
         return
-    if len(failures) == 1:
-        pid, (kind, message) = failures[0]
-        if mine is not None and kind is not None:
+    (_, (kind, message)), *others = failures
+    if not others and kind not in (None, errors.CheckpointWriteError.__name__):
+        # A refusal by process 0 (e.g. CheckpointExistsError) keeps its type everywhere.
+        if mine is not None:
             raise mine
-        if kind is not None and kind != errors.CheckpointWriteError.__name__:
-            raise getattr(errors, kind)(message)
+        raise getattr(errors, kind)(message)
     lines = "\n".join(f"  process {pid}: {message}" for pid, (_, message) in failures)
     raise errors.CheckpointWriteError(
         f"saving {loc.url} failed at '{tag}' on {len(failures)} of {_multihost.process_count()} "

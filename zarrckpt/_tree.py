@@ -17,6 +17,8 @@ from . import _dtypes, _naming
 from .errors import UnsupportedLeafError
 
 KeyPath = tuple[Any, ...]
+_PYTHON_DTYPES = {"bool": np.dtype(bool), "int": np.dtype(np.int64), "float": np.dtype(np.float64),
+                  "complex": np.dtype(np.complex128)}
 _tu = jax.tree_util
 
 
@@ -102,12 +104,11 @@ def leaf_record(leaf: Leaf) -> dict[str, Any]:
             f"leaf {leaf.where} is a {type(value).__module__}.{type(value).__qualname__}; "
             "only jax.Array, numpy arrays and scalars, and Python bool/int/float/complex can be saved"
         )
+    if kind == "int" and not -(2**63) <= value < 2**63:
+        raise UnsupportedLeafError(f"leaf {leaf.where}: Python int {value} does not fit in int64")
     try:
-        dtype = _dtypes.check_savable(np.result_type(value) if kind in ("int", "float", "bool", "complex")
-                                      else np.dtype(value.dtype))
-        if kind == "int":
-            np.int64(value)  # Python ints beyond int64 cannot be stored exactly
-    except (TypeError, OverflowError) as e:
+        dtype = _dtypes.check_savable(_PYTHON_DTYPES[kind] if kind in _PYTHON_DTYPES else value.dtype)
+    except TypeError as e:
         raise UnsupportedLeafError(f"leaf {leaf.where}: {e}") from None
     return {"kind": "leaf", "name": leaf.name, "type": kind,
             "shape": list(np.shape(value)), "dtype": _dtypes.dtype_name(dtype)}
@@ -124,7 +125,10 @@ def record(tree: Any) -> tuple[dict[str, Any], list[Leaf]]:
     def walk(node: Any, path: KeyPath) -> dict[str, Any]:
         if node is None:
             return {"kind": "none"}
-        treedef = _tu.tree_structure(node)
+        try:
+            treedef = _tu.tree_structure(node)
+        except ValueError as e:  # e.g. dict keys of mixed types, which jax cannot sort
+            raise UnsupportedLeafError(f"cannot flatten the tree at {describe_path(path)}: {e}") from None
         if treedef.num_nodes == 1 and treedef.num_leaves == 1:
             leaf = Leaf(path, name_of(path), node)
             leaves.append(leaf)

@@ -1,0 +1,117 @@
+"""Bad input: each gets a clear error naming the leaf, URL or step, and nothing committed changes."""
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import zarrckpt
+
+
+@pytest.mark.parametrize("leaf, what", [
+    ("a string", "builtins.str"),
+    (object(), "builtins.object"),
+    (np.array(["x"]), "dtype <U1 cannot be saved"),
+    (np.array([object()], dtype=object), "dtype object cannot be saved"),
+    (2**70, "Python int 1180591620717411303424 does not fit in int64"),
+    (jax.random.key(0), "typed PRNG key array"),
+])
+def test_unsupported_leaf_names_its_key_path(tmp_path, leaf, what):
+    with pytest.raises(zarrckpt.UnsupportedLeafError, match=r"\['opt'\]\[1\]") as info:
+        zarrckpt.save_pytree(str(tmp_path / "c"), {"opt": [1, leaf]})
+    assert what in str(info.value)
+    assert not (tmp_path / "c").exists()
+
+
+def test_unsupported_dict_keys(tmp_path):
+    with pytest.raises(zarrckpt.UnsupportedLeafError, match=r"dict key \(1, 2\) of type tuple at \['a'\]"):
+        zarrckpt.save_pytree(str(tmp_path / "c"), {"a": {(1, 2): 1}})
+    with pytest.raises(zarrckpt.UnsupportedLeafError, match="cannot flatten the tree at <root>"):
+        zarrckpt.save_pytree(str(tmp_path / "c"), {1: 1, "1": 2})
+
+
+def test_saving_over_a_committed_checkpoint(tmp_path):
+    url = str(tmp_path / "c")
+    zarrckpt.save_pytree(url, {"a": np.ones(2)})
+    with pytest.raises(zarrckpt.CheckpointExistsError, match=f"{url} already holds a committed checkpoint; "
+                                                             "pass overwrite=True"):
+        zarrckpt.save_pytree(url, {"a": np.zeros(2)})
+    np.testing.assert_array_equal(zarrckpt.load_pytree(url)["a"], np.ones(2))
+    zarrckpt.save_pytree(url, {"b": np.zeros(3)}, overwrite=True)
+    assert list(zarrckpt.load_pytree(url)) == ["b"]
+    assert not (Path(url) / "a").exists()
+
+
+def test_leftover_uncommitted_directory_is_replaced(tmp_path):
+    url = tmp_path / "c"
+    (url / "stale").mkdir(parents=True)
+    (url / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group", "attributes": {}}')
+    (url / "stale" / "junk").write_text("x")
+    zarrckpt.save_pytree(str(url), {"a": np.ones(2)})
+    assert not (url / "stale").exists()
+
+
+def test_loading_what_is_not_there_or_not_committed(tmp_path):
+    url = tmp_path / "c"
+    with pytest.raises(zarrckpt.CheckpointNotFoundError, match=f"no checkpoint at {url}"):
+        zarrckpt.load_pytree(str(url))
+    zarrckpt.save_pytree(str(url), {"a": np.ones(2)})
+    (url / "zarr.json").write_text((url / "zarr.json").read_text().replace('"write_completed": true', '"x": 1'))
+    with pytest.raises(zarrckpt.CheckpointNotFoundError, match="is not committed"):
+        zarrckpt.load_pytree(str(url))
+
+
+def test_missing_chunk_is_an_error_not_zeros(tmp_path):
+    url = tmp_path / "c"
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    x = jax.device_put(jnp.zeros((8, 8)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a")))
+    zarrckpt.save_pytree(str(url), {"w": x})
+    os.remove(url / "w" / "c" / "1" / "0")
+    with pytest.raises(zarrckpt.CheckpointCorruptError, match=r"chunk 'w/c/1/0' is missing from checkpoint") as e:
+        zarrckpt.load_pytree(str(url))
+    assert "leaf ['w']" in "\n".join(getattr(e.value, "__notes__", []))
+
+
+def test_mismatch_lists_every_problem_before_reading(tmp_path, monkeypatch):
+    url = str(tmp_path / "c")
+    zarrckpt.save_pytree(url, {"a": np.ones((2, 3), np.float32), "b": np.ones(4, np.int32),
+                               "c": np.ones(2), "extra": 1})
+    target = {"a": np.zeros((3, 2), np.float32), "b": np.zeros(4, np.float32), "c": np.zeros(2),
+              "missing": np.zeros(1)}
+    live = jnp.ones(3)
+    with pytest.raises(zarrckpt.CheckpointMismatchError) as info:
+        zarrckpt.load_pytree(url, {**target, "live_is_not_freed": live})
+    message = str(info.value)
+    assert "5 problem(s)" in message
+    for line in ["['a']: shape (2, 3) in the checkpoint, (3, 2) in the target",
+                 "['b']: dtype int32 in the checkpoint, float32 in the target",
+                 "['missing']: in the target but not in the checkpoint",
+                 "['extra']: in the checkpoint but not in the target"]:
+        assert line in message
+    assert not live.is_deleted()
+
+
+def test_bad_target_leaf(tmp_path):
+    url = str(tmp_path / "c")
+    zarrckpt.save_pytree(url, {"a": np.ones(2)})
+    with pytest.raises(zarrckpt.UnsupportedLeafError, match=r"target leaf \['a'\] is a str"):
+        zarrckpt.load_pytree(url, {"a": "nope"})
+
+
+def test_bad_url_and_step(tmp_path):
+    with pytest.raises(ValueError, match="non-empty string"):
+        zarrckpt.save_pytree("", {"a": 1})
+    with pytest.raises(ValueError, match="step must be a non-negative int, got -1"):
+        zarrckpt.save_checkpoint(str(tmp_path), -1, {"a": 1})
+
+
+def test_newer_format_is_refused(tmp_path):
+    url = tmp_path / "c"
+    zarrckpt.save_pytree(str(url), {"a": np.ones(2)})
+    text = (url / "zarr.json").read_text()
+    (url / "zarr.json").write_text(text.replace('"format_version": 1', '"format_version": 99'))
+    with pytest.raises(zarrckpt.CheckpointCorruptError, match="format_version 99; this zarrckpt reads up to 1"):
+        zarrckpt.load_pytree(str(url))

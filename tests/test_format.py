@@ -1,0 +1,147 @@
+"""The on-disk format: leaf names, the tree record, chunk planning, the commit marker."""
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import zarrckpt
+from zarrckpt import _naming, _planning, _tree
+
+
+def names(tree) -> list[str]:
+    return [leaf.name for leaf in _tree.record(tree)[1]]
+
+
+def test_names_are_readable():
+    tree = {"params": {"dense": {"kernel": 1, "bias": 2}}, "opt": [3, (4,)], "step": 5}
+    assert names(tree) == ["opt.0", "opt.1.0", "params.dense.bias", "params.dense.kernel", "step"]
+
+
+@pytest.mark.parametrize("key, name", [
+    ("../x", "%2E%2E%2Fx"), ("a/b", "a%2Fb"), ("", "%"), ("%", "%25"), (".", "%2E"), ("..", "%2E%2E"),
+    ("zarr.json", "zarr%2Ejson"), ("a.b", "a%2Eb"), ("é", "%C3%A9"), ("~", "%7E"), ("\x00", "%00"),
+    ("/abs", "%2Fabs"), ("c", "c"), ("__x", "__x"),
+])
+def test_escaping(key, name):
+    assert names({key: 1}) == [name]
+
+
+def test_root_leaf_and_long_names():
+    assert names(np.zeros(2)) == ["%root"]
+    long = names({"k" * 500: 1, "k" * 499: 2})
+    assert all(len(n) <= _naming.MAX_NAME_LENGTH for n in long) and len(set(long)) == 2
+    assert all("~" in n for n in long)
+
+
+def test_separator_cannot_collide():
+    # {"a.b": x} and {"a": {"b": y}} would both be "a.b" without escaping.
+    assert set(names({"a.b": 1, "a": {"b": 2}})) == {"a.b", "a%2Eb"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(max_size=12), min_size=1, max_size=6, unique=True))
+def test_names_unique_and_safe(keys):
+    tree = {k: {k2: 0 for k2 in keys[:2]} for k in keys}
+    got = names(tree)
+    assert len(set(got)) == len(got)
+    for n in got:
+        assert "/" not in n and n not in (".", "..") and n.isascii() and 0 < len(n) <= _naming.MAX_NAME_LENGTH
+
+
+def test_escaped_names_stay_inside_the_group(tmp_path):
+    url = str(tmp_path / "ckpt")
+    tree = {"../escape": np.ones(2), "/abs": np.ones(2), "a/b": np.ones(2), "": np.ones(2), "..": np.ones(2)}
+    zarrckpt.save_pytree(url, tree)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    back = zarrckpt.load_pytree(url)
+    assert set(back) == set(tree)
+
+
+def test_tree_record_keeps_structure(tmp_path):
+    from collections import namedtuple
+
+    Point = namedtuple("Point", "x y")
+    url = str(tmp_path / "c")
+    tree = {"none": None, "empty_d": {}, "empty_l": [], "empty_t": (), "p": Point(1, np.float32(2)),
+            "nested": [{"a": (1, [2])}], "int_keys": {3: 4, 1: 2}}
+    zarrckpt.save_pytree(url, tree)
+    back = zarrckpt.load_pytree(url)
+    assert back["none"] is None and back["empty_d"] == {} and back["empty_l"] == [] and back["empty_t"] == ()
+    assert back["p"] == {"x": 1, "y": np.float32(2)}  # custom nodes come back as dicts of fields
+    assert back["nested"] == [{"a": (1, [2])}] and back["int_keys"] == {1: 2, 3: 4}
+    with_target = zarrckpt.load_pytree(url, jax.tree_util.tree_map(lambda x: x, tree))
+    assert isinstance(with_target["p"], Point) and with_target["p"].y == np.float32(2)
+    record = json.loads((Path(url) / "zarr.json").read_text())["attributes"]["zarrckpt"]
+    assert record["format_version"] == zarrckpt.FORMAT_VERSION
+
+
+def test_split_chunk():
+    assert _planning.split_chunk((8, 8), 1) == (8, 8)
+    assert _planning.split_chunk((8, 8), 2) == (4, 8)
+    assert _planning.split_chunk((8, 8), 8) == (1, 8)
+    assert _planning.split_chunk((8, 8), 16) == (1, 4)
+    assert _planning.split_chunk((7, 6), 2) == (1, 6)  # only exact divisors
+    assert _planning.split_chunk((), 4) == ()
+
+
+def plan(x, **kw):
+    return _planning.plan_array(_tree.Leaf((), "x", x), 0, **kw)
+
+
+def test_chunks_follow_shards():
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    x = jax.device_put(jnp.zeros((16, 32)), NamedSharding(mesh, P("a", "b")))
+    p = plan(x)
+    assert p.chunks == (8, 8)
+    assert len(p.writes) == 8  # one whole chunk per shard, each written once
+    # Uneven shards (10 rows over 4 devices): the chunk grid still has every boundary.
+    assert _planning._grid_chunk((10, 3), [((0, 3), (0, 3)), ((3, 6), (0, 3)), ((6, 9), (0, 3)),
+                                           ((9, 10), (0, 3))]) == [3, 3]
+
+
+def test_large_shards_split_and_replicas_share():
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    big = jax.device_put(jnp.zeros((64, 1024)), NamedSharding(mesh, P("a")))  # 128 KiB shards
+    assert plan(big, max_chunk_bytes=32 * 1024).chunks == (8, 1024)
+    replicated = jax.device_put(jnp.zeros((2048, 1024)), NamedSharding(mesh, P()))  # 8 MiB on 8 devices
+    p = plan(replicated)
+    writers = {u.device_data.devices().pop() for u in p.writes}
+    assert len(p.writes) == 8 and len(writers) == 8
+    regions = [u.region for u in p.writes]
+    assert len(set(regions)) == len(regions)  # no chunk has two writers
+    small = jax.device_put(jnp.zeros((4,)), NamedSharding(mesh, P()))
+    assert len(plan(small).writes) == 1
+
+
+def test_every_chunk_is_written_even_zeros(tmp_path):
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    url = str(tmp_path / "c")
+    zarrckpt.save_pytree(url, {"z": jax.device_put(jnp.zeros((8, 8)), NamedSharding(mesh, P("a", "b")))})
+    chunks = [p for p in (Path(url) / "z" / "c").rglob("*") if p.is_file()]
+    assert len(chunks) == 8
+
+
+def test_commit_marker_is_written_last(tmp_path, monkeypatch):
+    url = str(tmp_path / "c")
+    from zarrckpt import _commit
+
+    seen = []
+    original = _commit.commit
+
+    def spy(loc):
+        seen.append(_commit.state(loc))
+        original(loc)
+        seen.append(_commit.state(loc))
+
+    monkeypatch.setattr(_commit, "commit", spy)
+    zarrckpt.save_pytree(url, {"a": np.ones(3)})
+    assert seen == [_commit.State.UNCOMMITTED, _commit.State.COMMITTED]
+    doc = json.loads((Path(url) / "zarr.json").read_text())
+    assert doc["attributes"]["write_completed"] is True and "consolidated_metadata" in doc

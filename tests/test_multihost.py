@@ -1,0 +1,52 @@
+"""Real multi-process JAX: 2 processes x 4 CPU devices on localhost."""
+
+import pytest
+
+import multiprocess
+import zarrckpt
+from zarrckpt import _commit, _steps
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A step saved by 2 processes with 4 devices each, on a (2, 4) mesh."""
+    directory = str(tmp_path_factory.mktemp("mp") / "ckpt")
+    results = multiprocess.run("mp_checkpoint", "save", directory, "10")
+    return directory, results
+
+
+def test_two_processes_save_and_commit(saved):
+    directory, results = saved
+    assert zarrckpt.all_steps(directory) == [10]
+    assert [r["latest"] for r in results] == [10, 10]
+    # Replicated data is written by both hosts, host (numpy) data by process 0 only.
+    assert all(r["writes"]["replicated"] > 0 for r in results)
+    assert results[0]["writes"]["host"] > 0 and results[1]["writes"]["host"] == 0
+
+
+@pytest.mark.parametrize("mesh", ["flat8", "4x2"])
+def test_restore_on_two_processes_other_mesh(saved, mesh):
+    directory, _ = saved
+    results = multiprocess.run("mp_checkpoint", "restore", directory, mesh)
+    assert [r["step"] for r in results] == [10, 10]
+    assert all(r["checked"] > 0 and r["step_value"] == 7 for r in results)
+
+
+@pytest.mark.parametrize("devices, mesh", [(8, "flat8"), (4, "2x2"), (1, "single")])
+def test_restore_on_one_process_other_device_count(saved, devices, mesh):
+    directory, _ = saved
+    (result,) = multiprocess.run("mp_checkpoint", "restore", directory, mesh, processes=1, devices=devices)
+    assert result["step"] == 10 and result["checked"] > 0
+
+
+def test_failed_write_on_one_process_commits_nothing(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    multiprocess.run("mp_checkpoint", "save", directory, "1")
+    results = multiprocess.run("mp_checkpoint", "fail", directory, "2")
+    for r in results:
+        assert r["error"] is not None, r["output"]
+        assert "process 1" in r["error"] and "['both']" in r["error"] and "injected write failure" in r["error"]
+        assert "nothing was committed" in r["error"]
+        assert r["latest"] == 1
+    assert _commit.state(_steps.step_location(directory, 2)) is _commit.State.UNCOMMITTED
+    assert zarrckpt.all_steps(directory) == [1]

@@ -1,0 +1,201 @@
+"""Round trips of every leaf kind and dtype, onto other meshes, on every store."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+import zarrckpt
+from zarrckpt import _storage
+
+DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+          np.float16, np.float32, np.float64, np.complex64, np.complex128, ml_dtypes.bfloat16,
+          ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.int4]
+
+
+def mesh(shape, names=("a", "b")):
+    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names[: len(shape)])
+
+
+def values(dtype, shape):
+    raw = np.random.default_rng(0).integers(0, 256, size=int(np.prod(shape)) * np.dtype(dtype).itemsize,
+                                            dtype=np.uint8)
+    if np.dtype(dtype) == np.bool_:
+        return (raw % 2).astype(np.bool_).reshape(shape)
+    if np.dtype(dtype) == ml_dtypes.int4:
+        return (raw.astype(np.int8) % 8).astype(dtype).reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_every_dtype_round_trips_bit_exactly(store_url):
+    m = mesh((2, 4))
+    tree = {}
+    for dt in DTYPES:
+        name = np.dtype(dt).name
+        host = values(dt, (8, 16))
+        tree[f"np_{name}"] = host
+        if np.dtype(dt) not in (np.dtype(np.float64), np.dtype(np.complex128), np.dtype(np.int64),
+                                np.dtype(np.uint64)):  # jax runs with x64 off
+            tree[f"jax_{name}"] = jax.device_put(host, NamedSharding(m, P("a", "b")))
+    zarrckpt.save_pytree(store_url, tree)
+    plain = zarrckpt.load_pytree(store_url)
+    for key, value in tree.items():
+        assert same_bits(plain[key], value), key
+    onto = zarrckpt.load_pytree(store_url, jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh((8,), ("x",)), P(None, "x")))
+        if isinstance(x, jax.Array) else x, tree))
+    for key, value in tree.items():
+        assert same_bits(onto[key], value), key
+
+
+def test_scalars_and_host_leaves(store_url):
+    tree = {"i": 3, "f": 2.5, "b": True, "c": 1 + 2j, "np_f32": np.float32(1.5), "np_i8": np.int8(-3),
+            "zero_d": np.array(7, np.int16), "empty": np.zeros((0, 3), np.float32), "key": jax.random.PRNGKey(1)}
+    zarrckpt.save_pytree(store_url, tree)
+    back = zarrckpt.load_pytree(store_url)
+    for key in ("i", "f", "b", "c"):
+        assert type(back[key]) is type(tree[key]) and back[key] == tree[key]
+    assert back["np_f32"] == np.float32(1.5) and back["np_f32"].dtype == np.float32
+    assert back["np_i8"].dtype == np.int8 and back["zero_d"].shape == ()
+    assert back["empty"].shape == (0, 3)
+    assert np.array_equal(back["key"], tree["key"])
+    with_target = zarrckpt.load_pytree(store_url, tree)
+    assert with_target["i"] == 3 and isinstance(with_target["key"], jax.Array)
+
+
+SAVE_LAYOUTS = {
+    "rows": (mesh((2, 4)), P("a")),
+    "cols": (mesh((2, 4)), P(None, "b")),
+    "both": (mesh((2, 4)), P("a", "b")),
+    "replicated": (mesh((2, 4)), P()),
+    "single_device": (None, None),
+}
+RESTORE_LAYOUTS = {
+    "flat8": (mesh((8,), ("x",)), P("x")),
+    "4x2_transposed": (mesh((4, 2)), P("b", "a")),
+    "2x2_subset": (mesh((2, 2)), P(None, "a")),
+    "replicated": (mesh((4, 2)), P()),
+    "single_device": (None, None),
+}
+
+
+def place(x, layout):
+    m, spec = layout
+    sharding = SingleDeviceSharding(jax.devices()[3]) if m is None else NamedSharding(m, spec)
+    return jax.device_put(x, sharding), sharding
+
+
+@pytest.mark.parametrize("restore_as", RESTORE_LAYOUTS)
+@pytest.mark.parametrize("saved_as", SAVE_LAYOUTS)
+def test_restore_onto_another_mesh(tmp_path, saved_as, restore_as):
+    x = np.arange(16 * 32, dtype=np.float32).reshape(16, 32)
+    url = str(tmp_path / "c")
+    zarrckpt.save_pytree(url, {"x": place(x, SAVE_LAYOUTS[saved_as])[0]})
+    _, sharding = place(x, RESTORE_LAYOUTS[restore_as])
+    back = zarrckpt.load_pytree(url, {"x": sharding})["x"]
+    assert back.sharding == sharding
+    for shard in back.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), x[shard.index])
+
+
+def test_target_kinds(tmp_path):
+    url = str(tmp_path / "c")
+    m = mesh((2, 4))
+    x = np.arange(32, dtype=np.float32).reshape(4, 8)
+    zarrckpt.save_pytree(url, {"a": x, "b": x, "c": x, "d": x})
+    sharding = NamedSharding(m, P("a", "b"))
+    back = zarrckpt.load_pytree(url, {
+        "a": jax.device_put(np.zeros_like(x), sharding),  # a live array: its sharding is used
+        "b": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        "c": jax.ShapeDtypeStruct(x.shape, x.dtype),  # no sharding: the default device
+        "d": np.zeros_like(x),
+    })
+    assert back["a"].sharding == sharding and back["b"].sharding == sharding
+    assert isinstance(back["c"], jax.Array) and isinstance(back["d"], np.ndarray)
+    for v in back.values():
+        np.testing.assert_array_equal(np.asarray(v), x)
+
+
+def test_target_arrays_are_freed_before_reading(tmp_path):
+    url = str(tmp_path / "c")
+    state = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
+    zarrckpt.save_pytree(url, state)
+    target = {"w": jnp.full((4, 4), 7.0), "b": jnp.full(4, 7.0)}
+    back = zarrckpt.load_pytree(url, target)
+    assert all(t.is_deleted() for t in target.values())
+    np.testing.assert_array_equal(back["w"], np.ones((4, 4)))
+    kept = {"w": jnp.full((4, 4), 7.0), "b": jnp.full(4, 7.0)}
+    zarrckpt.load_pytree(url, kept, donate_target=False)
+    assert not any(t.is_deleted() for t in kept.values())
+
+
+def test_dtype_cast_only_when_asked(tmp_path):
+    url = str(tmp_path / "c")
+    zarrckpt.save_pytree(url, {"w": np.arange(4, dtype=np.float32)})
+    target = {"w": jax.ShapeDtypeStruct((4,), jnp.bfloat16, sharding=NamedSharding(mesh((2,), ("x",)), P("x")))}
+    with pytest.raises(zarrckpt.CheckpointMismatchError, match=r"\['w'\]: dtype float32 in the checkpoint, "
+                                                               r"bfloat16 in the target \(pass allow_dtype_cast"):
+        zarrckpt.load_pytree(url, target)
+    back = zarrckpt.load_pytree(url, target, allow_dtype_cast=True)
+    assert back["w"].dtype == jnp.bfloat16 and np.array_equal(np.asarray(back["w"], np.float32), np.arange(4))
+
+
+class CountingStore:
+    """Counts the chunk reads zarr makes through zarrckpt's read-only store."""
+
+    def __init__(self, monkeypatch):
+        self.keys = []
+        original = _storage._StrictStore.get
+
+        async def get(store, key, prototype, byte_range=None):
+            self.keys.append(key)
+            return await original(store, key, prototype, byte_range)
+
+        monkeypatch.setattr(_storage._StrictStore, "get", get)
+
+    def chunk_reads(self):
+        return [k for k in self.keys if "/c/" in k or k.endswith("/c")]
+
+
+def test_each_chunk_read_once_per_process(tmp_path, monkeypatch):
+    url = str(tmp_path / "c")
+    x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    zarrckpt.save_pytree(url, {"x": jax.device_put(x, NamedSharding(mesh((2, 4)), P("a", "b")))})
+    counter = CountingStore(monkeypatch)
+    # Replicated over 8 devices, and split more finely than the saved chunks (32 x 16).
+    for spec in (P(), P("x"), P(None, "x")):
+        counter.keys.clear()
+        back = zarrckpt.load_pytree(url, {"x": NamedSharding(mesh((8,), ("x",)), spec)})
+        np.testing.assert_array_equal(np.asarray(back["x"]), x)
+        reads = counter.chunk_reads()
+        assert len(reads) == len(set(reads)) == 8, (spec, reads)
+
+
+def test_metadata_reads_no_array_data(tmp_path, monkeypatch):
+    url = str(tmp_path / "c")
+    zarrckpt.save_pytree(url, {"w": jax.device_put(jnp.ones((8, 4), jnp.bfloat16),
+                                                   NamedSharding(mesh((2, 4)), P("a"))), "n": None, "s": 1})
+    counter = CountingStore(monkeypatch)
+    meta = zarrckpt.metadata(url)
+    assert counter.chunk_reads() == []
+    assert meta.committed and meta.layout == "zarrckpt" and meta.format_version == zarrckpt.FORMAT_VERSION
+    (w,) = [leaf for leaf in meta.leaves if leaf.name == "w"]
+    assert (w.key_path, w.shape, w.dtype, w.chunks, w.nbytes) == ("['w']", (8, 4), jnp.bfloat16, (4, 4), 64)
+    assert meta.tree["n"] is None and meta.tree["w"] == jax.ShapeDtypeStruct((8, 4), jnp.bfloat16)
+
+
+def test_small_host_memory_bound_still_works(tmp_path):
+    url = str(tmp_path / "c")
+    tree = {f"l{i}": jax.device_put(jnp.full((64, 64), i, jnp.float32), NamedSharding(mesh((2, 4)), P("a")))
+            for i in range(6)}
+    zarrckpt.save_pytree(url, tree, max_inflight_bytes=1, max_workers=2)
+    back = zarrckpt.load_pytree(url, jax.tree_util.tree_map(lambda x: x.sharding, tree), max_inflight_bytes=1)
+    for k, v in tree.items():
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(v))

@@ -1,0 +1,55 @@
+"""Step directories: committed-only listing, the seqax resume contract, overwrite rules."""
+
+import numpy as np
+import pytest
+
+import zarrckpt
+from zarrckpt import _commit, _steps
+
+
+def test_resume_contract(store_url):
+    target = {"w": np.zeros(3), "step": 0}
+    state, step = zarrckpt.load_checkpoint_if_it_exists(store_url, target)
+    assert state is target and step == 0
+    assert zarrckpt.all_steps(store_url) == [] and zarrckpt.latest_step(store_url) is None
+    for s in (5, 10, 15):
+        zarrckpt.save_checkpoint(store_url, s, {"w": np.full(3, float(s)), "step": s})
+    state, step = zarrckpt.load_checkpoint_if_it_exists(store_url, target)
+    assert step == 15 and state["step"] == 15 and np.array_equal(state["w"], np.full(3, 15.0))
+    assert zarrckpt.all_steps(store_url) == [5, 10, 15]
+
+
+def test_uncommitted_steps_are_never_selected(store_url):
+    zarrckpt.save_checkpoint(store_url, 1, {"w": np.ones(2)})
+    zarrckpt.save_checkpoint(store_url, 2, {"w": np.ones(2) * 2})
+    newest = _steps.step_location(store_url, 2)
+    # Take the commit away, as a crash between writing data and committing would leave it.
+    _commit.remove(newest.child("w"))
+    newest.fs.pipe_file(f"{newest.path}/zarr.json", b'{"zarr_format": 3, "node_type": "group", "attributes": {}}')
+    assert zarrckpt.all_steps(store_url) == [1] and zarrckpt.latest_step(store_url) == 1
+    state, step = zarrckpt.load_checkpoint_if_it_exists(store_url, {"w": np.zeros(2)})
+    assert step == 1 and np.array_equal(state["w"], np.ones(2))
+    zarrckpt.save_checkpoint(store_url, 2, {"w": np.ones(2) * 3})  # the leftover is replaced
+    assert zarrckpt.latest_step(store_url) == 2
+
+
+def test_other_entries_are_ignored(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "12").mkdir()  # too short to be a step directory
+    (tmp_path / "0000000007").mkdir()  # a step directory with nothing in it
+    zarrckpt.save_checkpoint(str(tmp_path), 3, {"a": 1})
+    assert zarrckpt.all_steps(str(tmp_path)) == [3]
+
+
+def test_committed_step_is_not_overwritten_unless_asked(tmp_path):
+    zarrckpt.save_checkpoint(str(tmp_path), 4, {"a": 1})
+    with pytest.raises(zarrckpt.CheckpointExistsError, match="0000000004 already holds a committed checkpoint"):
+        zarrckpt.save_checkpoint(str(tmp_path), 4, {"a": 2})
+    assert zarrckpt.load_pytree(str(tmp_path / "0000000004"))["a"] == 1
+    zarrckpt.save_checkpoint(str(tmp_path), 4, {"a": 2}, overwrite=True)
+    assert zarrckpt.load_pytree(str(tmp_path / "0000000004"))["a"] == 2
+
+
+def test_step_dir_names():
+    assert _steps.step_location("/x", 12).url == "/x/0000000012"
+    assert _steps.step_location("memory://b/run/", 10**11).url == "memory://b/run/100000000000"

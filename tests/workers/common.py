@@ -1,0 +1,47 @@
+"""What every test worker does first: join the job, and report a result."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+
+def init() -> list[str]:
+    """Joins the distributed job named on the command line; returns the remaining args."""
+    coordinator, count, pid, *rest = sys.argv[1:]
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if int(count) > 1:
+        jax.distributed.initialize(coordinator, num_processes=int(count), process_id=int(pid))
+    return rest
+
+
+def report(**result) -> None:
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def expected(name: str, shape, dtype="float32") -> np.ndarray:
+    """The deterministic value of leaf `name`, so every process can check its shards."""
+    offset = sum(map(ord, name))
+    return (np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape) + offset).astype(dtype)
+
+
+def check_shards(tree: dict, shapes: dict) -> int:
+    """Checks every addressable shard of every restored leaf; returns how many were checked."""
+    checked = 0
+    for name, shape in shapes.items():
+        value = tree[name]
+        full = expected(name, shape, value.dtype)
+        if isinstance(value, jax.Array):
+            for shard in value.addressable_shards:
+                got = np.asarray(shard.data)
+                if not np.array_equal(got, full[shard.index]):
+                    raise AssertionError(f"leaf {name} shard {shard.index} on {shard.device} differs")
+                checked += 1
+        else:
+            if not np.array_equal(np.asarray(value), full):
+                raise AssertionError(f"leaf {name} differs")
+            checked += 1
+    return checked

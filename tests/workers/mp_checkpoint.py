@@ -1,0 +1,83 @@
+"""Multi-process save / restore worker: `save DIR STEP`, `restore DIR MESH`, `fail DIR STEP`."""
+
+from __future__ import annotations
+
+import sys
+
+from common import check_shards, expected, init, report
+
+args = init()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import zarrckpt  # noqa: E402
+from zarrckpt import _planning, _tree  # noqa: E402
+
+SHAPES = {"rows": (16, 8), "cols": (8, 16), "both": (16, 16), "replicated": (1024, 512), "host": (5, 3)}
+SAVE_SPECS = {"rows": P("data"), "cols": P(None, "model"), "both": P("data", "model"), "replicated": P()}
+# Restore layouts: mesh shape and axis names, and each leaf's spec on it.
+RESTORE_MESHES = {
+    "flat8": ((8,), ("x",), {"rows": P("x"), "cols": P(None, "x"), "both": P(None, "x"), "replicated": P("x")}),
+    "4x2": ((4, 2), ("a", "b"), {"rows": P("b", "a"), "cols": P(), "both": P("a"), "replicated": P(None, "b")}),
+    "2x2": ((2, 2), ("a", "b"), {"rows": P("a"), "cols": P("b", "a"), "both": P("a", "b"), "replicated": P()}),
+    "single": ((1,), ("x",), {"rows": P(), "cols": P(), "both": P(), "replicated": P()}),
+}
+
+
+def global_array(name: str, sharding) -> jax.Array:
+    full = expected(name, SHAPES[name])
+    return jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx])
+
+
+def state_tree() -> dict:
+    mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
+    tree = {name: global_array(name, NamedSharding(mesh, spec)) for name, spec in SAVE_SPECS.items()}
+    tree["host"] = expected("host", SHAPES["host"])
+    tree["step"] = 7
+    return tree
+
+
+def save(directory: str, step: str) -> None:
+    tree = state_tree()
+    _, leaves = _tree.record(tree)
+    writers = {leaf.name: len(_planning.plan_array(leaf, i).writes) for i, leaf in enumerate(leaves)}
+    zarrckpt.save_checkpoint(directory, int(step), tree)
+    report(writes=writers, latest=zarrckpt.latest_step(directory))
+
+
+def restore(directory: str, mesh_name: str) -> None:
+    shape, axes, specs = RESTORE_MESHES[mesh_name]
+    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+    mesh = Mesh(devices, axes)
+    target = {name: NamedSharding(mesh, spec) for name, spec in specs.items()}
+    target["host"] = np.zeros(SHAPES["host"], np.float32)
+    target["step"] = 0
+    state, step = zarrckpt.load_checkpoint_if_it_exists(directory, target)
+    checked = check_shards(state, SHAPES)
+    report(step=step, checked=checked, step_value=state["step"])
+
+
+def fail(directory: str, step: str) -> None:
+    tree = state_tree()
+    if jax.process_index() == 1:
+        import zarr
+
+        original = zarr.Array.__setitem__
+
+        def broken(self, selection, value):
+            if self.path.endswith("both"):
+                raise OSError("injected write failure")
+            return original(self, selection, value)
+
+        zarr.Array.__setitem__ = broken
+    try:
+        zarrckpt.save_checkpoint(directory, int(step), tree)
+    except zarrckpt.CheckpointWriteError as e:
+        report(error=str(e), latest=zarrckpt.latest_step(directory))
+        sys.exit(0)
+    report(error=None)
+
+
+{"save": save, "restore": restore, "fail": fail}[args[0]](*args[1:])
