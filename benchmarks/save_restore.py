@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import functools
 import gc
+import importlib
 import importlib.metadata
 import itertools
 import json
@@ -180,7 +181,10 @@ def zarrckpt_contender(tree):
         save_pytree(path, tree)
 
     def restore(path, tree):
-        return load_pytree(path, target=tree)
+        # load_pytree frees the target's arrays by default; here the target is
+        # the source tree that is verified against and reused, and the other
+        # contenders also restore next to a live copy.
+        return load_pytree(path, target=tree, donate_target=False)
 
     yield save, restore
 
@@ -344,6 +348,10 @@ def package_version(name):
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
+        pass
+    try:  # e.g. zarrckpt used from a checkout through PYTHONPATH
+        return f"{importlib.import_module(name).__version__} (not installed)"
+    except Exception:
         return "n/a"
 
 
@@ -433,6 +441,10 @@ def main(args):
     try:
         for name in args.only:
             print(f"\n{name}:", flush=True)
+            if any(x.is_deleted() for x in jax.tree.leaves(tree)):
+                # A failed contender may have freed the shared source arrays.
+                print("  source tree was deleted; rebuilding it", flush=True)
+                tree = build_tree(args.size_gib, mesh)
             try:
                 save_s, restore_s = run_contender(name, tree, base_dir,
                                                   args.repeats)
