@@ -135,9 +135,9 @@ def test_commit_marker_is_written_last(tmp_path, monkeypatch):
     seen = []
     original = _commit.commit
 
-    def spy(loc):
+    def spy(loc, doc):
         seen.append(_commit.state(loc))
-        original(loc)
+        original(loc, doc)
         seen.append(_commit.state(loc))
 
     monkeypatch.setattr(_commit, "commit", spy)

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import enum
 import json
-import warnings
 from typing import Any
 
-import zarr
-
-from . import _naming
+from . import _naming, _zarrjson
 from ._storage import Location
 
 GROUP_METADATA_FILES = ("zarr.json", ".zattrs", ".zgroup")  # v3, then seqax's v2 layout
@@ -60,19 +57,14 @@ def state(loc: Location) -> State:
     return state_of(read_attributes(loc))
 
 
-def commit(loc: Location) -> None:
-    """Writes consolidated metadata, then the commit marker in one metadata write.
+def commit(loc: Location, group_document: dict[str, Any]) -> None:
+    """Writes the group's final `zarr.json`: consolidated metadata and the commit marker.
 
-    Consolidating first means the committed `zarr.json` already describes every
-    array, so opening a checkpoint costs one read whatever its leaf count.
+    The document already describes every array, so opening a committed checkpoint
+    costs one read whatever its leaf count.
     """
-    store = loc.store()
-    with warnings.catch_warnings():
-        # zarr warns that consolidated metadata is not in the v3 spec yet; we know.
-        warnings.simplefilter("ignore", UserWarning)
-        zarr.consolidate_metadata(store)
-        group = zarr.open_group(store, mode="r+", use_consolidated=True)
-        group.update_attributes({_naming.COMMIT_ATTR: True})
+    attributes = {**group_document["attributes"], _naming.COMMIT_ATTR: True}
+    loc.write("zarr.json", _zarrjson.encode_document({**group_document, "attributes": attributes}), atomic=True)
 
 
 def remove(loc: Location) -> None:

@@ -21,10 +21,9 @@ import time
 from typing import Any, Callable
 
 import jax
-import numpy as np
 import zarr
 
-from . import _commit, _dtypes, _multihost, _naming, _planning, _storage, _tree
+from . import _commit, _multihost, _naming, _planning, _storage, _tree, _zarrjson
 from . import errors
 from ._planning import ArrayPlan, WriteUnit
 
@@ -32,7 +31,6 @@ log = logging.getLogger("zarrckpt")
 
 DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
 DEFAULT_MAX_WORKERS = 16
-_WRITE_CONFIG = {"write_empty_chunks": True}  # an all-zero chunk is data, not a gap
 
 
 def save_pytree(
@@ -72,22 +70,35 @@ def save_pytree(
     loc = _storage.resolve(url, storage_options)
     spec, leaves = _tree.record(tree)
     plans = [_planning.plan_array(leaf, i, max_chunk_bytes) for i, leaf in enumerate(leaves)]
+    # Every process knows every array's metadata without asking the store.
+    arrays = {p.leaf.name: _zarrjson.array_document(p.shape, p.dtype, p.chunks) for p in plans}
+    group = _zarrjson.group_document({_naming.META_ATTR: _tree_metadata(spec)})
     is_primary = _multihost.process_index() == 0
     started = time.perf_counter()
     op = _multihost.Collective("save", timeout_s)
-    try:
-        created: dict[str, zarr.Array] = {}
-        _agree(op, "prepare", loc, lambda: created.update(_prepare(loc, spec, plans, overwrite))
-               if is_primary else None)
-        _agree(op, "write", loc, lambda: _write_chunks(loc, plans, created, max_inflight_bytes, max_workers))
-        _agree(op, "commit", loc, lambda: _commit.commit(loc) if is_primary else None)
-    finally:
-        op.close()
+    with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
+        try:
+            _agree(op, "prepare", loc, lambda: _prepare(loc, group, arrays, overwrite, pool) if is_primary else None)
+            _agree(op, "write", loc, lambda: _write_chunks(loc, plans, pool, max_inflight_bytes))
+            _agree(op, "commit", loc, lambda: _commit.commit(loc, _zarrjson.group_document(
+                group["attributes"], arrays)) if is_primary else None)
+        finally:
+            op.close()
     if is_primary:
         seconds = time.perf_counter() - started
         total = sum(p.nbytes for p in plans)
         log.info("saved %s: %d leaves, %.3f GB in %.2fs (%.2f GB/s)", loc.url, len(plans), total / 1e9,
                  seconds, total / 1e9 / max(seconds, 1e-9))
+
+
+def _tree_metadata(spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "format_version": _naming.FORMAT_VERSION,
+        "tree": spec,
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "jax_version": jax.__version__,
+        "zarr_version": zarr.__version__,
+    }
 
 
 def _agree(op: _multihost.Collective, tag: str, loc: _storage.Location, step: Callable[[], Any]) -> None:
@@ -116,9 +127,9 @@ def _agree(op: _multihost.Collective, tag: str, loc: _storage.Location, step: Ca
     ) from mine
 
 
-def _prepare(loc: _storage.Location, spec: dict[str, Any], plans: list[ArrayPlan],
-             overwrite: bool) -> dict[str, zarr.Array]:
-    """Process 0: clears the way and creates the group and every array (not yet committed)."""
+def _prepare(loc: _storage.Location, group: dict[str, Any], arrays: dict[str, dict[str, Any]],
+             overwrite: bool, pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    """Process 0: clears the way, then writes the group and array metadata (uncommitted)."""
     current = _commit.state(loc)
     if current is _commit.State.COMMITTED and not overwrite:
         raise errors.CheckpointExistsError(
@@ -126,59 +137,31 @@ def _prepare(loc: _storage.Location, spec: dict[str, Any], plans: list[ArrayPlan
         )
     if current is not _commit.State.ABSENT:
         _commit.remove(loc)
-    store = loc.store()
-    meta = {
-        "format_version": _naming.FORMAT_VERSION,
-        "tree": spec,
-        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "jax_version": jax.__version__,
-        "zarr_version": zarr.__version__,
-    }
-    group = zarr.create_group(store, attributes={_naming.META_ATTR: meta}, zarr_format=3)
-
-    def create(plan: ArrayPlan) -> tuple[str, zarr.Array]:
-        array = group.create_array(
-            plan.leaf.name, shape=plan.shape, dtype=plan.dtype, chunks=plan.chunks,
-            compressors=None, filters=None, fill_value=_dtypes.zero(plan.dtype), config=_WRITE_CONFIG,
-        )
-        return plan.leaf.name, array
-
-    with concurrent.futures.ThreadPoolExecutor(DEFAULT_MAX_WORKERS) as pool:
-        return dict(pool.map(create, plans))
+    loc.write("zarr.json", _zarrjson.encode_document(group), atomic=True)
+    docs = [(f"{name}/zarr.json", _zarrjson.encode_document(doc)) for name, doc in arrays.items()]
+    for future in [pool.submit(loc.write, key, data, atomic=True) for key, data in docs]:
+        future.result()
 
 
-def _write_chunks(loc: _storage.Location, plans: list[ArrayPlan], arrays: dict[str, zarr.Array],
-                  max_inflight_bytes: int, max_workers: int) -> None:
+def _write_chunks(loc: _storage.Location, plans: list[ArrayPlan], pool: concurrent.futures.ThreadPoolExecutor,
+                  max_inflight_bytes: int) -> None:
     """Writes this process's chunks, at most `max_inflight_bytes` staged on the host at once.
 
     Device-to-host copies are started for everything that fits in the bound before
     any write waits, so transfers overlap with each other and with writing.
     """
-    work = [(plan, unit) for plan in plans for unit in plan.writes]
-    if not work:
-        return
-    with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
-        if not arrays:
-            store = loc.store()
-            names = [p.leaf.name for p in plans if p.writes]
-            opened = pool.map(lambda n: zarr.open_array(store, path=n, mode="r+", config=_WRITE_CONFIG), names)
-            arrays = dict(zip(names, opened))
-        _write_units(work, arrays, pool, max_inflight_bytes)
-
-
-def _write_units(work: list[tuple[ArrayPlan, WriteUnit]], arrays: dict[str, zarr.Array],
-                 pool: concurrent.futures.ThreadPoolExecutor, max_inflight_bytes: int) -> None:
     pending: collections.deque[tuple[concurrent.futures.Future[None], int]] = collections.deque()
     inflight = 0
     try:
-        for plan, unit in work:
-            while pending and inflight + unit.nbytes > max_inflight_bytes:
-                future, nbytes = pending.popleft()
-                future.result()
-                inflight -= nbytes
-            unit.start_transfer()
-            pending.append((pool.submit(_write_one, arrays[plan.leaf.name], plan, unit), unit.nbytes))
-            inflight += unit.nbytes
+        for plan in plans:
+            for unit in plan.writes:
+                while pending and inflight + unit.nbytes > max_inflight_bytes:
+                    future, nbytes = pending.popleft()
+                    future.result()
+                    inflight -= nbytes
+                unit.start_transfer()
+                pending.append((pool.submit(_write_one, loc, plan, unit), unit.nbytes))
+                inflight += unit.nbytes
         for future, _ in pending:
             future.result()
     except BaseException:
@@ -187,13 +170,13 @@ def _write_units(work: list[tuple[ArrayPlan, WriteUnit]], arrays: dict[str, zarr
         raise
 
 
-def _write_one(array: zarr.Array, plan: ArrayPlan, unit: WriteUnit) -> None:
+def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit) -> None:
+    coords = [start // size for (start, _), size in zip(unit.region, plan.chunks)]
     try:
-        array[_planning.region_slices(unit.region)] = unit.host_array()
+        loc.write(_zarrjson.chunk_key(plan.leaf.name, coords), _zarrjson.encode_chunk(unit.host_array(), plan.chunks))
     except Exception as e:
         raise errors.CheckpointWriteError(
-            f"writing leaf {plan.leaf.where} (array {plan.leaf.name!r}) chunk "
-            f"{[list(r) for r in unit.region]}: {type(e).__name__}: {e}"
+            f"writing leaf {plan.leaf.where} (array {plan.leaf.name!r}) chunk {coords}: {type(e).__name__}: {e}"
         ) from e
     finally:
         unit.release()

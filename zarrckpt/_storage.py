@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import posixpath
+import uuid
 from typing import Any
 
 import fsspec
@@ -60,6 +62,23 @@ class Location:
         except FileNotFoundError:
             return []
         return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
+
+    def write(self, key: str, data: bytes | memoryview, *, atomic: bool = False) -> None:
+        """Writes the object `key` below this location, creating directories as needed.
+
+        With `atomic`, a reader sees either the old object or the whole new one: a
+        local file is written aside and renamed over; an object store PUT already is.
+        """
+        path = posixpath.join(self.path, key)
+        if not self.is_local:
+            self.fs.pipe_file(path, bytes(data))
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        target = f"{path}.{uuid.uuid4().hex}.tmp" if atomic else path
+        with open(target, "wb") as f:
+            f.write(data)
+        if atomic:
+            os.replace(target, path)
 
     def exists(self) -> bool:
         return bool(self.fs.exists(self.path))

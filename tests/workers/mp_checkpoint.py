@@ -62,16 +62,16 @@ def restore(directory: str, mesh_name: str) -> None:
 def fail(directory: str, step: str) -> None:
     tree = state_tree()
     if jax.process_index() == 1:
-        import zarr
+        from zarrckpt import _storage
 
-        original = zarr.Array.__setitem__
+        original = _storage.Location.write
 
-        def broken(self, selection, value):
-            if self.path.endswith("both"):
+        def broken(self, key, data, **kwargs):
+            if key.startswith("both/c/"):
                 raise OSError("injected write failure")
-            return original(self, selection, value)
+            return original(self, key, data, **kwargs)
 
-        zarr.Array.__setitem__ = broken
+        _storage.Location.write = broken
     try:
         zarrckpt.save_checkpoint(directory, int(step), tree)
     except zarrckpt.CheckpointWriteError as e:
