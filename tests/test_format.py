@@ -145,3 +145,34 @@ def test_commit_marker_is_written_last(tmp_path, monkeypatch):
     assert seen == [_commit.State.UNCOMMITTED, _commit.State.COMMITTED]
     doc = json.loads((Path(url) / "zarr.json").read_text())
     assert doc["attributes"]["write_completed"] is True and "consolidated_metadata" in doc
+
+
+def test_plain_zarr_reads_what_zarrckpt_writes(tmp_path):
+    import ml_dtypes
+    import zarr
+
+    url = str(tmp_path / "c")
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    tree = {"w": jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("a", "b"))),
+            "bf": np.arange(6, dtype=ml_dtypes.bfloat16).reshape(2, 3), "i8": np.arange(5, dtype=np.int8),
+            "scalar": 3.5, "flag": True}
+    zarrckpt.save_pytree(url, tree)
+    for consolidated in (True, False):
+        group = zarr.open_group(url, mode="r", use_consolidated=consolidated)
+        assert sorted(group.array_keys()) == ["bf", "flag", "i8", "scalar", "w"]
+        for name, value in tree.items():
+            np.testing.assert_array_equal(group[name][...], np.asarray(value))
+
+
+def test_edge_chunks_are_padded_as_zarr_expects(tmp_path):
+    import zarr
+    from zarrckpt import _storage, _zarrjson
+
+    loc = _storage.resolve(str(tmp_path / "a"))
+    loc.write("zarr.json", _zarrjson.encode_document(_zarrjson.array_document((5, 3), np.dtype("f4"), (2, 2))))
+    x = np.arange(15, dtype=np.float32).reshape(5, 3)
+    for i in range(3):
+        for j in range(2):
+            loc.write(_zarrjson.chunk_key("", [i, j]).lstrip("/"),
+                      _zarrjson.encode_chunk(x[2 * i:2 * i + 2, 2 * j:2 * j + 2], (2, 2)))
+    np.testing.assert_array_equal(zarr.open_array(loc.path, mode="r")[...], x)

@@ -148,17 +148,22 @@ def test_dtype_cast_only_when_asked(tmp_path):
 
 
 class CountingStore:
-    """Counts the chunk reads zarr makes through zarrckpt's read-only store."""
+    """Records every object zarrckpt reads from storage."""
 
     def __init__(self, monkeypatch):
         self.keys = []
-        original = _storage._StrictStore.get
+        read, read_into = _storage.Location.read, _storage.Location.read_into
 
-        async def get(store, key, prototype, byte_range=None):
+        def counted_read(loc, key):
             self.keys.append(key)
-            return await original(store, key, prototype, byte_range)
+            return read(loc, key)
 
-        monkeypatch.setattr(_storage._StrictStore, "get", get)
+        def counted_read_into(loc, key, buffer):
+            self.keys.append(key)
+            return read_into(loc, key, buffer)
+
+        monkeypatch.setattr(_storage.Location, "read", counted_read)
+        monkeypatch.setattr(_storage.Location, "read_into", counted_read_into)
 
     def chunk_reads(self):
         return [k for k in self.keys if "/c/" in k or k.endswith("/c")]

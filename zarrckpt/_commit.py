@@ -9,6 +9,7 @@ reader can see a half-committed checkpoint and no rename is needed.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 from typing import Any
@@ -25,10 +26,20 @@ class State(enum.Enum):
     COMMITTED = "committed"
 
 
-def read_attributes(loc: Location) -> tuple[int, dict[str, Any]] | None:
-    """(zarr format, group attributes) read straight from the metadata file, or None.
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A checkpoint group's metadata as stored: zarr format, attributes, whole document."""
+
+    zarr_format: int
+    attributes: dict[str, Any]
+    document: dict[str, Any]  # the v3 `zarr.json`; empty for seqax's v2 layout
+
+
+def read_group(loc: Location) -> Group | None:
+    """The group metadata at `loc`, read straight from its one metadata file, or None.
 
     One small read, without zarr's machinery: listing steps calls this per candidate.
+    A document that is not JSON reads as a group without attributes (uncommitted).
     """
     for name in ("zarr.json", ".zattrs"):
         try:
@@ -38,23 +49,25 @@ def read_attributes(loc: Location) -> tuple[int, dict[str, Any]] | None:
         try:
             doc = json.loads(raw)
         except ValueError:
-            return (3 if name == "zarr.json" else 2), {}
+            doc = {}
+        doc = doc if isinstance(doc, dict) else {}
         if name == "zarr.json":
-            return 3, (doc.get("attributes") or {}) if isinstance(doc, dict) else {}
-        return 2, doc if isinstance(doc, dict) else {}
+            attributes = doc.get("attributes")
+            return Group(3, attributes if isinstance(attributes, dict) else {}, doc)
+        return Group(2, doc, {})
     if loc.fs.exists(f"{loc.path}/.zgroup"):
-        return 2, {}
+        return Group(2, {}, {})
     return None
 
 
-def state_of(attributes: tuple[int, dict[str, Any]] | None) -> State:
-    if attributes is None:
+def state_of(group: Group | None) -> State:
+    if group is None:
         return State.ABSENT
-    return State.COMMITTED if attributes[1].get(_naming.COMMIT_ATTR) is True else State.UNCOMMITTED
+    return State.COMMITTED if group.attributes.get(_naming.COMMIT_ATTR) is True else State.UNCOMMITTED
 
 
 def state(loc: Location) -> State:
-    return state_of(read_attributes(loc))
+    return state_of(read_group(loc))
 
 
 def commit(loc: Location, group_document: dict[str, Any]) -> None:

@@ -55,8 +55,7 @@ def metadata(url: str, *, storage_options: dict[str, Any] | None = None) -> Chec
     """
     ckpt = _reader.open_checkpoint(_storage.resolve(url, storage_options), require_committed=False)
     leaves = {
-        name: LeafMetadata(_tree.describe_path(s.path), name, s.shape, s.dtype,
-                           tuple(ckpt.array(name).chunks), s.kind)
+        name: LeafMetadata(_tree.describe_path(s.path), name, s.shape, s.dtype, s.chunks, s.kind)
         for name, s in ckpt.leaves.items()
     }
     tree = _tree.rebuild(ckpt.spec, lambda rec: jax.ShapeDtypeStruct(leaves[rec["name"]].shape,

@@ -194,6 +194,15 @@ def _plan_sharded(leaf: Leaf, value: jax.Array, shape: tuple[int, ...], dtype: n
     return ArrayPlan(leaf, shape, dtype, chunks, writes)
 
 
+def intersect(x: Region, y: Region) -> Region:
+    return tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(x, y))
+
+
+def chunks_touching(box: Region, chunks: Sequence[int], shape: Sequence[int]) -> Iterator[Region]:
+    """The chunks of the array grid that overlap `box`, in C order."""
+    yield from _chunks_in(_aligned(box, chunks, shape), chunks)
+
+
 def _aligned(region: Region, chunks: Sequence[int], shape: Sequence[int]) -> Region:
     return tuple((a // c * c, min(-(-b // c) * c, d)) for (a, b), c, d in zip(region, chunks, shape))
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
+import math
 import re
 import warnings
 from typing import Any, Callable
@@ -17,7 +19,8 @@ import jax
 import numpy as np
 import zarr
 
-from . import _commit, _dtypes, _naming, _tree
+from . import _commit, _dtypes, _naming, _planning, _tree, _zarrjson
+from ._planning import Region
 from ._storage import Location
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 
@@ -33,6 +36,7 @@ class StoredLeaf:
     shape: tuple[int, ...]
     dtype: np.dtype
     kind: str  # "jax", "numpy", "numpy_scalar", or the Python scalar type's name
+    chunks: tuple[int, ...]
 
     @property
     def where(self) -> str:
@@ -41,7 +45,7 @@ class StoredLeaf:
 
 @dataclasses.dataclass
 class Checkpoint:
-    """An opened checkpoint: its arrays are opened lazily, data is read by the caller."""
+    """An opened checkpoint: what it holds, and a way to read any box of any leaf."""
 
     loc: Location
     layout: str  # "zarrckpt" or "seqax"
@@ -50,43 +54,75 @@ class Checkpoint:
     leaves: dict[str, StoredLeaf]
     name_of: Callable[[_tree.KeyPath], str]  # target key path -> array name in this layout
     meta: dict[str, Any]
-    group: zarr.Group
+    seqax_group: zarr.Group | None = None
 
-    def array(self, name: str) -> zarr.Array:
-        return self.group[name]
+    def read(self, leaf: StoredLeaf, box: Region) -> np.ndarray:
+        """The values of `leaf` inside `box`, reading each chunk it touches once.
+
+        Raises CheckpointCorruptError naming the chunk if one is missing or has the
+        wrong size, with a note naming the leaf.
+        """
+        try:
+            if self.seqax_group is not None:
+                return np.asarray(self.seqax_group[leaf.name][_planning.region_slices(box)])
+            return _read_box(self.loc, leaf, box)
+        except Exception as e:
+            e.add_note(f"while reading leaf {leaf.where} (array {leaf.name!r}) of {self.loc.url}")
+            raise
+
+
+def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
+    out = np.empty([b - a for a, b in box], leaf.dtype)
+    chunk_bytes = math.prod(leaf.chunks) * leaf.dtype.itemsize
+    for chunk in _planning.chunks_touching(box, leaf.chunks, leaf.shape):
+        coords = [a // c for (a, _), c in zip(chunk, leaf.chunks)]
+        key = _zarrjson.chunk_key(leaf.name, coords)
+        inside = _planning.intersect(chunk, box)
+        # The trailing Ellipsis keeps a 0-d result a view, not a scalar copy.
+        dest = out[(*(slice(a - o, b - o) for (a, b), (o, _) in zip(inside, box)), ...)]
+        full = inside == chunk and all(b - a == c for (a, b), c in zip(chunk, leaf.chunks))
+        try:
+            if full and dest.flags.c_contiguous:
+                # The common case: the chunk's bytes land directly in the result.
+                size = loc.read_into(key, memoryview(dest.reshape(-1).view(np.uint8)))
+            else:
+                data = loc.read(key)
+                size = len(data)
+                if size == chunk_bytes:
+                    stored = np.frombuffer(data, leaf.dtype).reshape(leaf.chunks)
+                    dest[...] = stored[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inside, chunk))]
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"chunk {key!r} is missing from checkpoint {loc.url}") from None
+        if size != chunk_bytes:
+            raise CheckpointCorruptError(
+                f"chunk {key!r} of checkpoint {loc.url} has {size} bytes, expected {chunk_bytes}")
+    return out
 
 
 def open_checkpoint(loc: Location, *, require_committed: bool = True) -> Checkpoint:
-    """Opens the checkpoint at `loc`: one metadata read for zarrckpt's layout.
+    """Opens the checkpoint at `loc`: one metadata read for a committed zarrckpt checkpoint.
 
     Raises CheckpointNotFoundError if there is none, or if it is not committed and
     `require_committed`; CheckpointCorruptError if its metadata cannot be understood.
     """
-    attributes = _commit.read_attributes(loc)
-    if attributes is None:
+    group = _commit.read_group(loc)
+    if group is None:
         raise CheckpointNotFoundError(f"no checkpoint at {loc.url}")
-    committed = _commit.state_of(attributes) is _commit.State.COMMITTED
+    committed = _commit.state_of(group) is _commit.State.COMMITTED
     if require_committed and not committed:
         raise CheckpointNotFoundError(
             f"checkpoint at {loc.url} is not committed (no '{_naming.COMMIT_ATTR}: true'): "
             "it is incomplete, or still being written"
         )
-    zarr_format, attrs = attributes
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # consolidated metadata is not in the v3 spec yet
-        try:
-            group = zarr.open_group(loc.store(read_only=True), mode="r", zarr_format=zarr_format)
-        except Exception as e:
-            raise CheckpointCorruptError(f"cannot open checkpoint {loc.url}: {type(e).__name__}: {e}") from e
-    meta = attrs.get(_naming.META_ATTR)
+    meta = group.attributes.get(_naming.META_ATTR)
     if isinstance(meta, dict):
-        return _open_zarrckpt(loc, committed, meta, group)
-    if zarr_format == 2:
-        return _open_seqax(loc, committed, group)
+        return _open_zarrckpt(loc, committed, meta, group.document)
+    if group.zarr_format == 2:
+        return _open_seqax(loc, committed)
     raise CheckpointCorruptError(f"{loc.url} is a zarr group but not a zarrckpt or seqax checkpoint")
 
 
-def _open_zarrckpt(loc: Location, committed: bool, meta: dict[str, Any], group: zarr.Group) -> Checkpoint:
+def _open_zarrckpt(loc: Location, committed: bool, meta: dict[str, Any], document: dict[str, Any]) -> Checkpoint:
     version = meta.get("format_version")
     if not isinstance(version, int) or version > _naming.FORMAT_VERSION:
         raise CheckpointCorruptError(
@@ -95,17 +131,43 @@ def _open_zarrckpt(loc: Location, committed: bool, meta: dict[str, Any], group: 
         )
     spec = meta.get("tree")
     try:
-        leaves = {
-            rec["name"]: StoredLeaf(path, rec["name"], tuple(int(d) for d in rec["shape"]),
-                                    _dtypes.from_name(rec["dtype"]), rec["type"])
-            for path, rec in _tree.recorded_leaves(spec)
-        }
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointCorruptError(f"checkpoint {loc.url} has a malformed tree record: {e!r}") from e
-    for leaf in leaves.values():
-        if any(d < 0 for d in leaf.shape):
-            raise CheckpointCorruptError(f"checkpoint {loc.url}: leaf {leaf.where} has shape {leaf.shape}")
-    return Checkpoint(loc, "zarrckpt", committed, spec, leaves, _tree.name_of, meta, group)
+        records = _tree.recorded_leaves(spec)
+        arrays = _array_documents(loc, document, [rec["name"] for _, rec in records])
+        leaves = {rec["name"]: _stored_leaf(path, rec, arrays[rec["name"]]) for path, rec in records}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointCorruptError(f"checkpoint {loc.url} has malformed metadata: {e!r}") from e
+    return Checkpoint(loc, "zarrckpt", committed, spec, leaves, _tree.name_of, meta)
+
+
+def _array_documents(loc: Location, group_document: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """Every array's `zarr.json`: from the consolidated metadata written at commit, or,
+    for an uncommitted checkpoint being inspected, one concurrent read per array."""
+    consolidated = (group_document.get("consolidated_metadata") or {}).get("metadata")
+    if isinstance(consolidated, dict):
+        return consolidated
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        docs = pool.map(lambda n: _load_json(loc, f"{n}/zarr.json"), names)
+        return dict(zip(names, docs))
+
+
+def _load_json(loc: Location, key: str) -> Any:
+    try:
+        return json.loads(loc.read(key))
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{key} is missing from checkpoint {loc.url}") from None
+
+
+def _stored_leaf(path: _tree.KeyPath, rec: dict[str, Any], array: dict[str, Any]) -> StoredLeaf:
+    """A leaf record checked against its array's metadata: they must agree exactly."""
+    leaf = StoredLeaf(path, rec["name"], tuple(int(d) for d in rec["shape"]), _dtypes.from_name(rec["dtype"]),
+                      rec["type"], tuple(int(c) for c in array["chunk_grid"]["configuration"]["chunk_shape"]))
+    expected = _zarrjson.array_document(leaf.shape, leaf.dtype, leaf.chunks)
+    if any(d < 0 for d in leaf.shape) or any(c < 1 for c in leaf.chunks) or len(leaf.chunks) != len(leaf.shape):
+        raise ValueError(f"leaf {leaf.where}: shape {leaf.shape} with chunks {leaf.chunks}")
+    for field in ("shape", "data_type", "codecs", "chunk_key_encoding"):
+        if array.get(field) != expected[field]:
+            raise ValueError(f"leaf {leaf.where}: array {field} {array.get(field)!r}, expected {expected[field]!r}")
+    return leaf
 
 
 # One key entry of jax.tree_util.keystr: ['str'] / ["str"], [int], or .attr
@@ -131,7 +193,13 @@ def _parse_keystr(name: str) -> _tree.KeyPath | None:
     return tuple(path)
 
 
-def _open_seqax(loc: Location, committed: bool, group: zarr.Group) -> Checkpoint:
+def _open_seqax(loc: Location, committed: bool) -> Checkpoint:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            group = zarr.open_group(loc.store(read_only=True), mode="r", zarr_format=2)
+        except Exception as e:
+            raise CheckpointCorruptError(f"cannot open checkpoint {loc.url}: {type(e).__name__}: {e}") from e
     names = sorted(group.array_keys())
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         arrays = dict(zip(names, pool.map(lambda n: group[n], names)))
@@ -140,7 +208,7 @@ def _open_seqax(loc: Location, committed: bool, group: zarr.Group) -> Checkpoint
         path = _parse_keystr(name)
         if path is None:
             raise CheckpointCorruptError(f"seqax checkpoint {loc.url}: cannot parse leaf name {name!r}")
-        leaves[name] = StoredLeaf(path, name, tuple(array.shape), np.dtype(array.dtype), "numpy")
+        leaves[name] = StoredLeaf(path, name, tuple(array.shape), np.dtype(array.dtype), "numpy", tuple(array.chunks))
     spec = _spec_from_paths(list(leaves.values()))
     return Checkpoint(loc, "seqax", committed, spec, leaves, lambda p: _tu.keystr(tuple(p)), {}, group)
 

@@ -27,7 +27,7 @@ from .errors import CheckpointMismatchError, UnsupportedLeafError
 log = logging.getLogger("zarrckpt")
 
 DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
-DEFAULT_MAX_WORKERS = 16
+DEFAULT_MAX_WORKERS = 8
 _PY_SCALARS = {"bool": bool, "int": int, "float": float, "complex": complex}
 
 
@@ -194,15 +194,11 @@ def _read_plan(ckpt: _reader.Checkpoint, request: _Request) -> list[tuple[Region
         return [(full, [full])]
     regions = [_planning.region_of(index, shape)
                for index in request.sharding.addressable_devices_indices_map(shape).values()]
-    return _planning.plan_reads(regions, ckpt.array(request.stored.name).chunks, shape)
+    return _planning.plan_reads(regions, request.stored.chunks, shape)
 
 
 def _read_box(ckpt: _reader.Checkpoint, request: _Request, box: Region) -> np.ndarray:
-    try:
-        data = np.asarray(ckpt.array(request.stored.name)[_planning.region_slices(box)])
-    except Exception as e:
-        e.add_note(f"while reading leaf {request.stored.where} (array {request.stored.name!r}) of {ckpt.loc.url}")
-        raise
+    data = ckpt.read(request.stored, box)
     return data if data.dtype == request.dtype else data.astype(request.dtype)
 
 

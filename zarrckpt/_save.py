@@ -30,7 +30,7 @@ from ._planning import ArrayPlan, WriteUnit
 log = logging.getLogger("zarrckpt")
 
 DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
-DEFAULT_MAX_WORKERS = 16
+DEFAULT_MAX_WORKERS = 8
 
 
 def save_pytree(

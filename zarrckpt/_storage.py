@@ -80,6 +80,29 @@ class Location:
         if atomic:
             os.replace(target, path)
 
+    def read(self, key: str) -> bytes:
+        """The whole object `key` below this location; FileNotFoundError if absent."""
+        return self.fs.cat_file(posixpath.join(self.path, key))
+
+    def read_into(self, key: str, buffer: memoryview) -> int:
+        """Reads object `key` into `buffer` (up to its length); returns the object's size.
+
+        Local files are read straight into the buffer, with no intermediate copy: on
+        restore the buffer is the new array's memory.
+        """
+        if not self.is_local:
+            data = self.read(key)
+            buffer[: len(data)] = data[: len(buffer)]
+            return len(data)
+        with open(posixpath.join(self.path, key), "rb", buffering=0) as f:
+            done = 0
+            while done < len(buffer):
+                n = f.readinto(buffer[done:])
+                if not n:
+                    break
+                done += n
+            return os.fstat(f.fileno()).st_size
+
     def exists(self) -> bool:
         return bool(self.fs.exists(self.path))
 
