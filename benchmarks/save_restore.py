@@ -38,8 +38,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-gib", type=float, default=1.0,
                         help="total logical size of the pytree (default 1.0)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="save+restore rounds per contender (default 3)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed save+restore rounds per contender, after "
+                             "one untimed warm-up round (default 5)")
     parser.add_argument("--dir", default=None,
                         help="where checkpoints are written (default: a new "
                              "temporary directory under /tmp)")
@@ -180,11 +181,13 @@ def zarrckpt_contender(tree):
     def save(path, tree):
         save_pytree(path, tree)
 
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
     def restore(path, tree):
-        # load_pytree frees the target's arrays by default; here the target is
-        # the source tree that is verified against and reused, and the other
-        # contenders also restore next to a live copy.
-        return load_pytree(path, target=tree, donate_target=False)
+        # The same abstract target Orbax restores from; the source tree stays live
+        # for verification, as it does for every contender.
+        return load_pytree(path, target=abstract)
 
     yield save, restore
 
@@ -314,28 +317,51 @@ def verify(restored, original):
             raise AssertionError(f"{where}: values differ")
 
 
-def run_contender(name, tree, base_dir, repeats):
-    """Seconds per round for save and restore; raises Unavailable."""
-    save_s, restore_s = [], []
-    with CONTENDER_FACTORIES[name](tree) as (save, restore):
+def run_round(name, save, restore, tree, base_dir, label, check=False):
+    """One save + restore into a fresh directory; returns (save s, restore s)."""
+    path = os.path.join(base_dir, f"{name}-{label}")
+    start = time.perf_counter()
+    save(path, tree)
+    saved = time.perf_counter()
+    restored = jax.block_until_ready(restore(path, tree))
+    restored_at = time.perf_counter()
+    if check:
+        verify(restored, tree)
+    del restored
+    shutil.rmtree(path)
+    gc.collect()
+    print(f"  {name} {label}: save {saved - start:.3f}s, restore {restored_at - saved:.3f}s", flush=True)
+    return saved - start, restored_at - saved
+
+
+def run_all(names, tree, base_dir, repeats):
+    """Seconds per round for each contender, rounds interleaved across contenders.
+
+    Each contender first runs one untimed, verified warm-up round (Orbax, for one,
+    pays ~2 s of first-use compilation); then round r of every contender runs before
+    round r+1 of any, so the machine's drifting load falls on all of them alike.
+    """
+    results, active = {}, {}
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            try:
+                save, restore = stack.enter_context(CONTENDER_FACTORIES[name](tree))
+                run_round(name, save, restore, tree, base_dir, "warm-up", check=True)
+                active[name] = (save, restore)
+                results[name] = ([], [])
+            except Unavailable as exc:
+                results[name] = {"error": str(exc)}
+                print(f"  {name}: {exc}", flush=True)
+            except Exception as exc:  # report it and still bench the rest
+                traceback.print_exc()
+                results[name] = {"error": f"FAILED ({type(exc).__name__}: {exc})"}
         for round_number in range(repeats):
-            path = os.path.join(base_dir, f"{name}-{round_number}")
-            start = time.perf_counter()
-            save(path, tree)
-            saved = time.perf_counter()
-            restored = jax.block_until_ready(restore(path, tree))
-            restored_at = time.perf_counter()
-            save_s.append(saved - start)
-            restore_s.append(restored_at - saved)
-            if round_number == 0:
-                verify(restored, tree)
-            del restored
-            shutil.rmtree(path)
-            gc.collect()
-            print(f"  {name} round {round_number + 1}/{repeats}: "
-                  f"save {save_s[-1]:.3f}s, restore {restore_s[-1]:.3f}s",
-                  flush=True)
-    return save_s, restore_s
+            for name, (save, restore) in active.items():
+                save_s, restore_s = run_round(name, save, restore, tree, base_dir,
+                                              f"round {round_number + 1}/{repeats}")
+                results[name][0].append(save_s)
+                results[name][1].append(restore_s)
+    return results
 
 
 def summarize(seconds, nbytes):
@@ -437,31 +463,14 @@ def main(args):
           "tensorstore file driver fsyncs its files by default, the raw "
           "ceiling never does)", flush=True)
 
-    results = {}
     try:
-        for name in args.only:
-            print(f"\n{name}:", flush=True)
-            if any(x.is_deleted() for x in jax.tree.leaves(tree)):
-                # A failed contender may have freed the shared source arrays.
-                print("  source tree was deleted; rebuilding it", flush=True)
-                tree = build_tree(args.size_gib, mesh)
-            try:
-                save_s, restore_s = run_contender(name, tree, base_dir,
-                                                  args.repeats)
-            except Unavailable as exc:
-                results[name] = {"error": str(exc)}
-                print(f"  {name}: {exc}", flush=True)
-                continue
-            except Exception as exc:  # report it and still bench the rest
-                traceback.print_exc()
-                results[name] = {"error": f"FAILED ({type(exc).__name__}: "
-                                          f"{exc})"}
-                continue
-            results[name] = {"save": summarize(save_s, nbytes),
-                             "restore": summarize(restore_s, nbytes)}
+        raw_results = run_all(args.only, tree, base_dir, args.repeats)
     finally:
         if owns_dir:
             shutil.rmtree(base_dir, ignore_errors=True)
+    results = {name: r if isinstance(r, dict) else {"save": summarize(r[0], nbytes),
+                                                     "restore": summarize(r[1], nbytes)}
+               for name, r in raw_results.items()}
 
     print_table(results)
     ratio_values = ratios(results)

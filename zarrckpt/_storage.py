@@ -73,9 +73,13 @@ class Location:
         if not self.is_local:
             self.fs.pipe_file(path, bytes(data))
             return
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         target = f"{path}.{uuid.uuid4().hex}.tmp" if atomic else path
-        with open(target, "wb") as f:
+        try:
+            f = open(target, "wb")
+        except FileNotFoundError:  # first object in its directory; most writes skip this
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            f = open(target, "wb")
+        with f:
             f.write(data)
         if atomic:
             os.replace(target, path)

@@ -11,6 +11,7 @@ everything back, so the tests hold this module to zarr's own reading of it.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any, Sequence
@@ -25,7 +26,7 @@ CHUNK_PREFIX = "c"  # zarr's "default" chunk key encoding, "/" separator
 
 def array_document(shape: Sequence[int], dtype: np.dtype, chunks: Sequence[int]) -> dict[str, Any]:
     """The `zarr.json` of one leaf's array."""
-    zdtype = parse_data_type(dtype, zarr_format=3)
+    zdtype = _zarr_dtype(dtype)
     bytes_codec: dict[str, Any] = {"name": "bytes"}
     if dtype.itemsize > 1:
         bytes_codec["configuration"] = {"endian": "little"}
@@ -43,6 +44,11 @@ def array_document(shape: Sequence[int], dtype: np.dtype, chunks: Sequence[int])
     }
 
 
+@functools.lru_cache(maxsize=None)
+def _zarr_dtype(dtype: np.dtype) -> Any:
+    return parse_data_type(dtype, zarr_format=3)  # about 1 ms a call: worth caching
+
+
 def group_document(attributes: dict[str, Any], arrays: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The group's `zarr.json`; with `arrays`, carrying zarr's consolidated metadata."""
     doc: dict[str, Any] = {"zarr_format": 3, "node_type": "group", "attributes": attributes}
@@ -52,7 +58,8 @@ def group_document(attributes: dict[str, Any], arrays: dict[str, dict[str, Any]]
 
 
 def encode_document(doc: dict[str, Any]) -> bytes:
-    return json.dumps(doc, indent=1, allow_nan=False).encode("utf-8")
+    # No indent: json's C encoder only runs for compact output, ~10x faster on big trees.
+    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
 
 def chunk_key(name: str, coords: Sequence[int]) -> str:
