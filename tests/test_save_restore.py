@@ -166,7 +166,7 @@ class CountingStore:
         monkeypatch.setattr(_storage.Location, "read_into", counted_read_into)
 
     def chunk_reads(self):
-        return [k for k in self.keys if "/c/" in k or k.endswith("/c")]
+        return [k for k in self.keys if "/c." in k or k.endswith("/c")]
 
 
 def test_each_chunk_read_once_per_process(tmp_path, monkeypatch):

@@ -1,8 +1,9 @@
 """Saving one pytree as one zarr group: the write protocol.
 
-    process 0: remove a leftover uncommitted group, create the group and its arrays
+    process 0: remove a leftover uncommitted group, write the group's metadata
     all:       agree that it worked
-    all:       write the chunks this process owns (see _planning)
+    all:       write the chunks this process owns (see _planning); process 0 also
+               writes every array's metadata
     all:       agree that every write of every process succeeded
     process 0: write the commit marker (see _commit)
     all:       agree that the commit happened
@@ -78,8 +79,9 @@ def save_pytree(
     op = _multihost.Collective("save", timeout_s)
     with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
         try:
-            _agree(op, "prepare", loc, lambda: _prepare(loc, group, arrays, overwrite, pool) if is_primary else None)
-            _agree(op, "write", loc, lambda: _write_chunks(loc, plans, pool, max_inflight_bytes))
+            _agree(op, "prepare", loc, lambda: _prepare(loc, group, overwrite) if is_primary else None)
+            _agree(op, "write", loc, lambda: _write_all(loc, plans, arrays if is_primary else {}, pool,
+                                                        max_inflight_bytes))
             _agree(op, "commit", loc, lambda: _commit.commit(loc, _zarrjson.group_document(
                 group["attributes"], arrays)) if is_primary else None)
         finally:
@@ -127,9 +129,8 @@ def _agree(op: _multihost.Collective, tag: str, loc: _storage.Location, step: Ca
     ) from mine
 
 
-def _prepare(loc: _storage.Location, group: dict[str, Any], arrays: dict[str, dict[str, Any]],
-             overwrite: bool, pool: concurrent.futures.ThreadPoolExecutor) -> None:
-    """Process 0: clears the way, then writes the group and array metadata (uncommitted)."""
+def _prepare(loc: _storage.Location, group: dict[str, Any], overwrite: bool) -> None:
+    """Process 0: clears the way and writes the (uncommitted) group metadata."""
     current = _commit.state(loc)
     if current is _commit.State.COMMITTED and not overwrite:
         raise errors.CheckpointExistsError(
@@ -138,19 +139,20 @@ def _prepare(loc: _storage.Location, group: dict[str, Any], arrays: dict[str, di
     if current is not _commit.State.ABSENT:
         _commit.remove(loc)
     loc.write("zarr.json", _zarrjson.encode_document(group), atomic=True)
-    docs = [(f"{name}/zarr.json", _zarrjson.encode_document(doc)) for name, doc in arrays.items()]
-    for future in [pool.submit(loc.write, key, data, atomic=True) for key, data in docs]:
-        future.result()
 
 
-def _write_chunks(loc: _storage.Location, plans: list[ArrayPlan], pool: concurrent.futures.ThreadPoolExecutor,
-                  max_inflight_bytes: int) -> None:
-    """Writes this process's chunks, at most `max_inflight_bytes` staged on the host at once.
+def _write_all(loc: _storage.Location, plans: list[ArrayPlan], arrays: dict[str, dict[str, Any]],
+               pool: concurrent.futures.ThreadPoolExecutor, max_inflight_bytes: int) -> None:
+    """Writes `arrays`' metadata and this process's chunks, at most `max_inflight_bytes`
+    staged on the host at once.
 
     Device-to-host copies are started for everything that fits in the bound before
-    any write waits, so transfers overlap with each other and with writing.
+    any write waits, so transfers overlap with each other and with writing. Array
+    metadata is only read once committed, so it goes out alongside the chunks.
     """
     pending: collections.deque[tuple[concurrent.futures.Future[None], int]] = collections.deque()
+    pending.extend((pool.submit(loc.write, f"{name}/zarr.json", _zarrjson.encode_document(doc)), 0)
+                   for name, doc in arrays.items())
     inflight = 0
     try:
         for plan in plans:

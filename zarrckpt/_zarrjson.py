@@ -21,7 +21,10 @@ from zarr.dtype import parse_data_type
 
 from . import _dtypes
 
-CHUNK_PREFIX = "c"  # zarr's "default" chunk key encoding, "/" separator
+# zarr's "default" chunk key encoding with "." as separator: `name/c.0.1`. All of an
+# array's chunks sit in its one directory, so a local save creates no directory per
+# chunk row (with "/", directory creation cost a fifth of the save).
+CHUNK_SEPARATOR = "."
 
 
 def array_document(shape: Sequence[int], dtype: np.dtype, chunks: Sequence[int]) -> dict[str, Any]:
@@ -36,7 +39,7 @@ def array_document(shape: Sequence[int], dtype: np.dtype, chunks: Sequence[int])
         "shape": list(shape),
         "data_type": zdtype.to_json(zarr_format=3),
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": CHUNK_SEPARATOR}},
         "fill_value": zdtype.to_json_scalar(_dtypes.zero(dtype), zarr_format=3),
         "codecs": [bytes_codec],
         "attributes": {},
@@ -63,7 +66,7 @@ def encode_document(doc: dict[str, Any]) -> bytes:
 
 
 def chunk_key(name: str, coords: Sequence[int]) -> str:
-    return "/".join([name, CHUNK_PREFIX, *map(str, coords)])
+    return f"{name}/" + CHUNK_SEPARATOR.join(["c", *map(str, coords)])
 
 
 def encode_chunk(data: np.ndarray, chunks: Sequence[int]) -> memoryview:

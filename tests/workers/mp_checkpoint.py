@@ -67,7 +67,7 @@ def fail(directory: str, step: str) -> None:
         original = _storage.Location.write
 
         def broken(self, key, data, **kwargs):
-            if key.startswith("both/c/"):
+            if key.startswith("both/c."):
                 raise OSError("injected write failure")
             return original(self, key, data, **kwargs)
 
