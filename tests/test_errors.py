@@ -71,6 +71,14 @@ def test_loading_what_is_not_there_or_not_committed(tmp_path):
         zarrckpt.load_pytree(str(url))
 
 
+def test_loading_a_checkpoint_directory_says_what_to_do(tmp_path):
+    zarrckpt.save_checkpoint(str(tmp_path), 3, {"a": 1})
+    with pytest.raises(zarrckpt.CheckpointNotFoundError,
+                       match=f"no checkpoint at {tmp_path} \\(it holds step directories: use "
+                             f"load_checkpoint_if_it_exists, or one step's URL such as {tmp_path}/0000000003\\)"):
+        zarrckpt.load_pytree(str(tmp_path))
+
+
 def test_missing_chunk_is_an_error_not_zeros(tmp_path):
     url = tmp_path / "c"
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))

@@ -176,3 +176,24 @@ def test_edge_chunks_are_padded_as_zarr_expects(tmp_path):
             loc.write(_zarrjson.chunk_key("", [i, j]).lstrip("/"),
                       _zarrjson.encode_chunk(x[2 * i:2 * i + 2, 2 * j:2 * j + 2], (2, 2)))
     np.testing.assert_array_equal(zarr.open_array(loc.path, mode="r")[...], x)
+
+
+class TwoKinds:
+    """A custom pytree node whose two children have different key kinds but one name."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+jax.tree_util.register_pytree_with_keys(
+    TwoKinds,
+    lambda n: (((jax.tree_util.GetAttrKey("x"), n.a), (jax.tree_util.DictKey("x"), n.b)), None),
+    lambda _, children: TwoKinds(*children),
+)
+
+
+def test_colliding_key_paths_are_refused(tmp_path):
+    with pytest.raises(zarrckpt.UnsupportedLeafError,
+                       match=r"key paths \['n'\]\.x and \['n'\]\['x'\] both map to array name 'n\.x'"):
+        zarrckpt.save_pytree(str(tmp_path / "c"), {"n": TwoKinds(1, 2)})
+    assert not (tmp_path / "c").exists()

@@ -107,7 +107,10 @@ def open_checkpoint(loc: Location, *, require_committed: bool = True) -> Checkpo
     """
     group = _commit.read_group(loc)
     if group is None:
-        raise CheckpointNotFoundError(f"no checkpoint at {loc.url}")
+        steps = [n for n in loc.list_dir() if _naming.parse_step_dir_name(n) is not None]
+        hint = (f" (it holds step directories: use load_checkpoint_if_it_exists, or one step's URL "
+                f"such as {loc.child(steps[-1]).url})") if steps else ""
+        raise CheckpointNotFoundError(f"no checkpoint at {loc.url}{hint}")
     committed = _commit.state_of(group) is _commit.State.COMMITTED
     if require_committed and not committed:
         raise CheckpointNotFoundError(
@@ -197,7 +200,7 @@ def _open_seqax(loc: Location, committed: bool) -> Checkpoint:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         try:
-            group = zarr.open_group(loc.store(read_only=True), mode="r", zarr_format=2)
+            group = zarr.open_group(loc.zarr_store(), mode="r", zarr_format=2)
         except Exception as e:
             raise CheckpointCorruptError(f"cannot open checkpoint {loc.url}: {type(e).__name__}: {e}") from e
     names = sorted(group.array_keys())

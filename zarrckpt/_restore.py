@@ -27,7 +27,6 @@ from .errors import CheckpointMismatchError, UnsupportedLeafError
 log = logging.getLogger("zarrckpt")
 
 DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
-DEFAULT_MAX_WORKERS = 8
 _PY_SCALARS = {"bool": bool, "int": int, "float": float, "complex": complex}
 
 
@@ -50,7 +49,7 @@ def load_pytree(
     allow_dtype_cast: bool = False,
     donate_target: bool = True,
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-    max_workers: int = DEFAULT_MAX_WORKERS,
+    max_workers: int | None = None,
 ) -> Any:
     """Restores the committed checkpoint at `url`.
 
@@ -71,7 +70,7 @@ def load_pytree(
         read, so that peak device memory stays near one copy of the state. The target
         must not be used afterwards. Nothing is freed if validation fails.
       max_inflight_bytes: bound on host bytes read and not yet placed on devices.
-      max_workers: concurrent reads.
+      max_workers: concurrent reads (default: 8 on a local disk, 64 on an object store).
 
     Raises:
       CheckpointNotFoundError: nothing committed at `url`.
@@ -158,7 +157,7 @@ def _request_for(leaf: Any, stored: _reader.StoredLeaf, where: str) -> tuple[_Re
 
 
 def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], max_inflight_bytes: int,
-              max_workers: int, donate_target: bool) -> dict[str, Any]:
+              max_workers: int | None, donate_target: bool) -> dict[str, Any]:
     """Reads every request, leaf by leaf in order, with bounded host memory.
 
     Reads run on a thread pool while the main thread puts finished leaves on devices.
@@ -168,7 +167,7 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], max_inflight_b
     pending = collections.deque()
     inflight = 0
     donated: set[int] = set()
-    with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers or ckpt.loc.concurrency) as pool:
         for request in requests:
             groups = _read_plan(ckpt, request)
             nbytes = sum(_planning.region_size(box) for box, _ in groups) * request.dtype.itemsize

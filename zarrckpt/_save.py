@@ -31,7 +31,6 @@ from ._planning import ArrayPlan, WriteUnit
 log = logging.getLogger("zarrckpt")
 
 DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
-DEFAULT_MAX_WORKERS = 8
 
 
 def save_pytree(
@@ -42,7 +41,7 @@ def save_pytree(
     overwrite: bool = False,
     max_chunk_bytes: int = _planning.DEFAULT_MAX_CHUNK_BYTES,
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-    max_workers: int = DEFAULT_MAX_WORKERS,
+    max_workers: int | None = None,
     timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
 ) -> None:
     """Saves `tree` as a checkpoint at `url` and commits it.
@@ -58,7 +57,8 @@ def save_pytree(
       overwrite: replace a committed checkpoint at `url`. Without it that is an error.
       max_chunk_bytes: shards larger than this are split into several chunks.
       max_inflight_bytes: bound on host bytes copied off devices and not yet written.
-      max_workers: concurrent chunk writes per process.
+      max_workers: concurrent writes per process (default: 8 on a local disk, 64 on
+        an object store).
       timeout_s: how long a process waits for the others at each agreement.
 
     Raises:
@@ -77,7 +77,7 @@ def save_pytree(
     is_primary = _multihost.process_index() == 0
     started = time.perf_counter()
     op = _multihost.Collective("save", timeout_s)
-    with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers or loc.concurrency) as pool:
         try:
             _agree(op, "prepare", loc, lambda: _prepare(loc, group, overwrite) if is_primary else None)
             _agree(op, "write", loc, lambda: _write_all(loc, plans, arrays if is_primary else {}, pool,

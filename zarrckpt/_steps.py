@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 from . import _commit, _multihost, _naming, _restore, _save, _storage
@@ -27,7 +28,9 @@ def save_checkpoint(checkpoint_dir: str, step: int, state: Any, *,
 def all_steps(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
     """Every committed step under `checkpoint_dir`, ascending. Not collective."""
     root = _storage.resolve(checkpoint_dir, storage_options)
-    return [s for s in _candidate_steps(root) if _is_committed(root, s)]
+    steps = _candidate_steps(root)
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(steps), root.concurrency))) as pool:
+        return [s for s, ok in zip(steps, pool.map(lambda s: _is_committed(root, s), steps)) if ok]
 
 
 def latest_step(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> int | None:

@@ -1,7 +1,7 @@
-"""URLs -> zarr stores and the few file-system operations zarrckpt needs.
+"""URLs -> Locations: the few storage operations zarrckpt needs, on any fsspec URL.
 
-Local paths and file:// URLs go to zarr's LocalStore (about 5x faster than
-FsspecStore over file://); every other protocol goes through fsspec.
+Local paths and file:// URLs are read and written with plain file calls (chunks go
+straight between files and array memory); every other protocol goes through fsspec.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import zarr.storage
 
 from .errors import CheckpointCorruptError
 
+LOCAL_CONCURRENCY = 8
+REMOTE_CONCURRENCY = 64
 # Keys that hold metadata; any other key zarr asks for is a chunk.
 _METADATA_KEYS = frozenset({"zarr.json", ".zgroup", ".zattrs", ".zarray", ".zmetadata"})
 
@@ -40,20 +42,27 @@ class Location:
     def is_local(self) -> bool:
         return "file" in _protocols(self.fs)
 
+    @property
+    def concurrency(self) -> int:
+        """How many requests to keep in flight here by default: a local disk is busy
+        with a few, an object store answers each in tens of milliseconds."""
+        return LOCAL_CONCURRENCY if self.is_local else REMOTE_CONCURRENCY
+
     def child(self, name: str) -> "Location":
         return dataclasses.replace(
             self, url=posixpath.join(self.url.rstrip("/"), name), path=posixpath.join(self.path, name)
         )
 
-    def store(self, *, read_only: bool = False) -> zarr.abc.store.Store:
-        """A zarr store rooted here. Read-only stores raise on a missing chunk."""
+    def zarr_store(self) -> zarr.abc.store.Store:
+        """A read-only zarr store rooted here that raises on a missing chunk (zarr
+        itself reads only seqax's layout; zarrckpt's own is read directly)."""
         if self.is_local:
-            store: zarr.abc.store.Store = zarr.storage.LocalStore(self.path, read_only=read_only)
+            store: zarr.abc.store.Store = zarr.storage.LocalStore(self.path, read_only=True)
         else:
             store = zarr.storage.FsspecStore.from_url(
-                self.url, storage_options=dict(self.storage_options) or None, read_only=read_only
+                self.url, storage_options=dict(self.storage_options) or None, read_only=True
             )
-        return _StrictStore(store, self.url) if read_only else store
+        return _StrictStore(store, self.url)
 
     def list_dir(self) -> list[str]:
         """Names of the entries directly below; empty if the directory does not exist."""
