@@ -3,6 +3,9 @@
     python examples/train_minimal.py                # trains, saving every 10 steps
     python examples/train_minimal.py --steps 60     # run again: resumes from the newest committed step
 
+Saves are asynchronous: `mgr.save` returns once the state is copied to host memory,
+so the next (buffer-donating) training step can run while the checkpoint is written.
+
 The state (parameters, optimizer moments, step, RNG key) is sharded over the host's
 devices; on a CPU-only machine the example asks XLA for 8 fake devices.
 """
@@ -10,6 +13,7 @@ devices; on a CPU-only machine the example asks XLA for 8 fake devices.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -46,7 +50,7 @@ def loss_fn(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.mean((h @ params["out"]["w"] + params["out"]["b"] - y) ** 2)
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=0)
 def train_step(state: dict) -> tuple[dict, jax.Array]:
     rng, data_key = jax.random.split(state["rng"])
     x = jax.random.normal(data_key, (128, 16))
@@ -67,15 +71,15 @@ def main() -> None:
     mesh = Mesh(np.array(jax.devices()).reshape(-1, 2 if len(jax.devices()) % 2 == 0 else 1), ("data", "model"))
     # The template fixes structure, shapes, dtypes and shardings; its values are replaced on resume.
     template = init_state(jax.random.PRNGKey(0), mesh)
-    state, step = zarrckpt.load_checkpoint_if_it_exists(args.checkpoint_dir, template)
-    print(f"resumed from step {step}" if step else "no checkpoint yet: starting from scratch", flush=True)
-
-    while step < args.steps:
-        state, loss = train_step(state)
-        step += 1
-        if step % args.save_every == 0:
-            zarrckpt.save_checkpoint(args.checkpoint_dir, step, state)
-            print(f"step {step}: loss {float(loss):.4f}, saved to {args.checkpoint_dir}", flush=True)
+    with zarrckpt.CheckpointManager(args.checkpoint_dir, save_interval_steps=args.save_every, keep_last=3) as mgr:
+        state, step = mgr.restore(template)
+        print(f"resumed from step {step}" if step else "no checkpoint yet: starting from scratch", flush=True)
+        while step < args.steps:
+            state, loss = train_step(state)
+            step += 1
+            if mgr.save(step, state):
+                print(f"step {step}: loss {float(loss):.4f}, saving to {args.checkpoint_dir}", flush=True)
+    # Leaving the `with` block waited for the last save to commit.
     print(f"done at step {step}; committed steps: {zarrckpt.all_steps(args.checkpoint_dir)}", flush=True)
 
 

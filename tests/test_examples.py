@@ -18,5 +18,6 @@ def test_train_minimal_saves_and_resumes(tmp_path):
     ckpt = str(tmp_path / "run")
     first = run_example("--checkpoint-dir", ckpt, "--steps", "20", "--save-every", "10")
     assert "starting from scratch" in first and "committed steps: [10, 20]" in first
-    second = run_example("--checkpoint-dir", ckpt, "--steps", "30", "--save-every", "10")
-    assert "resumed from step 20" in second and "committed steps: [10, 20, 30]" in second
+    second = run_example("--checkpoint-dir", ckpt, "--steps", "50", "--save-every", "10")
+    # keep_last=3: the oldest steps are deleted as newer ones commit.
+    assert "resumed from step 20" in second and "committed steps: [30, 40, 50]" in second

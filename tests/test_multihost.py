@@ -50,3 +50,17 @@ def test_failed_write_on_one_process_commits_nothing(tmp_path):
         assert r["latest"] == 1
     assert _commit.state(_steps.step_location(directory, 2)) is _commit.State.UNCOMMITTED
     assert zarrckpt.all_steps(directory) == [1]
+
+
+def test_manager_async_saves_and_restores_on_two_processes(tmp_path):
+    results = multiprocess.run("mp_manager", "train", str(tmp_path / "run"))
+    for r in results:
+        assert r["saved"] == [2, 4, 6] and r["step"] == 6 and r["values"] == [6.0]
+    assert zarrckpt.all_steps(str(tmp_path / "run")) == [4, 6]
+
+
+def test_manager_background_barrier_times_out_naming_the_missing_process(tmp_path):
+    results = multiprocess.run("mp_manager", "timeout", str(tmp_path / "run"))
+    error = results[0]["error"]
+    assert "manager-save" in error and "processes [1] never arrived" in error, results[0]["output"]
+    assert results[0]["waited"] < 8 and results[0]["steps"] == []

@@ -4,11 +4,13 @@
     save_checkpoint / load_checkpoint_if_it_exists / all_steps / latest_step
                                          numbered steps under a checkpoint directory
     metadata                             what a checkpoint holds, without reading data
+    CheckpointManager                    save policies, async saves, retention
 
 The on-disk format is specified in docs/pytree-zarr-checkpoint.md.
 """
 
 from . import _dtypes
+from ._manager import CheckpointManager
 from ._metadata import CheckpointMetadata, LeafMetadata, metadata
 from ._naming import FORMAT_VERSION
 from ._restore import load_pytree
@@ -33,6 +35,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointManager",
     "CheckpointExistsError",
     "CheckpointMetadata",
     "CheckpointMismatchError",

@@ -52,37 +52,46 @@ class WriteUnit:
 
     region: Region
     nbytes: int
-    host: np.ndarray | None = None  # numpy leaves, or data already on the host
+    host: np.ndarray | None = None  # a numpy leaf: the whole array
     device_data: jax.Array | None = None  # the single-device shard holding the chunk
-    offset: tuple[int, ...] = ()  # where the shard starts in the array
-    _staged: Any = None
+    offset: tuple[int, ...] = ()  # where that shard starts in the array
+    _pending: Any = None  # the transfer in flight: a host view, or a device piece
+    _owned: np.ndarray | None = None  # a staged copy, independent of the source
 
     def start_transfer(self) -> None:
         """Starts the device-to-host copy without waiting for it."""
-        if self.device_data is None or self._staged is not None:
+        if self.device_data is None or self._pending is not None:
             return
         local = tuple(slice(a - o, b - o) for (a, b), o in zip(self.region, self.offset))
         data = self.device_data
         if data.devices().pop().platform == "cpu":
             # CPU buffers convert to numpy without a copy; slicing there is free.
-            self._staged = np.asarray(data)[local]
+            self._pending = np.asarray(data)[local]
         else:
             # Copy only this chunk off the accelerator, not the whole shard.
             piece = data if tuple(data.shape) == tuple(s.stop - s.start for s in local) else data[local]
             piece.copy_to_host_async()
-            self._staged = piece
+            self._pending = piece
 
     def host_array(self) -> np.ndarray:
         """The chunk's data on the host (waits for the copy)."""
+        if self._owned is not None:
+            return self._owned
         if self.host is not None:
             return self.host[region_slices(self.region)]
         self.start_transfer()
-        return np.asarray(self._staged)
+        return np.asarray(self._pending)
+
+    def stage(self) -> None:
+        """Keeps a host copy this unit owns, so that the source (a device buffer that
+        training may donate, a numpy array it may mutate) is free to change."""
+        data = self.host_array()
+        # On CPU and for numpy leaves, host_array() is a view of the source itself.
+        self._owned = data if data.flags.owndata else np.array(data)
+        self.host = self.device_data = self._pending = None
 
     def release(self) -> None:
-        self._staged = None
-        self.device_data = None
-        self.host = None
+        self.host = self.device_data = self._pending = self._owned = None
 
 
 @dataclasses.dataclass

@@ -15,12 +15,12 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
-from . import _planning, _reader, _storage, _tree
+from . import _planning, _progress, _reader, _storage, _tree
 from ._planning import Region
 from .errors import CheckpointMismatchError, UnsupportedLeafError
 
@@ -50,6 +50,7 @@ def load_pytree(
     donate_target: bool = True,
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
     max_workers: int | None = None,
+    progress: bool | None = None,
 ) -> Any:
     """Restores the committed checkpoint at `url`.
 
@@ -71,6 +72,7 @@ def load_pytree(
         must not be used afterwards. Nothing is freed if validation fails.
       max_inflight_bytes: bound on host bytes read and not yet placed on devices.
       max_workers: concurrent reads (default: 8 on a local disk, 64 on an object store).
+      progress: show a progress bar on process 0 (default: when stderr is a terminal).
 
     Raises:
       CheckpointNotFoundError: nothing committed at `url`.
@@ -83,13 +85,16 @@ def load_pytree(
     if target is None:
         requests = [_Request(s, s.dtype, "numpy" if s.kind in ("jax", "numpy") else s.kind)
                     for s in ckpt.leaves.values()]
-        values = _read_all(ckpt, requests, max_inflight_bytes, max_workers, donate_target)
-        result = _tree.rebuild(ckpt.spec, lambda rec: values[rec["name"]])
+        treedef = None
     else:
         requests, treedef = _match(ckpt, target, allow_dtype_cast)
-        values = _read_all(ckpt, requests, max_inflight_bytes, max_workers, donate_target)
-        result = jax.tree_util.tree_unflatten(treedef, [values[r.stored.name] for r in requests])
     total = sum(math.prod(r.stored.shape) * r.dtype.itemsize for r in requests)
+    with _progress.bar(f"restoring {ckpt.loc.url}", total, progress) as advance:
+        values = _read_all(ckpt, requests, max_inflight_bytes, max_workers, donate_target, advance)
+    if treedef is None:
+        result = _tree.rebuild(ckpt.spec, lambda rec: values[rec["name"]])
+    else:
+        result = jax.tree_util.tree_unflatten(treedef, [values[r.stored.name] for r in requests])
     seconds = time.perf_counter() - started
     log.info("restored %s: %d leaves, %.3f GB in %.2fs (%.2f GB/s)", ckpt.loc.url, len(requests),
              total / 1e9, seconds, total / 1e9 / max(seconds, 1e-9))
@@ -157,7 +162,7 @@ def _request_for(leaf: Any, stored: _reader.StoredLeaf, where: str) -> tuple[_Re
 
 
 def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], max_inflight_bytes: int,
-              max_workers: int | None, donate_target: bool) -> dict[str, Any]:
+              max_workers: int | None, donate_target: bool, advance: Callable[[int], None]) -> dict[str, Any]:
     """Reads every request, leaf by leaf in order, with bounded host memory.
 
     Reads run on a thread pool while the main thread puts finished leaves on devices.
@@ -172,7 +177,9 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], max_inflight_b
             groups = _read_plan(ckpt, request)
             nbytes = sum(_planning.region_size(box) for box, _ in groups) * request.dtype.itemsize
             while pending and inflight + nbytes > max_inflight_bytes:
-                inflight -= _finish(pending.popleft(), done)
+                finished = _finish(pending.popleft(), done)
+                inflight -= finished
+                advance(finished)
             old = request.old
             if donate_target and old is not None and id(old) not in donated and not old.is_deleted():
                 donated.add(id(old))
@@ -182,7 +189,7 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], max_inflight_b
             pending.append((request, futures, nbytes))
             inflight += nbytes
         while pending:
-            _finish(pending.popleft(), done)
+            advance(_finish(pending.popleft(), done))
     return done
 
 

@@ -14,17 +14,18 @@ them raise and nothing is committed.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
+import dataclasses
 import datetime
 import logging
+import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 import zarr
 
-from . import _commit, _multihost, _naming, _planning, _storage, _tree, _zarrjson
+from . import _commit, _multihost, _naming, _planning, _progress, _storage, _tree, _zarrjson
 from . import errors
 from ._planning import ArrayPlan, WriteUnit
 
@@ -43,6 +44,7 @@ def save_pytree(
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
     max_workers: int | None = None,
     timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
+    progress: bool | None = None,
 ) -> None:
     """Saves `tree` as a checkpoint at `url` and commits it.
 
@@ -60,6 +62,7 @@ def save_pytree(
       max_workers: concurrent writes per process (default: 8 on a local disk, 64 on
         an object store).
       timeout_s: how long a process waits for the others at each agreement.
+      progress: show a progress bar on process 0 (default: when stderr is a terminal).
 
     Raises:
       UnsupportedLeafError: a leaf or key that cannot be saved (names its key path).
@@ -68,29 +71,138 @@ def save_pytree(
         nothing was committed.
       CoordinationTimeoutError: a process did not arrive at an agreement in time.
     """
-    loc = _storage.resolve(url, storage_options)
-    spec, leaves = _tree.record(tree)
-    plans = [_planning.plan_array(leaf, i, max_chunk_bytes) for i, leaf in enumerate(leaves)]
-    # Every process knows every array's metadata without asking the store.
-    arrays = {p.leaf.name: _zarrjson.array_document(p.shape, p.dtype, p.chunks) for p in plans}
-    group = _zarrjson.group_document({_naming.META_ATTR: _tree_metadata(spec)})
-    is_primary = _multihost.process_index() == 0
-    started = time.perf_counter()
-    op = _multihost.Collective("save", timeout_s)
-    with concurrent.futures.ThreadPoolExecutor(max_workers or loc.concurrency) as pool:
-        try:
-            _agree(op, "prepare", loc, lambda: _prepare(loc, group, overwrite) if is_primary else None)
-            _agree(op, "write", loc, lambda: _write_all(loc, plans, arrays if is_primary else {}, pool,
-                                                        max_inflight_bytes))
-            _agree(op, "commit", loc, lambda: _commit.commit(loc, _zarrjson.group_document(
-                group["attributes"], arrays)) if is_primary else None)
-        finally:
-            op.close()
-    if is_primary:
+    job = SaveJob.create(url, tree, storage_options=storage_options, overwrite=overwrite,
+                         max_chunk_bytes=max_chunk_bytes, max_workers=max_workers, timeout_s=timeout_s)
+    job.run(job.units(), ByteBudget(max_inflight_bytes), acquire=True, progress=progress)
+
+
+class ByteBudget:
+    """Bounds the host bytes staged for writing and not yet written.
+
+    A single item larger than the whole budget is still let through alone. `abort`
+    wakes every waiter with an error, so a failed writer never leaves a stager stuck.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used = 0
+        self._error: BaseException | None = None
+        self._cv = threading.Condition()
+
+    def acquire(self, nbytes: int, *, block: bool = True) -> bool:
+        with self._cv:
+            while True:
+                if self._error is not None:
+                    raise errors.CheckpointWriteError(f"save aborted: {self._error}") from self._error
+                if self._used == 0 or self._used + nbytes <= self._limit:
+                    self._used += nbytes
+                    return True
+                if not block:
+                    return False
+                self._cv.wait()
+
+    def release(self, nbytes: int) -> None:
+        with self._cv:
+            self._used -= nbytes
+            self._cv.notify_all()
+
+    def abort(self, error: BaseException) -> None:
+        with self._cv:
+            self._error = error
+            self._cv.notify_all()
+
+
+Work = Iterable[tuple[ArrayPlan, WriteUnit]]
+
+
+@dataclasses.dataclass
+class SaveJob:
+    """One planned save: what to write where. `run` executes the write protocol."""
+
+    loc: _storage.Location
+    plans: list[ArrayPlan]
+    arrays: dict[str, dict[str, Any]]  # every array's zarr.json
+    group: dict[str, Any]  # the group's zarr.json, uncommitted
+    overwrite: bool
+    max_workers: int | None
+    timeout_s: float
+    channel: str = "save"
+
+    @classmethod
+    def create(cls, url: str, tree: Any, *, storage_options: dict[str, Any] | None = None,
+               overwrite: bool = False, max_chunk_bytes: int = _planning.DEFAULT_MAX_CHUNK_BYTES,
+               max_workers: int | None = None, timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
+               extra_metadata: dict[str, Any] | None = None, channel: str = "save") -> "SaveJob":
+        """Plans a save; raises UnsupportedLeafError before anything is written."""
+        loc = _storage.resolve(url, storage_options)
+        spec, leaves = _tree.record(tree)
+        plans = [_planning.plan_array(leaf, i, max_chunk_bytes) for i, leaf in enumerate(leaves)]
+        # Every process knows every array's metadata without asking the store.
+        arrays = {p.leaf.name: _zarrjson.array_document(p.shape, p.dtype, p.chunks) for p in plans}
+        group = _zarrjson.group_document({_naming.META_ATTR: {**_tree_metadata(spec), **(extra_metadata or {})}})
+        return cls(loc, plans, arrays, group, overwrite, max_workers, timeout_s, channel)
+
+    @property
+    def nbytes(self) -> int:
+        """Logical bytes of the tree (each global array counted once)."""
+        return sum(p.nbytes for p in self.plans)
+
+    def units(self) -> Work:
+        """This process's writes, in order."""
+        return ((plan, unit) for plan in self.plans for unit in plan.writes)
+
+    def run(self, work: Work, budget: ByteBudget, *, acquire: bool, progress: bool | None = None) -> float:
+        """Runs the write protocol over `work`; returns the seconds it took. Collective.
+
+        With `acquire`, the writer takes budget for each unit before copying it off its
+        device; otherwise the units come staged, their budget already taken.
+        """
+        is_primary = _multihost.process_index() == 0
+        started = time.perf_counter()
+        op = _multihost.Collective(self.channel, self.timeout_s)
+        loc = self.loc
+        with concurrent.futures.ThreadPoolExecutor(self.max_workers or loc.concurrency) as pool, \
+                _progress.bar(f"saving {loc.url}", self.nbytes, progress) as advance:
+            try:
+                _agree(op, "prepare", loc, lambda: _prepare(loc, self.group, self.overwrite) if is_primary else None)
+                _agree(op, "write", loc, lambda: _write_all(loc, work, self.arrays if is_primary else {}, pool,
+                                                            budget, acquire, advance))
+                _agree(op, "commit", loc, lambda: _commit.commit(loc, _zarrjson.group_document(
+                    self.group["attributes"], self.arrays)) if is_primary else None)
+            except BaseException as e:
+                budget.abort(e)
+                raise
+            finally:
+                op.close()
         seconds = time.perf_counter() - started
-        total = sum(p.nbytes for p in plans)
-        log.info("saved %s: %d leaves, %.3f GB in %.2fs (%.2f GB/s)", loc.url, len(plans), total / 1e9,
-                 seconds, total / 1e9 / max(seconds, 1e-9))
+        if is_primary:
+            log.info("saved %s: %d leaves, %.3f GB in %.2fs (%.2f GB/s)", loc.url, len(self.plans),
+                     self.nbytes / 1e9, seconds, self.nbytes / 1e9 / max(seconds, 1e-9))
+        return seconds
+
+
+def stage(job: SaveJob, budget: ByteBudget, put: Callable[[tuple[ArrayPlan, WriteUnit]], None]) -> None:
+    """Copies this process's writes of `job` to host memory the caller owns, handing each
+    to `put`; returns once all are copied, so training may then overwrite its buffers.
+
+    Copies are started for as many units as the budget allows before any is waited
+    on, so device-to-host transfers run concurrently. Blocks while the budget is full.
+    """
+    started: list[tuple[ArrayPlan, WriteUnit]] = []
+
+    def settle() -> None:
+        for item in started:
+            item[1].stage()
+            put(item)
+        started.clear()
+
+    for plan, unit in job.units():
+        if not budget.acquire(unit.nbytes, block=False):
+            settle()
+            budget.acquire(unit.nbytes)
+        unit.start_transfer()
+        started.append((plan, unit))
+    settle()
 
 
 def _tree_metadata(spec: dict[str, Any]) -> dict[str, Any]:
@@ -136,38 +248,38 @@ def _prepare(loc: _storage.Location, group: dict[str, Any], overwrite: bool) -> 
         raise errors.CheckpointExistsError(
             f"{loc.url} already holds a committed checkpoint; pass overwrite=True to replace it"
         )
-    if current is not _commit.State.ABSENT:
+    if current is not _commit.State.ABSENT or loc.exists():  # e.g. a deletion cut short
         _commit.remove(loc)
     loc.write("zarr.json", _zarrjson.encode_document(group), atomic=True)
 
 
-def _write_all(loc: _storage.Location, plans: list[ArrayPlan], arrays: dict[str, dict[str, Any]],
-               pool: concurrent.futures.ThreadPoolExecutor, max_inflight_bytes: int) -> None:
-    """Writes `arrays`' metadata and this process's chunks, at most `max_inflight_bytes`
-    staged on the host at once.
+def _write_all(loc: _storage.Location, work: Work, arrays: dict[str, dict[str, Any]],
+               pool: concurrent.futures.ThreadPoolExecutor, budget: ByteBudget, acquire: bool,
+               advance: Callable[[int], None]) -> None:
+    """Writes `arrays`' metadata and every unit of `work`; budget is released as each
+    unit's write finishes. Array metadata is only read once committed, so it goes out
+    alongside the chunks."""
+    futures = [pool.submit(loc.write, f"{name}/zarr.json", _zarrjson.encode_document(doc))
+               for name, doc in arrays.items()]
 
-    Device-to-host copies are started for everything that fits in the bound before
-    any write waits, so transfers overlap with each other and with writing. Array
-    metadata is only read once committed, so it goes out alongside the chunks.
-    """
-    pending: collections.deque[tuple[concurrent.futures.Future[None], int]] = collections.deque()
-    pending.extend((pool.submit(loc.write, f"{name}/zarr.json", _zarrjson.encode_document(doc)), 0)
-                   for name, doc in arrays.items())
-    inflight = 0
+    def written(nbytes: int) -> Callable[[concurrent.futures.Future[None]], None]:
+        def done(future: concurrent.futures.Future[None]) -> None:
+            budget.release(nbytes)
+            advance(nbytes)
+        return done
+
     try:
-        for plan in plans:
-            for unit in plan.writes:
-                while pending and inflight + unit.nbytes > max_inflight_bytes:
-                    future, nbytes = pending.popleft()
-                    future.result()
-                    inflight -= nbytes
+        for plan, unit in work:
+            if acquire:
+                budget.acquire(unit.nbytes)
                 unit.start_transfer()
-                pending.append((pool.submit(_write_one, loc, plan, unit), unit.nbytes))
-                inflight += unit.nbytes
-        for future, _ in pending:
+            future = pool.submit(_write_one, loc, plan, unit)
+            future.add_done_callback(written(unit.nbytes))
+            futures.append(future)
+        for future in futures:
             future.result()
     except BaseException:
-        for future, _ in pending:
+        for future in futures:
             future.cancel()
         raise
 

@@ -1,0 +1,202 @@
+"""CheckpointManager: save policies, async snapshots, background errors, retention."""
+
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import zarrckpt
+from zarrckpt import _commit, _manager, _retention, _steps, _storage
+
+
+def small_state(value=0.0):
+    value = float(value)
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    return {"w": jax.device_put(jnp.full((8, 16), value), NamedSharding(mesh, P("a", "b"))),
+            "step": jnp.array(int(value), jnp.int32), "host": np.full(3, value)}
+
+
+def test_interval_steps_and_force(tmp_path):
+    with zarrckpt.CheckpointManager(str(tmp_path), save_interval_steps=5) as mgr:
+        saved = [s for s in range(1, 13) if mgr.save(s, small_state(s))]
+        assert mgr.save(13, small_state(13), force=True)
+        assert not mgr.save(10, small_state(10))  # already committed: never saved twice
+    assert saved == [5, 10]
+    assert zarrckpt.all_steps(str(tmp_path)) == [5, 10, 13]
+
+
+def test_interval_seconds(tmp_path, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(_manager.time, "monotonic", lambda: clock[0])
+    with zarrckpt.CheckpointManager(str(tmp_path), save_interval_seconds=60) as mgr:
+        assert not mgr.save(1, small_state())
+        clock[0] += 61
+        assert mgr.save(2, small_state())
+        clock[0] += 30
+        assert not mgr.save(3, small_state())
+        clock[0] += 31
+        assert mgr.save(4, small_state())
+
+
+def test_preemption_notice_saves(tmp_path, monkeypatch):
+    monkeypatch.setattr(_manager.multihost_utils, "reached_preemption_sync_point", lambda step: step == 7)
+    with zarrckpt.CheckpointManager(str(tmp_path), save_interval_steps=100) as mgr:
+        assert [s for s in range(1, 10) if mgr.save(s, small_state(s))] == [7]
+
+
+def test_async_save_is_a_true_snapshot_under_donation(tmp_path):
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state):
+        return {"w": state["w"] * 2 + 1, "step": state["step"] + 1, "host": state["host"]}
+
+    state = small_state(1.0)
+    state["host"] = np.arange(3.0)
+    with zarrckpt.CheckpointManager(str(tmp_path), async_save=True) as mgr:
+        expected = jax.tree_util.tree_map(lambda x: np.array(x, copy=True), state)
+        assert mgr.save(1, state, force=True)
+        state["host"][:] = -1  # host leaves are snapshotted too
+        for _ in range(5):
+            state = train_step(state)
+        jax.block_until_ready(state)
+        mgr.wait()
+        restored, step = mgr.restore(jax.tree_util.tree_map(
+            lambda x: x.sharding if isinstance(x, jax.Array) else x, state))
+    assert step == 1
+    for key in expected:
+        np.testing.assert_array_equal(np.asarray(restored[key]), expected[key], err_msg=key)
+
+
+def test_staging_is_bounded_by_max_staged_bytes(tmp_path):
+    state = {f"l{i}": jnp.full((256, 256), float(i)) for i in range(8)}  # 256 KiB each
+    with zarrckpt.CheckpointManager(str(tmp_path), max_staged_bytes=300 * 1024) as mgr:
+        mgr.save(1, state, force=True)
+        mgr.wait()
+        restored, _ = mgr.restore(jax.tree_util.tree_map(lambda x: x.sharding, state))
+    for k, v in state.items():
+        np.testing.assert_array_equal(np.asarray(restored[k]), np.asarray(v))
+
+
+def test_background_errors_are_raised_never_lost(tmp_path, monkeypatch):
+    original = _storage.Location.write
+
+    def failing(self, key, data, **kwargs):
+        if ".c" in key or "/c." in key:
+            raise OSError("disk on fire")
+        return original(self, key, data, **kwargs)
+
+    mgr = zarrckpt.CheckpointManager(str(tmp_path))
+    monkeypatch.setattr(_storage.Location, "write", failing)
+    assert mgr.save(1, small_state(), force=True)  # the failure happens in the background
+    with pytest.raises(zarrckpt.CheckpointWriteError, match="disk on fire"):
+        mgr.wait()
+    mgr.wait()  # raised once, not forever
+    assert mgr.save(2, small_state(), force=True)
+    with pytest.raises(zarrckpt.CheckpointWriteError, match="disk on fire"):
+        mgr.save(3, small_state(), force=True)  # the next save raises the earlier failure
+    assert mgr.save(4, small_state(), force=True)
+    with pytest.raises(zarrckpt.CheckpointWriteError, match="disk on fire"):
+        mgr.close()  # and close raises what is left
+    assert zarrckpt.all_steps(str(tmp_path)) == []
+    with pytest.raises(RuntimeError, match="is closed"):
+        mgr.save(4, small_state(), force=True)
+
+
+def test_sync_save_and_restore_of_given_step(tmp_path):
+    with zarrckpt.CheckpointManager(str(tmp_path), async_save=False) as mgr:
+        template = small_state()
+        assert mgr.restore(template) == (template, 0)
+        for s in (10, 20):
+            mgr.save(s, small_state(s), force=True)
+        assert mgr.all_steps() == [10, 20] and mgr.latest_step() == 20
+        state, step = mgr.restore(small_state(), step=10)
+        assert step == 10 and float(state["w"][0, 0]) == 10.0
+        with pytest.raises(zarrckpt.CheckpointNotFoundError,
+                           match=r"step 15 is not a committed checkpoint in .*; committed steps: \[10, 20\]"):
+            mgr.restore(small_state(), step=15)
+
+
+def test_logs_each_save_and_restore(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="zarrckpt")
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(3, small_state(), force=True)
+        mgr.wait()
+        mgr.restore(small_state())
+    text = caplog.text
+    assert "checkpoint step 3 committed" in text and "GB/s" in text and "training blocked" in text
+    assert "restored step 3" in text
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="keep_best needs best_metric"):
+        zarrckpt.CheckpointManager("/tmp/x", keep_best=2)
+    with pytest.raises(ValueError, match="best_mode must be 'min' or 'max'"):
+        zarrckpt.CheckpointManager("/tmp/x", keep_best=2, best_metric="loss", best_mode="lowest")
+    with pytest.raises(ValueError, match="keep_last must be a positive int"):
+        zarrckpt.CheckpointManager("/tmp/x", keep_last=0)
+    with pytest.raises(ValueError, match="save_interval_steps must be positive"):
+        zarrckpt.CheckpointManager("/tmp/x", save_interval_steps=0)
+
+
+# -- retention -------------------------------------------------------------------------
+
+
+def test_steps_to_keep_rules():
+    policy = _retention.Policy(keep_last=2, keep_every=100)
+    assert _retention.steps_to_keep(policy, [50, 100, 150, 200, 250, 300], {}) == {100, 200, 250, 300}
+    best = _retention.Policy(keep_best=2, best_metric="loss")
+    metrics = {1: {"loss": 0.5}, 2: {"loss": 0.1}, 3: {"loss": 0.3}, 4: {"loss": 0.9}, 5: {}}
+    assert _retention.steps_to_keep(best, [1, 2, 3, 4, 5], metrics) == {2, 3, 5}  # newest always kept
+    most = _retention.Policy(keep_best=1, best_metric="acc", best_mode="max")
+    assert _retention.steps_to_keep(most, [1, 2, 3], {1: {"acc": 0.9}, 2: {"acc": 0.2}, 3: {"acc": 0.1}}) == {1, 3}
+    assert _retention.steps_to_keep(_retention.Policy(keep_every=10), [1, 2, 3], {}) == {1, 2, 3}
+
+
+def test_manager_retention_keeps_newest_best_and_pinned(tmp_path):
+    losses = {1: 0.9, 2: 0.1, 3: 0.8, 4: 0.7, 5: 0.6, 6: 0.95}
+    with zarrckpt.CheckpointManager(str(tmp_path), keep_last=1, keep_best=1, best_metric="loss") as mgr:
+        for step, loss in losses.items():
+            mgr.save(step, small_state(step), metrics={"loss": loss}, force=True)
+            if step == 3:
+                mgr.wait()
+                mgr.pin(3)
+    assert zarrckpt.all_steps(str(tmp_path)) == [2, 3, 6]
+    # A new manager learns the metrics of earlier runs from the checkpoints.
+    with zarrckpt.CheckpointManager(str(tmp_path), keep_best=1, best_metric="loss") as mgr:
+        mgr.save(7, small_state(7), metrics={"loss": 0.5}, force=True)
+    assert zarrckpt.all_steps(str(tmp_path)) == [2, 3, 7]
+
+
+def test_retention_cleans_old_leftovers_but_not_newer_ones(tmp_path):
+    root = str(tmp_path)
+    for step in (1, 2):
+        zarrckpt.save_checkpoint(root, step, small_state(step))
+    (tmp_path / "0000000001" / "zarr.json").unlink()  # step 1 is now an uncommitted leftover
+    (tmp_path / "0000000009").mkdir()  # a newer save in progress
+    with zarrckpt.CheckpointManager(root, keep_last=5) as mgr:
+        mgr.save(3, small_state(3), force=True)
+    assert not (tmp_path / "0000000001").exists() and (tmp_path / "0000000009").exists()
+    assert zarrckpt.all_steps(root) == [2, 3]
+
+
+def test_interrupted_deletion_never_looks_committed(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    for step in (1, 2):
+        zarrckpt.save_checkpoint(root, step, small_state(step))
+
+    def crash(self):
+        raise OSError("killed mid-deletion")
+
+    monkeypatch.setattr(_storage.Location, "remove_tree", crash)
+    with pytest.raises(OSError, match="killed mid-deletion"):
+        _retention.apply(_storage.resolve(root), _retention.Policy(keep_last=1), {})
+    assert (tmp_path / "0000000001").exists()
+    assert _commit.state(_steps.step_location(root, 1)) is not _commit.State.COMMITTED
+    assert zarrckpt.all_steps(root) == [2]
+    monkeypatch.undo()
+    zarrckpt.save_checkpoint(root, 1, {"fresh": np.ones(2)})  # the leftover is cleared first
+    assert sorted(p.name for p in (tmp_path / "0000000001").iterdir()) == ["fresh", "zarr.json"]

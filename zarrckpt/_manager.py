@@ -1,0 +1,296 @@
+"""CheckpointManager: when to save, saving in the background, what to keep."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from typing import Any, Iterator, Mapping
+
+from jax.experimental import multihost_utils
+
+from . import _commit, _multihost, _naming, _restore, _retention, _save, _steps, _storage
+from .errors import CheckpointError, CheckpointNotFoundError
+
+log = logging.getLogger("zarrckpt")
+
+DEFAULT_MAX_STAGED_BYTES = 8 * 2**30
+_END = object()  # closes the queue of staged writes
+
+
+class CheckpointManager:
+    """Saves a training state every so often under one directory, and restores it.
+
+        with zarrckpt.CheckpointManager("gs://bucket/run", save_interval_steps=1000, keep_last=3) as mgr:
+            state, step = mgr.restore(state)          # newest committed step, or (state, 0)
+            for step in range(step + 1, num_steps + 1):
+                state = train_step(state)
+                mgr.save(step, state)                  # saves when a policy says so
+
+    Collective: under `jax.distributed` every process must make the same calls
+    (`save`, `restore`, `wait`, `close`) with the same arguments; process 0 takes the
+    decisions that depend on its clock and broadcasts them. `all_steps`,
+    `latest_step` and `pin` are not collective.
+
+    Args:
+      checkpoint_dir: local path or fsspec URL holding one directory per step.
+      save_interval_steps: save when `step % save_interval_steps == 0`.
+      save_interval_seconds: save when this long has passed since the last save.
+      keep_last, keep_every, keep_best, best_metric, best_mode: retention, applied on
+        process 0 after each commit, off the training thread; see `zarrckpt._retention`.
+        The newest committed step and pinned steps are never deleted.
+      async_save: `save` returns once the state is copied to host memory; writing and
+        committing continue on a background thread (at most one save in flight).
+      max_staged_bytes: bound on host memory holding staged snapshots; a larger state
+        makes `save` wait for writes to drain before it has copied everything.
+      save_on_preemption: save at JAX's preemption sync point.
+      progress: progress bars on process 0 (default: when stderr is a terminal).
+      storage_options, timeout_s, and other keyword arguments: as for `save_pytree`.
+    Raises ValueError on contradictory settings.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        *,
+        save_interval_steps: int | None = None,
+        save_interval_seconds: float | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        async_save: bool = True,
+        max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES,
+        save_on_preemption: bool = True,
+        progress: bool | None = None,
+        storage_options: dict[str, Any] | None = None,
+        timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
+        **save_options: Any,
+    ) -> None:
+        for name, value in (("save_interval_steps", save_interval_steps),
+                            ("save_interval_seconds", save_interval_seconds)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive or None, got {value!r}")
+        self._policy = _retention.Policy(keep_last, keep_every, keep_best, best_metric, best_mode)
+        self._root = _storage.resolve(checkpoint_dir, storage_options)
+        self._storage_options = storage_options
+        self._interval_steps = save_interval_steps
+        self._interval_seconds = save_interval_seconds
+        self._async = async_save
+        self._max_staged_bytes = max_staged_bytes
+        self._save_on_preemption = save_on_preemption
+        self._progress = progress
+        self._timeout_s = timeout_s
+        self._save_options = save_options
+        self._last_save = time.monotonic()
+        self._committed = set(_steps.all_steps(checkpoint_dir, storage_options=storage_options))
+        self._metrics = self._load_metrics() if keep_best is not None else {}
+        self._lock = threading.Lock()
+        self._in_flight: tuple[threading.Thread, int] | None = None
+        self._errors: list[BaseException] = []
+        self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zarrckpt-retention")
+        self._closed = False
+
+    # -- saving ----------------------------------------------------------------
+
+    def save(self, step: int, state: Any, *, metrics: Mapping[str, float] | None = None,
+             force: bool = False) -> bool:
+        """Saves `state` as `step` if a policy says so (or `force`); returns whether it did.
+
+        With async_save, returns once the state is copied off the devices: the caller
+        may then donate or overwrite its buffers. Waits first for the previous save.
+        Raises the error of an earlier background save or deletion, if any, and what
+        `save_pytree` raises. A step already committed is not saved again.
+        """
+        self._check_open()
+        self._raise_errors()
+        if not self._should_save(step, force):
+            return False
+        self.wait()
+        started = time.perf_counter()
+        self._last_save = time.monotonic()
+        extra = {"metrics": dict(metrics)} if metrics is not None else None
+        job = _save.SaveJob.create(
+            _steps.step_location(self._root.url, step, self._storage_options).url, state,
+            storage_options=self._storage_options, timeout_s=self._timeout_s, extra_metadata=extra,
+            channel="manager-save", **self._save_options)
+        budget = _save.ByteBudget(self._max_staged_bytes)
+        if not self._async:
+            job.run(job.units(), budget, acquire=True, progress=self._progress)
+            self._on_commit(step, metrics, job, started, blocked=None)
+            return True
+        staged: queue.Queue[Any] = queue.Queue()
+        timing: dict[str, float] = {}
+        thread = threading.Thread(target=self._write_in_background, name=f"zarrckpt-save-{step}",
+                                  args=(job, budget, staged, step, metrics, started, timing), daemon=True)
+        with self._lock:
+            self._in_flight = (thread, step)
+        thread.start()
+        try:
+            _save.stage(job, budget, staged.put)
+        except BaseException as e:
+            staged.put(e)  # the writer aborts: nothing is committed
+            thread.join()
+            with self._lock:
+                self._errors.clear()  # the same failure, raised here instead
+            raise
+        timing["blocked"] = time.perf_counter() - started  # before _END: the commit comes after it
+        staged.put(_END)
+        return True
+
+    def _should_save(self, step: int, force: bool) -> bool:
+        with self._lock:
+            if step in self._committed or (self._in_flight and self._in_flight[1] == step):
+                return False
+        due = force or bool(self._interval_steps and step % self._interval_steps == 0)
+        if self._save_on_preemption and multihost_utils.reached_preemption_sync_point(step):
+            log.warning("preemption notice at step %d: saving", step)
+            due = True
+        if not due and self._interval_seconds is not None:
+            # Clocks differ across hosts: process 0 decides for everyone.
+            elapsed = time.monotonic() - self._last_save >= self._interval_seconds
+            op = _multihost.Collective("manager-decide", self._timeout_s)
+            try:
+                due = bool(op.broadcast("due", elapsed))
+            finally:
+                op.close()
+        return due
+
+    def _write_in_background(self, job: _save.SaveJob, budget: _save.ByteBudget, staged: queue.Queue[Any],
+                             step: int, metrics: Mapping[str, float] | None, started: float,
+                             timing: dict[str, float]) -> None:
+        def work() -> Iterator[Any]:
+            while (item := staged.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise CheckpointError(f"staging step {step} failed; nothing was committed") from item
+                yield item
+
+        try:
+            job.run(work(), budget, acquire=False, progress=self._progress)
+            self._on_commit(step, metrics, job, started, blocked=timing.get("blocked"))
+        except BaseException as e:  # raised on the training thread by the next call
+            with self._lock:
+                self._errors.append(e)
+        finally:
+            with self._lock:
+                self._in_flight = None
+
+    def _on_commit(self, step: int, metrics: Mapping[str, float] | None, job: _save.SaveJob,
+                   started: float, blocked: float | None) -> None:
+        seconds = time.perf_counter() - started
+        with self._lock:
+            self._committed.add(step)
+            if metrics is not None:
+                self._metrics[step] = dict(metrics)
+        if _multihost.process_index() == 0:
+            log.info("checkpoint step %d committed: %.3f GB in %.2fs (%.2f GB/s)%s", step, job.nbytes / 1e9,
+                     seconds, job.nbytes / 1e9 / max(seconds, 1e-9),
+                     "" if blocked is None else f", training blocked {blocked:.3f}s")
+            if self._policy.deletes:
+                self._deleter.submit(self._retain)
+
+    def _retain(self) -> None:
+        with self._lock:
+            busy = {self._in_flight[1]} if self._in_flight else set()
+            metrics = dict(self._metrics)
+        try:
+            deleted = _retention.apply(self._root, self._policy, metrics, busy=busy)
+        except BaseException as e:
+            with self._lock:
+                self._errors.append(e)
+            return
+        with self._lock:
+            self._committed.difference_update(deleted)
+
+    def _load_metrics(self) -> dict[int, dict[str, Any]]:
+        def metrics_of(step: int) -> dict[str, Any]:
+            group = _commit.read_group(self._root.child(_naming.step_dir_name(step)))
+            meta = group.attributes.get(_naming.META_ATTR, {}) if group else {}
+            return meta.get("metrics") or {} if isinstance(meta, dict) else {}
+
+        steps = sorted(self._committed)
+        with concurrent.futures.ThreadPoolExecutor(self._root.concurrency) as pool:
+            return dict(zip(steps, pool.map(metrics_of, steps)))
+
+    # -- waiting, restoring, listing --------------------------------------------
+
+    def wait(self) -> None:
+        """Blocks until the save in flight has committed; raises its error if it failed."""
+        with self._lock:
+            in_flight = self._in_flight
+        if in_flight is not None:
+            in_flight[0].join()
+        self._raise_errors()
+
+    def restore(self, target: Any, *, step: int | None = None, **load_options: Any) -> tuple[Any, int]:
+        """Restores the newest committed step (or `step`) onto `target`.
+
+        Returns (state, step); (target, 0) when nothing is committed and no `step`
+        was asked for. Waits for a save in flight first. Raises
+        CheckpointNotFoundError if `step` is not a committed step, and what
+        `load_pytree` raises.
+        """
+        self._check_open()
+        self.wait()
+        started = time.perf_counter()
+        options = {"storage_options": self._storage_options, "progress": self._progress, **load_options}
+        if step is None:
+            state, step = _steps.load_checkpoint_if_it_exists(self._root.url, target, timeout_s=self._timeout_s,
+                                                              **options)
+        else:
+            loc = _steps.step_location(self._root.url, step, self._storage_options)
+            if _commit.state(loc) is not _commit.State.COMMITTED:
+                raise CheckpointNotFoundError(
+                    f"step {step} is not a committed checkpoint in {self._root.url}; "
+                    f"committed steps: {self.all_steps()}")
+            state = _restore.load_pytree(loc.url, target, **options)
+        if step and _multihost.process_index() == 0:
+            log.info("restored step %d from %s in %.2fs", step, self._root.url, time.perf_counter() - started)
+        return state, step
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending (read from storage). Not collective."""
+        return _steps.all_steps(self._root.url, storage_options=self._storage_options)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None. Not collective."""
+        return _steps.latest_step(self._root.url, storage_options=self._storage_options)
+
+    def pin(self, step: int) -> None:
+        """Exempts committed `step` from retention, by a PINNED file in its directory."""
+        loc = _steps.step_location(self._root.url, step, self._storage_options)
+        if _commit.state(loc) is not _commit.State.COMMITTED:
+            raise CheckpointNotFoundError(f"step {step} is not a committed checkpoint in {self._root.url}")
+        loc.write(_retention.PIN_FILE, b"")
+
+    # -- lifetime ----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Waits for the save in flight and pending deletions; raises their errors."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._deleter.shutdown(wait=True)
+        self._raise_errors()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"CheckpointManager for {self._root.url} is closed")
+
+    def _raise_errors(self) -> None:
+        with self._lock:
+            pending, self._errors = self._errors, []
+        if pending:
+            raise pending[0]

@@ -1,0 +1,94 @@
+"""Which committed steps to keep, and deleting the rest safely.
+
+The rules, applied after every commit (and by hand with the CLI):
+- the newest committed step is always kept, as is every pinned step;
+- `keep_last`: the newest N committed steps;
+- `keep_every`: every step divisible by K, forever;
+- `keep_best`: the N best steps by `metrics[best_metric]` (`best_mode` "min" or "max");
+- with neither `keep_last` nor `keep_best` set, nothing is deleted.
+Uncommitted directories older than the newest committed step are leftovers of
+crashed saves and are deleted; a newer one may be a save in progress and is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Collection, Mapping
+
+from . import _commit, _naming
+from ._storage import Location
+
+log = logging.getLogger("zarrckpt")
+
+PIN_FILE = "PINNED"  # a step directory holding this file is never deleted (T5X's convention)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What to keep. Raises ValueError on settings that contradict each other."""
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep_best: int | None = None
+    best_metric: str | None = None
+    best_mode: str = "min"
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last", "keep_every", "keep_best"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if self.keep_best is not None and not self.best_metric:
+            raise ValueError("keep_best needs best_metric: the name of the metric to rank steps by")
+        if self.best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
+
+    @property
+    def deletes(self) -> bool:
+        return self.keep_last is not None or self.keep_best is not None
+
+
+def steps_to_keep(policy: Policy, committed: Collection[int], metrics: Mapping[int, Mapping[str, Any]]) -> set[int]:
+    """The committed steps that `policy` keeps (pins are checked separately, on disk)."""
+    steps = sorted(committed)
+    if not policy.deletes or not steps:
+        return set(steps)
+    keep = {steps[-1]}
+    if policy.keep_last is not None:
+        keep.update(steps[-policy.keep_last:])
+    if policy.keep_every is not None:
+        keep.update(s for s in steps if s % policy.keep_every == 0)
+    if policy.keep_best is not None:
+        ranked = [s for s in steps if isinstance(metrics.get(s, {}).get(policy.best_metric), (int, float))]
+        ranked.sort(key=lambda s: metrics[s][policy.best_metric], reverse=policy.best_mode == "max")
+        keep.update(ranked[: policy.keep_best])
+    return keep
+
+
+def is_pinned(step_loc: Location) -> bool:
+    return step_loc.child(PIN_FILE).exists()
+
+
+def apply(root: Location, policy: Policy, metrics: Mapping[int, Mapping[str, Any]], *,
+          busy: Collection[int] = (), dry_run: bool = False) -> list[int]:
+    """Deletes what `policy` does not keep under `root`; returns the deleted steps.
+
+    `busy` steps (a save in flight) are never touched. Each deletion removes the
+    commit marker first, so an interrupted one leaves only an uncommitted leftover.
+    """
+    candidates = {s: name for name in root.list_dir() if (s := _naming.parse_step_dir_name(name)) is not None}
+    committed = {s for s, name in candidates.items()
+                 if _commit.state(root.child(name)) is _commit.State.COMMITTED}
+    if not committed:
+        return []
+    newest = max(committed)
+    keep = steps_to_keep(policy, committed, metrics)
+    doomed = sorted(s for s in committed - keep if s not in busy and not is_pinned(root.child(candidates[s])))
+    leftovers = sorted(s for s in candidates.keys() - committed if s < newest and s not in busy)
+    for step in doomed + leftovers:
+        if not dry_run:
+            _commit.remove(root.child(candidates[step]))
+        log.info("%s step %d under %s (%s)", "would delete" if dry_run else "deleted", step, root.url,
+                 "uncommitted leftover" if step in leftovers else "retention")
+    return doomed + leftovers
