@@ -35,8 +35,9 @@ class StoredLeaf:
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype
-    kind: str  # "jax", "numpy", "numpy_scalar", or the Python scalar type's name
+    kind: str  # "jax", "numpy", "numpy_scalar", "prng_key", or the Python scalar type's name
     chunks: tuple[int, ...]
+    prng_impl: str | None = None  # for typed PRNG keys: the implementation's name
 
     @property
     def where(self) -> str:
@@ -148,7 +149,7 @@ def _array_documents(loc: Location, group_document: dict[str, Any], names: list[
     consolidated = (group_document.get("consolidated_metadata") or {}).get("metadata")
     if isinstance(consolidated, dict):
         return consolidated
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    with concurrent.futures.ThreadPoolExecutor(loc.concurrency) as pool:
         docs = pool.map(lambda n: _load_json(loc, f"{n}/zarr.json"), names)
         return dict(zip(names, docs))
 
@@ -163,7 +164,8 @@ def _load_json(loc: Location, key: str) -> Any:
 def _stored_leaf(path: _tree.KeyPath, rec: dict[str, Any], array: dict[str, Any]) -> StoredLeaf:
     """A leaf record checked against its array's metadata: they must agree exactly."""
     leaf = StoredLeaf(path, rec["name"], tuple(int(d) for d in rec["shape"]), _dtypes.from_name(rec["dtype"]),
-                      rec["type"], tuple(int(c) for c in array["chunk_grid"]["configuration"]["chunk_shape"]))
+                      rec["type"], tuple(int(c) for c in array["chunk_grid"]["configuration"]["chunk_shape"]),
+                      rec.get("impl"))
     expected = _zarrjson.array_document(leaf.shape, leaf.dtype, leaf.chunks)
     if any(d < 0 for d in leaf.shape) or any(c < 1 for c in leaf.chunks) or len(leaf.chunks) != len(leaf.shape):
         raise ValueError(f"leaf {leaf.where}: shape {leaf.shape} with chunks {leaf.chunks}")
@@ -204,7 +206,7 @@ def _open_seqax(loc: Location, committed: bool) -> Checkpoint:
         except Exception as e:
             raise CheckpointCorruptError(f"cannot open checkpoint {loc.url}: {type(e).__name__}: {e}") from e
     names = sorted(group.array_keys())
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    with concurrent.futures.ThreadPoolExecutor(loc.concurrency) as pool:
         arrays = dict(zip(names, pool.map(lambda n: group[n], names)))
     leaves = {}
     for name, array in arrays.items():

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from . import _planning, _progress, _reader, _storage, _tree
+from . import _dtypes, _planning, _progress, _reader, _storage, _tree
 from ._planning import Region
 from .errors import CheckpointMismatchError, UnsupportedLeafError
 
@@ -36,7 +36,8 @@ class _Request:
 
     stored: _reader.StoredLeaf
     dtype: np.dtype
-    make: str  # "jax" (on `sharding`), "device" (default device), "numpy", "numpy_scalar", or a Python scalar type
+    make: str  # "jax" (on `sharding`), "device" (default device), "numpy", "numpy_scalar", "prng_key",
+    # or a Python scalar type
     sharding: jax.sharding.Sharding | None = None
     old: jax.Array | None = None  # the target array this replaces, freed before reading
 
@@ -84,7 +85,7 @@ def load_pytree(
     ckpt = _reader.open_checkpoint(_storage.resolve(url, storage_options))
     if target is None:
         requests = [_Request(s, s.dtype, "numpy" if s.kind in ("jax", "numpy") else s.kind)
-                    for s in ckpt.leaves.values()]
+                    for s in ckpt.leaves.values()]  # typed keys come back as keys, on the default device
         treedef = None
     else:
         requests, treedef = _match(ckpt, target, allow_dtype_cast)
@@ -122,6 +123,8 @@ def _match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool) -> tup
         elif request.make in _PY_SCALARS:
             if stored.dtype.kind not in _scalar_kinds(request.make):
                 problems.append(f"{where}: dtype {stored.dtype} in the checkpoint, Python {request.make} in the target")
+        elif request.make == "prng_key" and stored.kind != "prng_key":
+            problems.append(f"{where}: a typed PRNG key array in the target, saved as plain {stored.dtype} data")
         elif request.dtype != stored.dtype and not allow_dtype_cast:
             problems.append(f"{where}: dtype {stored.dtype} in the checkpoint, {request.dtype} in the target "
                             "(pass allow_dtype_cast=True to convert)")
@@ -142,6 +145,11 @@ def _scalar_kinds(python_type: str) -> str:
 
 def _request_for(leaf: Any, stored: _reader.StoredLeaf, where: str) -> tuple[_Request, tuple[int, ...]]:
     """How a target leaf asks to be restored, and the shape it expects."""
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and _dtypes.is_prng_key(leaf.dtype):
+        # Typed keys are stored as their key data: compare that shape, and rebuild keys.
+        data_shape = tuple(jax.eval_shape(jax.random.key_data, leaf).shape)
+        old = leaf if isinstance(leaf, jax.Array) else None
+        return _Request(stored, stored.dtype, "prng_key", leaf.sharding, old=old), data_shape
     if isinstance(leaf, jax.Array):
         return _Request(stored, np.dtype(leaf.dtype), "jax", leaf.sharding, old=leaf), tuple(leaf.shape)
     if isinstance(leaf, jax.ShapeDtypeStruct):
@@ -226,6 +234,9 @@ def _build(request: _Request, pieces: dict[Region, np.ndarray]) -> Any:
         return jax.make_array_from_callback(
             shape, request.sharding, lambda index: pieces[_planning.region_of(index, shape)])
     (data,) = pieces.values()
+    if request.make == "prng_key":
+        keys = jax.random.wrap_key_data(data, impl=request.stored.prng_impl)
+        return keys if request.sharding is None else jax.device_put(keys, request.sharding)
     if request.make == "device":
         return jax.device_put(data)
     if request.make == "numpy":

@@ -83,15 +83,22 @@ def leaves_with_names(tree: Any) -> tuple[list[Leaf], Any]:
     return leaves, treedef
 
 
+def stored_form(leaf: Leaf) -> tuple[Leaf, dict[str, Any]]:
+    """The leaf as it is stored, and what the tree record says of it.
+
+    A typed PRNG key array is stored as its key data (uint32, one more axis) with
+    the name of its implementation, so that it comes back as the same typed keys.
+    """
+    if isinstance(leaf.value, jax.Array) and _dtypes.is_prng_key(leaf.value.dtype):
+        data = Leaf(leaf.path, leaf.name, jax.random.key_data(leaf.value))
+        return data, {**leaf_record(data), "type": "prng_key", "impl": str(jax.random.key_impl(leaf.value))}
+    return leaf, leaf_record(leaf)
+
+
 def leaf_record(leaf: Leaf) -> dict[str, Any]:
     """What the tree record says of a saved leaf: its kind, shape and dtype."""
     value = leaf.value
     if isinstance(value, jax.Array):
-        if _dtypes.is_prng_key(value.dtype):
-            raise UnsupportedLeafError(
-                f"leaf {leaf.where} is a typed PRNG key array; save jax.random.key_data(key) "
-                "and rebuild it with jax.random.wrap_key_data"
-            )
         kind = "jax"
     elif isinstance(value, np.ndarray):
         kind = "numpy"
@@ -130,9 +137,9 @@ def record(tree: Any) -> tuple[dict[str, Any], list[Leaf]]:
         except ValueError as e:  # e.g. dict keys of mixed types, which jax cannot sort
             raise UnsupportedLeafError(f"cannot flatten the tree at {describe_path(path)}: {e}") from None
         if treedef.num_nodes == 1 and treedef.num_leaves == 1:
-            leaf = Leaf(path, name_of(path), node)
+            leaf, leaf_spec = stored_form(Leaf(path, name_of(path), node))
             leaves.append(leaf)
-            return leaf_record(leaf)
+            return leaf_spec
         # Flatten one level only: every child counts as a leaf here.
         children, _ = _tu.tree_flatten_with_path(node, is_leaf=lambda c: c is not node)
         entries = [(p[0], walk(child, path + (p[0],))) for p, child in children]
