@@ -24,6 +24,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
     CoordinationTimeoutError,
+    DirectoryInUseError,
     UnsupportedLeafError,
 )
 
@@ -42,6 +43,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointWriteError",
     "CoordinationTimeoutError",
+    "DirectoryInUseError",
     "LeafMetadata",
     "UnsupportedLeafError",
     "all_steps",

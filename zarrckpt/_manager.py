@@ -11,8 +11,8 @@ from typing import Any, Iterator, Mapping
 
 from jax.experimental import multihost_utils
 
-from . import _commit, _multihost, _naming, _restore, _retention, _save, _steps, _storage
-from .errors import CheckpointError, CheckpointNotFoundError
+from . import _commit, _lease, _multihost, _naming, _restore, _retention, _save, _steps, _storage
+from .errors import CheckpointError, CheckpointNotFoundError, DirectoryInUseError
 
 log = logging.getLogger("zarrckpt")
 
@@ -46,6 +46,8 @@ class CheckpointManager:
       max_staged_bytes: bound on host memory holding staged snapshots; a larger state
         makes `save` wait for writes to drain before it has copied everything.
       save_on_preemption: save at JAX's preemption sync point.
+      heartbeat_s: how often process 0 renews its lease on the directory; a second
+        manager on a directory whose lease is alive is refused (see `zarrckpt._lease`).
       progress: progress bars on process 0 (default: when stderr is a terminal).
       storage_options, timeout_s, and other keyword arguments: as for `save_pytree`.
     Raises ValueError on contradictory settings.
@@ -65,6 +67,7 @@ class CheckpointManager:
         async_save: bool = True,
         max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES,
         save_on_preemption: bool = True,
+        heartbeat_s: float = _lease.DEFAULT_HEARTBEAT_S,
         progress: bool | None = None,
         storage_options: dict[str, Any] | None = None,
         timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
@@ -92,6 +95,9 @@ class CheckpointManager:
         self._in_flight: tuple[threading.Thread, int] | None = None
         self._errors: list[BaseException] = []
         self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zarrckpt-retention")
+        self._lease = _lease.Lease(self._root, heartbeat_s) if _multihost.process_index() == 0 else None
+        self._closed = True  # until the lease is ours
+        self._claim_lease()
         self._closed = False
 
     # -- saving ----------------------------------------------------------------
@@ -117,6 +123,7 @@ class CheckpointManager:
             _steps.step_location(self._root.url, step, self._storage_options).url, state,
             storage_options=self._storage_options, timeout_s=self._timeout_s, extra_metadata=extra,
             channel="manager-save", **self._save_options)
+        job.before_prepare = self._lease.check if self._lease else None
         budget = _save.ByteBudget(self._max_staged_bytes)
         if not self._async:
             job.run(job.units(), budget, acquire=True, progress=self._progress)
@@ -277,6 +284,8 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._deleter.shutdown(wait=True)
+            if self._lease is not None:
+                self._lease.release()
         self._raise_errors()
 
     def __enter__(self) -> "CheckpointManager":
@@ -284,6 +293,22 @@ class CheckpointManager:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def _claim_lease(self) -> None:
+        """Process 0 claims the directory; a refusal is raised on every process. Collective."""
+        refusal = None
+        if self._lease is not None:
+            try:
+                self._lease.claim()
+            except DirectoryInUseError as e:
+                refusal = str(e)
+        op = _multihost.Collective("manager-open", self._timeout_s)
+        try:
+            refusal = op.broadcast("refusal", refusal)
+        finally:
+            op.close()
+        if refusal is not None:
+            raise DirectoryInUseError(refusal)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -127,6 +127,7 @@ class SaveJob:
     max_workers: int | None
     timeout_s: float
     channel: str = "save"
+    before_prepare: Callable[[], None] | None = None  # run on process 0 first: a lease check
 
     @classmethod
     def create(cls, url: str, tree: Any, *, storage_options: dict[str, Any] | None = None,
@@ -164,7 +165,7 @@ class SaveJob:
         with concurrent.futures.ThreadPoolExecutor(self.max_workers or loc.concurrency) as pool, \
                 _progress.bar(f"saving {loc.url}", self.nbytes, progress) as advance:
             try:
-                _agree(op, "prepare", loc, lambda: _prepare(loc, self.group, self.overwrite) if is_primary else None)
+                _agree(op, "prepare", loc, lambda: self._prepare() if is_primary else None)
                 _agree(op, "write", loc, lambda: _write_all(loc, work, self.arrays if is_primary else {}, pool,
                                                             budget, acquire, advance))
                 _agree(op, "commit", loc, lambda: _commit.commit(loc, _zarrjson.group_document(
@@ -179,6 +180,12 @@ class SaveJob:
             log.info("saved %s: %d leaves, %.3f GB in %.2fs (%.2f GB/s)", loc.url, len(self.plans),
                      self.nbytes / 1e9, seconds, self.nbytes / 1e9 / max(seconds, 1e-9))
         return seconds
+
+
+    def _prepare(self) -> None:
+        if self.before_prepare is not None:
+            self.before_prepare()
+        _prepare(self.loc, self.group, self.overwrite)
 
 
 def stage(job: SaveJob, budget: ByteBudget, put: Callable[[tuple[ArrayPlan, WriteUnit]], None]) -> None:

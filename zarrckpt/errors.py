@@ -36,3 +36,7 @@ class CheckpointWriteError(CheckpointError):
 
 class CoordinationTimeoutError(CheckpointError, TimeoutError):
     """Processes did not all reach a synchronisation point in time; names the missing ones."""
+
+
+class DirectoryInUseError(CheckpointError):
+    """Another live CheckpointManager holds the checkpoint directory."""
