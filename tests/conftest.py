@@ -1,34 +1,77 @@
-"""Shared fixtures. JAX gets 8 CPU devices in the test process, set before it is imported."""
+"""Shared fixtures. JAX gets 8 CPU devices in the test process, set before it is imported.
+
+`store` gives a fresh, empty checkpoint URL (and its storage options) on each kind of
+store: a local path, file://, memory://, and real S3 and GCS servers on 127.0.0.1
+(tests/object_store_servers.py), started on first use and stopped at the end.
+"""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import dataclasses  # noqa: E402
 import uuid  # noqa: E402
+from typing import Any  # noqa: E402
 
 import fsspec  # noqa: E402
 import pytest  # noqa: E402
 
-STORES = ["local", "file", "memory"]
+from object_store_servers import GCSServer, S3Server  # noqa: E402
+
+STORES = ["local", "file", "memory", "s3", "gcs"]
+OBJECT_STORES = ["s3", "gcs"]
 
 
-def make_url(kind: str, tmp_path) -> str:
-    if kind == "local":
-        return str(tmp_path / "ckpt")
-    if kind == "file":
-        return f"file://{tmp_path}/ckpt"
-    if kind == "memory":
-        return f"memory://zarrckpt-tests/{uuid.uuid4().hex}"
-    raise ValueError(kind)
+@dataclasses.dataclass(frozen=True)
+class Store:
+    """A checkpoint URL and the storage_options to reach it (None where none are needed)."""
+
+    kind: str
+    url: str
+    options: dict[str, Any] | None = None
+    server: S3Server | GCSServer | None = None
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    server = GCSServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def new_store(request, tmp_path_factory):
+    """Makes a fresh place on a store of the kind asked for (a new bucket on the
+    object stores), for fixtures of any scope."""
+    def make(kind: str) -> Store:
+        if kind == "local":
+            return Store(kind, str(tmp_path_factory.mktemp("local") / "ckpt"))
+        if kind == "file":
+            return Store(kind, f"file://{tmp_path_factory.mktemp('file')}/ckpt")
+        if kind == "memory":
+            return Store(kind, f"memory://zarrckpt-tests/{uuid.uuid4().hex}")
+        if kind in OBJECT_STORES:
+            server = request.getfixturevalue(f"{kind}_server")
+            return Store(kind, f"{server.protocol}://{server.new_bucket()}/ckpt", server.options(), server)
+        raise ValueError(kind)
+
+    return make
 
 
 @pytest.fixture(params=STORES)
-def store_url(request, tmp_path):
-    """A fresh, empty URL on each kind of store; memory:// is cleaned up afterwards."""
-    url = make_url(request.param, tmp_path)
-    yield url
-    if url.startswith("memory://"):
+def store(request, new_store):
+    """A fresh, empty checkpoint URL on each kind of store; memory:// is cleaned up afterwards."""
+    made = new_store(request.param)
+    yield made
+    if made.kind == "memory":
         fs = fsspec.filesystem("memory")
-        if fs.exists(url):
-            fs.rm(url, recursive=True)
+        if fs.exists(made.url):
+            fs.rm(made.url, recursive=True)

@@ -22,24 +22,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(worker: str, *args: str, processes: int = 2, devices: int = 4, timeout: float = 180,
-        expect_ok: bool = True) -> list[dict]:
-    """Runs tests/workers/<worker>.py in `processes` processes; returns each one's JSON result.
-
-    A worker prints its result as a last line `RESULT <json>`. With `expect_ok` a
-    non-zero exit fails the test with that process's output.
-    """
+def launch(worker: str, *args: str, processes: int = 2, devices: int = 4,
+           storage_options: dict | None = None) -> list[subprocess.Popen]:
+    """Starts tests/workers/<worker>.py in `processes` processes of one JAX job, each with
+    `devices` CPU devices; their stdout and stderr come merged, as text, on `stdout`.
+    `storage_options` reach the worker's zarrckpt calls (workers/common.py)."""
     port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               ZARRCKPT_TEST_STORAGE_OPTIONS=json.dumps(storage_options))
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")])
-    procs = [
+    return [
         subprocess.Popen(
             [sys.executable, str(WORKERS / f"{worker}.py"), f"127.0.0.1:{port}", str(processes), str(pid), *args],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for pid in range(processes)
     ]
+
+
+def run(worker: str, *args: str, processes: int = 2, devices: int = 4, timeout: float = 180,
+        expect_ok: bool = True, storage_options: dict | None = None) -> list[dict]:
+    """Runs `launch`'s processes to the end; returns each one's JSON result.
+
+    A worker prints its result as a last line `RESULT <json>`. With `expect_ok` a
+    non-zero exit fails the test with that process's output.
+    """
+    procs = launch(worker, *args, processes=processes, devices=devices, storage_options=storage_options)
     outputs = []
     try:
         for proc in procs:

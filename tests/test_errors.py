@@ -55,9 +55,19 @@ def test_leftover_uncommitted_directory_is_replaced(tmp_path):
     url = tmp_path / "c"
     (url / "stale").mkdir(parents=True)
     (url / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group", "attributes": {}}')
-    (url / "stale" / "junk").write_text("x")
+    (url / "stale" / "c.0.1").write_text("x")  # a chunk of an array the new tree does not have
     zarrckpt.save_pytree(str(url), {"a": np.ones(2)})
     assert not (url / "stale").exists()
+
+
+def test_saving_over_something_that_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("precious")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x.csv").write_text("1,2")
+    with pytest.raises(zarrckpt.CheckpointExistsError,
+                       match=r"is not empty and not a checkpoint \(it holds 'data/x.csv', 'notes.txt'\); refusing"):
+        zarrckpt.save_pytree(str(tmp_path), {"a": np.ones(2)})
+    assert (tmp_path / "notes.txt").read_text() == "precious"
 
 
 def test_loading_what_is_not_there_or_not_committed(tmp_path):
@@ -126,5 +136,5 @@ def test_newer_format_is_refused(tmp_path):
     url = tmp_path / "c"
     zarrckpt.save_pytree(str(url), {"a": np.ones(2)})
     edit_group_attributes(url, lambda attrs: attrs["zarrckpt"].update(format_version=99))
-    with pytest.raises(zarrckpt.CheckpointCorruptError, match="format_version 99; this zarrckpt reads up to 1"):
+    with pytest.raises(zarrckpt.CheckpointCorruptError, match=f"format_version 99; this zarrckpt reads up to {zarrckpt.FORMAT_VERSION}"):
         zarrckpt.load_pytree(str(url))

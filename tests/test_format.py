@@ -173,8 +173,8 @@ def test_edge_chunks_are_padded_as_zarr_expects(tmp_path):
     x = np.arange(15, dtype=np.float32).reshape(5, 3)
     for i in range(3):
         for j in range(2):
-            loc.write(_zarrjson.chunk_key("", [i, j]).lstrip("/"),
-                      _zarrjson.encode_chunk(x[2 * i:2 * i + 2, 2 * j:2 * j + 2], (2, 2)))
+            data = _zarrjson.encode_chunk(x[2 * i:2 * i + 2, 2 * j:2 * j + 2], (2, 2))
+            loc.write(_zarrjson.chunk_key("", [i, j]).lstrip("/"), data, _zarrjson.checksum(data))
     np.testing.assert_array_equal(zarr.open_array(loc.path, mode="r")[...], x)
 
 

@@ -2,7 +2,6 @@
 
 import functools
 import logging
-import time
 
 import jax
 import jax.numpy as jnp
@@ -84,10 +83,10 @@ def test_staging_is_bounded_by_max_staged_bytes(tmp_path):
 def test_background_errors_are_raised_never_lost(tmp_path, monkeypatch):
     original = _storage.Location.write
 
-    def failing(self, key, data, **kwargs):
-        if ".c" in key or "/c." in key:
+    def failing(self, key, *parts, **kwargs):
+        if "/c." in key:
             raise OSError("disk on fire")
-        return original(self, key, data, **kwargs)
+        return original(self, key, *parts, **kwargs)
 
     mgr = zarrckpt.CheckpointManager(str(tmp_path))
     monkeypatch.setattr(_storage.Location, "write", failing)
@@ -200,3 +199,18 @@ def test_interrupted_deletion_never_looks_committed(tmp_path, monkeypatch):
     monkeypatch.undo()
     zarrckpt.save_checkpoint(root, 1, {"fresh": np.ones(2)})  # the leftover is cleared first
     assert sorted(p.name for p in (tmp_path / "0000000001").iterdir()) == ["fresh", "zarr.json"]
+
+
+def test_progress_bars_can_be_turned_on_and_off(tmp_path, monkeypatch, capsys):
+    from zarrckpt import _progress
+
+    monkeypatch.setattr(_progress, "_SHOW_AFTER_S", 0)
+    with zarrckpt.CheckpointManager(str(tmp_path), progress=True) as mgr:
+        mgr.save(1, small_state(), force=True)
+        mgr.wait()
+        mgr.restore(small_state())
+    shown = capsys.readouterr().err
+    assert "saving" in shown and "restoring" in shown
+    with zarrckpt.CheckpointManager(str(tmp_path), progress=False) as mgr:
+        mgr.save(2, small_state(), force=True)
+    assert capsys.readouterr().err == ""

@@ -1,4 +1,5 @@
-"""Real multi-process JAX: 2 processes x 4 CPU devices on localhost."""
+"""Real multi-process JAX: 2 processes x 4 CPU devices on localhost, on a local disk and
+on the S3 and GCS servers."""
 
 import pytest
 
@@ -6,18 +7,20 @@ import multiprocess
 import zarrckpt
 from zarrckpt import _commit, _steps
 
+MP_STORES = ["local", "s3", "gcs"]
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+
+@pytest.fixture(scope="module", params=MP_STORES)
+def saved(request, new_store):
     """A step saved by 2 processes with 4 devices each, on a (2, 4) mesh."""
-    directory = str(tmp_path_factory.mktemp("mp") / "ckpt")
-    results = multiprocess.run("mp_checkpoint", "save", directory, "10")
-    return directory, results
+    store = new_store(request.param)
+    results = multiprocess.run("mp_checkpoint", "save", store.url, "10", storage_options=store.options)
+    return store, results
 
 
 def test_two_processes_save_and_commit(saved):
-    directory, results = saved
-    assert zarrckpt.all_steps(directory) == [10]
+    store, results = saved
+    assert zarrckpt.all_steps(store.url, storage_options=store.options) == [10]
     assert [r["latest"] for r in results] == [10, 10]
     # Replicated data is written by both hosts, host (numpy) data by process 0 only.
     assert all(r["writes"]["replicated"] > 0 for r in results)
@@ -26,30 +29,31 @@ def test_two_processes_save_and_commit(saved):
 
 @pytest.mark.parametrize("mesh", ["flat8", "4x2"])
 def test_restore_on_two_processes_other_mesh(saved, mesh):
-    directory, _ = saved
-    results = multiprocess.run("mp_checkpoint", "restore", directory, mesh)
+    store, _ = saved
+    results = multiprocess.run("mp_checkpoint", "restore", store.url, mesh, storage_options=store.options)
     assert [r["step"] for r in results] == [10, 10]
     assert all(r["checked"] > 0 and r["step_value"] == 7 for r in results)
 
 
 @pytest.mark.parametrize("devices, mesh", [(8, "flat8"), (4, "2x2"), (1, "single")])
 def test_restore_on_one_process_other_device_count(saved, devices, mesh):
-    directory, _ = saved
-    (result,) = multiprocess.run("mp_checkpoint", "restore", directory, mesh, processes=1, devices=devices)
+    store, _ = saved
+    (result,) = multiprocess.run("mp_checkpoint", "restore", store.url, mesh, processes=1, devices=devices,
+                                 storage_options=store.options)
     assert result["step"] == 10 and result["checked"] > 0
 
 
-def test_failed_write_on_one_process_commits_nothing(tmp_path):
-    directory = str(tmp_path / "ckpt")
-    multiprocess.run("mp_checkpoint", "save", directory, "1")
-    results = multiprocess.run("mp_checkpoint", "fail", directory, "2")
+@pytest.mark.parametrize("store", MP_STORES, indirect=True)
+def test_failed_write_on_one_process_commits_nothing(store):
+    multiprocess.run("mp_checkpoint", "save", store.url, "1", storage_options=store.options)
+    results = multiprocess.run("mp_checkpoint", "fail", store.url, "2", storage_options=store.options)
     for r in results:
         assert r["error"] is not None, r["output"]
         assert "process 1" in r["error"] and "['both']" in r["error"] and "injected write failure" in r["error"]
         assert "nothing was committed" in r["error"]
         assert r["latest"] == 1
-    assert _commit.state(_steps.step_location(directory, 2)) is _commit.State.UNCOMMITTED
-    assert zarrckpt.all_steps(directory) == [1]
+    assert _commit.state(_steps.step_location(store.url, 2, store.options)) is _commit.State.UNCOMMITTED
+    assert zarrckpt.all_steps(store.url, storage_options=store.options) == [1]
 
 
 def test_manager_async_saves_and_restores_on_two_processes(tmp_path):

@@ -34,7 +34,7 @@ def same_bits(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
-def test_every_dtype_round_trips_bit_exactly(store_url):
+def test_every_dtype_round_trips_bit_exactly(store):
     m = mesh((2, 4))
     tree = {}
     for dt in DTYPES:
@@ -44,29 +44,29 @@ def test_every_dtype_round_trips_bit_exactly(store_url):
         if np.dtype(dt) not in (np.dtype(np.float64), np.dtype(np.complex128), np.dtype(np.int64),
                                 np.dtype(np.uint64)):  # jax runs with x64 off
             tree[f"jax_{name}"] = jax.device_put(host, NamedSharding(m, P("a", "b")))
-    zarrckpt.save_pytree(store_url, tree)
-    plain = zarrckpt.load_pytree(store_url)
+    zarrckpt.save_pytree(store.url, tree, storage_options=store.options)
+    plain = zarrckpt.load_pytree(store.url, storage_options=store.options)
     for key, value in tree.items():
         assert same_bits(plain[key], value), key
-    onto = zarrckpt.load_pytree(store_url, jax.tree_util.tree_map(
+    onto = zarrckpt.load_pytree(store.url, jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh((8,), ("x",)), P(None, "x")))
-        if isinstance(x, jax.Array) else x, tree))
+        if isinstance(x, jax.Array) else x, tree), storage_options=store.options)
     for key, value in tree.items():
         assert same_bits(onto[key], value), key
 
 
-def test_scalars_and_host_leaves(store_url):
+def test_scalars_and_host_leaves(store):
     tree = {"i": 3, "f": 2.5, "b": True, "c": 1 + 2j, "np_f32": np.float32(1.5), "np_i8": np.int8(-3),
             "zero_d": np.array(7, np.int16), "empty": np.zeros((0, 3), np.float32), "key": jax.random.PRNGKey(1)}
-    zarrckpt.save_pytree(store_url, tree)
-    back = zarrckpt.load_pytree(store_url)
+    zarrckpt.save_pytree(store.url, tree, storage_options=store.options)
+    back = zarrckpt.load_pytree(store.url, storage_options=store.options)
     for key in ("i", "f", "b", "c"):
         assert type(back[key]) is type(tree[key]) and back[key] == tree[key]
     assert back["np_f32"] == np.float32(1.5) and back["np_f32"].dtype == np.float32
     assert back["np_i8"].dtype == np.int8 and back["zero_d"].shape == ()
     assert back["empty"].shape == (0, 3)
     assert np.array_equal(back["key"], tree["key"])
-    with_target = zarrckpt.load_pytree(store_url, tree)
+    with_target = zarrckpt.load_pytree(store.url, tree, storage_options=store.options)
     assert with_target["i"] == 3 and isinstance(with_target["key"], jax.Array)
 
 
@@ -94,12 +94,12 @@ def place(x, layout):
 
 @pytest.mark.parametrize("restore_as", RESTORE_LAYOUTS)
 @pytest.mark.parametrize("saved_as", SAVE_LAYOUTS)
-def test_restore_onto_another_mesh(tmp_path, saved_as, restore_as):
+@pytest.mark.parametrize("store", ["local", "s3", "gcs"], indirect=True)
+def test_restore_onto_another_mesh(store, saved_as, restore_as):
     x = np.arange(16 * 32, dtype=np.float32).reshape(16, 32)
-    url = str(tmp_path / "c")
-    zarrckpt.save_pytree(url, {"x": place(x, SAVE_LAYOUTS[saved_as])[0]})
+    zarrckpt.save_pytree(store.url, {"x": place(x, SAVE_LAYOUTS[saved_as])[0]}, storage_options=store.options)
     _, sharding = place(x, RESTORE_LAYOUTS[restore_as])
-    back = zarrckpt.load_pytree(url, {"x": sharding})["x"]
+    back = zarrckpt.load_pytree(store.url, {"x": sharding}, storage_options=store.options)["x"]
     assert back.sharding == sharding
     for shard in back.addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), x[shard.index])
@@ -158,9 +158,9 @@ class CountingStore:
             self.keys.append(key)
             return read(loc, key)
 
-        def counted_read_into(loc, key, buffer):
+        def counted_read_into(loc, key, *buffers):
             self.keys.append(key)
-            return read_into(loc, key, buffer)
+            return read_into(loc, key, *buffers)
 
         monkeypatch.setattr(_storage.Location, "read", counted_read)
         monkeypatch.setattr(_storage.Location, "read_into", counted_read_into)
@@ -204,3 +204,22 @@ def test_small_host_memory_bound_still_works(tmp_path):
     back = zarrckpt.load_pytree(url, jax.tree_util.tree_map(lambda x: x.sharding, tree), max_inflight_bytes=1)
     for k, v in tree.items():
         np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(v))
+
+
+def test_typed_prng_keys_round_trip(tmp_path):
+    url = str(tmp_path / "c")
+    m = mesh((2, 4))
+    keys = jax.device_put(jax.random.split(jax.random.key(7), 8), NamedSharding(m, P("a")))
+    rbg = jax.random.key(3, impl="rbg")
+    zarrckpt.save_pytree(url, {"keys": keys, "rbg": rbg, "raw": jax.random.PRNGKey(1)})
+    target = {"keys": jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=NamedSharding(mesh((8,), ("x",)), P("x"))),
+              "rbg": rbg, "raw": jax.random.PRNGKey(0)}
+    back = zarrckpt.load_pytree(url, target, donate_target=False)
+    assert back["keys"].dtype == keys.dtype and back["keys"].sharding == target["keys"].sharding
+    np.testing.assert_array_equal(jax.random.key_data(back["keys"]), jax.random.key_data(keys))
+    assert jax.random.key_impl(back["rbg"]) == jax.random.key_impl(rbg)
+    np.testing.assert_array_equal(jax.random.key_data(back["rbg"]), jax.random.key_data(rbg))
+    plain = zarrckpt.load_pytree(url)
+    assert jax.dtypes.issubdtype(plain["keys"].dtype, jax.dtypes.prng_key)
+    with pytest.raises(zarrckpt.CheckpointMismatchError, match="a typed PRNG key array in the target, saved as plain"):
+        zarrckpt.load_pytree(url, {**target, "raw": jax.random.key(0)})

@@ -7,30 +7,34 @@ import zarrckpt
 from zarrckpt import _commit, _steps
 
 
-def test_resume_contract(store_url):
+def test_resume_contract(store):
+    url, opts = store.url, store.options
     target = {"w": np.zeros(3), "step": 0}
-    state, step = zarrckpt.load_checkpoint_if_it_exists(store_url, target)
+    state, step = zarrckpt.load_checkpoint_if_it_exists(url, target, storage_options=opts)
     assert state is target and step == 0
-    assert zarrckpt.all_steps(store_url) == [] and zarrckpt.latest_step(store_url) is None
+    assert zarrckpt.all_steps(url, storage_options=opts) == []
+    assert zarrckpt.latest_step(url, storage_options=opts) is None
     for s in (5, 10, 15):
-        zarrckpt.save_checkpoint(store_url, s, {"w": np.full(3, float(s)), "step": s})
-    state, step = zarrckpt.load_checkpoint_if_it_exists(store_url, target)
+        zarrckpt.save_checkpoint(url, s, {"w": np.full(3, float(s)), "step": s}, storage_options=opts)
+    state, step = zarrckpt.load_checkpoint_if_it_exists(url, target, storage_options=opts)
     assert step == 15 and state["step"] == 15 and np.array_equal(state["w"], np.full(3, 15.0))
-    assert zarrckpt.all_steps(store_url) == [5, 10, 15]
+    assert zarrckpt.all_steps(url, storage_options=opts) == [5, 10, 15]
 
 
-def test_uncommitted_steps_are_never_selected(store_url):
-    zarrckpt.save_checkpoint(store_url, 1, {"w": np.ones(2)})
-    zarrckpt.save_checkpoint(store_url, 2, {"w": np.ones(2) * 2})
-    newest = _steps.step_location(store_url, 2)
+def test_uncommitted_steps_are_never_selected(store):
+    url, opts = store.url, store.options
+    zarrckpt.save_checkpoint(url, 1, {"w": np.ones(2)}, storage_options=opts)
+    zarrckpt.save_checkpoint(url, 2, {"w": np.ones(2) * 2}, storage_options=opts)
+    newest = _steps.step_location(url, 2, opts)
     # Take the commit away, as a crash between writing data and committing would leave it.
     _commit.remove(newest.child("w"))
     newest.fs.pipe_file(f"{newest.path}/zarr.json", b'{"zarr_format": 3, "node_type": "group", "attributes": {}}')
-    assert zarrckpt.all_steps(store_url) == [1] and zarrckpt.latest_step(store_url) == 1
-    state, step = zarrckpt.load_checkpoint_if_it_exists(store_url, {"w": np.zeros(2)})
+    assert zarrckpt.all_steps(url, storage_options=opts) == [1]
+    assert zarrckpt.latest_step(url, storage_options=opts) == 1
+    state, step = zarrckpt.load_checkpoint_if_it_exists(url, {"w": np.zeros(2)}, storage_options=opts)
     assert step == 1 and np.array_equal(state["w"], np.ones(2))
-    zarrckpt.save_checkpoint(store_url, 2, {"w": np.ones(2) * 3})  # the leftover is replaced
-    assert zarrckpt.latest_step(store_url) == 2
+    zarrckpt.save_checkpoint(url, 2, {"w": np.ones(2) * 3}, storage_options=opts)  # the leftover is replaced
+    assert zarrckpt.latest_step(url, storage_options=opts) == 2
 
 
 def test_other_entries_are_ignored(tmp_path):

@@ -4,18 +4,21 @@
     save_checkpoint / load_checkpoint_if_it_exists / all_steps / latest_step
                                          numbered steps under a checkpoint directory
     metadata                             what a checkpoint holds, without reading data
+    verify / copy_checkpoint             is a checkpoint whole; copy one anywhere, commit last
     CheckpointManager                    save policies, async saves, retention
 
 The on-disk format is specified in docs/pytree-zarr-checkpoint.md.
 """
 
 from . import _dtypes
+from ._copy import CopyResult, copy_checkpoint
 from ._manager import CheckpointManager
 from ._metadata import CheckpointMetadata, LeafMetadata, metadata
 from ._naming import FORMAT_VERSION
 from ._restore import load_pytree
 from ._save import save_pytree
 from ._steps import all_steps, latest_step, load_checkpoint_if_it_exists, save_checkpoint
+from ._verify import Problem, VerifyReport, verify
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -43,14 +46,19 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointWriteError",
     "CoordinationTimeoutError",
+    "CopyResult",
     "DirectoryInUseError",
     "LeafMetadata",
+    "Problem",
     "UnsupportedLeafError",
+    "VerifyReport",
     "all_steps",
+    "copy_checkpoint",
     "latest_step",
     "load_checkpoint_if_it_exists",
     "load_pytree",
     "metadata",
     "save_checkpoint",
     "save_pytree",
+    "verify",
 ]

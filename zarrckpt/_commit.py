@@ -12,10 +12,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import logging
+import re
 from typing import Any
 
 from . import _naming, _zarrjson
 from ._storage import Location
+from .errors import CheckpointExistsError
+
+log = logging.getLogger("zarrckpt")
 
 GROUP_METADATA_FILES = ("zarr.json", ".zattrs", ".zgroup")  # v3, then seqax's v2 layout
 
@@ -38,26 +43,27 @@ class Group:
 def read_group(loc: Location) -> Group | None:
     """The group metadata at `loc`, read straight from its one metadata file, or None.
 
-    One small read, without zarr's machinery: listing steps calls this per candidate.
+    One small read for zarrckpt's layout (listing steps calls this per candidate);
+    only where `zarr.json` is absent are seqax's two v2 files asked for, together.
     A document that is not JSON reads as a group without attributes (uncommitted).
     """
-    for name in ("zarr.json", ".zattrs"):
-        try:
-            raw = loc.fs.cat_file(f"{loc.path}/{name}")
-        except FileNotFoundError:
-            continue
-        try:
-            doc = json.loads(raw)
-        except ValueError:
-            doc = {}
-        doc = doc if isinstance(doc, dict) else {}
-        if name == "zarr.json":
-            attributes = doc.get("attributes")
-            return Group(3, attributes if isinstance(attributes, dict) else {}, doc)
-        return Group(2, doc, {})
-    if loc.fs.exists(f"{loc.path}/.zgroup"):
-        return Group(2, {}, {})
-    return None
+    try:
+        doc = _json_object(loc.read("zarr.json"))
+    except FileNotFoundError:
+        zattrs, zgroup = loc.read_if_present([".zattrs", ".zgroup"])
+        if zattrs is not None:
+            return Group(2, _json_object(zattrs), {})
+        return Group(2, {}, {}) if zgroup is not None else None
+    attributes = doc.get("attributes")
+    return Group(3, attributes if isinstance(attributes, dict) else {}, doc)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def state_of(group: Group | None) -> State:
@@ -67,7 +73,15 @@ def state_of(group: Group | None) -> State:
 
 
 def state(loc: Location) -> State:
-    return state_of(read_group(loc))
+    """Whether `loc` holds a committed checkpoint; warns about damaged commit metadata,
+    which counts as not committed (so choosing the newest step skips it)."""
+    group = read_group(loc)
+    if group is not None and group.zarr_format == 3 and not group.document:
+        log.warning("%s/zarr.json is not a JSON object: treated as not committed", loc.url)
+    elif group is not None and group.attributes.get(_naming.COMMIT_ATTR, True) is not True:
+        log.warning("%s has %s = %r, not true: treated as not committed", loc.url, _naming.COMMIT_ATTR,
+                    group.attributes[_naming.COMMIT_ATTR])
+    return state_of(group)
 
 
 def commit(loc: Location, group_document: dict[str, Any]) -> None:
@@ -89,3 +103,24 @@ def remove(loc: Location) -> None:
     for name in GROUP_METADATA_FILES:
         loc.remove_file(name)
     loc.remove_tree()
+
+
+# Every object a checkpoint (ours or seqax's) can hold, and the temporary files of an
+# interrupted atomic write: anything else at a URL means it is not a checkpoint.
+_CHECKPOINT_OBJECT = re.compile(
+    r"(zarr\.json|\.zattrs|\.zgroup|\.zmetadata|PINNED)(\.[0-9a-f]{32}\.tmp)?"
+    r"|[^/]+/((zarr\.json|\.zarray|\.zattrs)(\.[0-9a-f]{32}\.tmp)?|c(\.\d+)*|c(/\d+)+|\d+(\.\d+)*)")
+
+
+def remove_leftover(loc: Location) -> None:
+    """Removes what an interrupted save or deletion left at `loc`, marker first.
+
+    Refuses, with CheckpointExistsError, when `loc` holds anything a checkpoint would
+    not: a mistyped URL must never cost someone their files.
+    """
+    foreign = sorted(key for key in loc.sizes(recursive=True) if not _CHECKPOINT_OBJECT.fullmatch(key))
+    if foreign:
+        raise CheckpointExistsError(
+            f"{loc.url} is not empty and not a checkpoint (it holds {', '.join(map(repr, foreign[:3]))}"
+            f"{', ...' if len(foreign) > 3 else ''}); refusing to delete it: save somewhere else")
+    remove(loc)

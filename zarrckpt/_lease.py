@@ -6,7 +6,9 @@ keeps a lease file there and renews it every `heartbeat_s` from a background thr
 A new manager that finds a lease not its own watches it for a few heartbeats: if it
 changes, its owner is alive and the new manager refuses to start; if not, the owner
 died (a crash, a preemption) and the lease is taken over. Watching for change, not
-comparing timestamps, keeps this correct whatever the hosts' clocks say.
+comparing timestamps, keeps this correct whatever the hosts' clocks say. A lease
+written on this host by a process that no longer exists is taken over at once, so a
+job restarted in place after a crash does not wait.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class Lease:
         """Takes the lease and starts renewing it; raises DirectoryInUseError if a live
         manager holds it."""
         found = self._read()
-        if found is not None and found.get("owner") != self._owner:
+        if found is not None and found.get("owner") != self._owner and not _dead_here(found):
             wait = self._heartbeat_s * _WATCH_BEATS
             log.warning("%s has a lease of another manager (host %s, pid %s): watching it for %.1fs",
                         self._root.url, found.get("host"), found.get("pid"), wait)
@@ -98,3 +100,16 @@ class Lease:
         self._beats += 1
         doc = {"owner": self._owner, "host": socket.gethostname(), "pid": os.getpid(), "beat": self._beats}
         self._root.write(LEASE_FILE, json.dumps(doc).encode(), atomic=True)
+
+
+def _dead_here(lease: dict[str, Any]) -> bool:
+    """Whether the lease's owner ran on this host and its process is gone."""
+    if lease.get("host") != socket.gethostname() or not isinstance(lease.get("pid"), int):
+        return False
+    try:
+        os.kill(lease["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, as another user
+        return False
+    return False

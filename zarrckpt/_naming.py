@@ -10,7 +10,7 @@ import hashlib
 import re
 from typing import Sequence
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: chunks carry a CRC-32C (version 1 checkpoints, without, still load)
 COMMIT_ATTR = "write_completed"  # seqax's commit marker; its presence as `true` is the commit
 META_ATTR = "zarrckpt"  # group attribute holding format_version and the tree record
 

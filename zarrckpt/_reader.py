@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import math
+import os
 import re
 import warnings
 from typing import Any, Callable
@@ -25,6 +27,7 @@ from ._storage import Location
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 
 _tu = jax.tree_util
+_MEMORY_BYTES = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +41,20 @@ class StoredLeaf:
     kind: str  # "jax", "numpy", "numpy_scalar", "prng_key", or the Python scalar type's name
     chunks: tuple[int, ...]
     prng_impl: str | None = None  # for typed PRNG keys: the implementation's name
+    checksum: bool = False  # each chunk ends in its CRC-32C
 
     @property
     def where(self) -> str:
         return _tree.describe_path(self.path)
+
+    @property
+    def chunk_data_bytes(self) -> int:
+        return math.prod(self.chunks) * self.dtype.itemsize
+
+    @property
+    def stored_chunk_bytes(self) -> int:
+        """The size of every stored chunk object: its data, then its checksum if any."""
+        return self.chunk_data_bytes + (_zarrjson.CHECKSUM_BYTES if self.checksum else 0)
 
 
 @dataclasses.dataclass
@@ -73,30 +86,44 @@ class Checkpoint:
 
 
 def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
+    nbytes = _planning.region_size(box) * leaf.dtype.itemsize
+    if nbytes > _MEMORY_BYTES:
+        # A hostile or damaged checkpoint must not make us try to allocate it.
+        raise CheckpointCorruptError(
+            f"leaf {leaf.where} of {loc.url} needs {nbytes:,} bytes for {box}, more than this machine's "
+            f"{_MEMORY_BYTES:,} bytes of memory")
     out = np.empty([b - a for a, b in box], leaf.dtype)
-    chunk_bytes = math.prod(leaf.chunks) * leaf.dtype.itemsize
+    chunk_bytes, stored_bytes = leaf.chunk_data_bytes, leaf.stored_chunk_bytes
     for chunk in _planning.chunks_touching(box, leaf.chunks, leaf.shape):
         coords = [a // c for (a, _), c in zip(chunk, leaf.chunks)]
         key = _zarrjson.chunk_key(leaf.name, coords)
         inside = _planning.intersect(chunk, box)
         # The trailing Ellipsis keeps a 0-d result a view, not a scalar copy.
         dest = out[(*(slice(a - o, b - o) for (a, b), (o, _) in zip(inside, box)), ...)]
-        full = inside == chunk and all(b - a == c for (a, b), c in zip(chunk, leaf.chunks))
+        direct = inside == chunk and all(b - a == c for (a, b), c in zip(chunk, leaf.chunks)) \
+            and dest.flags.c_contiguous
         try:
-            if full and dest.flags.c_contiguous:
-                # The common case: the chunk's bytes land directly in the result.
-                size = loc.read_into(key, memoryview(dest.reshape(-1).view(np.uint8)))
+            if direct:
+                # The common case: the chunk's bytes land in the result with no copy.
+                payload = dest.reshape(-1).view(np.uint8)
+                trailer = bytearray(stored_bytes - chunk_bytes)
+                size = loc.read_into(key, memoryview(payload), memoryview(trailer))
             else:
                 data = loc.read(key)
                 size = len(data)
-                if size == chunk_bytes:
-                    stored = np.frombuffer(data, leaf.dtype).reshape(leaf.chunks)
-                    dest[...] = stored[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inside, chunk))]
+                payload = np.frombuffer(data, np.uint8, count=min(size, chunk_bytes))
+                trailer = data[chunk_bytes:]
         except FileNotFoundError:
             raise CheckpointCorruptError(f"chunk {key!r} is missing from checkpoint {loc.url}") from None
-        if size != chunk_bytes:
+        if size != stored_bytes:
             raise CheckpointCorruptError(
-                f"chunk {key!r} of checkpoint {loc.url} has {size} bytes, expected {chunk_bytes}")
+                f"chunk {key!r} of checkpoint {loc.url} has {size} bytes, expected {stored_bytes}")
+        if leaf.checksum and _zarrjson.checksum(payload) != bytes(trailer):
+            raise CheckpointCorruptError(
+                f"chunk {key!r} of checkpoint {loc.url} fails its CRC-32C checksum: its bytes are damaged")
+        if not direct:
+            stored = payload.view(leaf.dtype).reshape(leaf.chunks)
+            dest[...] = stored[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inside, chunk))]
     return out
 
 
@@ -112,6 +139,8 @@ def open_checkpoint(loc: Location, *, require_committed: bool = True) -> Checkpo
         hint = (f" (it holds step directories: use load_checkpoint_if_it_exists, or one step's URL "
                 f"such as {loc.child(steps[-1]).url})") if steps else ""
         raise CheckpointNotFoundError(f"no checkpoint at {loc.url}{hint}")
+    if group.zarr_format == 3 and not group.document:
+        raise CheckpointCorruptError(f"{loc.url}/zarr.json, the checkpoint's metadata, is not a JSON object")
     committed = _commit.state_of(group) is _commit.State.COMMITTED
     if require_committed and not committed:
         raise CheckpointNotFoundError(
@@ -137,7 +166,7 @@ def _open_zarrckpt(loc: Location, committed: bool, meta: dict[str, Any], documen
     try:
         records = _tree.recorded_leaves(spec)
         arrays = _array_documents(loc, document, [rec["name"] for _, rec in records])
-        leaves = {rec["name"]: _stored_leaf(path, rec, arrays[rec["name"]]) for path, rec in records}
+        leaves = {rec["name"]: stored_leaf(path, rec, arrays[rec["name"]]) for path, rec in records}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointCorruptError(f"checkpoint {loc.url} has malformed metadata: {e!r}") from e
     return Checkpoint(loc, "zarrckpt", committed, spec, leaves, _tree.name_of, meta)
@@ -161,18 +190,28 @@ def _load_json(loc: Location, key: str) -> Any:
         raise CheckpointCorruptError(f"{key} is missing from checkpoint {loc.url}") from None
 
 
-def _stored_leaf(path: _tree.KeyPath, rec: dict[str, Any], array: dict[str, Any]) -> StoredLeaf:
+def stored_leaf(path: _tree.KeyPath, rec: dict[str, Any], array: dict[str, Any]) -> StoredLeaf:
     """A leaf record checked against its array's metadata: they must agree exactly."""
     leaf = StoredLeaf(path, rec["name"], tuple(int(d) for d in rec["shape"]), _dtypes.from_name(rec["dtype"]),
                       rec["type"], tuple(int(c) for c in array["chunk_grid"]["configuration"]["chunk_shape"]),
-                      rec.get("impl"))
-    expected = _zarrjson.array_document(leaf.shape, leaf.dtype, leaf.chunks)
-    if any(d < 0 for d in leaf.shape) or any(c < 1 for c in leaf.chunks) or len(leaf.chunks) != len(leaf.shape):
+                      rec.get("impl"), _zarrjson.has_checksum(array))
+    if (any(d < 0 for d in leaf.shape) or any(c < 1 for c in leaf.chunks) or len(leaf.chunks) != len(leaf.shape)
+            or math.prod(leaf.shape) >= 2**62 or math.prod(leaf.chunks) * leaf.dtype.itemsize >= 2**40):
         raise ValueError(f"leaf {leaf.where}: shape {leaf.shape} with chunks {leaf.chunks}")
+    expected = {"shape": list(leaf.shape), **_dtype_fields(leaf.dtype, leaf.checksum)}
     for field in ("shape", "data_type", "codecs", "chunk_key_encoding"):
         if array.get(field) != expected[field]:
             raise ValueError(f"leaf {leaf.where}: array {field} {array.get(field)!r}, expected {expected[field]!r}")
     return leaf
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_fields(dtype: np.dtype, checksum: bool) -> dict[str, Any]:
+    """The fields of an array's `zarr.json` that its dtype fixes. Cached: zarr's
+    fill-value code makes a whole document cost ~50 us, 50 ms for 1000 leaves, while
+    a restore waits."""
+    doc = _zarrjson.array_document((), dtype, (), checksum=checksum)
+    return {field: doc[field] for field in ("data_type", "codecs", "chunk_key_encoding")}
 
 
 # One key entry of jax.tree_util.keystr: ['str'] / ["str"], [int], or .attr

@@ -28,7 +28,7 @@ def save_checkpoint(checkpoint_dir: str, step: int, state: Any, *,
 def all_steps(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
     """Every committed step under `checkpoint_dir`, ascending. Not collective."""
     root = _storage.resolve(checkpoint_dir, storage_options)
-    steps = _candidate_steps(root)
+    steps = candidate_steps(root)
     with concurrent.futures.ThreadPoolExecutor(max(1, min(len(steps), root.concurrency))) as pool:
         return [s for s, ok in zip(steps, pool.map(lambda s: _is_committed(root, s), steps)) if ok]
 
@@ -40,10 +40,10 @@ def latest_step(checkpoint_dir: str, *, storage_options: dict[str, Any] | None =
     committed one, so uncommitted leftovers (a crashed save) are skipped.
     """
     root = _storage.resolve(checkpoint_dir, storage_options)
-    return next((s for s in reversed(_candidate_steps(root)) if _is_committed(root, s)), None)
+    return next((s for s in reversed(candidate_steps(root)) if _is_committed(root, s)), None)
 
 
-def _candidate_steps(root: Location) -> list[int]:
+def candidate_steps(root: Location) -> list[int]:
     steps = (_naming.parse_step_dir_name(name) for name in root.list_dir())
     return sorted(s for s in steps if s is not None)
 

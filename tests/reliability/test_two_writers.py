@@ -36,3 +36,18 @@ def test_a_manager_whose_lease_was_taken_stops_saving(tmp_path):
         mgr.save(1, {"a": np.ones(2)}, force=True)
     assert zarrckpt.all_steps(str(tmp_path)) == []
     mgr.close()
+
+
+def test_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path):
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(gone.stdout)
+    (tmp_path / _lease.LEASE_FILE).write_text(json.dumps({"owner": "x", "host": socket.gethostname(), "pid": pid,
+                                                          "beat": 3}))
+    started = time.monotonic()
+    with zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=60):
+        assert time.monotonic() - started < 5  # no watching for 2.5 heartbeats of 60 s

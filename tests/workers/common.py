@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import jax
 import numpy as np
+
+# The storage_options of the store under test (multiprocess.run passes them).
+STORAGE_OPTIONS = json.loads(os.environ.get("ZARRCKPT_TEST_STORAGE_OPTIONS") or "null")
 
 
 def init() -> list[str]:

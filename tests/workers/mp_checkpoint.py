@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from common import check_shards, expected, init, report
+from common import STORAGE_OPTIONS, check_shards, expected, init, report
 
 args = init()
 
@@ -43,8 +43,8 @@ def save(directory: str, step: str) -> None:
     tree = state_tree()
     _, leaves = _tree.record(tree)
     writers = {leaf.name: len(_planning.plan_array(leaf, i).writes) for i, leaf in enumerate(leaves)}
-    zarrckpt.save_checkpoint(directory, int(step), tree)
-    report(writes=writers, latest=zarrckpt.latest_step(directory))
+    zarrckpt.save_checkpoint(directory, int(step), tree, storage_options=STORAGE_OPTIONS)
+    report(writes=writers, latest=zarrckpt.latest_step(directory, storage_options=STORAGE_OPTIONS))
 
 
 def restore(directory: str, mesh_name: str) -> None:
@@ -54,7 +54,7 @@ def restore(directory: str, mesh_name: str) -> None:
     target = {name: NamedSharding(mesh, spec) for name, spec in specs.items()}
     target["host"] = np.zeros(SHAPES["host"], np.float32)
     target["step"] = 0
-    state, step = zarrckpt.load_checkpoint_if_it_exists(directory, target)
+    state, step = zarrckpt.load_checkpoint_if_it_exists(directory, target, storage_options=STORAGE_OPTIONS)
     checked = check_shards(state, SHAPES)
     report(step=step, checked=checked, step_value=state["step"])
 
@@ -66,16 +66,16 @@ def fail(directory: str, step: str) -> None:
 
         original = _storage.Location.write
 
-        def broken(self, key, data, **kwargs):
+        def broken(self, key, *parts, **kwargs):
             if key.startswith("both/c."):
                 raise OSError("injected write failure")
-            return original(self, key, data, **kwargs)
+            return original(self, key, *parts, **kwargs)
 
         _storage.Location.write = broken
     try:
-        zarrckpt.save_checkpoint(directory, int(step), tree)
+        zarrckpt.save_checkpoint(directory, int(step), tree, storage_options=STORAGE_OPTIONS)
     except zarrckpt.CheckpointWriteError as e:
-        report(error=str(e), latest=zarrckpt.latest_step(directory))
+        report(error=str(e), latest=zarrckpt.latest_step(directory, storage_options=STORAGE_OPTIONS))
         sys.exit(0)
     report(error=None)
 

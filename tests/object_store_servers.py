@@ -1,0 +1,278 @@
+"""Real object-store servers on 127.0.0.1 for the tests, each run in threads of the
+test process on a port the OS picks, and stopped by the fixture that started it:
+
+- S3: moto's server mode (an S3 protocol server over HTTP), reached by s3fs with
+  storage_options endpoint_url, key and secret;
+- GCS: gcp-storage-emulator (the GCS JSON API), reached by gcsfs with endpoint_url and
+  token="anon".
+
+Both record every request they answer and can hold each one for a fixed delay, so
+the tests can count requests and see how many were in flight at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import email
+import functools
+import http.server
+import json
+import logging
+import os
+import re
+import threading
+import time
+import urllib.request
+import uuid
+from typing import Any, Iterator
+
+# gcsfs otherwise asks a Google control-plane API about every bucket (unreachable
+# here: each lookup hangs for a minute). Read when gcsfs is imported, so set first.
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+
+import fsspec  # noqa: E402
+
+# Recognisable, so that tests can assert they never show up anywhere.
+TEST_KEY = "AKIAZARRCKPTTESTKEY7"
+TEST_SECRET = "zarrckpt-test-SECRET-must-never-be-printed-31415"
+
+
+class Recorder:
+    """The requests a server answered, how many were in flight at most, and a delay
+    applied to each (a stand-in for a far-away store's latency)."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str]] = []  # (method, path?query)
+        self.peak_in_flight = 0
+        self.delay_s = 0.0
+        self._in_flight = 0
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.requests.clear()
+            self.peak_in_flight = 0
+
+    @contextlib.contextmanager
+    def request(self, method: str, target: str) -> Iterator[None]:
+        with self._lock:
+            self.requests.append((method, target))
+            self._in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
+        try:
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    @contextlib.contextmanager
+    def delayed(self, seconds: float) -> Iterator[None]:
+        self.delay_s = seconds
+        try:
+            yield
+        finally:
+            self.delay_s = 0.0
+
+
+class S3Server:
+    """moto's S3 server."""
+
+    protocol = "s3"
+
+    def __init__(self) -> None:
+        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+        from werkzeug.serving import make_server
+
+        class QuietHandler(MotoRequestHandler):
+            def log_request(self, *args: Any, **kwargs: Any) -> None:
+                pass
+
+        self.recorder = Recorder()
+        app = DomainDispatcherApplication(create_backend_app)
+
+        def recorded(environ: dict[str, Any], start_response: Any) -> Any:
+            query = environ.get("QUERY_STRING")
+            target = environ["PATH_INFO"] + (f"?{query}" if query else "")
+            with self.recorder.request(environ["REQUEST_METHOD"], target):
+                return app(environ, start_response)
+
+        self._server = make_server("127.0.0.1", 0, recorded, threaded=True, request_handler=QuietHandler)
+        self.endpoint = f"http://127.0.0.1:{self._server.server_port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def options(self, key: str = TEST_KEY, secret: str = TEST_SECRET) -> dict[str, Any]:
+        return {"endpoint_url": self.endpoint, "key": key, "secret": secret}
+
+    def new_bucket(self) -> str:
+        name = f"zarrckpt-{uuid.uuid4().hex[:16]}"
+        fsspec.filesystem("s3", **self.options()).mkdir(name)
+        return name
+
+    def new_user(self, statements: list[dict[str, Any]]) -> tuple[str, str]:
+        """An IAM user allowed what `statements` allow; returns its key and secret.
+        Only enforced inside `enforcing_auth`."""
+        import boto3
+
+        iam = boto3.client("iam", endpoint_url=self.endpoint, aws_access_key_id=TEST_KEY,
+                           aws_secret_access_key=TEST_SECRET, region_name="us-east-1")
+        name = f"user-{uuid.uuid4().hex[:8]}"
+        iam.create_user(UserName=name)
+        iam.put_user_policy(UserName=name, PolicyName="policy", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17", "Statement": statements}))
+        created = iam.create_access_key(UserName=name)["AccessKey"]
+        return created["AccessKeyId"], created["SecretAccessKey"]
+
+    @contextlib.contextmanager
+    def enforcing_auth(self) -> Iterator[None]:
+        """Makes the server check every request's credentials and IAM policies."""
+        self._moto_api("reset-auth", b"0")
+        try:
+            yield
+        finally:
+            self._moto_api("reset-auth", b"inf")
+
+    def _moto_api(self, name: str, body: bytes) -> None:
+        request = urllib.request.Request(f"{self.endpoint}/moto-api/{name}", data=body, method="POST",
+                                         headers={"Content-Type": "text/plain"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            response.read()
+
+    @staticmethod
+    def kind(method: str, target: str) -> str:
+        """What a request does: read, write, list, delete or other."""
+        path, _, query = target.partition("?")
+        is_object = path.strip("/").count("/") >= 1
+        if method == "GET":
+            return "read" if is_object else ("list" if "list-type" in query else "other")
+        return {"PUT": "write" if is_object else "other", "DELETE": "delete"}.get(method, "other")
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+class GCSServer:
+    """gcp-storage-emulator's GCS JSON API, its data in memory.
+
+    The emulator's own server answers one request at a time; here a threading server
+    accepts requests concurrently (so delays overlap, as on a real store), and a lock
+    keeps its storage, which is not thread-safe, to one request at a time.
+    """
+
+    protocol = "gs"
+
+    def __init__(self) -> None:
+        from gcp_storage_emulator import server as emulator
+        from gcp_storage_emulator.server import RequestHandler
+        from gcp_storage_emulator.storage import Storage
+
+        _parse_uploads_exactly(emulator)
+        # It logs every 404 as an error; absent objects are routine here.
+        logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)
+
+        class MemoryStorage(Storage):
+            def _write_config_to_file(self) -> None:
+                # Persists the whole object table on every change: quadratic, and
+                # pointless for data kept in memory.
+                pass
+
+        recorder = self.recorder = Recorder()
+        storage_lock = threading.Lock()
+
+        class Handler(RequestHandler):
+            def _serve(self, method: str) -> None:
+                with recorder.request(method, self.path), storage_lock:
+                    getattr(RequestHandler, f"do_{method}")(self)
+
+            def do_GET(self) -> None:
+                self._serve("GET")
+
+            def do_POST(self) -> None:
+                self._serve("POST")
+
+            def do_PUT(self) -> None:
+                self._serve("PUT")
+
+            def do_PATCH(self) -> None:
+                self._serve("PATCH")
+
+            def do_DELETE(self) -> None:
+                self._serve("DELETE")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        server_class = type("Server", (http.server.ThreadingHTTPServer,), {"daemon_threads": True})
+        self._server = server_class(("127.0.0.1", 0), functools.partial(Handler, MemoryStorage(use_memory_fs=True)))
+        self.endpoint = f"http://127.0.0.1:{self._server.server_port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def options(self) -> dict[str, Any]:
+        return {"endpoint_url": self.endpoint, "token": "anon"}
+
+    def new_bucket(self) -> str:
+        name = f"zarrckpt-{uuid.uuid4().hex[:16]}"
+        fsspec.filesystem("gs", **self.options()).mkdir(name)
+        return name
+
+    @staticmethod
+    def kind(method: str, target: str) -> str:
+        """What a request does: read, write, list, delete or other."""
+        path = target.partition("?")[0]
+        if method == "GET":
+            if path.startswith("/download/"):
+                return "read"
+            return "list" if path.endswith("/o") else "other"
+        if method == "POST" and path.startswith("/upload/"):
+            return "write"
+        return "delete" if method == "DELETE" else "other"
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+def _parse_uploads_exactly(emulator: Any) -> None:
+    """Replaces the emulator's reading of multipart uploads (the kind gcsfs sends for
+    objects under 50 MiB) with a byte-exact one.
+
+    The emulator parses them with the `email` package, which takes a trailing b"\r"
+    of the object for part of the line break before the closing boundary: about one
+    random chunk in 256 came back a byte short. Real GCS stores the bytes as sent.
+    """
+    original = emulator._read_data
+    if getattr(original, "exact_uploads", False):
+        return
+
+    def read_data(handler: Any, query: dict[str, list[str]]) -> Any:
+        content_type = handler.headers.get("Content-Type") or ""
+        if not content_type.startswith("multipart/related"):
+            return original(handler, query)
+        raw = emulator._decode_raw_data(emulator._read_raw_data(handler), handler)
+        boundary = b"--" + re.search(r'boundary="?([^";]+)"?', content_type).group(1).encode()
+        # A part ends with the line break before the next boundary: CRLF or LF, as
+        # the sender chose for the whole body. Only the last boundary closes it.
+        newline = b"\r\n" if raw.startswith(boundary + b"\r\n") else b"\n"
+        body = raw[len(boundary + newline): raw.rindex(newline + boundary + b"--")]
+        meta_part, content_part = body.split(newline + boundary + newline, 1)
+        content_headers, content = content_part.split(newline * 2, 1)
+        return {
+            "meta": json.loads(meta_part.split(newline * 2, 1)[1]),
+            "content": content,
+            "content-type": email.message_from_bytes(content_headers + newline * 2).get_content_type(),
+        }
+
+    read_data.exact_uploads = True  # type: ignore[attr-defined]
+    emulator._read_data = read_data
+
+
+def request_kinds(server: S3Server | GCSServer) -> collections.Counter[str]:
+    """How many requests of each kind the server has answered since its last reset."""
+    return collections.Counter(server.kind(method, target) for method, target in server.recorder.requests)

@@ -1,0 +1,94 @@
+"""Damage to a committed checkpoint is always an error naming what is damaged, or, when
+choosing the newest step, a skipped step with a warning: never wrong values."""
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import zarrckpt
+
+
+
+def saved(tmp_path) -> Path:
+    for step in (1, 2):
+        zarrckpt.save_checkpoint(str(tmp_path), step, {"w": np.arange(64, dtype=np.float32).reshape(8, 8) + step,
+                                                       "b": np.ones(3)}, max_chunk_bytes=64)
+    return tmp_path / "0000000002"
+
+
+def flip_byte(url):
+    chunk = url / "w" / "c.1.0"
+    data = bytearray(chunk.read_bytes())
+    data[5] ^= 0x10
+    chunk.write_bytes(bytes(data))
+
+
+def flip_checksum(url):
+    chunk = url / "w" / "c.1.0"
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0x01
+    chunk.write_bytes(bytes(data))
+
+
+def truncate(url):
+    chunk = url / "w" / "c.1.0"
+    chunk.write_bytes(chunk.read_bytes()[:-3])
+
+
+def extend(url):
+    chunk = url / "w" / "c.1.0"
+    chunk.write_bytes(chunk.read_bytes() + b"\0")
+
+
+def delete_chunk(url):
+    os.remove(url / "w" / "c.1.0")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (flip_byte, r"chunk 'w/c.1.0' of checkpoint .*0000000002 fails its CRC-32C checksum"),
+    (flip_checksum, r"chunk 'w/c.1.0' of checkpoint .*0000000002 fails its CRC-32C checksum"),
+    (truncate, r"chunk 'w/c.1.0' of checkpoint .*0000000002 has 65 bytes, expected 68"),
+    (extend, r"chunk 'w/c.1.0' of checkpoint .*0000000002 has 69 bytes, expected 68"),
+    (delete_chunk, r"chunk 'w/c.1.0' is missing from checkpoint .*0000000002"),
+])
+def test_damaged_chunks_are_errors_naming_leaf_and_chunk(tmp_path, damage, message):
+    url = saved(tmp_path)
+    damage(url)
+    with pytest.raises(zarrckpt.CheckpointCorruptError, match=message) as info:
+        zarrckpt.load_pytree(str(url))
+    assert "while reading leaf ['w']" in "\n".join(info.value.__notes__)
+
+
+@pytest.mark.parametrize("damage, load_error", [
+    (lambda url: (url / "zarr.json").unlink(), "no checkpoint at"),
+    (lambda url: (url / "zarr.json").write_text("{ not json"), "is not a JSON object"),
+    (lambda url: edit(url, lambda d: d["attributes"].update(write_completed="yes")), "is not committed"),
+])
+def test_damaged_commit_metadata_is_skipped_with_a_warning(tmp_path, caplog, damage, load_error):
+    url = saved(tmp_path)
+    damage(url)
+    with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+        state, step = zarrckpt.load_checkpoint_if_it_exists(str(tmp_path), {"w": np.zeros((8, 8), np.float32),
+                                                                            "b": np.zeros(3)})
+    assert step == 1 and state["w"][0, 0] == 1.0
+    if (url / "zarr.json").exists():
+        assert "treated as not committed" in caplog.text
+    with pytest.raises(zarrckpt.CheckpointError, match=load_error):
+        zarrckpt.load_pytree(str(url))
+
+
+def edit(url, change):
+    doc = json.loads((url / "zarr.json").read_text())
+    change(doc)
+    (url / "zarr.json").write_text(json.dumps(doc))
+
+
+def test_corrupted_array_metadata_is_an_error(tmp_path):
+    url = saved(tmp_path)
+    edit(url, lambda d: d["consolidated_metadata"]["metadata"]["w"].update(data_type="int32"))
+    with pytest.raises(zarrckpt.CheckpointCorruptError, match=r"leaf \['w'\]: array data_type 'int32'"):
+        zarrckpt.load_pytree(str(url))

@@ -1,0 +1,102 @@
+"""SIGKILL at random moments while saving and while deleting: whatever is committed
+restores bit-exactly, nothing that was committed is lost, and saving goes on."""
+
+import random
+import threading
+import time
+
+import numpy as np
+import multiprocess
+import zarrckpt
+from zarrckpt import _commit, _naming, _steps, _storage
+
+# Recorded in docs/reliability.md; keep them in step with the figures there.
+SINGLE_PROCESS_KILLS = 8
+TWO_PROCESS_KILLS = 3
+RETENTION_KILLS = 5
+
+
+class Watched:
+    """A launched worker's output, read on a thread so the test can wait for lines."""
+
+    def __init__(self, proc):
+        self.proc = proc
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line.strip())
+            if line.strip() == "ready":
+                self.ready.set()
+
+    def committed(self) -> list[int]:
+        return [int(line.split()[1]) for line in self.lines if line.startswith("committed ")]
+
+
+def run_and_kill(mode, directory, *args, processes=1, delay, victim=0):
+    workers = [Watched(p) for p in multiprocess.launch("kill_target", mode, directory, *args,
+                                                       processes=processes, devices=4)]
+    try:
+        for w in workers:
+            assert w.ready.wait(120), "\n".join(w.lines)
+        time.sleep(delay)
+        workers[victim].proc.kill()  # SIGKILL: no cleanup of any kind
+        time.sleep(0.2)
+    finally:
+        for w in workers:
+            w.proc.kill()
+            w.proc.wait()
+    return sorted({s for w in workers for s in w.committed()})
+
+
+def assert_committed_steps_are_whole(directory, must_have):
+    committed = zarrckpt.all_steps(directory)
+    assert set(must_have) <= set(committed), (must_have, committed)
+    for step in committed:
+        tree = zarrckpt.load_pytree(_steps.step_location(directory, step).url)
+        assert all(np.all(leaf == step) for leaf in tree.values()), step
+    return committed
+
+
+def test_sigkill_while_saving_one_process(tmp_path):
+    rng = random.Random(1)
+    directory = str(tmp_path / "run")
+    reported: list[int] = []
+    for _ in range(SINGLE_PROCESS_KILLS):
+        start = (zarrckpt.latest_step(directory) or 0) + 1  # the step that was cut short, saved again
+        reported += run_and_kill("saves", directory, str(start), delay=rng.uniform(0.0, 0.8))
+        assert_committed_steps_are_whole(directory, reported)
+    assert reported, "no save ever committed: the kill points are too early to test anything"
+    after = (zarrckpt.latest_step(directory) or 0) + 1
+    zarrckpt.save_checkpoint(directory, after, {"leaf0": np.full(3, after, np.float32)})
+    assert zarrckpt.latest_step(directory) == after
+
+
+def test_sigkill_one_of_two_processes(tmp_path):
+    rng = random.Random(2)
+    directory = str(tmp_path / "run")
+    reported: list[int] = []
+    for kill in range(TWO_PROCESS_KILLS):
+        start = (zarrckpt.latest_step(directory) or 0) + 1
+        reported += run_and_kill("saves", directory, str(start), processes=2,
+                                 delay=rng.uniform(0.3, 1.5), victim=kill % 2)
+        assert_committed_steps_are_whole(directory, reported)
+    assert reported
+
+
+def test_sigkill_during_retention(tmp_path):
+    rng = random.Random(3)
+    directory = str(tmp_path / "run")
+    newest_reported = 0
+    for _ in range(RETENTION_KILLS):
+        reported = run_and_kill("manager", directory, delay=rng.uniform(0.2, 1.0))
+        newest_reported = max([newest_reported, *reported])
+        committed = assert_committed_steps_are_whole(directory, [newest_reported] if newest_reported else [])
+        # Anything left that is not committed must not look committed to a reader.
+        for name in _storage.resolve(directory).list_dir():
+            step = _naming.parse_step_dir_name(name)
+            if step is not None and step not in committed:
+                assert _commit.state(_steps.step_location(directory, step)) is not _commit.State.COMMITTED
+    assert newest_reported

@@ -1,0 +1,308 @@
+"""The `zarrckpt` command, run as a user runs it: a real process, its output and exit status.
+
+Commands run as `python -m zarrckpt` on this working tree; one test runs the installed
+`zarrckpt` script where the package is installed (CI's `pip install ".[test]"`).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors
+
+import zarrckpt
+from zarrckpt import _cli, _commit, _retention, _steps, _storage
+from object_store_servers import TEST_KEY, TEST_SECRET
+
+ROOT = Path(__file__).parent.parent
+
+
+def run(*args: str, env: dict | None = None, command: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Runs `zarrckpt ARGS...` and waits for it."""
+    return run_together([list(args)], env=env, command=command)[0]
+
+
+def run_together(commands: list[list[str]], env: dict | None = None,
+                 command: list[str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Runs several `zarrckpt` commands at once (each spends most of its time starting
+    Python and importing JAX); returns their results in order."""
+    environment = dict(os.environ, **(env or {}))
+    environment["PYTHONPATH"] = os.pathsep.join([str(ROOT), environment.get("PYTHONPATH", "")])
+    environment.pop("XLA_FLAGS", None)  # the command needs no fake devices
+    procs = [subprocess.Popen([*(command or [sys.executable, "-m", "zarrckpt"]), *args], env=environment,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in commands]
+    try:
+        outputs = [proc.communicate(timeout=120) for proc in procs]
+        return [subprocess.CompletedProcess(proc.args, proc.returncode, *out) for proc, out in zip(procs, outputs)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def state(scale: float = 1.0) -> dict:
+    return {"params": {"w": (jnp.arange(32, dtype=jnp.float32).reshape(8, 4) * scale).astype(jnp.bfloat16),
+                       "b": np.full(4, scale, np.float32)},
+            "step": 7, "rng": jax.random.key(1)}
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> str:
+    """Steps 10, 20, 30 committed, 10 pinned, and an uncommitted leftover at 40."""
+    root = str(tmp_path / "run")
+    for step in (10, 20, 30):
+        zarrckpt.save_checkpoint(root, step, state(step))
+    _steps.step_location(root, 10).write(_retention.PIN_FILE, b"")
+    zarrckpt.save_checkpoint(root, 40, state(40))
+    uncommit(_steps.step_location(root, 40))
+    return root
+
+
+def uncommit(loc: _storage.Location) -> None:
+    """Takes the commit marker away, as a crash before the commit leaves a checkpoint."""
+    doc = json.loads(loc.read("zarr.json"))
+    del doc["attributes"]["write_completed"]
+    loc.write("zarr.json", json.dumps(doc).encode())
+
+
+def test_ls_info_verify(run_dir):
+    listed, info, table, ok = run_together([["ls", run_dir], ["info", f"{run_dir}/0000000030", "--json"],
+                                            ["info", f"{run_dir}/0000000030"], ["verify", f"{run_dir}/0000000030"]])
+    assert listed.returncode == 0, listed.stderr
+    rows = [line.split() for line in listed.stdout.splitlines()]
+    assert rows[0] == ["step", "state", "pinned", "size", "leaves", "written"]
+    assert [r[0] for r in rows[1:]] == ["10", "20", "30", "40"]  # newest last
+    assert rows[1][1:3] == ["committed", "pinned"] and rows[4][1] == "uncommitted"
+    assert rows[2][2:5] == ["96", "B", "4"]  # 64 + 16 + 8 + 8 bytes of data, 4 leaves
+
+    assert info.returncode == 0, info.stderr
+    described = json.loads(info.stdout)
+    assert described["committed"] and described["nbytes"] == 96
+    leaves = {leaf["name"]: leaf for leaf in described["leaves"]}
+    assert leaves["params.w"] == {"name": "params.w", "key_path": "['params']['w']", "shape": [8, 4],
+                                  "dtype": "bfloat16", "chunks": [8, 4], "kind": "jax", "nbytes": 64}
+    assert leaves["rng"]["kind"] == "prng_key" and leaves["step"]["shape"] == []
+
+    assert table.returncode == 0, table.stderr
+    assert f"committed, zarrckpt format {zarrckpt.FORMAT_VERSION}" in table.stdout
+    assert any(line.split() == ["params.w", "(8,", "4)", "bfloat16", "(8,", "4)", "64", "B"]
+               for line in table.stdout.splitlines())
+    assert table.stdout.rstrip().endswith("4 leaves, 96 B")
+
+    assert ok.returncode == 0 and ok.stdout.startswith("OK: "), ok.stdout + ok.stderr
+
+
+def delete_chunk(loc: _storage.Location) -> str:
+    os.remove(f"{loc.path}/params.w/c.0.0")
+    return "params.w/c.0.0: missing (leaf ['params']['w'])"
+
+
+def truncate_chunk(loc: _storage.Location) -> str:
+    with open(f"{loc.path}/params.b/c.0", "r+b") as f:
+        f.truncate(10)
+    return "params.b/c.0: has 10 bytes, expected"
+
+
+def flip_bit(loc: _storage.Location) -> str:
+    with open(f"{loc.path}/params.w/c.0.0", "r+b") as f:
+        first = f.read(1)[0]
+        f.seek(0)
+        f.write(bytes([first ^ 1]))
+    return "params.w/c.0.0: fails its CRC-32C checksum"
+
+
+def remove_marker(loc: _storage.Location) -> str:
+    uncommit(loc)
+    return "zarr.json: not committed"
+
+
+def test_verify_fails_on_damage(run_dir):
+    zarrckpt.save_checkpoint(run_dir, 50, state(50))
+    damages = {10: delete_chunk, 20: truncate_chunk, 30: remove_marker, 50: flip_bit}
+    urls = {step: _steps.step_location(run_dir, step).url for step in damages}
+    expected = {step: damage(_storage.resolve(urls[step])) for step, damage in damages.items()}
+    for step, done in zip(damages, run_together([["verify", urls[step]] for step in damages])):
+        assert done.returncode == _cli.EXIT_DAMAGED, (damages[step].__name__, done.stdout + done.stderr)
+        assert expected[step] in done.stdout and "DAMAGED" in done.stdout, done.stdout
+
+
+def test_verify_report(tmp_path):
+    url = str(tmp_path / "c")
+    zarrckpt.save_pytree(url, {"a": np.ones((6, 4), np.float32), "b": np.zeros(3), "s": 1.5}, max_chunk_bytes=32)
+    report = zarrckpt.verify(url)
+    assert report.ok and report.committed and report.leaves == 3 and report.chunks_checked == 3 + 1 + 1
+    assert report.checksums_checked == 5 and zarrckpt.verify(url, checksums=False).checksums_checked == 0
+    loc = _storage.resolve(url)
+    shutil.rmtree(f"{loc.path}/b")
+    doc = json.loads(loc.read("a/zarr.json"))
+    doc["shape"] = [6, 5]
+    loc.write("a/zarr.json", json.dumps(doc).encode())
+    os.remove(f"{loc.path}/a/c.2.0")
+    problems = {p.key: p for p in zarrckpt.verify(url).problems}
+    assert set(problems) == {"a/zarr.json", "a/c.2.0", "b/zarr.json", "b/"}, problems
+    assert "shape [6, 5]" in problems["a/zarr.json"].message and problems["a/c.2.0"].leaf == "['a']"
+    assert "directory is missing (all 1 chunks)" in problems["b/"].message
+
+
+def test_verify_on_object_store(s3_server):
+    url = f"s3://{s3_server.new_bucket()}/c"
+    options = s3_server.options()
+    zarrckpt.save_pytree(url, {"a": np.ones((64, 4), np.float32)}, storage_options=options, max_chunk_bytes=64)
+    s3_server.recorder.reset()
+    assert zarrckpt.verify(url, storage_options=options, checksums=False).chunks_checked == 16
+    kinds = [s3_server.kind(method, target) for method, target in s3_server.recorder.requests]
+    # The group's and the array's zarr.json, and one listing for the array's 16 chunks.
+    assert sorted(kinds) == ["list", "read", "read"], s3_server.recorder.requests
+    s3_server.recorder.reset()
+    assert zarrckpt.verify(url, storage_options=options).checksums_checked == 16
+    assert [s3_server.kind(*r) for r in s3_server.recorder.requests].count("read") == 2 + 16
+
+
+def test_gc_dry_run_then_for_real(tmp_path):
+    root = str(tmp_path / "run")
+    for step in range(1, 7):
+        zarrckpt.save_checkpoint(root, step, {"x": step})
+    _steps.step_location(root, 2).write(_retention.PIN_FILE, b"")
+    dry = run("gc", root, "--keep-last", "2", "--keep-every", "3", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.splitlines() == ["would delete step 1", "would delete step 4",
+                                       "committed steps kept: 2, 3, 5, 6"]
+    assert zarrckpt.all_steps(root) == [1, 2, 3, 4, 5, 6]
+    real = run("gc", root, "--keep-last", "2", "--keep-every", "3", "--json")
+    assert real.returncode == 0, real.stderr
+    assert json.loads(real.stdout) == {"dry_run": False, "deleted": [1, 4], "kept": [2, 3, 5, 6]}
+    assert zarrckpt.all_steps(root) == [2, 3, 5, 6]
+
+
+def test_cp_local_to_local(run_dir, tmp_path):
+    src, dst = f"{run_dir}/0000000030", str(tmp_path / "copy")
+    first = run("cp", src, dst)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("copied ") and zarrckpt.verify(dst).ok
+    back = zarrckpt.load_pytree(dst)
+    np.testing.assert_array_equal(back["params"]["w"], np.asarray(state(30)["params"]["w"]))
+    again, uncommitted = run_together([["cp", src, dst], ["cp", f"{run_dir}/0000000040", str(tmp_path / "x")]])
+    assert again.returncode == 1 and "already holds a committed checkpoint" in again.stderr
+    assert uncommitted.returncode == 1 and "is not committed" in uncommitted.stderr
+    replaced = run("cp", f"{run_dir}/0000000020", dst, "--overwrite", "--no-progress")
+    assert replaced.returncode == 0, replaced.stderr
+    assert zarrckpt.load_pytree(dst)["step"] == 7 and zarrckpt.verify(dst).ok
+    np.testing.assert_array_equal(zarrckpt.load_pytree(dst)["params"]["b"], np.full(4, 20.0, np.float32))
+
+
+def test_cp_to_s3_with_environment_credentials(run_dir, s3_server):
+    dst = f"s3://{s3_server.new_bucket()}/run/0000000030"
+    env = {"AWS_ACCESS_KEY_ID": TEST_KEY, "AWS_SECRET_ACCESS_KEY": TEST_SECRET,
+           "FSSPEC_S3_ENDPOINT_URL": s3_server.endpoint}
+    copied = run("cp", f"{run_dir}/0000000030", dst, env=env)
+    assert copied.returncode == 0, copied.stderr
+    options = ["-o", f"endpoint_url={s3_server.endpoint}", "-o", f"key={TEST_KEY}", "-o", f"secret={TEST_SECRET}"]
+    checked, listed = run_together([["verify", dst, *options], ["ls", dst.rsplit("/", 1)[0], *options]])
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert listed.stdout.splitlines()[1].split()[:2] == ["30", "committed"]
+    assert TEST_SECRET not in copied.stdout + copied.stderr + checked.stdout + listed.stdout
+
+
+def test_copy_commits_last_and_not_at_all_on_failure(run_dir, tmp_path, monkeypatch):
+    src, dst = f"{run_dir}/0000000030", str(tmp_path / "copy")
+    written, failing = [], True
+    original = _storage.Location.write
+
+    def recording(self, key, data, **kwargs):
+        written.append((key, data))
+        if failing and key == "params.b/c.0":
+            raise OSError("injected failure")
+        return original(self, key, data, **kwargs)
+
+    monkeypatch.setattr(_storage.Location, "write", recording)
+    with pytest.raises(zarrckpt.CheckpointWriteError, match="injected failure"):
+        zarrckpt.copy_checkpoint(src, dst)
+    # Group metadata first, without the marker: the partial copy is an uncommitted checkpoint.
+    assert written[0][0] == "zarr.json" and b"write_completed" not in bytes(written[0][1])
+    assert _commit.state(_storage.resolve(dst)) is _commit.State.UNCOMMITTED
+    failing = False
+    written.clear()
+    result = zarrckpt.copy_checkpoint(src, dst)  # replaces the partial copy
+    assert written[-1][0] == "zarr.json" and b'"write_completed":true' in bytes(written[-1][1])
+    assert result.objects == len(written) - 1 and zarrckpt.verify(dst).ok
+    with pytest.raises(ValueError, match="lies inside it"):
+        zarrckpt.copy_checkpoint(src, f"{src}/nested")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(zarrckpt.CheckpointExistsError, match="not a checkpoint"):
+        zarrckpt.copy_checkpoint(src, str(tmp_path / "notes"), overwrite=True)
+    assert (tmp_path / "notes" / "keep.txt").exists()
+
+
+def test_export_npz_and_safetensors(run_dir, tmp_path):
+    url = f"{run_dir}/0000000030"
+    npz, st = run_together([["export", url, str(tmp_path / "state.npz")],
+                            ["export", url, str(tmp_path / "state.safetensors")]])
+    assert npz.returncode == 0, npz.stderr
+    assert "params.w: bfloat16 widened to float32" in npz.stdout
+    expected = state(30)
+    with np.load(tmp_path / "state.npz") as arrays:
+        assert sorted(arrays.files) == ["params.b", "params.w", "rng", "step"]  # the names `info` lists
+        np.testing.assert_array_equal(arrays["params.w"], np.asarray(expected["params"]["w"], np.float32))
+        np.testing.assert_array_equal(arrays["rng"], jax.random.key_data(expected["rng"]))
+        assert arrays["step"].shape == () and arrays["step"] == 7
+
+    assert st.returncode == 0 and "widened" not in st.stdout, st.stdout + st.stderr
+    tensors = {name: t for name, t in safetensors.deserialize((tmp_path / "state.safetensors").read_bytes())}
+    assert tensors["params.w"]["dtype"] == "BF16" and tensors["params.w"]["shape"] == [8, 4]
+    w = np.frombuffer(bytes(tensors["params.w"]["data"]), ml_dtypes.bfloat16).reshape(8, 4)
+    np.testing.assert_array_equal(w, np.asarray(expected["params"]["w"]))
+
+
+def test_export_refuses_what_the_format_cannot_hold(tmp_path):
+    url = str(tmp_path / "c")
+    zarrckpt.save_pytree(url, {"z": np.ones(2, np.complex128), "i4": np.arange(3).astype(ml_dtypes.int4)})
+    with pytest.raises(ValueError, match="complex128, which safetensors cannot hold"):
+        zarrckpt._export.export_checkpoint(url, str(tmp_path / "x.safetensors"))
+    assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "x.safetensors.partial").exists()
+    result = zarrckpt._export.export_checkpoint(url, str(tmp_path / "x.npz"))
+    assert result.widened == {"i4": ("int4", "int8")}
+    with np.load(tmp_path / "x.npz") as arrays:
+        np.testing.assert_array_equal(arrays["i4"], np.arange(3, dtype=np.int8))
+
+
+def test_errors_are_one_line(tmp_path):
+    missing, debug, usage = run_together([["info", str(tmp_path / "nothing")],
+                                          ["info", str(tmp_path / "nothing"), "--debug"],
+                                          ["gc", str(tmp_path), "--keep-last", "0"]])
+    assert missing.returncode == 1
+    assert missing.stderr == f"zarrckpt: error: no checkpoint at {tmp_path / 'nothing'}\n"
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "CheckpointNotFoundError" in debug.stderr
+    assert usage.returncode == 2 and "expected a positive integer" in usage.stderr
+
+
+def test_storage_option_values():
+    assert _cli._option("anon=true") == ("anon", True)
+    assert _cli._option("endpoint_url=http://127.0.0.1:9000") == ("endpoint_url", "http://127.0.0.1:9000")
+    assert _cli._option('client_kwargs={"region_name": "eu-west-1"}') == ("client_kwargs",
+                                                                          {"region_name": "eu-west-1"})
+    assert _cli._option("token=") == ("token", "")
+    assert _cli._size(512) == "512 B" and _cli._size(1536) == "1.5 KiB" and _cli._size(3 * 2**30) == "3.0 GiB"
+
+
+def installed_command() -> str | None:
+    """The `zarrckpt` script of the running interpreter's environment, if installed."""
+    beside = Path(sysconfig.get_path("scripts")) / "zarrckpt"
+    return str(beside) if beside.exists() else None
+
+
+@pytest.mark.skipif(installed_command() is None, reason="zarrckpt is not installed in this environment")
+def test_installed_entry_point(run_dir):
+    listed = run("ls", run_dir, "--json", command=[installed_command()])
+    assert listed.returncode == 0, listed.stderr
+    assert [row["step"] for row in json.loads(listed.stdout)] == [10, 20, 30, 40]

@@ -1,0 +1,197 @@
+"""What object stores add: requests issued concurrently, a constant number of round
+trips to open a checkpoint or find the newest step, and store errors that are clear,
+name the URL, commit nothing and never show a credential. Against the real S3 and GCS
+servers of tests/object_store_servers.py, which count every request."""
+
+import logging
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import zarrckpt
+from object_store_servers import TEST_KEY, TEST_SECRET, request_kinds
+from zarrckpt import _commit, _steps, _storage
+
+both = pytest.mark.parametrize("store", ["s3", "gcs"], indirect=True)
+UNCOMMITTED_GROUP = b'{"zarr_format": 3, "node_type": "group", "attributes": {}}'
+
+
+def small_tree(leaves: int) -> dict:
+    return {f"l{i}": np.full(4, i, np.float32) for i in range(leaves)}
+
+
+@both
+def test_requests_are_in_flight_together(store):
+    """With each request held 0.25 s by the server, a save or restore one request at a
+    time would take (requests x 0.25 s); the default concurrency overlaps them."""
+    recorder, delay = store.server.recorder, 0.25
+    tree = small_tree(96)
+    with recorder.delayed(delay):
+        recorder.reset()
+        started = time.perf_counter()
+        zarrckpt.save_pytree(store.url, tree, storage_options=store.options)
+        save_s, save_requests, save_peak = time.perf_counter() - started, len(recorder.requests), recorder.peak_in_flight
+        recorder.reset()
+        started = time.perf_counter()
+        back = zarrckpt.load_pytree(store.url, storage_options=store.options)
+        load_s, load_requests, load_peak = time.perf_counter() - started, len(recorder.requests), recorder.peak_in_flight
+    assert all(np.array_equal(back[k], v) for k, v in tree.items())
+    assert save_peak >= 32 and load_peak >= 32, (save_peak, load_peak)
+    # A loose bound: this machine may be busy with other work.
+    assert save_s < save_requests * delay / 3, (save_s, save_requests)
+    assert load_s < load_requests * delay / 3, (load_s, load_requests)
+
+
+@both
+def test_opening_a_checkpoint_costs_one_request_whatever_its_size(store):
+    server = store.server
+    for leaves in (3, 60):
+        url = f"{store.url}/{leaves}"
+        zarrckpt.save_pytree(url, small_tree(leaves), storage_options=store.options)
+        server.recorder.reset()
+        meta = zarrckpt.metadata(url, storage_options=store.options)
+        assert len(meta.leaves) == leaves and request_kinds(server) == {"read": 1}
+        server.recorder.reset()
+        zarrckpt.load_pytree(url, storage_options=store.options)
+        assert request_kinds(server) == {"read": 1 + leaves}  # the group's metadata, then one chunk per leaf
+
+
+@both
+def test_save_requests(store):
+    """One write per object (the group, every array's metadata and chunk, the commit),
+    and a constant number of other requests (finding what is there beforehand)."""
+    server = store.server
+    others = []
+    for leaves in (5, 40):
+        server.recorder.reset()
+        zarrckpt.save_pytree(f"{store.url}/{leaves}", small_tree(leaves), storage_options=store.options)
+        kinds = request_kinds(server)
+        assert kinds.pop("write") == 1 + leaves + leaves + 1
+        others.append(kinds)
+    assert others[0] == others[1] and sum(others[0].values()) <= 8, others
+
+
+@both
+def test_listing_steps_reads_newest_first_and_stops_at_the_first_committed(store):
+    server, opts = store.server, store.options
+    for step in (1, 2, 3):
+        zarrckpt.save_checkpoint(store.url, step, small_tree(2), storage_options=opts)
+    _steps.step_location(store.url, 3, opts).write("zarr.json", UNCOMMITTED_GROUP)  # a crashed save
+    server.recorder.reset()
+    assert zarrckpt.latest_step(store.url, storage_options=opts) == 2
+    assert request_kinds(server) == {"list": 1, "read": 2}
+    server.recorder.reset()
+    assert zarrckpt.all_steps(store.url, storage_options=opts) == [1, 2]
+    assert request_kinds(server) == {"list": 1, "read": 3}
+
+
+@both
+def test_missing_bucket_is_a_clear_error(store):
+    url = f"{store.server.protocol}://zarrckpt-no-such-bucket/run"
+    with pytest.raises(zarrckpt.CheckpointWriteError) as info:
+        zarrckpt.save_pytree(url, small_tree(2), storage_options=store.options)
+    message = str(info.value)
+    assert f"cannot write {url}/zarr.json: the bucket does not exist" in message, message
+    assert "nothing was committed" in message
+    assert zarrckpt.latest_step(url, storage_options=store.options) is None
+    with pytest.raises(zarrckpt.CheckpointNotFoundError, match=f"no checkpoint at {url}"):
+        zarrckpt.load_pytree(url, storage_options=store.options)
+
+
+def everything_shown(error: BaseException) -> str:
+    """An exception as a traceback prints it, its whole chain included."""
+    return "".join(traceback.format_exception(error))
+
+
+def test_access_denied_mid_save_commits_nothing(s3_server, new_store, caplog):
+    """Credentials that may write metadata but no chunk: the save fails naming the
+    chunk's URL, leaves an uncommitted group, and shows no credential."""
+    caplog.set_level(logging.DEBUG)
+    store = new_store("s3")
+    bucket = store.url.split("/")[2]
+    key, secret = s3_server.new_user([
+        {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"},
+        {"Effect": "Allow", "Action": ["s3:PutObject"], "Resource": f"arn:aws:s3:::{bucket}/*zarr.json"},
+    ])
+    caplog.clear()  # IAM's own answer, which carries the new secret, is logged at DEBUG
+    with s3_server.enforcing_auth(), pytest.raises(zarrckpt.CheckpointWriteError) as info:
+        zarrckpt.save_pytree(store.url, {"w": np.ones(3)}, storage_options=s3_server.options(key, secret))
+    message = str(info.value)
+    assert f"cannot write {store.url}/w/c.0: access denied" in message and "nothing was committed" in message
+    assert _commit.state(_storage.resolve(store.url, store.options)) is _commit.State.UNCOMMITTED
+    shown = everything_shown(info.value) + caplog.text
+    assert secret not in shown and key not in message
+
+
+def test_credentials_never_appear(s3_server, new_store, caplog):
+    """Not in logs (every library's, at DEBUG), exceptions, reprs, or the checkpoint."""
+    caplog.set_level(logging.DEBUG)
+    store = new_store("s3")
+    zarrckpt.save_checkpoint(store.url, 1, small_tree(3), storage_options=store.options)
+    zarrckpt.load_checkpoint_if_it_exists(store.url, small_tree(3), storage_options=store.options)
+    zarrckpt.metadata(_steps.step_location(store.url, 1, store.options).url, storage_options=store.options)
+    with pytest.raises(zarrckpt.CheckpointWriteError) as missing:
+        zarrckpt.save_pytree("s3://zarrckpt-no-such-bucket/x", small_tree(1), storage_options=store.options)
+    with s3_server.enforcing_auth(), pytest.raises(zarrckpt.CheckpointWriteError) as refused:
+        zarrckpt.save_checkpoint(store.url, 2, small_tree(1), storage_options=store.options)
+    assert "access denied" in str(refused.value)
+    shown = everything_shown(missing.value) + everything_shown(refused.value) + caplog.text
+    shown += repr(_storage.resolve(store.url, store.options))
+    assert TEST_SECRET not in shown
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("zarrckpt")]
+    assert ours and not any(TEST_KEY in m or TEST_SECRET in m for m in ours)
+    fs = _storage.resolve(store.url, store.options).fs
+    stored = fs.cat(fs.find(store.url))
+    assert stored and not any(TEST_SECRET.encode() in data or TEST_KEY.encode() in data for data in stored.values())
+
+
+def test_an_error_quoting_a_credential_is_redacted(monkeypatch):
+    """Should a client library ever quote a credential, zarrckpt's message shows '***'
+    instead, and the original exception is dropped rather than chained."""
+    secret = "hunter2-zarrckpt-credential"
+    options = {"client_kwargs": {"aws_secret_access_key": secret}, "token": {"private_key": secret + "-pk"}}
+    url = "memory://zarrckpt-tests/redacted"
+    fs = _storage.resolve(url, options).fs
+
+    def refuse(path, data, **kwargs):
+        raise PermissionError(f"denied for {secret} with {secret}-pk")
+
+    monkeypatch.setattr(fs, "pipe_file", refuse)
+    with pytest.raises(zarrckpt.CheckpointWriteError) as info:
+        zarrckpt.save_pytree(url, small_tree(1), storage_options=options)
+    shown = everything_shown(info.value)
+    assert secret not in shown and "denied for *** with ***" in shown
+    assert f"cannot write {url}/zarr.json: access denied" in str(info.value)
+
+    def fail(path, data, **kwargs):
+        raise OSError("the disk is on fire")
+
+    monkeypatch.setattr(fs, "pipe_file", fail)
+    with pytest.raises(zarrckpt.CheckpointWriteError) as info:
+        zarrckpt.save_pytree(url, small_tree(1), storage_options=options)
+    assert "The above exception was the direct cause" in everything_shown(info.value)  # kept for debugging
+
+
+def test_default_concurrency_per_protocol(s3_server):
+    assert _storage.resolve("/tmp/x").concurrency == _storage.LOCAL_CONCURRENCY
+    assert _storage.resolve("memory://x").concurrency == _storage.LOCAL_CONCURRENCY
+    s3 = _storage.resolve("s3://b/x", s3_server.options())
+    assert s3.concurrency == _storage.OBJECT_STORE_CONCURRENCY
+    # botocore's own default (10 connections) would cap the requests in flight.
+    assert s3.fs.connect().meta.config.max_pool_connections >= s3.concurrency
+    limited = _storage.resolve("s3://b/x", {**s3_server.options(), "config_kwargs": {"max_pool_connections": 5}})
+    assert limited.fs.connect().meta.config.max_pool_connections == 5
+
+
+def test_latency_benchmark_runs(tmp_path):
+    """The benchmark's small settings, so that it keeps working."""
+    script = Path(__file__).parent.parent / "benchmarks" / "object_store_latency.py"
+    done = subprocess.run([sys.executable, str(script), "--leaves", "40", "--size-mib", "4", "--latency-ms", "5",
+                           "--json", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "restore" in done.stdout and "ideal" in done.stdout

@@ -1,0 +1,7 @@
+"""`python -m zarrckpt`: the zarrckpt command (see zarrckpt/_cli.py)."""
+
+import sys
+
+from ._cli import main
+
+sys.exit(main())

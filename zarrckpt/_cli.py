@@ -1,0 +1,340 @@
+"""The `zarrckpt` command: look into, check, prune, copy and export checkpoints.
+
+    zarrckpt ls DIR                  steps under a checkpoint directory
+    zarrckpt info URL                one checkpoint's leaves: shapes, dtypes, chunks, sizes
+    zarrckpt verify URL              is it whole? (exit 0 only when it is)
+    zarrckpt gc DIR --keep-last N    retention by hand
+    zarrckpt cp SRC DST              copy one checkpoint anywhere, commit marker last
+    zarrckpt export URL OUT          to .npz or .safetensors
+
+Every command reads and writes through the library (nothing here knows the format),
+and never touches an accelerator: JAX is held to the CPU unless JAX_PLATFORMS says
+otherwise, so the command works on a host whose devices a training job holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import logging
+import math
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+import jax
+
+from . import __version__, _commit, _copy, _dtypes, _export, _naming, _retention, _steps, _storage, _tree, _verify
+from ._metadata import metadata
+from .errors import CheckpointError
+
+EXIT_ERROR = 1  # the command could not do its job (message on stderr)
+EXIT_USAGE = 2  # argparse's own code for a bad command line
+EXIT_DAMAGED = 3  # verify: the checkpoint was read and is not whole
+_SHOWN_PROBLEMS = 100  # verify lists at most this many; --json lists all
+
+_EPILOG = """\
+storage options:
+  -o/--storage-option KEY=VALUE applies to every URL of a command (repeatable; VALUE is
+  parsed as JSON when it parses, e.g. anon=true, else taken as a string). cp also takes
+  --src-storage-option and --dst-storage-option, which apply to one side on top of -o.
+  The usual environment variables of the storage libraries work as well:
+  AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE, AWS_ENDPOINT_URL (s3fs),
+  GOOGLE_APPLICATION_CREDENTIALS (gcsfs), and fsspec's FSSPEC_<PROTOCOL>_<OPTION>,
+  e.g. FSSPEC_S3_ENDPOINT_URL.
+
+exit status: 0 success; 1 error (one line on stderr; --debug for the traceback);
+  2 bad command line; 3 verify found damage.
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line `argv` (default: sys.argv[1:]); returns the exit status."""
+    args = _parser().parse_args(argv)
+    if "JAX_PLATFORMS" not in os.environ:
+        jax.config.update("jax_platforms", "cpu")
+    if args.debug:
+        logging.basicConfig(level=logging.DEBUG, format="%(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except BrokenPipeError:
+        # The reader of stdout went away (`zarrckpt ls DIR | head`): not an error of ours.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_ERROR
+    except (CheckpointError, OSError, ValueError, ImportError) as e:
+        if args.debug:
+            raise
+        print(f"zarrckpt: error: {_describe(e)}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    notes = getattr(e, "__notes__", None)
+    return f"{text} ({'; '.join(notes)})" if notes else text
+
+
+# -- the command line ----------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-o", "--storage-option", metavar="KEY=VALUE", action="append", type=_option,
+                        default=[], help="fsspec storage option for every URL (repeatable)")
+    common.add_argument("--debug", action="store_true", help="show tracebacks and zarrckpt's log")
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="print JSON for scripts")
+    progress = argparse.ArgumentParser(add_help=False)
+    progress.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                          help="show a progress bar (default: when stderr is a terminal)")
+
+    parser = argparse.ArgumentParser(
+        prog="zarrckpt", description="Inspect, check, prune, copy and export zarrckpt checkpoints "
+        "on any fsspec URL (local path, s3://, gs://, ...).",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"zarrckpt {__version__}")
+    commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+
+    def command(name: str, run: Callable[[argparse.Namespace], int], help: str,
+                *parents: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=help, parents=[common, *parents],
+                                  epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub.set_defaults(run=run)
+        return sub
+
+    sub = command("ls", _ls, "list the step directories under a checkpoint directory, newest last", as_json)
+    sub.add_argument("dir", metavar="DIR", help="checkpoint directory: one subdirectory per step")
+    sub = command("info", _info, "show one checkpoint's leaves: shape, dtype, chunk shape, size", as_json)
+    sub.add_argument("url", metavar="URL", help="one checkpoint, e.g. DIR/0000001000")
+    sub = command("verify", _verify_command, "check that a checkpoint is committed and whole: metadata, "
+                  "every chunk present with its exact size, every checksum matching; exit 0 only if so",
+                  as_json)
+    sub.add_argument("url", metavar="URL", help="one checkpoint, e.g. DIR/0000001000")
+    sub.add_argument("--quick", action="store_true",
+                     help="skip the checksums: read metadata and listings only, no chunk data")
+    sub = command("gc", _gc, "delete old steps by the manager's retention rules (the newest committed "
+                  "step and pinned steps are always kept)", as_json)
+    sub.add_argument("dir", metavar="DIR", help="checkpoint directory: one subdirectory per step")
+    sub.add_argument("--keep-last", metavar="N", type=_positive, required=True,
+                     help="keep the newest N committed steps")
+    sub.add_argument("--keep-every", metavar="K", type=_positive,
+                     help="also keep every step divisible by K")
+    sub.add_argument("--dry-run", action="store_true", help="say what would be deleted; delete nothing")
+    sub = command("cp", _cp, "copy one checkpoint to another URL; the commit marker is written last",
+                  progress)
+    sub.add_argument("src", metavar="SRC", help="one checkpoint, e.g. DIR/0000001000")
+    sub.add_argument("dst", metavar="DST", help="where the copy goes: nothing there yet, or a checkpoint")
+    sub.add_argument("--src-storage-option", metavar="KEY=VALUE", action="append", type=_option, default=[],
+                     help="storage option for SRC only (repeatable)")
+    sub.add_argument("--dst-storage-option", metavar="KEY=VALUE", action="append", type=_option, default=[],
+                     help="storage option for DST only (repeatable)")
+    sub.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    sub.add_argument("--allow-uncommitted", action="store_true",
+                     help="copy an uncommitted SRC (the copy is uncommitted too)")
+    sub.add_argument("--workers", metavar="N", type=_positive, help="objects copied at once")
+    sub = command("export", _export_command, "write every leaf to one .npz or .safetensors file, arrays "
+                  "named as `info` lists them", progress)
+    sub.add_argument("url", metavar="URL", help="one checkpoint, e.g. DIR/0000001000")
+    sub.add_argument("out", metavar="OUT", help="local file, *.npz or *.safetensors")
+    sub.add_argument("--format", choices=_export.FORMATS, help="default: from OUT's extension")
+    return parser
+
+
+def _option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _options(*lists: list[tuple[str, Any]]) -> dict[str, Any] | None:
+    merged = dict(pair for pairs in lists for pair in pairs)
+    return merged or None
+
+
+# -- commands ------------------------------------------------------------------
+
+
+def _ls(args: argparse.Namespace) -> int:
+    root = _storage.resolve(args.dir, _options(args.storage_option))
+    steps = _steps.candidate_steps(root)
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(steps), root.concurrency))) as pool:
+        rows = list(pool.map(lambda step: _describe_step(root, step, _options(args.storage_option)), steps))
+    if args.json:
+        _print_json(rows)
+    elif not rows:
+        itself = _commit.state(root) is not _commit.State.ABSENT
+        print(f"no step directories under {root.url}"
+              + (f" (it is a checkpoint itself: see `zarrckpt info {root.url}`)" if itself else ""))
+    else:
+        _print_table(["step", "state", "pinned", "size", "leaves", "written"],
+                     [[r["step"], r["state"], "pinned" if r["pinned"] else "", _size(r["nbytes"]),
+                       _or_dash(r["leaves"]), _or_dash(r["created_at"])] for r in rows], right={0, 3, 4})
+    return 0
+
+
+def _describe_step(root: _storage.Location, step: int, options: dict[str, Any] | None) -> dict[str, Any]:
+    """One `ls` row from the step's group metadata alone: one read for zarrckpt's layout."""
+    loc = root.child(_naming.step_dir_name(step))
+    group = _commit.read_group(loc)
+    state = _commit.state_of(group)
+    meta = group.attributes.get(_naming.META_ATTR) if group else None
+    leaves = nbytes = None
+    if isinstance(meta, dict):
+        try:
+            records = [rec for _, rec in _tree.recorded_leaves(meta["tree"])]
+            nbytes = sum(math.prod(rec["shape"]) * _dtypes.from_name(rec["dtype"]).itemsize for rec in records)
+            leaves = len(records)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            pass  # shown as unknown; `verify` says what is wrong
+    elif state is _commit.State.COMMITTED:  # seqax's layout keeps no tree record
+        described = metadata(loc.url, storage_options=options)
+        leaves, nbytes = len(described.leaves), described.nbytes
+    return {"step": step, "url": loc.url, "state": state.value, "committed": state is _commit.State.COMMITTED,
+            "pinned": _retention.is_pinned(loc), "nbytes": nbytes, "leaves": leaves,
+            "created_at": meta.get("created_at") if isinstance(meta, dict) else None}
+
+
+def _info(args: argparse.Namespace) -> int:
+    described = metadata(args.url, storage_options=_options(args.storage_option))
+    if args.json:
+        _print_json({
+            "url": described.url, "layout": described.layout, "committed": described.committed,
+            "format_version": described.format_version, "created_at": described.created_at,
+            "nbytes": described.nbytes,
+            "leaves": [{"name": leaf.name, "key_path": leaf.key_path, "shape": list(leaf.shape),
+                        "dtype": leaf.dtype.name, "chunks": list(leaf.chunks), "kind": leaf.kind,
+                        "nbytes": leaf.nbytes} for leaf in described.leaves],
+        })
+        return 0
+    state = "committed" if described.committed else "NOT COMMITTED"
+    layout = (f"zarrckpt format {described.format_version}" if described.layout == "zarrckpt"
+              else f"{described.layout} layout")
+    written = f", written {described.created_at}" if described.created_at else ""
+    print(f"{described.url}: {state}, {layout}{written}")
+    _print_table(["leaf", "shape", "dtype", "chunks", "size"],
+                 [[leaf.name, _shape(leaf.shape), leaf.dtype.name, _shape(leaf.chunks), _size(leaf.nbytes)]
+                  for leaf in described.leaves], right={4})
+    print(f"{len(described.leaves)} leaves, {_size(described.nbytes)}")
+    return 0
+
+
+def _verify_command(args: argparse.Namespace) -> int:
+    report = _verify.verify(args.url, storage_options=_options(args.storage_option), checksums=not args.quick)
+    if args.json:
+        _print_json({"url": report.url, "ok": report.ok, "layout": report.layout, "committed": report.committed,
+                     "leaves": report.leaves, "chunks_checked": report.chunks_checked,
+                     "checksums_checked": report.checksums_checked,
+                     "problems": [{"key": p.key, "leaf": p.leaf, "message": p.message} for p in report.problems]})
+    elif report.ok:
+        print(f"OK: {report.url}: committed, {report.leaves} leaves, metadata consistent, "
+              f"{_chunks_checked(report, args.quick)}")
+    else:
+        for problem in report.problems[:_SHOWN_PROBLEMS]:
+            print(f"  {problem}")
+        if len(report.problems) > _SHOWN_PROBLEMS:
+            print(f"  ... and {len(report.problems) - _SHOWN_PROBLEMS} more (--json lists all)")
+        print(f"DAMAGED: {report.url}: {len(report.problems)} problem(s)")
+    return 0 if report.ok else EXIT_DAMAGED
+
+
+def _chunks_checked(report: _verify.VerifyReport, quick: bool) -> str:
+    if report.layout != "zarrckpt":
+        return "chunks not checked in seqax's layout"
+    present = f"{report.chunks_checked} chunks present with their exact sizes"
+    unsummed = report.chunks_checked - report.checksums_checked
+    if quick:
+        return f"{present}; checksums not read (--quick)"
+    if unsummed:
+        return (f"{present}, {report.checksums_checked} checksums match ({unsummed} chunks have no checksum: "
+                "saved by zarrckpt before format version 2, or with checksums=False)")
+    return f"{present}, {report.checksums_checked} checksums match"
+
+
+def _gc(args: argparse.Namespace) -> int:
+    options = _options(args.storage_option)
+    root = _storage.resolve(args.dir, options)
+    committed = set(_steps.all_steps(args.dir, storage_options=options))
+    deleted = _retention.apply(root, _retention.Policy(keep_last=args.keep_last, keep_every=args.keep_every), {},
+                               dry_run=args.dry_run)
+    kept = sorted(committed - set(deleted))
+    if args.json:
+        _print_json({"dry_run": args.dry_run, "deleted": deleted, "kept": kept})
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    for step in deleted:
+        print(f"{verb} step {step}" + ("" if step in committed else " (uncommitted leftover)"))
+    if not deleted:
+        print("nothing to delete")
+    print(f"committed steps kept: {', '.join(map(str, kept)) or 'none'}")
+    return 0
+
+
+def _cp(args: argparse.Namespace) -> int:
+    result = _copy.copy_checkpoint(
+        args.src, args.dst, src_storage_options=_options(args.storage_option, args.src_storage_option),
+        dst_storage_options=_options(args.storage_option, args.dst_storage_option), overwrite=args.overwrite,
+        allow_uncommitted=args.allow_uncommitted, max_workers=args.workers, progress=args.progress)
+    print(f"copied {result.objects} objects ({_size(result.nbytes)}) from {result.source} to "
+          f"{result.destination} in {result.seconds:.1f}s")
+    return 0
+
+
+def _export_command(args: argparse.Namespace) -> int:
+    result = _export.export_checkpoint(args.url, args.out, format=args.format,
+                                       storage_options=_options(args.storage_option), progress=args.progress)
+    print(f"exported {result.arrays} arrays ({_size(result.nbytes)}) to {result.path}")
+    for name, (stored, exported) in sorted(result.widened.items()):
+        print(f"  {name}: {stored} widened to {exported} ({result.format} has no {stored})")
+    return 0
+
+
+# -- output ----------------------------------------------------------------------
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2))
+
+
+def _print_table(headers: list[str], rows: list[list[Any]], right: set[int]) -> None:
+    """Columns padded to their widest cell; numbers (columns in `right`) right-aligned."""
+    cells = [headers] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for row in cells:
+        print("  ".join(c.rjust(w) if i in right else c.ljust(w)
+                        for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+
+
+def _size(nbytes: int | None) -> str:
+    """A byte count for people: 512 B, 1.5 KiB, 3.2 GiB."""
+    if nbytes is None:
+        return "-"
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+    value, power = float(nbytes), 0
+    while value >= 1024 and power < len(units) - 1:
+        value, power = value / 1024, power + 1
+    return f"{nbytes} B" if power == 0 else f"{value:.1f} {units[power]}"
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)

@@ -1,0 +1,152 @@
+"""Exporting a checkpoint's arrays to one `.npz` or `.safetensors` file, for use outside JAX.
+
+Each leaf becomes one array named by its array name in the checkpoint, as `zarrckpt
+info` lists it: `params.dense.kernel`, `opt_state.0.mu` (the dotted style of PyTorch
+state dicts; `%XX` escapes only for characters outside `[A-Za-z0-9_-]` in keys).
+A typed PRNG key is exported as its key data (uint32).
+
+A dtype the file format cannot hold is widened to one that holds every value exactly:
+ml_dtypes floats (bfloat16, float8_*) to float32 and 4-bit integers to int8/uint8 in
+`.npz` (NumPy has none of them); in `.safetensors`, which has bfloat16, float8_e4m3fn
+and float8_e5m2, only the others. Complex numbers cannot go to `.safetensors`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import os
+import zipfile
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+from . import _dtypes, _progress, _reader, _storage
+
+FORMATS = ("npz", "safetensors")
+DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
+# What every safetensors release since 0.4 writes from NumPy arrays (later ones add a few).
+_SAFETENSORS_DTYPES = frozenset({
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+})
+_WIDER: dict[str, np.dtype] = {"f": np.dtype(np.float32), "i": np.dtype(np.int8), "u": np.dtype(np.uint8)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    """What `export_checkpoint` wrote. `widened` maps each array name whose dtype the
+    format lacks to (stored dtype, exported dtype)."""
+
+    path: str
+    format: str
+    arrays: int
+    nbytes: int
+    widened: dict[str, tuple[str, str]]
+
+
+def format_of(path: str) -> str:
+    """The export format a file name asks for by its extension; ValueError if none."""
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    if extension not in FORMATS:
+        raise ValueError(f"cannot tell the export format of {path!r} from its extension: "
+                         f"name it *.npz or *.safetensors, or give the format")
+    return extension
+
+
+def export_checkpoint(url: str, path: str, *, format: str | None = None,
+                      storage_options: dict[str, Any] | None = None,
+                      max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+                      progress: bool | None = None) -> ExportResult:
+    """Writes every leaf of the committed checkpoint at `url` to the local file `path`.
+
+    `format` is "npz" or "safetensors" (default: from `path`'s extension). The file
+    appears whole or not at all (written aside, then renamed). `.npz` is written one
+    leaf at a time (about `max_inflight_bytes` in memory); `.safetensors` needs the
+    whole checkpoint in memory.
+
+    Raises CheckpointNotFoundError if there is no committed checkpoint at `url`,
+    CheckpointCorruptError if data is missing, ValueError for an unknown format or a
+    dtype the format cannot hold, ModuleNotFoundError if `safetensors` is not
+    installed (`pip install 'zarrckpt[export]'`), OSError if a file cannot be written.
+    """
+    format = format or format_of(path)
+    if format not in FORMATS:
+        raise ValueError(f"export format must be one of {', '.join(FORMATS)}, got {format!r}")
+    writer = _write_npz if format == "npz" else _write_safetensors
+    ckpt = _reader.open_checkpoint(_storage.resolve(url, storage_options))
+    leaves = list(ckpt.leaves.values())
+    dtypes = {leaf.name: _exported_dtype(leaf, format) for leaf in leaves}
+    widened = {leaf.name: (leaf.dtype.name, dtypes[leaf.name].name) for leaf in leaves
+               if dtypes[leaf.name] != leaf.dtype}
+    total = sum(_nbytes(leaf) for leaf in leaves)
+    partial = f"{path}.partial"
+    try:
+        with _progress.bar(f"exporting {ckpt.loc.url}", total, progress) as advance:
+            arrays = ((leaf.name, array.astype(dtypes[leaf.name], copy=False))
+                      for leaf, array in _read_leaves(ckpt, leaves, max_inflight_bytes, advance))
+            writer(partial, arrays)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return ExportResult(path, format, len(leaves), total, widened)
+
+
+def _exported_dtype(leaf: _reader.StoredLeaf, format: str) -> np.dtype:
+    native = leaf.dtype.kind in "biufc" if format == "npz" else leaf.dtype.name in _SAFETENSORS_DTYPES
+    if native:
+        return leaf.dtype
+    kind = _dtypes.kind(leaf.dtype)
+    if kind not in _WIDER:
+        raise ValueError(f"leaf {leaf.where} (array {leaf.name!r}) has dtype {leaf.dtype}, which {format} "
+                         "cannot hold; export to .npz instead")
+    return _WIDER[kind]
+
+
+def _nbytes(leaf: _reader.StoredLeaf) -> int:
+    return int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+
+
+def _read_leaves(ckpt: _reader.Checkpoint, leaves: list[_reader.StoredLeaf], max_inflight_bytes: int,
+                 advance: Callable[[int], None]) -> Iterator[tuple[_reader.StoredLeaf, np.ndarray]]:
+    """Every leaf's whole array, in order; leaves are read concurrently, with at most
+    about `max_inflight_bytes` read and not yet consumed."""
+    def read(leaf: _reader.StoredLeaf) -> np.ndarray:
+        array = ckpt.read(leaf, tuple((0, n) for n in leaf.shape))
+        advance(_nbytes(leaf))
+        return array
+
+    pending: collections.deque[tuple[_reader.StoredLeaf, concurrent.futures.Future[np.ndarray]]] = \
+        collections.deque()
+    inflight = 0
+    with concurrent.futures.ThreadPoolExecutor(ckpt.loc.concurrency) as pool:
+        for leaf in leaves:
+            while pending and inflight + _nbytes(leaf) > max_inflight_bytes:
+                done, future = pending.popleft()
+                inflight -= _nbytes(done)
+                yield done, future.result()
+            pending.append((leaf, pool.submit(read, leaf)))
+            inflight += _nbytes(leaf)
+        while pending:
+            done, future = pending.popleft()
+            yield done, future.result()
+
+
+def _write_npz(path: str, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
+    """An uncompressed `.npz` as `numpy.savez` writes it, one array at a time."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, array in arrays:
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, array, allow_pickle=False)
+
+
+def _write_safetensors(path: str, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
+    try:
+        import safetensors.numpy
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("exporting to .safetensors needs the safetensors package: "
+                                  "pip install 'zarrckpt[export]'") from None
+    # safetensors reads each array's memory in place: they must stay alive and contiguous.
+    safetensors.numpy.save_file({name: np.require(a, requirements="C") for name, a in arrays}, path)

@@ -1,0 +1,199 @@
+"""Checking that a checkpoint is whole: commit marker, metadata, every chunk, checksums.
+
+What is checked (docs/pytree-zarr-checkpoint.md says why each must hold):
+- the group's `zarr.json` carries the commit marker;
+- the tree record agrees with the consolidated metadata (as `open_checkpoint` checks
+  before any restore) and with each array's own `zarr.json`, which other zarr readers
+  use;
+- every chunk of every array's grid exists, with exactly the size of a whole chunk
+  (a short chunk is a cut-off write: zarrckpt never compresses);
+- with `checksums`, every chunk's bytes match the CRC-32C stored after them (format
+  version 2 on; older checkpoints have none to check).
+
+The first three read metadata and listings only: each array costs one listing of its
+directory (which gives every chunk's size at once) and one read of its `zarr.json`,
+so an object store sees two requests per array, not one per chunk. Checksums then
+read every chunk once, concurrently, with a bound on the bytes held in memory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import json
+import math
+import posixpath
+from typing import Any, Iterator
+
+import numpy as np
+
+from . import _commit, _naming, _reader, _save, _storage, _tree, _zarrjson
+from ._storage import Location
+from .errors import CheckpointCorruptError
+
+DEFAULT_MAX_INFLIGHT_BYTES = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a checkpoint.
+
+    `key` is the object at fault, relative to the checkpoint (`params.w/c.0.1`,
+    `zarr.json`); `leaf` is the key path of the leaf it belongs to, when it does.
+    """
+
+    key: str
+    message: str
+    leaf: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}" + (f" (leaf {self.leaf})" if self.leaf else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+    """What `verify` found. `ok` exactly when there is no problem."""
+
+    url: str
+    layout: str  # "zarrckpt", "seqax", or "unknown" when the metadata cannot be read
+    committed: bool
+    leaves: int
+    chunks_checked: int  # present with their exact size (seqax's compressed layout: none checked)
+    checksums_checked: int  # chunks whose bytes were read and matched their CRC-32C
+    problems: tuple[Problem, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(url: str, *, storage_options: dict[str, Any] | None = None, checksums: bool = True,
+           max_workers: int | None = None, max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES) -> VerifyReport:
+    """Checks the checkpoint at `url` for completeness and, with `checksums`, for damaged
+    bytes (which reads every chunk once). Not collective.
+
+    Damage is reported, not raised: the report lists every problem found.
+    `max_workers` bounds the requests in flight (default: the store's concurrency),
+    `max_inflight_bytes` the chunk bytes held at once while checksumming.
+    Raises CheckpointNotFoundError if there is no checkpoint at `url`, and OSError if
+    the store cannot be read.
+    """
+    loc = _storage.resolve(url, storage_options)
+    try:
+        ckpt = _reader.open_checkpoint(loc, require_committed=False)
+    except CheckpointCorruptError as e:
+        # Without readable metadata nothing else can be checked.
+        committed = _commit.state(loc) is _commit.State.COMMITTED
+        return VerifyReport(loc.url, "unknown", committed, 0, 0, 0,
+                            (*_marker_problems(committed), Problem("zarr.json", str(e))))
+    problems = _marker_problems(ckpt.committed)
+    chunks, checksummed = 0, 0
+    if ckpt.layout == "zarrckpt":
+        records = {rec["name"]: (path, rec) for path, rec in _tree.recorded_leaves(ckpt.spec)}
+        leaves = list(ckpt.leaves.values())
+        with concurrent.futures.ThreadPoolExecutor(max_workers or loc.concurrency) as pool:
+            whole: list[tuple[_reader.StoredLeaf, str]] = []
+            results = pool.map(lambda leaf: _check_array(loc, leaf, *records[leaf.name]), leaves)
+            for leaf, (array_problems, expected, sized) in zip(leaves, results):
+                problems += array_problems
+                chunks += expected
+                whole += [(leaf, key) for key in sized if checksums and leaf.checksum]
+            problems += _check_checksums(loc, whole, pool, _save.ByteBudget(max_inflight_bytes))
+            checksummed = len(whole)
+    return VerifyReport(loc.url, ckpt.layout, ckpt.committed, len(ckpt.leaves), chunks, checksummed,
+                        tuple(problems))
+
+
+def _marker_problems(committed: bool) -> list[Problem]:
+    if committed:
+        return []
+    return [Problem("zarr.json", f"not committed (no '{_naming.COMMIT_ATTR}: true'): "
+                                 "the save did not finish, or is still running")]
+
+
+def _check_array(loc: Location, leaf: _reader.StoredLeaf, path: _tree.KeyPath,
+                 record: dict[str, Any]) -> tuple[list[Problem], int, list[str]]:
+    """The metadata and chunk-size problems of one array, how many chunks its grid has,
+    and the keys of those present with the right size."""
+    problems = _check_array_document(loc, leaf, path, record)
+    expected = list(_expected_chunks(leaf))
+    sizes = _listed_sizes(loc, leaf.name)
+    if sizes is None:
+        if expected:
+            problems.append(Problem(f"{leaf.name}/", f"the array's directory is missing (all {len(expected)} "
+                                                     "chunks)", leaf.where))
+        return problems, len(expected), []
+    sized = []
+    for key in expected:
+        size = sizes.get(posixpath.basename(key))
+        if size is None:
+            problems.append(Problem(key, "missing", leaf.where))
+        elif size != leaf.stored_chunk_bytes:
+            problems.append(Problem(key, f"has {size} bytes, expected {leaf.stored_chunk_bytes}", leaf.where))
+        else:
+            sized.append(key)
+    return problems, len(expected), sized
+
+
+def _check_array_document(loc: Location, leaf: _reader.StoredLeaf, path: _tree.KeyPath,
+                          record: dict[str, Any]) -> list[Problem]:
+    """The array's own `zarr.json` must describe what the tree record and the
+    consolidated metadata describe."""
+    key = f"{leaf.name}/zarr.json"
+    try:
+        own = _reader.stored_leaf(path, record, json.loads(loc.read(key)))
+    except FileNotFoundError:
+        return [Problem(key, "missing", leaf.where)]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return [Problem(key, f"does not match the tree record: {e}", leaf.where)]
+    differing = [f.name for f in dataclasses.fields(leaf) if getattr(own, f.name) != getattr(leaf, f.name)]
+    if differing:
+        return [Problem(key, f"differs from the consolidated metadata in {', '.join(differing)}", leaf.where)]
+    return []
+
+
+def _listed_sizes(loc: Location, name: str) -> dict[str, int] | None:
+    """Size of every object in the array's directory by name, from one listing; None
+    if the directory does not exist."""
+    try:
+        return loc.sizes(name)
+    except FileNotFoundError:
+        return None
+
+
+def _expected_chunks(leaf: _reader.StoredLeaf) -> Iterator[str]:
+    """The key of every chunk in the array's grid (none for an array with no elements)."""
+    counts = [math.ceil(n / c) for n, c in zip(leaf.shape, leaf.chunks)]
+    for coords in itertools.product(*map(range, counts)):
+        yield _zarrjson.chunk_key(leaf.name, coords)
+
+
+def _check_checksums(loc: Location, chunks: list[tuple[_reader.StoredLeaf, str]],
+                     pool: concurrent.futures.ThreadPoolExecutor, budget: _save.ByteBudget) -> list[Problem]:
+    """Checks the checksum of every chunk in `chunks`, with at most `budget` bytes read at once."""
+    def check(leaf: _reader.StoredLeaf, key: str) -> Problem | None:
+        try:
+            return _checksum_problem(loc, leaf, key)
+        finally:
+            budget.release(leaf.stored_chunk_bytes)
+
+    futures = []
+    for leaf, key in chunks:
+        budget.acquire(leaf.stored_chunk_bytes)
+        futures.append(pool.submit(check, leaf, key))
+    return [problem for future in futures if (problem := future.result()) is not None]
+
+
+def _checksum_problem(loc: Location, leaf: _reader.StoredLeaf, key: str) -> Problem | None:
+    """Reads one chunk and compares its bytes with the CRC-32C stored after them."""
+    try:
+        stored = loc.read(key)
+    except FileNotFoundError:
+        return Problem(key, "missing (deleted while being verified)", leaf.where)
+    if len(stored) != leaf.stored_chunk_bytes:
+        return Problem(key, f"has {len(stored)} bytes, expected {leaf.stored_chunk_bytes}", leaf.where)
+    data = np.frombuffer(stored, np.uint8, count=leaf.chunk_data_bytes)
+    if _zarrjson.checksum(data) != stored[leaf.chunk_data_bytes:]:
+        return Problem(key, "fails its CRC-32C checksum: its bytes are damaged", leaf.where)
+    return None
