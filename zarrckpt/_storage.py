@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import errno
 import functools
 import inspect
+import logging
 import os
 import posixpath
+import random
 import re
+import time
 import uuid
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
@@ -31,6 +35,7 @@ from .errors import CheckpointCorruptError
 # Keys that hold metadata; any other key zarr asks for is a chunk.
 _METADATA_KEYS = frozenset({"zarr.json", ".zgroup", ".zattrs", ".zarray", ".zmetadata"})
 _T = TypeVar("_T")
+log = logging.getLogger("zarrckpt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +51,18 @@ class _Protocol:
     # Storage options merged under the user's (the user's win, key by key).
     option_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
+
+# Transient store failures (dropped connections, timeouts, throttling) are retried up
+# to RETRIES times, waiting 0.1 s, 0.2 s, ... (at most 5 s, with jitter) in between.
+RETRIES = 6
+_FIRST_BACKOFF_S = 0.1
+_MAX_BACKOFF_S = 5.0
+_TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ETIMEDOUT, errno.ECONNRESET,
+                               errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE})
+# What s3fs and gcsfs raise for throttling and server errors once their own retries end.
+_TRANSIENT_NAMES = frozenset({"ServerDisconnectedError", "ClientOSError", "ClientConnectionError",
+                              "ClientPayloadError", "SlowDown", "ThrottlingException", "RequestTimeout",
+                              "InternalError", "ServiceUnavailable"})
 
 LOCAL_CONCURRENCY = 8  # a local disk is kept busy by a few requests
 # An object store answers each request in tens of milliseconds, mostly spent waiting:
@@ -80,6 +97,15 @@ _MEMORY = _Protocol(LOCAL_CONCURRENCY, bytes_body=False)
 _OTHER = _Protocol(OBJECT_STORE_CONCURRENCY)
 _PROTOCOLS = {"file": _LOCAL, "local": _LOCAL, "memory": _MEMORY,
               "s3": _S3, "s3a": _S3, "gs": _GCS, "gcs": _GCS}
+
+def _transient(e: BaseException) -> bool:
+    """Whether a failure may pass if the same request is made again."""
+    if isinstance(e, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(e, (ConnectionError, TimeoutError)) or type(e).__name__ in _TRANSIENT_NAMES:
+        return True
+    return isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS
+
 
 # gcsfs's token modes: not credentials, and too common as words to scrub from messages.
 _NOT_SECRETS = frozenset({"anon", "google_default", "cache", "cloud", "browser"})
@@ -241,17 +267,25 @@ class Location:
         self.fs.invalidate_cache(self.path)
 
     def _call(self, action: str, key: str | None, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-        """Runs one store operation; its failure becomes a credential-free OSError
-        naming the object's URL."""
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:  # any failure inside the store's client library
-            error = self._store_error(e, action, key)
+        """Runs one store operation, retrying transient failures with exponential
+        backoff; a failure that persists becomes a credential-free OSError naming the
+        object's URL. Every operation here is idempotent, so a retry is safe."""
+        for attempt in range(RETRIES + 1):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:  # any failure inside the store's client library
+                if attempt < RETRIES and _transient(e):
+                    delay = min(_MAX_BACKOFF_S, _FIRST_BACKOFF_S * 2**attempt) * random.uniform(0.5, 1.0)
+                    log.debug("retrying %s of %s in %.2fs after %s", action, key or self.url, delay, type(e).__name__)
+                    time.sleep(delay)
+                    continue
+                error = self._store_error(e, action, key, attempt)
+                break
         # Raised outside the `except` block so that the original cannot ride along as
         # __context__ when it has to be dropped (see _store_error).
         raise error
 
-    def _store_error(self, e: Exception, action: str, key: str | None) -> OSError:
+    def _store_error(self, e: Exception, action: str, key: str | None, retries: int = 0) -> OSError:
         where = self.url if key is None else f"{self.url.rstrip('/')}/{key}"
         if isinstance(e, FileNotFoundError):
             kind: type[OSError] = FileNotFoundError
@@ -262,7 +296,8 @@ class Location:
         else:
             kind, why = OSError, "the store failed"
         detail = f"{type(e).__name__}: {e}"
-        error = kind(f"cannot {action} {where}: {why} ({self.redact(detail)})")
+        tries = f", after {retries + 1} tries" if retries else ""
+        error = kind(f"cannot {action} {where}: {why} ({self.redact(detail)}){tries}")
         # The original exception keeps the client's traceback for debugging, unless
         # something in its chain quotes a credential.
         if not any(self.redact(text) != text for text in _chain_texts(e)):

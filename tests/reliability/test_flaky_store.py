@@ -1,0 +1,81 @@
+"""A store that fails a share of requests: transient failures are retried with backoff,
+persistent ones abort the save with nothing committed."""
+
+import random
+import threading
+
+import fsspec
+import numpy as np
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+import zarrckpt
+from zarrckpt import _storage
+
+
+class FlakyFileSystem(MemoryFileSystem):
+    """fsspec's memory file system, failing `fail_rate` of reads and writes with `error`."""
+
+    protocol = "flaky"
+    injected = 0
+
+    def __init__(self, fail_rate=0.0, error="transient", seed=0, **kwargs):
+        super().__init__(**kwargs)
+        self._fail_rate, self._error = fail_rate, error
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def _maybe_fail(self, path):
+        with self._lock:
+            fail = self._rng.random() < self._fail_rate
+        if fail:
+            type(self).injected += 1
+            if self._error == "transient":
+                raise ConnectionResetError(f"injected: connection reset while accessing {path}")
+            raise PermissionError(f"injected: access denied to {path}")
+
+    def cat_file(self, path, *args, **kwargs):
+        self._maybe_fail(path)
+        return super().cat_file(path, *args, **kwargs)
+
+    def pipe_file(self, path, *args, **kwargs):
+        self._maybe_fail(path)
+        return super().pipe_file(path, *args, **kwargs)
+
+
+fsspec.register_implementation("flaky", FlakyFileSystem, clobber=True)
+
+
+@pytest.fixture(autouse=True)
+def fast_backoff(monkeypatch):
+    monkeypatch.setattr(_storage, "_FIRST_BACKOFF_S", 0.001)
+    FlakyFileSystem.injected = 0
+
+
+def state():
+    return {"w": np.arange(4096, dtype=np.float32).reshape(64, 64), "b": np.ones(7), "step": 3}
+
+
+def test_transient_failures_are_retried(tmp_path):
+    url = f"flaky://transient-{tmp_path.name}/run"
+    options = {"fail_rate": 0.3, "seed": 4}
+    for step in (1, 2):
+        zarrckpt.save_checkpoint(url, step, state(), storage_options=options, max_chunk_bytes=1024)
+    restored, step = zarrckpt.load_checkpoint_if_it_exists(url, None, storage_options=options)
+    assert step == 2 and np.array_equal(restored["w"], state()["w"]) and restored["step"] == 3
+    assert FlakyFileSystem.injected > 20  # the faults really happened, and were absorbed
+
+
+def test_persistent_failures_abort_with_nothing_committed(tmp_path):
+    url = f"flaky://persistent-{tmp_path.name}/run"
+    zarrckpt.save_checkpoint(url, 1, state(), storage_options={"fail_rate": 0.0})
+    with pytest.raises(zarrckpt.CheckpointWriteError, match=r"connection reset.*after 7 tries"):
+        zarrckpt.save_checkpoint(url, 2, state(), storage_options={"fail_rate": 1.0, "seed": 1})
+    assert zarrckpt.all_steps(url, storage_options={"fail_rate": 0.0}) == [1]
+
+
+def test_permanent_errors_are_not_retried(tmp_path):
+    url = f"flaky://denied-{tmp_path.name}/run"
+    with pytest.raises(zarrckpt.CheckpointWriteError, match=r"access denied") as info:
+        zarrckpt.save_checkpoint(url, 1, state(), storage_options={"fail_rate": 1.0, "error": "denied"})
+    assert "tries" not in str(info.value) and FlakyFileSystem.injected == 1
