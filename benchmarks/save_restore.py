@@ -29,6 +29,9 @@ import traceback
 import numpy as np
 
 CONTENDERS = ("zarrckpt", "orbax", "raw")
+# Not run by default: zarrckpt with its per-chunk CRC-32C turned off, to measure what
+# checksums cost (`--only zarrckpt,zarrckpt-nocrc`).
+EXTRA_CONTENDERS = ("zarrckpt-nocrc",)
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 DEFAULT_DEVICES = 8
 RAW_WORKERS = 8
@@ -55,7 +58,7 @@ def parse_args(argv=None):
                         help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
     args.only = [name.strip() for name in args.only.split(",") if name.strip()]
-    unknown = sorted(set(args.only) - set(CONTENDERS))
+    unknown = sorted(set(args.only) - set(CONTENDERS) - set(EXTRA_CONTENDERS))
     if unknown:
         parser.error(f"--only: unknown contender(s) {unknown}")
     if args.repeats < 1:
@@ -171,7 +174,7 @@ class Unavailable(Exception):
 
 
 @contextlib.contextmanager
-def zarrckpt_contender(tree):
+def zarrckpt_contender(tree, checksums=True):
     try:
         import zarrckpt
         save_pytree, load_pytree = zarrckpt.save_pytree, zarrckpt.load_pytree
@@ -179,7 +182,7 @@ def zarrckpt_contender(tree):
         raise Unavailable(f"not importable ({type(exc).__name__}: {exc})")
 
     def save(path, tree):
-        save_pytree(path, tree)
+        save_pytree(path, tree, checksums=checksums)
 
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
@@ -289,6 +292,7 @@ def _read_shard(name, dtype, devices, shape, index):
 
 CONTENDER_FACTORIES = {
     "zarrckpt": zarrckpt_contender,
+    "zarrckpt-nocrc": functools.partial(zarrckpt_contender, checksums=False),
     "orbax": orbax_contender,
     "raw": raw_contender,
 }

@@ -27,6 +27,7 @@ import uuid
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import fsspec
+import numpy as np
 import zarr
 import zarr.storage
 
@@ -232,11 +233,13 @@ class Location:
         restore the first buffer is the new array's memory.
         """
         if not self.is_local:
-            data = memoryview(self.read(key))
+            data = np.frombuffer(self.read(key), np.uint8)
             offset = 0
             for buffer in buffers:
                 piece = data[offset: offset + len(buffer)]
-                buffer[: len(piece)] = piece
+                # numpy copies without holding the GIL (a memoryview copy holds it),
+                # so many chunks arriving together are copied side by side.
+                np.frombuffer(buffer, np.uint8)[: len(piece)] = piece
                 offset += len(piece)
             return len(data)
         with open(posixpath.join(self.path, key), "rb", buffering=0) as f:
