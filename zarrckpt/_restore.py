@@ -173,11 +173,11 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], max_inflight_b
               max_workers: int | None, donate_target: bool, advance: Callable[[int], None]) -> dict[str, Any]:
     """Reads every request, leaf by leaf in order, with bounded host memory.
 
-    Reads run on a thread pool while the main thread puts finished leaves on devices.
+    Pool threads read and put each piece on its devices; the main thread assembles
+    finished leaves in order.
     """
     done: dict[str, Any] = {}
-    pending: collections.deque[tuple[_Request, list[tuple[Region, list[Region], Future]], int]]
-    pending = collections.deque()
+    pending: collections.deque[tuple[_Request, list[Future], int]] = collections.deque()
     inflight = 0
     donated: set[int] = set()
     with concurrent.futures.ThreadPoolExecutor(max_workers or ckpt.loc.concurrency) as pool:
@@ -193,7 +193,7 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], max_inflight_b
                 donated.add(id(old))
                 old.delete()
             request.old = None
-            futures = [(box, regions, pool.submit(_read_box, ckpt, request, box)) for box, regions in groups]
+            futures = [pool.submit(_read_group, ckpt, request, box, places) for box, places in groups]
             pending.append((request, futures, nbytes))
             inflight += nbytes
         while pending:
@@ -201,39 +201,50 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], max_inflight_b
     return done
 
 
-def _read_plan(ckpt: _reader.Checkpoint, request: _Request) -> list[tuple[Region, list[Region]]]:
+# Where each region read goes: the devices that need it, or none (the host).
+Placement = dict[Region, list[jax.Device]]
+
+
+def _read_plan(ckpt: _reader.Checkpoint, request: _Request) -> list[tuple[Region, Placement]]:
     shape = request.stored.shape
     full: Region = tuple((0, d) for d in shape)
     if request.make != "jax":
-        return [(full, [full])]
-    regions = [_planning.region_of(index, shape)
-               for index in request.sharding.addressable_devices_indices_map(shape).values()]
-    return _planning.plan_reads(regions, request.stored.chunks, shape)
+        return [(full, {full: []})]
+    devices: Placement = {}
+    for device, index in request.sharding.addressable_devices_indices_map(shape).items():
+        devices.setdefault(_planning.region_of(index, shape), []).append(device)
+    return [(box, {region: devices[region] for region in regions})
+            for box, regions in _planning.plan_reads(list(devices), request.stored.chunks, shape)]
 
 
-def _read_box(ckpt: _reader.Checkpoint, request: _Request, box: Region) -> np.ndarray:
+def _read_group(ckpt: _reader.Checkpoint, request: _Request, box: Region, places: Placement) -> list[Any]:
+    """Reads `box` and cuts out each region: on the host, or already put on its devices.
+
+    Putting pieces on devices here, on the pool, lets many transfers run at once; on
+    the main thread they ran one after another.
+    """
     data = ckpt.read(request.stored, box)
-    return data if data.dtype == request.dtype else data.astype(request.dtype)
+    data = data if data.dtype == request.dtype else data.astype(request.dtype)
+    pieces, devices = [], []
+    for region, targets in places.items():
+        piece = data[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(region, box))]
+        pieces.extend([piece] * max(1, len(targets)))
+        devices.extend(targets)
+    # One batched call: jax overlaps the transfers (and, on CPU, may alias host memory).
+    return jax.device_put(pieces, devices) if devices else pieces
 
 
-def _finish(entry: tuple[_Request, list[tuple[Region, list[Region], Future]], int],
-            done: dict[str, Any]) -> int:
+def _finish(entry: tuple[_Request, list[Future], int], done: dict[str, Any]) -> int:
     request, futures, nbytes = entry
-    pieces: dict[Region, np.ndarray] = {}
-    for box, regions, future in futures:
-        data = future.result()
-        for region in regions:
-            pieces[region] = data[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(region, box))]
+    pieces = [piece for future in futures for piece in future.result()]
     done[request.stored.name] = _build(request, pieces)
     return nbytes
 
 
-def _build(request: _Request, pieces: dict[Region, np.ndarray]) -> Any:
-    shape = request.stored.shape
+def _build(request: _Request, pieces: list[Any]) -> Any:
     if request.make == "jax":
-        return jax.make_array_from_callback(
-            shape, request.sharding, lambda index: pieces[_planning.region_of(index, shape)])
-    (data,) = pieces.values()
+        return jax.make_array_from_single_device_arrays(request.stored.shape, request.sharding, pieces)
+    (data,) = pieces
     if request.make == "prng_key":
         keys = jax.random.wrap_key_data(data, impl=request.stored.prng_impl)
         return keys if request.sharding is None else jax.device_put(keys, request.sharding)
