@@ -32,6 +32,7 @@ from ._planning import ArrayPlan, WriteUnit
 log = logging.getLogger("zarrckpt")
 
 DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
+_STAGING_THREADS = 4
 
 
 def save_pytree(
@@ -200,23 +201,24 @@ def stage(job: SaveJob, budget: ByteBudget, put: Callable[[tuple[ArrayPlan, Writ
     to `put`; returns once all are copied, so training may then overwrite its buffers.
 
     Copies are started for as many units as the budget allows before any is waited
-    on, so device-to-host transfers run concurrently. Blocks while the budget is full.
+    on, so device-to-host transfers run concurrently, and the host copies run on a
+    few threads (numpy lets go of the GIL). Blocks while the budget is full.
     """
     started: list[tuple[ArrayPlan, WriteUnit]] = []
 
-    def settle() -> None:
-        for item in started:
-            item[1].stage()
-            put(item)
-        started.clear()
+    with concurrent.futures.ThreadPoolExecutor(_STAGING_THREADS) as pool:
+        def settle() -> None:
+            for item, _ in zip(started, pool.map(lambda item: item[1].stage(), started)):
+                put(item)
+            started.clear()
 
-    for plan, unit in job.units():
-        if not budget.acquire(unit.nbytes, block=False):
-            settle()
-            budget.acquire(unit.nbytes)
-        unit.start_transfer()
-        started.append((plan, unit))
-    settle()
+        for plan, unit in job.units():
+            if not budget.acquire(unit.nbytes, block=False):
+                settle()
+                budget.acquire(unit.nbytes)
+            unit.start_transfer()
+            started.append((plan, unit))
+        settle()
 
 
 def _tree_metadata(spec: dict[str, Any]) -> dict[str, Any]:
