@@ -122,8 +122,8 @@ class CheckpointManager:
         job = _save.SaveJob.create(
             _steps.step_location(self._root.url, step, self._storage_options).url, state,
             storage_options=self._storage_options, timeout_s=self._timeout_s, extra_metadata=extra,
-            channel="manager-save", **self._save_options)
-        job.before_prepare = self._lease.check if self._lease else None
+            channel="manager-save", before_prepare=self._lease.check if self._lease else None,
+            **self._save_options)
         budget = _save.ByteBudget(self._max_staged_bytes)
         if not self._async:
             job.run(job.units(), budget, acquire=True, progress=self._progress)

@@ -140,7 +140,7 @@ class SaveJob:
                overwrite: bool = False, max_chunk_bytes: int = _planning.DEFAULT_MAX_CHUNK_BYTES,
                max_workers: int | None = None, timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
                checksums: bool = True, extra_metadata: dict[str, Any] | None = None,
-               channel: str = "save") -> "SaveJob":
+               channel: str = "save", before_prepare: Callable[[], None] | None = None) -> "SaveJob":
         """Plans a save; raises UnsupportedLeafError before anything is written."""
         loc = _storage.resolve(url, storage_options)
         spec, leaves = _tree.record(tree)
@@ -149,7 +149,7 @@ class SaveJob:
         arrays = {p.leaf.name: _zarrjson.array_document(p.shape, p.dtype, p.chunks, checksum=checksums)
                   for p in plans}
         group = _zarrjson.group_document({_naming.META_ATTR: {**_tree_metadata(spec), **(extra_metadata or {})}})
-        return cls(loc, plans, arrays, group, overwrite, max_workers, timeout_s, checksums, channel)
+        return cls(loc, plans, arrays, group, overwrite, max_workers, timeout_s, checksums, channel, before_prepare)
 
     @property
     def nbytes(self) -> int:
@@ -188,7 +188,6 @@ class SaveJob:
             log.info("saved %s: %d leaves, %.3f GB in %.2fs (%.2f GB/s)", loc.url, len(self.plans),
                      self.nbytes / 1e9, seconds, self.nbytes / 1e9 / max(seconds, 1e-9))
         return seconds
-
 
     def _prepare(self) -> None:
         if self.before_prepare is not None:
