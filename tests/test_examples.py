@@ -25,6 +25,23 @@ def test_train_minimal_saves_and_resumes(tmp_path):
     assert "resumed from step 20" in second and "committed steps: [30, 40, 50]" in second
 
 
+def test_train_minimal_resumes_after_being_killed(tmp_path):
+    ckpt = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "train_minimal.py"), "--checkpoint-dir", ckpt,
+                             "--steps", "100000", "--save-every", "5"], stdout=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # let it save a few times, then kill it mid-run
+            if line.startswith("step 15:"):
+                break
+    finally:
+        proc.kill()  # SIGKILL: no cleanup, the manager's lease and any save in flight left behind
+        proc.wait()
+    out = run_example("--checkpoint-dir", ckpt, "--steps", "25", "--save-every", "5")
+    resumed = int(out.split("resumed from step ")[1].split()[0])
+    assert resumed >= 10 and resumed % 5 == 0, out
+    assert "done at step 25" in out
+
+
 def test_restore_other_mesh(tmp_path):
     out = run_example("--checkpoint", str(tmp_path / "c"), script="restore_other_mesh.py")
     assert "restored on 4 devices: params.embed (64, 32) as 4 shards of (32, 16)" in out
