@@ -23,12 +23,8 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
-
 import zarrckpt  # noqa: E402
-from train_minimal import init_state, train_step  # noqa: E402  (this directory is on sys.path)
+from train_minimal import train  # noqa: E402  (this directory is on sys.path)
 
 
 def storage_option(text: str) -> tuple[str, object]:
@@ -49,18 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     options = dict(args.storage_option) or None
 
-    mesh = Mesh(np.array(jax.devices()).reshape(-1, 2 if len(jax.devices()) % 2 == 0 else 1), ("data", "model"))
-    template = init_state(jax.random.PRNGKey(0), mesh)
-    with zarrckpt.CheckpointManager(args.url, save_interval_steps=args.save_every, keep_last=2,
-                                    storage_options=options) as mgr:
-        state, step = mgr.restore(template)
-        print(f"resumed from step {step}" if step else "no checkpoint yet: starting from scratch", flush=True)
-        while step < args.steps:
-            state, loss = train_step(state)
-            step += 1
-            if mgr.save(step, state):
-                print(f"step {step}: loss {float(loss):.4f}", flush=True)
-    # Leaving the `with` block waited for the last save to commit.
+    train(args.url, args.steps, args.save_every, keep_last=2, storage_options=options)
     steps = zarrckpt.all_steps(args.url, storage_options=options)
     print(f"committed steps in {args.url}: {steps}")
     newest = f"{args.url.rstrip('/')}/{steps[-1]:010d}"

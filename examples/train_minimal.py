@@ -61,25 +61,32 @@ def train_step(state: dict) -> tuple[dict, jax.Array]:
     return {"params": params, "momentum": momentum, "step": state["step"] + 1, "rng": rng}, loss
 
 
+def train(url: str, steps: int, save_every: int, *, keep_last: int = 3,
+          storage_options: dict | None = None) -> int:
+    """Trains until `steps`, resuming from the newest committed step; returns the last step."""
+    mesh = Mesh(np.array(jax.devices()).reshape(-1, 2 if len(jax.devices()) % 2 == 0 else 1), ("data", "model"))
+    # The template fixes structure, shapes, dtypes and shardings; its values are replaced on resume.
+    template = init_state(jax.random.PRNGKey(0), mesh)
+    with zarrckpt.CheckpointManager(url, save_interval_steps=save_every, keep_last=keep_last,
+                                    storage_options=storage_options) as mgr:
+        state, step = mgr.restore(template)
+        print(f"resumed from step {step}" if step else "no checkpoint yet: starting from scratch", flush=True)
+        while step < steps:
+            state, loss = train_step(state)
+            step += 1
+            if mgr.save(step, state):
+                print(f"step {step}: loss {float(loss):.4f}, saving to {url}", flush=True)
+    # Leaving the `with` block waited for the last save to commit.
+    return step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint-dir", default="checkpoints/train_minimal", help="local path or fsspec URL")
     parser.add_argument("--steps", type=int, default=30, help="train until this step")
     parser.add_argument("--save-every", type=int, default=10)
     args = parser.parse_args()
-
-    mesh = Mesh(np.array(jax.devices()).reshape(-1, 2 if len(jax.devices()) % 2 == 0 else 1), ("data", "model"))
-    # The template fixes structure, shapes, dtypes and shardings; its values are replaced on resume.
-    template = init_state(jax.random.PRNGKey(0), mesh)
-    with zarrckpt.CheckpointManager(args.checkpoint_dir, save_interval_steps=args.save_every, keep_last=3) as mgr:
-        state, step = mgr.restore(template)
-        print(f"resumed from step {step}" if step else "no checkpoint yet: starting from scratch", flush=True)
-        while step < args.steps:
-            state, loss = train_step(state)
-            step += 1
-            if mgr.save(step, state):
-                print(f"step {step}: loss {float(loss):.4f}, saving to {args.checkpoint_dir}", flush=True)
-    # Leaving the `with` block waited for the last save to commit.
+    step = train(args.checkpoint_dir, args.steps, args.save_every)
     print(f"done at step {step}; committed steps: {zarrckpt.all_steps(args.checkpoint_dir)}", flush=True)
 
 
