@@ -197,3 +197,15 @@ def test_colliding_key_paths_are_refused(tmp_path):
                        match=r"key paths \['n'\]\.x and \['n'\]\['x'\] both map to array name 'n\.x'"):
         zarrckpt.save_pytree(str(tmp_path / "c"), {"n": TwoKinds(1, 2)})
     assert not (tmp_path / "c").exists()
+
+
+def test_checkpoints_without_checksums_still_load(tmp_path):
+    # Format 1 had no crc32c codec; checksums=False writes that chunk layout.
+    url = tmp_path / "c"
+    zarrckpt.save_pytree(str(url), {"w": np.arange(6.0)}, checksums=False)
+    doc = json.loads((url / "zarr.json").read_text())
+    doc["attributes"]["zarrckpt"]["format_version"] = 1
+    (url / "zarr.json").write_text(json.dumps(doc))
+    assert (url / "w" / "c.0").stat().st_size == 48
+    np.testing.assert_array_equal(zarrckpt.load_pytree(str(url))["w"], np.arange(6.0))
+    assert zarrckpt.verify(str(url)).ok
