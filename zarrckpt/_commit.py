@@ -124,3 +124,16 @@ def remove_leftover(loc: Location) -> None:
             f"{loc.url} is not empty and not a checkpoint (it holds {', '.join(map(repr, foreign[:3]))}"
             f"{', ...' if len(foreign) > 3 else ''}); refusing to delete it: save somewhere else")
     remove(loc)
+
+
+def make_way(loc: Location, *, overwrite: bool) -> None:
+    """Clears `loc` for a new checkpoint: a committed one is replaced only with
+    `overwrite`; leftovers of a save, copy or deletion cut short are removed; anything
+    that is not a checkpoint is refused (see `remove_leftover`)."""
+    if state(loc) is State.COMMITTED:
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"{loc.url} already holds a committed checkpoint; pass overwrite=True to replace it")
+        remove(loc)
+    elif loc.exists():
+        remove_leftover(loc)

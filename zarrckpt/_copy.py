@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from . import _commit, _naming, _progress, _reader, _save, _storage, _zarrjson
 from ._storage import Location
-from .errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
+from .errors import CheckpointError, CheckpointWriteError
 
 DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
 
@@ -78,7 +78,7 @@ def copy_checkpoint(
     marker = source.read(marker_key)
     first_key, first = _uncommitted_group(source, marker_key, marker)
     objects = {key: size for key, size in source.sizes(recursive=True).items() if key not in (marker_key, first_key)}
-    _clear_destination(target, overwrite)
+    _commit.make_way(target, overwrite=overwrite)
     total = sum(objects.values()) + len(marker)
     with _progress.bar(f"copying to {target.url}", total, progress) as advance:
         target.write(first_key, first, atomic=True)
@@ -113,20 +113,6 @@ def _uncommitted_group(source: Location, marker_key: str, marker: bytes) -> tupl
     document = json.loads(marker)
     document["attributes"] = {k: v for k, v in document["attributes"].items() if k != _naming.COMMIT_ATTR}
     return "zarr.json", _zarrjson.encode_document(document)
-
-
-def _clear_destination(target: Location, overwrite: bool) -> None:
-    """Makes way at `target`: removes an uncommitted checkpoint, or a committed one with
-    `overwrite`; refuses to delete anything that is not a checkpoint."""
-    state = _commit.state(target)
-    if state is _commit.State.COMMITTED and not overwrite:
-        raise CheckpointExistsError(f"{target.url} already holds a committed checkpoint; "
-                                    "pass overwrite=True (--overwrite) to replace it")
-    if state is not _commit.State.ABSENT:
-        _commit.remove(target)
-    elif target.list_dir():
-        raise CheckpointExistsError(f"{target.url} exists and is not a checkpoint; refusing to replace it "
-                                    "(remove it yourself, or copy to a new URL such as one step's directory)")
 
 
 def _copy_all(source: Location, target: Location, objects: dict[str, int], workers: int,

@@ -203,6 +203,11 @@ def _plan_sharded(leaf: Leaf, value: jax.Array, shape: tuple[int, ...], dtype: n
     return ArrayPlan(leaf, shape, dtype, chunks, writes)
 
 
+def chunk_coords(chunk: Region, chunks: Sequence[int]) -> list[int]:
+    """The grid coordinates of the chunk covering `chunk` (a region on the chunk grid)."""
+    return [start // size for (start, _), size in zip(chunk, chunks)]
+
+
 def intersect(x: Region, y: Region) -> Region:
     return tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(x, y))
 

@@ -56,6 +56,18 @@ class StoredLeaf:
         """The size of every stored chunk object: its data, then its checksum if any."""
         return self.chunk_data_bytes + (_zarrjson.CHECKSUM_BYTES if self.checksum else 0)
 
+    def chunk_key(self, chunk: Region) -> str:
+        return _zarrjson.chunk_key(self.name, _planning.chunk_coords(chunk, self.chunks))
+
+    def chunk_damage(self, size: int, payload: np.ndarray, trailer: bytes | bytearray) -> str | None:
+        """What is wrong with a stored chunk of `size` bytes, read as its data `payload`
+        and the `trailer` after it, or None if its size and checksum are right."""
+        if size != self.stored_chunk_bytes:
+            return f"has {size} bytes, expected {self.stored_chunk_bytes}"
+        if self.checksum and _zarrjson.checksum(payload) != bytes(trailer):
+            return "fails its CRC-32C checksum: its bytes are damaged"
+        return None
+
 
 @dataclasses.dataclass
 class Checkpoint:
@@ -95,8 +107,7 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
     out = np.empty([b - a for a, b in box], leaf.dtype)
     chunk_bytes, stored_bytes = leaf.chunk_data_bytes, leaf.stored_chunk_bytes
     for chunk in _planning.chunks_touching(box, leaf.chunks, leaf.shape):
-        coords = [a // c for (a, _), c in zip(chunk, leaf.chunks)]
-        key = _zarrjson.chunk_key(leaf.name, coords)
+        key = leaf.chunk_key(chunk)
         inside = _planning.intersect(chunk, box)
         # The trailing Ellipsis keeps a 0-d result a view, not a scalar copy.
         dest = out[(*(slice(a - o, b - o) for (a, b), (o, _) in zip(inside, box)), ...)]
@@ -115,12 +126,8 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
                 trailer = data[chunk_bytes:]
         except FileNotFoundError:
             raise CheckpointCorruptError(f"chunk {key!r} is missing from checkpoint {loc.url}") from None
-        if size != stored_bytes:
-            raise CheckpointCorruptError(
-                f"chunk {key!r} of checkpoint {loc.url} has {size} bytes, expected {stored_bytes}")
-        if leaf.checksum and _zarrjson.checksum(payload) != bytes(trailer):
-            raise CheckpointCorruptError(
-                f"chunk {key!r} of checkpoint {loc.url} fails its CRC-32C checksum: its bytes are damaged")
+        if (damage := leaf.chunk_damage(size, payload, trailer)) is not None:
+            raise CheckpointCorruptError(f"chunk {key!r} of checkpoint {loc.url} {damage}")
         if not direct:
             stored = payload.view(leaf.dtype).reshape(leaf.chunks)
             dest[...] = stored[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inside, chunk))]

@@ -258,15 +258,7 @@ def _agree(op: _multihost.Collective, tag: str, loc: _storage.Location, step: Ca
 
 def _prepare(loc: _storage.Location, group: dict[str, Any], overwrite: bool) -> None:
     """Process 0: clears the way and writes the (uncommitted) group metadata."""
-    current = _commit.state(loc)
-    if current is _commit.State.COMMITTED and not overwrite:
-        raise errors.CheckpointExistsError(
-            f"{loc.url} already holds a committed checkpoint; pass overwrite=True to replace it"
-        )
-    if current is _commit.State.COMMITTED:
-        _commit.remove(loc)
-    elif loc.exists():  # e.g. a save or a deletion cut short
-        _commit.remove_leftover(loc)
+    _commit.make_way(loc, overwrite=overwrite)
     loc.write("zarr.json", _zarrjson.encode_document(group), atomic=True)
 
 
@@ -302,7 +294,7 @@ def _write_all(loc: _storage.Location, work: Work, arrays: dict[str, dict[str, A
 
 
 def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, checksum: bool) -> None:
-    coords = [start // size for (start, _), size in zip(unit.region, plan.chunks)]
+    coords = _planning.chunk_coords(unit.region, plan.chunks)
     try:
         data = _zarrjson.encode_chunk(unit.host_array(), plan.chunks)
         parts = (data, _zarrjson.checksum(data)) if checksum else (data,)

@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import itertools
 import json
-import math
 import posixpath
 from typing import Any, Iterator
 
 import numpy as np
 
-from . import _commit, _naming, _reader, _save, _storage, _tree, _zarrjson
+from . import _commit, _naming, _planning, _reader, _save, _storage, _tree
 from ._storage import Location
 from .errors import CheckpointCorruptError
 
@@ -164,9 +162,8 @@ def _listed_sizes(loc: Location, name: str) -> dict[str, int] | None:
 
 def _expected_chunks(leaf: _reader.StoredLeaf) -> Iterator[str]:
     """The key of every chunk in the array's grid (none for an array with no elements)."""
-    counts = [math.ceil(n / c) for n, c in zip(leaf.shape, leaf.chunks)]
-    for coords in itertools.product(*map(range, counts)):
-        yield _zarrjson.chunk_key(leaf.name, coords)
+    full = tuple((0, n) for n in leaf.shape)
+    return (leaf.chunk_key(chunk) for chunk in _planning.chunks_touching(full, leaf.chunks, leaf.shape))
 
 
 def _check_checksums(loc: Location, chunks: list[tuple[_reader.StoredLeaf, str]],
@@ -191,9 +188,6 @@ def _checksum_problem(loc: Location, leaf: _reader.StoredLeaf, key: str) -> Prob
         stored = loc.read(key)
     except FileNotFoundError:
         return Problem(key, "missing (deleted while being verified)", leaf.where)
-    if len(stored) != leaf.stored_chunk_bytes:
-        return Problem(key, f"has {len(stored)} bytes, expected {leaf.stored_chunk_bytes}", leaf.where)
-    data = np.frombuffer(stored, np.uint8, count=leaf.chunk_data_bytes)
-    if _zarrjson.checksum(data) != stored[leaf.chunk_data_bytes:]:
-        return Problem(key, "fails its CRC-32C checksum: its bytes are damaged", leaf.where)
-    return None
+    payload = np.frombuffer(stored, np.uint8, count=min(len(stored), leaf.chunk_data_bytes))
+    damage = leaf.chunk_damage(len(stored), payload, stored[leaf.chunk_data_bytes:])
+    return None if damage is None else Problem(key, damage, leaf.where)
