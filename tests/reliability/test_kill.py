@@ -93,7 +93,10 @@ def test_sigkill_during_retention(tmp_path):
     for _ in range(RETENTION_KILLS):
         reported = run_and_kill("manager", directory, delay=rng.uniform(0.2, 1.0))
         newest_reported = max([newest_reported, *reported])
-        committed = assert_committed_steps_are_whole(directory, [newest_reported] if newest_reported else [])
+        committed = assert_committed_steps_are_whole(directory, [])
+        # keep_last=1: the reported step may already be gone if a newer one committed
+        # (and its retention ran) before the kill cut the "committed" line short.
+        assert max(committed, default=0) >= newest_reported, (newest_reported, committed)
         # Anything left that is not committed must not look committed to a reader.
         for name in _storage.resolve(directory).list_dir():
             step = _naming.parse_step_dir_name(name)
