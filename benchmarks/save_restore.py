@@ -322,20 +322,22 @@ def verify(restored, original):
 
 
 def run_round(name, save, restore, tree, base_dir, label, check=False):
-    """One save + restore into a fresh directory; returns (save s, restore s)."""
+    """One save + restore into a fresh directory; returns the wall seconds of the save
+    and the restore, then the CPU seconds (this process, all threads) of each."""
     path = os.path.join(base_dir, f"{name}-{label}")
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     save(path, tree)
-    saved = time.perf_counter()
+    saved, saved_cpu = time.perf_counter(), time.process_time()
     restored = jax.block_until_ready(restore(path, tree))
-    restored_at = time.perf_counter()
+    restored_at, restored_cpu = time.perf_counter(), time.process_time()
     if check:
         verify(restored, tree)
     del restored
     shutil.rmtree(path)
     gc.collect()
-    print(f"  {name} {label}: save {saved - start:.3f}s, restore {restored_at - saved:.3f}s", flush=True)
-    return saved - start, restored_at - saved
+    print(f"  {name} {label}: save {saved - start:.3f}s ({saved_cpu - start_cpu:.3f}s CPU), "
+          f"restore {restored_at - saved:.3f}s ({restored_cpu - saved_cpu:.3f}s CPU)", flush=True)
+    return saved - start, restored_at - saved, saved_cpu - start_cpu, restored_cpu - saved_cpu
 
 
 def run_all(names, tree, base_dir, repeats):
@@ -352,7 +354,7 @@ def run_all(names, tree, base_dir, repeats):
                 save, restore = stack.enter_context(CONTENDER_FACTORIES[name](tree))
                 run_round(name, save, restore, tree, base_dir, "warm-up", check=True)
                 active[name] = (save, restore)
-                results[name] = ([], [])
+                results[name] = ([], [], [], [])
             except Unavailable as exc:
                 results[name] = {"error": str(exc)}
                 print(f"  {name}: {exc}", flush=True)
@@ -361,17 +363,17 @@ def run_all(names, tree, base_dir, repeats):
                 results[name] = {"error": f"FAILED ({type(exc).__name__}: {exc})"}
         for round_number in range(repeats):
             for name, (save, restore) in active.items():
-                save_s, restore_s = run_round(name, save, restore, tree, base_dir,
-                                              f"round {round_number + 1}/{repeats}")
-                results[name][0].append(save_s)
-                results[name][1].append(restore_s)
+                measured = run_round(name, save, restore, tree, base_dir, f"round {round_number + 1}/{repeats}")
+                for series, value in zip(results[name], measured):
+                    series.append(value)
     return results
 
 
-def summarize(seconds, nbytes):
+def summarize(seconds, cpu_seconds, nbytes):
     rates = [nbytes / 1e9 / s for s in seconds]
     return {"seconds": seconds, "best_gbps": max(rates),
-            "median_gbps": statistics.median(rates)}
+            "median_gbps": statistics.median(rates),
+            "cpu_seconds": cpu_seconds, "median_cpu_seconds": statistics.median(cpu_seconds)}
 
 
 def package_version(name):
@@ -411,17 +413,39 @@ def ratios(results):
 
 
 def print_table(results):
-    print(f"\n{'contender':<10} | {'save GB/s best':>14} {'median':>7} | "
-          f"{'restore GB/s best':>17} {'median':>7}")
-    print("-" * 64)
+    print(f"\n{'contender':<14} | {'save GB/s best':>14} {'median':>7} {'CPU s':>6} | "
+          f"{'restore GB/s best':>17} {'median':>7} {'CPU s':>6}")
+    print("-" * 84)
     for name, result in results.items():
         if "error" in result:
-            print(f"{name:<10} | {result['error']}")
+            print(f"{name:<14} | {result['error']}")
             continue
         save, restore = result["save"], result["restore"]
-        print(f"{name:<10} | {save['best_gbps']:>14.3f} "
-              f"{save['median_gbps']:>7.3f} | {restore['best_gbps']:>17.3f} "
-              f"{restore['median_gbps']:>7.3f}")
+        print(f"{name:<14} | {save['best_gbps']:>14.3f} {save['median_gbps']:>7.3f} "
+              f"{save['median_cpu_seconds']:>6.3f} | {restore['best_gbps']:>17.3f} "
+              f"{restore['median_gbps']:>7.3f} {restore['median_cpu_seconds']:>6.3f}")
+
+
+def checksum_cost(results):
+    """What CRC-32C costs: zarrckpt's time over zarrckpt-nocrc's, minus one, by wall
+    time (best and median rounds) and by median CPU time (which other tenants of a
+    shared machine disturb far less)."""
+    try:
+        on, off = results["zarrckpt"], results["zarrckpt-nocrc"]
+        return {f"{phase} {stat}": (off[phase][f"{stat}_gbps"] / on[phase][f"{stat}_gbps"] - 1)
+                for phase in ("save", "restore") for stat in ("best", "median")} | {
+                f"{phase} cpu": on[phase]["median_cpu_seconds"] / off[phase]["median_cpu_seconds"] - 1
+                for phase in ("save", "restore")}
+    except KeyError:  # either side did not run
+        return None
+
+
+def print_checksum_cost(cost):
+    if cost is not None:
+        print("\nchecksum cost (zarrckpt over zarrckpt-nocrc):")
+        for phase in ("save", "restore"):
+            print(f"  {phase:<7}: wall best {cost[phase + ' best']:+.1%}, median {cost[phase + ' median']:+.1%}; "
+                  f"CPU median {cost[phase + ' cpu']:+.1%}")
 
 
 def print_ratios(ratio_values):
@@ -472,20 +496,22 @@ def main(args):
     finally:
         if owns_dir:
             shutil.rmtree(base_dir, ignore_errors=True)
-    results = {name: r if isinstance(r, dict) else {"save": summarize(r[0], nbytes),
-                                                     "restore": summarize(r[1], nbytes)}
+    results = {name: r if isinstance(r, dict) else {"save": summarize(r[0], r[2], nbytes),
+                                                     "restore": summarize(r[1], r[3], nbytes)}
                for name, r in raw_results.items()}
 
     print_table(results)
     ratio_values = ratios(results)
     print_ratios(ratio_values)
+    print_checksum_cost(checksum_cost(results))
     sys.stdout.flush()
 
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"versions": versions(), "tree": summary,
                        "size_gib": args.size_gib, "repeats": args.repeats,
-                       "results": results, "ratios": ratio_values},
+                       "results": results, "ratios": ratio_values,
+                       "checksum_cost": checksum_cost(results)},
                       f, indent=2)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zarr
 
 import zarrckpt
 
@@ -92,3 +93,23 @@ def test_corrupted_array_metadata_is_an_error(tmp_path):
     edit(url, lambda d: d["consolidated_metadata"]["metadata"]["w"].update(data_type="int32"))
     with pytest.raises(zarrckpt.CheckpointCorruptError, match=r"leaf \['w'\]: array data_type 'int32'"):
         zarrckpt.load_pytree(str(url))
+
+
+@pytest.mark.parametrize("url_of", [lambda tmp_path: str(tmp_path / "ckpt"), lambda tmp_path: f"memory://{tmp_path}/ckpt"],
+                         ids=["local", "memory"])
+def test_damage_anywhere_in_a_large_chunk_is_caught(tmp_path, url_of):
+    """A flipped bit at the start, in the middle or at the end of a multi-MiB chunk is
+    caught, whether the chunk is read straight into the array (a local file) or
+    fetched whole (any other store)."""
+    url = url_of(tmp_path)
+    x = np.random.default_rng(0).standard_normal(3 * 2**20 // 4 + 3, dtype=np.float32)
+    zarrckpt.save_pytree(url, {"x": x})
+    loc = zarrckpt._storage.resolve(url)
+    np.testing.assert_array_equal(zarr.open_array(loc.zarr_store(), path="x", mode="r")[...], x)
+    good = loc.read("x/c.0")
+    for offset in (7, len(good) // 2, len(good) - 6):
+        loc.write("x/c.0", good[:offset] + bytes([good[offset] ^ 1]) + good[offset + 1:])
+        with pytest.raises(zarrckpt.CheckpointCorruptError, match="fails its CRC-32C checksum"):
+            zarrckpt.load_pytree(url)
+    loc.write("x/c.0", good)
+    np.testing.assert_array_equal(zarrckpt.load_pytree(url)["x"], x)
