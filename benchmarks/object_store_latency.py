@@ -141,6 +141,8 @@ def parse_args(argv=None):
     parser.add_argument("--target", choices=("memory", "local"), default="memory",
                         help="the store behind the latency: fsspec's memory file system or a local directory")
     parser.add_argument("--dir", default="/tmp", help="parent directory for --target local (default /tmp)")
+    parser.add_argument("--no-checksums", action="store_true",
+                        help="save without CRC-32C, to see what checksums cost over a slow store")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     return parser.parse_args(argv)
 
@@ -151,7 +153,7 @@ def small_tree(leaves: int, mesh) -> dict:
             for i in range(leaves)}
 
 
-def save_and_restore(tree, target, options: dict) -> tuple[float, dict, int, float, dict, int, int]:
+def save_and_restore(tree, target, options: dict, checksums: bool) -> tuple[float, dict, int, float, dict, int, int]:
     """One round on a fresh URL: seconds, requests by kind and bytes moved, for the
     save then the restore; and the checkpoint's chunk count."""
     url = f"latency://zarrckpt-bench/{uuid.uuid4().hex}"
@@ -159,7 +161,7 @@ def save_and_restore(tree, target, options: dict) -> tuple[float, dict, int, flo
     fs = loc.fs
     fs.reset()
     started = time.perf_counter()
-    zarrckpt.save_pytree(url, tree, storage_options=options)
+    zarrckpt.save_pytree(url, tree, storage_options=options, checksums=checksums)
     save_s = time.perf_counter() - started
     save_requests, save_bytes = dict(fs.requests), fs.bytes
     fs.reset()
@@ -181,8 +183,8 @@ def measure(name: str, tree, args, options: dict) -> dict:
     host_only = {**options, "latency_s": 0.0, "bandwidth": float("inf")}
     slow, fast = [], []
     for _ in range(args.repeats + 1):  # the first round warms up (compiles, allocates)
-        slow.append(save_and_restore(tree, target, options))
-        fast.append(save_and_restore(tree, target, host_only))
+        slow.append(save_and_restore(tree, target, options, not args.no_checksums))
+        fast.append(save_and_restore(tree, target, host_only, not args.no_checksums))
     slow, fast = slow[1:], fast[1:]
     _, save_requests, save_bytes, _, restore_requests, restore_bytes, chunks = slow[-1]
     concurrency = _storage.resolve("latency://zarrckpt-bench", options).concurrency
