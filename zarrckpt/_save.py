@@ -15,12 +15,13 @@ them raise and nothing is committed.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import zarr
@@ -174,7 +175,7 @@ class SaveJob:
                 _progress.bar(f"saving {loc.url}", self.nbytes, progress) as advance:
             try:
                 _agree(op, "prepare", loc, lambda: self._prepare() if is_primary else None)
-                _agree(op, "write", loc, lambda: _write_all(loc, work, self.arrays if is_primary else {},
+                _agree(op, "write", loc, lambda: _write_all(loc, work, self._array_metadata() if is_primary else [],
                                                             self.checksums, pool, budget, acquire, advance))
                 _agree(op, "commit", loc, lambda: _commit.commit(loc, _zarrjson.group_document(
                     self.group["attributes"], self.arrays)) if is_primary else None)
@@ -188,6 +189,10 @@ class SaveJob:
             log.info("saved %s: %d leaves, %.3f GB in %.2fs (%.2f GB/s)", loc.url, len(self.plans),
                      self.nbytes / 1e9, seconds, self.nbytes / 1e9 / max(seconds, 1e-9))
         return seconds
+
+    def _array_metadata(self) -> list[tuple[ArrayPlan, dict[str, Any]]]:
+        """Each array's plan with its `zarr.json`, for process 0 to write."""
+        return [(plan, self.arrays[plan.leaf.name]) for plan in self.plans]
 
     def _prepare(self) -> None:
         if self.before_prepare is not None:
@@ -262,14 +267,13 @@ def _prepare(loc: _storage.Location, group: dict[str, Any], overwrite: bool) -> 
     loc.write("zarr.json", _zarrjson.encode_document(group), atomic=True)
 
 
-def _write_all(loc: _storage.Location, work: Work, arrays: dict[str, dict[str, Any]], checksums: bool,
-               pool: concurrent.futures.ThreadPoolExecutor, budget: ByteBudget, acquire: bool,
+def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPlan, dict[str, Any]]],
+               checksums: bool, pool: concurrent.futures.ThreadPoolExecutor, budget: ByteBudget, acquire: bool,
                advance: Callable[[int], None]) -> None:
-    """Writes `arrays`' metadata and every unit of `work`; budget is released as each
-    unit's write finishes. Array metadata is only read once committed, so it goes out
-    alongside the chunks."""
-    futures = [pool.submit(loc.write, f"{name}/zarr.json", _zarrjson.encode_document(doc))
-               for name, doc in arrays.items()]
+    """Writes each array's `metadata` document and every unit of `work`; budget is
+    released as each unit's write finishes. Array metadata is only read once committed,
+    so it goes out alongside the chunks."""
+    futures = [pool.submit(_write_metadata, loc, plan, document) for plan, document in metadata]
 
     def written(nbytes: int) -> Callable[[concurrent.futures.Future[None]], None]:
         def done(future: concurrent.futures.Future[None]) -> None:
@@ -293,15 +297,28 @@ def _write_all(loc: _storage.Location, work: Work, arrays: dict[str, dict[str, A
         raise
 
 
+def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str, Any]) -> None:
+    with _naming_leaf(plan, "metadata"):
+        loc.write(f"{plan.leaf.name}/zarr.json", _zarrjson.encode_document(document))
+
+
 def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, checksum: bool) -> None:
     coords = _planning.chunk_coords(unit.region, plan.chunks)
     try:
-        data = _zarrjson.encode_chunk(unit.host_array(), plan.chunks)
-        parts = (data, _zarrjson.checksum(data)) if checksum else (data,)
-        loc.write(_zarrjson.chunk_key(plan.leaf.name, coords), *parts)
-    except Exception as e:
-        raise errors.CheckpointWriteError(
-            f"writing leaf {plan.leaf.where} (array {plan.leaf.name!r}) chunk {coords}: {type(e).__name__}: {e}"
-        ) from e
+        with _naming_leaf(plan, f"chunk {coords}"):
+            data = _zarrjson.encode_chunk(unit.host_array(), plan.chunks)
+            parts = (data, _zarrjson.checksum(data)) if checksum else (data,)
+            loc.write(_zarrjson.chunk_key(plan.leaf.name, coords), *parts)
     finally:
         unit.release()
+
+
+@contextlib.contextmanager
+def _naming_leaf(plan: ArrayPlan, what: str) -> Iterator[None]:
+    """Turns a failure inside into a CheckpointWriteError naming the leaf and `what`."""
+    try:
+        yield
+    except Exception as e:
+        raise errors.CheckpointWriteError(
+            f"writing leaf {plan.leaf.where} (array {plan.leaf.name!r}) {what}: {type(e).__name__}: {e}"
+        ) from e

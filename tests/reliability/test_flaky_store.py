@@ -14,20 +14,21 @@ from zarrckpt import _storage
 
 
 class FlakyFileSystem(MemoryFileSystem):
-    """fsspec's memory file system, failing `fail_rate` of reads and writes with `error`."""
+    """fsspec's memory file system, failing `fail_rate` of reads and writes, and every
+    one whose path ends in `fail_suffix`, with `error`."""
 
     protocol = "flaky"
     injected = 0
 
-    def __init__(self, fail_rate=0.0, error="transient", seed=0, **kwargs):
+    def __init__(self, fail_rate=0.0, error="transient", seed=0, fail_suffix=None, **kwargs):
         super().__init__(**kwargs)
-        self._fail_rate, self._error = fail_rate, error
+        self._fail_rate, self._error, self._fail_suffix = fail_rate, error, fail_suffix
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
 
     def _maybe_fail(self, path):
         with self._lock:
-            fail = self._rng.random() < self._fail_rate
+            fail = self._rng.random() < self._fail_rate or bool(self._fail_suffix and path.endswith(self._fail_suffix))
         if fail:
             type(self).injected += 1
             if self._error == "transient":
@@ -79,3 +80,15 @@ def test_permanent_errors_are_not_retried(tmp_path):
     with pytest.raises(zarrckpt.CheckpointWriteError, match=r"access denied") as info:
         zarrckpt.save_checkpoint(url, 1, state(), storage_options={"fail_rate": 1.0, "error": "denied"})
     assert "tries" not in str(info.value) and FlakyFileSystem.injected == 1
+
+
+@pytest.mark.parametrize("key, what", [("w/zarr.json", "metadata"), ("w/c.1.0", r"chunk \[1, 0\]")])
+def test_a_failed_write_names_its_leaf(tmp_path, key, what):
+    """Whichever object of a leaf cannot be written, its array metadata or one chunk,
+    the error names the leaf, and nothing is committed."""
+    url = f"flaky://one-key-{tmp_path.name}/run"
+    options = {"error": "denied", "fail_suffix": f"0000000001/{key}"}
+    with pytest.raises(zarrckpt.CheckpointWriteError,
+                       match=rf"writing leaf \['w'\] \(array 'w'\) {what}: PermissionError: .*access denied"):
+        zarrckpt.save_checkpoint(url, 1, state(), storage_options=options, max_chunk_bytes=1024)
+    assert zarrckpt.all_steps(url, storage_options=options) == []
