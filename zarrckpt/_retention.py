@@ -16,7 +16,7 @@ import dataclasses
 import logging
 from typing import Any, Collection, Mapping
 
-from . import _commit, _naming
+from . import _commit, _naming, _steps
 from ._storage import Location
 
 log = logging.getLogger("zarrckpt")
@@ -77,18 +77,21 @@ def apply(root: Location, policy: Policy, metrics: Mapping[int, Mapping[str, Any
     `busy` steps (a save in flight) are never touched. Each deletion removes the
     commit marker first, so an interrupted one leaves only an uncommitted leftover.
     """
-    candidates = {s: name for name in root.list_dir() if (s := _naming.parse_step_dir_name(name)) is not None}
-    committed = {s for s, name in candidates.items()
-                 if _commit.state(root.child(name)) is _commit.State.COMMITTED}
+    candidates, committed_steps = _steps.scan(root)
+    committed = set(committed_steps)
     if not committed:
         return []
     newest = max(committed)
     keep = steps_to_keep(policy, committed, metrics)
-    doomed = sorted(s for s in committed - keep if s not in busy and not is_pinned(root.child(candidates[s])))
-    leftovers = sorted(s for s in candidates.keys() - committed if s < newest and s not in busy)
+    doomed = sorted(s for s in committed - keep if s not in busy and not is_pinned(_step(root, s)))
+    leftovers = sorted(s for s in set(candidates) - committed if s < newest and s not in busy)
     for step in doomed + leftovers:
         if not dry_run:
-            _commit.remove(root.child(candidates[step]))
+            _commit.remove(_step(root, step))
         log.info("%s step %d under %s (%s)", "would delete" if dry_run else "deleted", step, root.url,
                  "uncommitted leftover" if step in leftovers else "retention")
     return doomed + leftovers
+
+
+def _step(root: Location, step: int) -> Location:
+    return root.child(_naming.step_dir_name(step))

@@ -27,10 +27,7 @@ def save_checkpoint(checkpoint_dir: str, step: int, state: Any, *,
 
 def all_steps(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
     """Every committed step under `checkpoint_dir`, ascending. Not collective."""
-    root = _storage.resolve(checkpoint_dir, storage_options)
-    steps = candidate_steps(root)
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(steps), root.concurrency))) as pool:
-        return [s for s, ok in zip(steps, pool.map(lambda s: _is_committed(root, s), steps)) if ok]
+    return scan(_storage.resolve(checkpoint_dir, storage_options))[1]
 
 
 def latest_step(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> int | None:
@@ -46,6 +43,14 @@ def latest_step(checkpoint_dir: str, *, storage_options: dict[str, Any] | None =
 def candidate_steps(root: Location) -> list[int]:
     steps = (_naming.parse_step_dir_name(name) for name in root.list_dir())
     return sorted(s for s in steps if s is not None)
+
+
+def scan(root: Location) -> tuple[list[int], list[int]]:
+    """Every step directory under `root`, and the committed ones among them, ascending:
+    one listing, then every commit marker read concurrently."""
+    steps = candidate_steps(root)
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(steps), root.concurrency))) as pool:
+        return steps, [s for s, ok in zip(steps, pool.map(lambda s: _is_committed(root, s), steps)) if ok]
 
 
 def _is_committed(root: Location, step: int) -> bool:
