@@ -306,3 +306,14 @@ def test_installed_entry_point(run_dir):
     listed = run("ls", run_dir, "--json", command=[installed_command()])
     assert listed.returncode == 0, listed.stderr
     assert [row["step"] for row in json.loads(listed.stdout)] == [10, 20, 30, 40]
+
+
+def test_ls_counts_a_seqax_step(tmp_path):
+    """seqax's layout has no tree record: `ls` counts its leaves and bytes from the arrays."""
+    from test_seqax import seqax_save_zarr
+
+    seqax_save_zarr(str(tmp_path), 5, {"w": jnp.arange(6.0, dtype=jnp.float32), "b": jnp.ones(2, jnp.int32)})
+    listed = run("ls", str(tmp_path))
+    assert listed.returncode == 0, listed.stderr
+    rows = [line.split() for line in listed.stdout.splitlines()]
+    assert rows[1][:5] == ["5", "committed", "32", "B", "2"]  # 24 + 8 bytes of data, 2 leaves

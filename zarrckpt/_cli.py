@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from . import __version__, _commit, _copy, _dtypes, _export, _naming, _retention, _steps, _storage, _tree, _verify
+from . import __version__, _commit, _copy, _dtypes, _export, _naming, _reader, _retention, _steps, _storage, _tree, _verify
 from ._metadata import metadata
 from .errors import CheckpointError
 
@@ -175,7 +175,7 @@ def _ls(args: argparse.Namespace) -> int:
     root = _storage.resolve(args.dir, _options(args.storage_option))
     steps = _steps.candidate_steps(root)
     with concurrent.futures.ThreadPoolExecutor(max(1, min(len(steps), root.concurrency))) as pool:
-        rows = list(pool.map(lambda step: _describe_step(root, step, _options(args.storage_option)), steps))
+        rows = list(pool.map(lambda step: _describe_step(root, step), steps))
     if args.json:
         _print_json(rows)
     elif not rows:
@@ -189,7 +189,7 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe_step(root: _storage.Location, step: int, options: dict[str, Any] | None) -> dict[str, Any]:
+def _describe_step(root: _storage.Location, step: int) -> dict[str, Any]:
     """One `ls` row from the step's group metadata alone: one read for zarrckpt's layout."""
     loc = root.child(_naming.step_dir_name(step))
     group = _commit.read_group(loc)
@@ -204,8 +204,8 @@ def _describe_step(root: _storage.Location, step: int, options: dict[str, Any] |
         except (KeyError, TypeError, ValueError, AttributeError):
             pass  # shown as unknown; `verify` says what is wrong
     elif state is _commit.State.COMMITTED:  # seqax's layout keeps no tree record
-        described = metadata(loc.url, storage_options=options)
-        leaves, nbytes = len(described.leaves), described.nbytes
+        stored = _reader.open_checkpoint(loc).leaves.values()
+        leaves, nbytes = len(stored), sum(leaf.nbytes for leaf in stored)
     return {"step": step, "url": loc.url, "state": state.value, "committed": state is _commit.State.COMMITTED,
             "pinned": _retention.is_pinned(loc), "nbytes": nbytes, "leaves": leaves,
             "created_at": meta.get("created_at") if isinstance(meta, dict) else None}

@@ -80,7 +80,7 @@ def export_checkpoint(url: str, path: str, *, format: str | None = None,
     dtypes = {leaf.name: _exported_dtype(leaf, format) for leaf in leaves}
     widened = {leaf.name: (leaf.dtype.name, dtypes[leaf.name].name) for leaf in leaves
                if dtypes[leaf.name] != leaf.dtype}
-    total = sum(_nbytes(leaf) for leaf in leaves)
+    total = sum(leaf.nbytes for leaf in leaves)
     partial = f"{path}.partial"
     try:
         with _progress.bar(f"exporting {ckpt.loc.url}", total, progress) as advance:
@@ -105,17 +105,13 @@ def _exported_dtype(leaf: _reader.StoredLeaf, format: str) -> np.dtype:
     return _WIDER[kind]
 
 
-def _nbytes(leaf: _reader.StoredLeaf) -> int:
-    return int(np.prod(leaf.shape)) * leaf.dtype.itemsize
-
-
 def _read_leaves(ckpt: _reader.Checkpoint, leaves: list[_reader.StoredLeaf], max_inflight_bytes: int,
                  advance: Callable[[int], None]) -> Iterator[tuple[_reader.StoredLeaf, np.ndarray]]:
     """Every leaf's whole array, in order; leaves are read concurrently, with at most
     about `max_inflight_bytes` read and not yet consumed."""
     def read(leaf: _reader.StoredLeaf) -> np.ndarray:
         array = ckpt.read(leaf, tuple((0, n) for n in leaf.shape))
-        advance(_nbytes(leaf))
+        advance(leaf.nbytes)
         return array
 
     pending: collections.deque[tuple[_reader.StoredLeaf, concurrent.futures.Future[np.ndarray]]] = \
@@ -123,12 +119,12 @@ def _read_leaves(ckpt: _reader.Checkpoint, leaves: list[_reader.StoredLeaf], max
     inflight = 0
     with concurrent.futures.ThreadPoolExecutor(ckpt.loc.concurrency) as pool:
         for leaf in leaves:
-            while pending and inflight + _nbytes(leaf) > max_inflight_bytes:
+            while pending and inflight + leaf.nbytes > max_inflight_bytes:
                 done, future = pending.popleft()
-                inflight -= _nbytes(done)
+                inflight -= done.nbytes
                 yield done, future.result()
             pending.append((leaf, pool.submit(read, leaf)))
-            inflight += _nbytes(leaf)
+            inflight += leaf.nbytes
         while pending:
             done, future = pending.popleft()
             yield done, future.result()

@@ -48,6 +48,10 @@ class StoredLeaf:
         return _tree.describe_path(self.path)
 
     @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
     def chunk_data_bytes(self) -> int:
         return math.prod(self.chunks) * self.dtype.itemsize
 
@@ -58,6 +62,12 @@ class StoredLeaf:
 
     def chunk_key(self, chunk: Region) -> str:
         return _zarrjson.chunk_key(self.name, _planning.chunk_coords(chunk, self.chunks))
+
+    def split_chunk(self, stored: bytes) -> tuple[np.ndarray, bytes]:
+        """A stored chunk object as its data (uint8, at most one chunk's worth) and the
+        bytes after it (the checksum, if any, and anything that should not be there)."""
+        return np.frombuffer(stored, np.uint8, count=min(len(stored), self.chunk_data_bytes)), \
+            stored[self.chunk_data_bytes:]
 
     def chunk_damage(self, size: int, payload: np.ndarray, trailer: bytes | bytearray) -> str | None:
         """What is wrong with a stored chunk of `size` bytes, read as its data `payload`
@@ -122,8 +132,7 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
             else:
                 data = loc.read(key)
                 size = len(data)
-                payload = np.frombuffer(data, np.uint8, count=min(size, chunk_bytes))
-                trailer = data[chunk_bytes:]
+                payload, trailer = leaf.split_chunk(data)
         except FileNotFoundError:
             raise CheckpointCorruptError(f"chunk {key!r} is missing from checkpoint {loc.url}") from None
         if (damage := leaf.chunk_damage(size, payload, trailer)) is not None:

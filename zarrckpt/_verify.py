@@ -24,7 +24,6 @@ import json
 import posixpath
 from typing import Any, Iterator
 
-import numpy as np
 
 from . import _commit, _naming, _planning, _reader, _save, _storage, _tree
 from ._storage import Location
@@ -188,6 +187,5 @@ def _checksum_problem(loc: Location, leaf: _reader.StoredLeaf, key: str) -> Prob
         stored = loc.read(key)
     except FileNotFoundError:
         return Problem(key, "missing (deleted while being verified)", leaf.where)
-    payload = np.frombuffer(stored, np.uint8, count=min(len(stored), leaf.chunk_data_bytes))
-    damage = leaf.chunk_damage(len(stored), payload, stored[leaf.chunk_data_bytes:])
+    damage = leaf.chunk_damage(len(stored), *leaf.split_chunk(stored))
     return None if damage is None else Problem(key, damage, leaf.where)
