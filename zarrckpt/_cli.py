@@ -15,7 +15,6 @@ otherwise, so the command works on a host whose devices a training job holds.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import logging
 import math
@@ -25,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from . import __version__, _commit, _copy, _dtypes, _export, _naming, _reader, _retention, _steps, _storage, _tree, _verify
+from . import __version__, _commit, _concurrency, _copy, _dtypes, _export, _naming, _reader, _retention, _steps, _storage, _tree, _verify
 from ._metadata import metadata
 from .errors import CheckpointError
 
@@ -174,8 +173,7 @@ def _options(*lists: list[tuple[str, Any]]) -> dict[str, Any] | None:
 def _ls(args: argparse.Namespace) -> int:
     root = _storage.resolve(args.dir, _options(args.storage_option))
     steps = _steps.candidate_steps(root)
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(steps), root.concurrency))) as pool:
-        rows = list(pool.map(lambda step: _describe_step(root, step), steps))
+    rows = _concurrency.run_all(lambda step: _describe_step(root, step), steps, root.concurrency)
     if args.json:
         _print_json(rows)
     elif not rows:

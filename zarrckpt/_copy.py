@@ -10,18 +10,14 @@ their commit file).
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
-import threading
 import time
 from typing import Any, Callable
 
-from . import _commit, _naming, _progress, _reader, _save, _storage, _zarrjson
+from . import _commit, _concurrency, _naming, _progress, _reader, _storage, _zarrjson
 from ._storage import Location
 from .errors import CheckpointError, CheckpointWriteError
-
-DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +40,7 @@ def copy_checkpoint(
     overwrite: bool = False,
     allow_uncommitted: bool = False,
     max_workers: int | None = None,
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+    max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
     progress: bool | None = None,
 ) -> CopyResult:
     """Copies the checkpoint at `src` to `dst`, writing the commit marker last. Not collective.
@@ -84,7 +80,7 @@ def copy_checkpoint(
         target.write(first_key, first, atomic=True)
         try:
             _copy_all(source, target, objects, max_workers or max(source.concurrency, target.concurrency),
-                      _save.ByteBudget(max_inflight_bytes), advance)
+                      _concurrency.ByteBudget(max_inflight_bytes), advance)
         except Exception as e:
             raise CheckpointWriteError(f"copying {source.url} to {target.url} failed; {target.url} holds an "
                                        f"uncommitted partial copy: {e}") from e
@@ -116,31 +112,9 @@ def _uncommitted_group(source: Location, marker_key: str, marker: bytes) -> tupl
 
 
 def _copy_all(source: Location, target: Location, objects: dict[str, int], workers: int,
-              budget: _save.ByteBudget, advance: Callable[[int], None]) -> None:
-    """Copies `objects` concurrently, at most `budget` bytes in memory; raises the
-    first failure once the copies in flight have ended, starting no more after it."""
-    failed = threading.Event()
-
-    def copy_one(key: str) -> None:
-        target.write(key, source.read(key))
-
-    def finished(nbytes: int) -> Callable[[concurrent.futures.Future[None]], None]:
-        def done(future: concurrent.futures.Future[None]) -> None:
-            budget.release(nbytes)
-            if future.exception() is not None:
-                failed.set()
-            else:
-                advance(nbytes)
-        return done
-
-    futures = []
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        for key, size in sorted(objects.items()):
-            if failed.is_set():
-                break
-            budget.acquire(size)
-            future = pool.submit(copy_one, key)
-            future.add_done_callback(finished(size))
-            futures.append(future)
-    for future in futures:
-        future.result()
+              budget: _concurrency.ByteBudget, advance: Callable[[int], None]) -> None:
+    """Copies `objects` concurrently, at most `budget` bytes in memory; stops at the
+    first failure and raises it (see `_concurrency`)."""
+    with _concurrency.Operation(workers, "copy") as op:
+        op.fan_out(sorted(objects), lambda key: target.write(key, source.read(key)), budget=budget,
+                   nbytes=objects.__getitem__, on_done=lambda key, _: advance(objects[key]))

@@ -13,8 +13,6 @@ and float8_e5m2, only the others. Complex numbers cannot go to `.safetensors`.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
 import os
 import zipfile
@@ -22,10 +20,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from . import _dtypes, _progress, _reader, _storage
+from . import _concurrency, _dtypes, _progress, _reader, _storage
 
 FORMATS = ("npz", "safetensors")
-DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
 # What every safetensors release since 0.4 writes from NumPy arrays (later ones add a few).
 _SAFETENSORS_DTYPES = frozenset({
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -57,7 +54,7 @@ def format_of(path: str) -> str:
 
 def export_checkpoint(url: str, path: str, *, format: str | None = None,
                       storage_options: dict[str, Any] | None = None,
-                      max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+                      max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
                       progress: bool | None = None) -> ExportResult:
     """Writes every leaf of the committed checkpoint at `url` to the local file `path`.
 
@@ -109,25 +106,13 @@ def _read_leaves(ckpt: _reader.Checkpoint, leaves: list[_reader.StoredLeaf], max
                  advance: Callable[[int], None]) -> Iterator[tuple[_reader.StoredLeaf, np.ndarray]]:
     """Every leaf's whole array, in order; leaves are read concurrently, with at most
     about `max_inflight_bytes` read and not yet consumed."""
-    def read(leaf: _reader.StoredLeaf) -> np.ndarray:
-        array = ckpt.read(leaf, tuple((0, n) for n in leaf.shape))
-        advance(leaf.nbytes)
-        return array
-
-    pending: collections.deque[tuple[_reader.StoredLeaf, concurrent.futures.Future[np.ndarray]]] = \
-        collections.deque()
-    inflight = 0
-    with concurrent.futures.ThreadPoolExecutor(ckpt.loc.concurrency) as pool:
-        for leaf in leaves:
-            while pending and inflight + leaf.nbytes > max_inflight_bytes:
-                done, future = pending.popleft()
-                inflight -= done.nbytes
-                yield done, future.result()
-            pending.append((leaf, pool.submit(read, leaf)))
-            inflight += leaf.nbytes
-        while pending:
-            done, future = pending.popleft()
-            yield done, future.result()
+    budget = _concurrency.ByteBudget(max_inflight_bytes)
+    with _concurrency.Operation(ckpt.loc.concurrency, "export") as op:
+        for leaf, array in op.window(leaves, lambda leaf: ckpt.read(leaf, tuple((0, n) for n in leaf.shape)),
+                                     budget=budget, nbytes=lambda leaf: leaf.nbytes):
+            yield leaf, array
+            budget.release(leaf.nbytes)
+            advance(leaf.nbytes)
 
 
 def _write_npz(path: str, arrays: Iterable[tuple[str, np.ndarray]]) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Iterator, Mapping
 
 from jax.experimental import multihost_utils
 
-from . import _commit, _lease, _multihost, _naming, _restore, _retention, _save, _steps, _storage
+from . import _commit, _concurrency, _lease, _multihost, _naming, _restore, _retention, _save, _steps, _storage
 from .errors import CheckpointError, CheckpointNotFoundError, DirectoryInUseError
 
 log = logging.getLogger("zarrckpt")
@@ -124,9 +124,9 @@ class CheckpointManager:
             storage_options=self._storage_options, timeout_s=self._timeout_s, extra_metadata=extra,
             channel="manager-save", before_prepare=self._lease.check if self._lease else None,
             **self._save_options)
-        budget = _save.ByteBudget(self._max_staged_bytes)
+        budget = _concurrency.ByteBudget(self._max_staged_bytes)
         if not self._async:
-            job.run(job.units(), budget, acquire=True, progress=self._progress)
+            job.run(_save.admitted(job.units(), budget), progress=self._progress)
             self._on_commit(step, metrics, job, started, blocked=None)
             return True
         staged: queue.Queue[Any] = queue.Queue()
@@ -142,7 +142,9 @@ class CheckpointManager:
             staged.put(e)  # the writer aborts: nothing is committed
             thread.join()
             with self._lock:
-                self._errors.clear()  # the same failure, raised here instead
+                writer_errors, self._errors = self._errors, []  # raised here instead
+            if isinstance(e, _concurrency.Aborted) and writer_errors:
+                raise writer_errors[0]  # the writer failed first, which stopped the staging
             raise
         timing["blocked"] = time.perf_counter() - started  # before _END: the commit comes after it
         staged.put(_END)
@@ -166,7 +168,7 @@ class CheckpointManager:
                 op.close()
         return due
 
-    def _write_in_background(self, job: _save.SaveJob, budget: _save.ByteBudget, staged: queue.Queue[Any],
+    def _write_in_background(self, job: _save.SaveJob, budget: _concurrency.ByteBudget, staged: queue.Queue[Any],
                              step: int, metrics: Mapping[str, float] | None, started: float,
                              timing: dict[str, float]) -> None:
         def work() -> Iterator[Any]:
@@ -176,9 +178,10 @@ class CheckpointManager:
                 yield item
 
         try:
-            job.run(work(), budget, acquire=False, progress=self._progress)
+            job.run(work(), progress=self._progress)
             self._on_commit(step, metrics, job, started, blocked=timing.get("blocked"))
         except BaseException as e:  # raised on the training thread by the next call
+            budget.abort(e)  # a stager waiting for room must not wait forever
             with self._lock:
                 self._errors.append(e)
         finally:
@@ -219,8 +222,7 @@ class CheckpointManager:
             return meta.get("metrics") or {} if isinstance(meta, dict) else {}
 
         steps = sorted(self._committed)
-        with concurrent.futures.ThreadPoolExecutor(self._root.concurrency) as pool:
-            return dict(zip(steps, pool.map(metrics_of, steps)))
+        return dict(zip(steps, _concurrency.run_all(metrics_of, steps, self._root.concurrency)))
 
     # -- waiting, restoring, listing --------------------------------------------
 

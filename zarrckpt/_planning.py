@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from . import _multihost
+from ._concurrency import ByteBudget
 from ._tree import Leaf
 
 DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
@@ -57,6 +58,11 @@ class WriteUnit:
     offset: tuple[int, ...] = ()  # where that shard starts in the array
     _pending: Any = None  # the transfer in flight: a host view, or a device piece
     _owned: np.ndarray | None = None  # a staged copy, independent of the source
+    _budget: ByteBudget | None = None  # holds `nbytes` of it until released
+
+    def hold(self, budget: ByteBudget) -> None:
+        """Records that this unit holds `nbytes` of `budget`, given back by `release`."""
+        self._budget = budget
 
     def start_transfer(self) -> None:
         """Starts the device-to-host copy without waiting for it."""
@@ -91,7 +97,11 @@ class WriteUnit:
         self.host = self.device_data = self._pending = None
 
     def release(self) -> None:
+        """Drops every reference to the chunk's data and gives back its budget."""
         self.host = self.device_data = self._pending = self._owned = None
+        budget, self._budget = self._budget, None
+        if budget is not None:
+            budget.release(self.nbytes)
 
 
 @dataclasses.dataclass

@@ -7,7 +7,6 @@ records the tree), and seqax's (a zarr v2 group with one array per leaf named by
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -21,7 +20,7 @@ import jax
 import numpy as np
 import zarr
 
-from . import _commit, _dtypes, _naming, _planning, _tree, _zarrjson
+from . import _commit, _concurrency, _dtypes, _naming, _planning, _tree, _zarrjson
 from ._planning import Region
 from ._storage import Location
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
@@ -194,9 +193,8 @@ def _array_documents(loc: Location, group_document: dict[str, Any], names: list[
     consolidated = (group_document.get("consolidated_metadata") or {}).get("metadata")
     if isinstance(consolidated, dict):
         return consolidated
-    with concurrent.futures.ThreadPoolExecutor(loc.concurrency) as pool:
-        docs = pool.map(lambda n: _load_json(loc, f"{n}/zarr.json"), names)
-        return dict(zip(names, docs))
+    return dict(zip(names, _concurrency.run_all(lambda n: _load_json(loc, f"{n}/zarr.json"), names,
+                                                loc.concurrency)))
 
 
 def _load_json(loc: Location, key: str) -> Any:
@@ -261,8 +259,7 @@ def _open_seqax(loc: Location, committed: bool) -> Checkpoint:
         except Exception as e:
             raise CheckpointCorruptError(f"cannot open checkpoint {loc.url}: {type(e).__name__}: {e}") from e
     names = sorted(group.array_keys())
-    with concurrent.futures.ThreadPoolExecutor(loc.concurrency) as pool:
-        arrays = dict(zip(names, pool.map(lambda n: group[n], names)))
+    arrays = dict(zip(names, _concurrency.run_all(lambda n: group[n], names, loc.concurrency)))
     leaves = {}
     for name, array in arrays.items():
         path = _parse_keystr(name)

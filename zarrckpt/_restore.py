@@ -8,9 +8,6 @@ restoring onto another mesh, device count or process count work.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
-from concurrent.futures import Future
 import dataclasses
 import logging
 import math
@@ -20,13 +17,12 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from . import _dtypes, _planning, _progress, _reader, _storage, _tree
+from . import _concurrency, _dtypes, _planning, _progress, _reader, _storage, _tree
 from ._planning import Region
 from .errors import CheckpointMismatchError, UnsupportedLeafError
 
 log = logging.getLogger("zarrckpt")
 
-DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
 _READER_PLACEMENT_BYTES = 2**20
 _PY_SCALARS = {"bool": bool, "int": int, "float": float, "complex": complex}
 
@@ -54,7 +50,7 @@ def load_pytree(
     storage_options: dict[str, Any] | None = None,
     allow_dtype_cast: bool = False,
     donate_target: bool = True,
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+    max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
     max_workers: int | None = None,
     progress: bool | None = None,
 ) -> Any:
@@ -174,36 +170,55 @@ def _request_for(leaf: Any, stored: _reader.StoredLeaf, where: str) -> tuple[_Re
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """One box of one leaf to read, the regions to cut from it, and where they go."""
+
+    request: _Request
+    box: Region
+    places: "Placement"
+    last: bool  # the leaf's last read: once it is in, the leaf can be built
+
+    @property
+    def nbytes(self) -> int:
+        return _planning.region_size(self.box) * self.request.dtype.itemsize
+
+
 def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], max_inflight_bytes: int,
               max_workers: int | None, donate_target: bool, advance: Callable[[int], None]) -> dict[str, Any]:
     """Reads every request, leaf by leaf in order, with bounded host memory.
 
-    Pool threads read and put each piece on its devices; the main thread assembles
-    finished leaves in order.
+    Pool threads read (and, for large leaves, put each piece on its devices); this
+    thread assembles the leaves in order as their last read comes in.
     """
     done: dict[str, Any] = {}
-    pending: collections.deque[tuple[_Request, list[Future], int]] = collections.deque()
-    inflight = 0
+    reads: list[_Read] = []
+    for request in requests:
+        groups = _read_plan(ckpt, request)
+        nbytes = sum(_planning.region_size(box) for box, _ in groups) * request.dtype.itemsize
+        request.placed_by_readers = request.make == "jax" and nbytes >= _READER_PLACEMENT_BYTES
+        if not groups:  # no device of this process holds any of it
+            done[request.stored.name] = _build(request, [])
+        reads += [_Read(request, box, places, i == len(groups) - 1) for i, (box, places) in enumerate(groups)]
     donated: set[int] = set()
-    with concurrent.futures.ThreadPoolExecutor(max_workers or ckpt.loc.concurrency) as pool:
-        for request in requests:
-            groups = _read_plan(ckpt, request)
-            nbytes = sum(_planning.region_size(box) for box, _ in groups) * request.dtype.itemsize
-            while pending and inflight + nbytes > max_inflight_bytes:
-                finished = _finish(pending.popleft(), done)
-                inflight -= finished
-                advance(finished)
-            old = request.old
-            if donate_target and old is not None and id(old) not in donated and not old.is_deleted():
-                donated.add(id(old))
-                old.delete()
-            request.old = None
-            request.placed_by_readers = request.make == "jax" and nbytes >= _READER_PLACEMENT_BYTES
-            futures = [pool.submit(_read_group, ckpt, request, box, places) for box, places in groups]
-            pending.append((request, futures, nbytes))
-            inflight += nbytes
-        while pending:
-            advance(_finish(pending.popleft(), done))
+
+    def donate(read: _Read) -> None:
+        old = read.request.old
+        if donate_target and old is not None and id(old) not in donated and not old.is_deleted():
+            donated.add(id(old))
+            old.delete()
+
+    budget = _concurrency.ByteBudget(max_inflight_bytes)
+    pieces: list[Any] = []
+    with _concurrency.Operation(max_workers or ckpt.loc.concurrency, "read") as op:
+        for read, result in op.window(reads, lambda r: _read_group(ckpt, r.request, r.box, r.places),
+                                      budget=budget, nbytes=lambda r: r.nbytes, admit=donate):
+            budget.release(read.nbytes)
+            pieces += result
+            if read.last:
+                done[read.request.stored.name] = _build(read.request, pieces)
+                advance(math.prod(read.request.stored.shape) * read.request.dtype.itemsize)
+                pieces = []
     return done
 
 
@@ -235,13 +250,6 @@ def _read_group(ckpt: _reader.Checkpoint, request: _Request, box: Region, places
         return pieces
     return jax.device_put([piece for region, piece in pieces for _ in places[region]],
                           [device for region in places for device in places[region]])
-
-
-def _finish(entry: tuple[_Request, list[Future], int], done: dict[str, Any]) -> int:
-    request, futures, nbytes = entry
-    pieces = [piece for future in futures for piece in future.result()]
-    done[request.stored.name] = _build(request, pieces)
-    return nbytes
 
 
 def _build(request: _Request, pieces: list[Any]) -> Any:

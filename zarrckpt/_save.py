@@ -14,25 +14,23 @@ them raise and nothing is committed.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import logging
-import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import zarr
 
-from . import _commit, _multihost, _naming, _planning, _progress, _storage, _tree, _zarrjson
+from . import _commit, _concurrency, _multihost, _naming, _planning, _progress, _storage, _tree, _zarrjson
 from . import errors
 from ._planning import ArrayPlan, WriteUnit
 
 log = logging.getLogger("zarrckpt")
 
-DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
 _STAGING_THREADS = 4
 
 
@@ -43,7 +41,7 @@ def save_pytree(
     storage_options: dict[str, Any] | None = None,
     overwrite: bool = False,
     max_chunk_bytes: int = _planning.DEFAULT_MAX_CHUNK_BYTES,
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+    max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
     max_workers: int | None = None,
     timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
     progress: bool | None = None,
@@ -79,43 +77,7 @@ def save_pytree(
     job = SaveJob.create(url, tree, storage_options=storage_options, overwrite=overwrite,
                          max_chunk_bytes=max_chunk_bytes, max_workers=max_workers, timeout_s=timeout_s,
                          checksums=checksums)
-    job.run(job.units(), ByteBudget(max_inflight_bytes), acquire=True, progress=progress)
-
-
-class ByteBudget:
-    """Bounds the host bytes staged for writing and not yet written.
-
-    A single item larger than the whole budget is still let through alone. `abort`
-    wakes every waiter with an error, so a failed writer never leaves a stager stuck.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._used = 0
-        self._error: BaseException | None = None
-        self._cv = threading.Condition()
-
-    def acquire(self, nbytes: int, *, block: bool = True) -> bool:
-        with self._cv:
-            while True:
-                if self._error is not None:
-                    raise errors.CheckpointWriteError(f"save aborted: {self._error}") from self._error
-                if self._used == 0 or self._used + nbytes <= self._limit:
-                    self._used += nbytes
-                    return True
-                if not block:
-                    return False
-                self._cv.wait()
-
-    def release(self, nbytes: int) -> None:
-        with self._cv:
-            self._used -= nbytes
-            self._cv.notify_all()
-
-    def abort(self, error: BaseException) -> None:
-        with self._cv:
-            self._error = error
-            self._cv.notify_all()
+    job.run(admitted(job.units(), _concurrency.ByteBudget(max_inflight_bytes)), progress=progress)
 
 
 Work = Iterable[tuple[ArrayPlan, WriteUnit]]
@@ -161,27 +123,22 @@ class SaveJob:
         """This process's writes, in order."""
         return ((plan, unit) for plan in self.plans for unit in plan.writes)
 
-    def run(self, work: Work, budget: ByteBudget, *, acquire: bool, progress: bool | None = None) -> float:
-        """Runs the write protocol over `work`; returns the seconds it took. Collective.
-
-        With `acquire`, the writer takes budget for each unit before copying it off its
-        device; otherwise the units come staged, their budget already taken.
-        """
+    def run(self, work: Work, *, progress: bool | None = None) -> float:
+        """Runs the write protocol over `work` (see `admitted` and `stage`: each unit
+        holds its bytes of a budget until written); returns the seconds it took.
+        Collective."""
         is_primary = _multihost.process_index() == 0
         started = time.perf_counter()
         op = _multihost.Collective(self.channel, self.timeout_s)
         loc = self.loc
-        with concurrent.futures.ThreadPoolExecutor(self.max_workers or loc.concurrency) as pool, \
-                _progress.bar(f"saving {loc.url}", self.nbytes, progress) as advance:
+        with _progress.bar(f"saving {loc.url}", self.nbytes, progress) as advance:
             try:
                 _agree(op, "prepare", loc, lambda: self._prepare() if is_primary else None)
                 _agree(op, "write", loc, lambda: _write_all(loc, work, self._array_metadata() if is_primary else [],
-                                                            self.checksums, pool, budget, acquire, advance))
+                                                            self.checksums, self.max_workers or loc.concurrency,
+                                                            advance))
                 _agree(op, "commit", loc, lambda: _commit.commit(loc, _zarrjson.group_document(
                     self.group["attributes"], self.arrays)) if is_primary else None)
-            except BaseException as e:
-                budget.abort(e)
-                raise
             finally:
                 op.close()
         seconds = time.perf_counter() - started
@@ -200,29 +157,34 @@ class SaveJob:
         _prepare(self.loc, self.group, self.overwrite)
 
 
-def stage(job: SaveJob, budget: ByteBudget, put: Callable[[tuple[ArrayPlan, WriteUnit]], None]) -> None:
+def admitted(units: Work, budget: _concurrency.ByteBudget) -> Work:
+    """`units` as the budget lets them in, each holding its bytes until written and
+    its device-to-host copy started (the writes of a save that is not staged)."""
+    for plan, unit in units:
+        budget.acquire(unit.nbytes)
+        unit.hold(budget)
+        unit.start_transfer()
+        yield plan, unit
+
+
+def stage(job: SaveJob, budget: _concurrency.ByteBudget, put: Callable[[tuple[ArrayPlan, WriteUnit]], None]) -> None:
     """Copies this process's writes of `job` to host memory the caller owns, handing each
-    to `put`; returns once all are copied, so training may then overwrite its buffers.
+    to `put` in order; returns once all are copied, so training may then overwrite its
+    buffers. Each unit holds its bytes of `budget` until it is written.
 
-    Copies are started for as many units as the budget allows before any is waited
-    on, so device-to-host transfers run concurrently, and the host copies run on a
-    few threads (numpy lets go of the GIL). Blocks while the budget is full.
+    Copies are started (on this thread) for as many units as the budget allows before
+    any is waited on, so device-to-host transfers run concurrently, and the host
+    copies run on a few threads (numpy lets go of the GIL). Blocks while the budget
+    is full.
     """
-    started: list[tuple[ArrayPlan, WriteUnit]] = []
+    def admit(item: tuple[ArrayPlan, WriteUnit]) -> None:
+        item[1].hold(budget)
+        item[1].start_transfer()
 
-    with concurrent.futures.ThreadPoolExecutor(_STAGING_THREADS) as pool:
-        def settle() -> None:
-            for item, _ in zip(started, pool.map(lambda item: item[1].stage(), started)):
-                put(item)
-            started.clear()
-
-        for plan, unit in job.units():
-            if not budget.acquire(unit.nbytes, block=False):
-                settle()
-                budget.acquire(unit.nbytes)
-            unit.start_transfer()
-            started.append((plan, unit))
-        settle()
+    with _concurrency.Operation(_STAGING_THREADS, "stage") as op:
+        for item, _ in op.window(job.units(), lambda item: item[1].stage(), budget=budget,
+                                 nbytes=lambda item: item[1].nbytes, admit=admit):
+            put(item)
 
 
 def _tree_metadata(spec: dict[str, Any]) -> dict[str, Any]:
@@ -268,33 +230,20 @@ def _prepare(loc: _storage.Location, group: dict[str, Any], overwrite: bool) -> 
 
 
 def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPlan, dict[str, Any]]],
-               checksums: bool, pool: concurrent.futures.ThreadPoolExecutor, budget: ByteBudget, acquire: bool,
-               advance: Callable[[int], None]) -> None:
-    """Writes each array's `metadata` document and every unit of `work`; budget is
-    released as each unit's write finishes. Array metadata is only read once committed,
-    so it goes out alongside the chunks."""
-    futures = [pool.submit(_write_metadata, loc, plan, document) for plan, document in metadata]
+               checksums: bool, workers: int, advance: Callable[[int], None]) -> None:
+    """Writes each array's `metadata` document and every unit of `work`, `workers` at
+    a time. Array metadata is only read once committed, so it goes out alongside the
+    chunks. Stops at the first failure (see `_concurrency`)."""
+    def write(item: tuple[ArrayPlan, WriteUnit | dict[str, Any]]) -> None:
+        plan, what = item
+        if isinstance(what, dict):
+            _write_metadata(loc, plan, what)
+        else:
+            _write_one(loc, plan, what, checksums)
+            advance(what.nbytes)
 
-    def written(nbytes: int) -> Callable[[concurrent.futures.Future[None]], None]:
-        def done(future: concurrent.futures.Future[None]) -> None:
-            budget.release(nbytes)
-            advance(nbytes)
-        return done
-
-    try:
-        for plan, unit in work:
-            if acquire:
-                budget.acquire(unit.nbytes)
-                unit.start_transfer()
-            future = pool.submit(_write_one, loc, plan, unit, checksums)
-            future.add_done_callback(written(unit.nbytes))
-            futures.append(future)
-        for future in futures:
-            future.result()
-    except BaseException:
-        for future in futures:
-            future.cancel()
-        raise
+    with _concurrency.Operation(workers, "write") as op:
+        op.fan_out(itertools.chain(metadata, work), write)
 
 
 def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str, Any]) -> None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 from typing import Any
 
-from . import _commit, _multihost, _naming, _restore, _save, _storage
+from . import _commit, _concurrency, _multihost, _naming, _restore, _save, _storage
 from ._storage import Location
 from .errors import CheckpointError
 
@@ -49,8 +48,8 @@ def scan(root: Location) -> tuple[list[int], list[int]]:
     """Every step directory under `root`, and the committed ones among them, ascending:
     one listing, then every commit marker read concurrently."""
     steps = candidate_steps(root)
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(steps), root.concurrency))) as pool:
-        return steps, [s for s, ok in zip(steps, pool.map(lambda s: _is_committed(root, s), steps)) if ok]
+    committed = _concurrency.run_all(lambda s: _is_committed(root, s), steps, root.concurrency)
+    return steps, [s for s, ok in zip(steps, committed) if ok]
 
 
 def _is_committed(root: Location, step: int) -> bool:

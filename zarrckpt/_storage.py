@@ -12,7 +12,6 @@ passed in `storage_options`.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import errno
 import functools
@@ -31,6 +30,7 @@ import numpy as np
 import zarr
 import zarr.storage
 
+from . import _concurrency
 from .errors import CheckpointCorruptError
 
 # Keys that hold metadata; any other key zarr asks for is a chunk.
@@ -220,10 +220,7 @@ class Location:
             except FileNotFoundError:
                 return None
 
-        if self.is_local or len(keys) < 2:
-            return [attempt(k) for k in keys]
-        with concurrent.futures.ThreadPoolExecutor(len(keys)) as pool:
-            return list(pool.map(attempt, keys))
+        return _concurrency.run_all(attempt, keys, 1 if self.is_local else len(keys))
 
     def read_into(self, key: str, *buffers: memoryview) -> int:
         """Reads object `key` into `buffers`, filling each in turn (as far as the object
@@ -272,8 +269,15 @@ class Location:
     def _call(self, action: str, key: str | None, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """Runs one store operation, retrying transient failures with exponential
         backoff; a failure that persists becomes a credential-free OSError naming the
-        object's URL. Every operation here is idempotent, so a retry is safe."""
+        object's URL. Every operation here is idempotent, so a retry is safe.
+
+        Nothing is tried (or tried again) once the operation this request is part of
+        has failed elsewhere (`_concurrency.aborted`): a failed save stops talking to
+        the store at once instead of retrying requests whose result no longer matters.
+        """
         for attempt in range(RETRIES + 1):
+            if _concurrency.aborted():
+                raise _concurrency.Aborted(f"not {action}ing {key or self.url}: the operation had already failed")
             try:
                 return fn(*args, **kwargs)
             except Exception as e:  # any failure inside the store's client library

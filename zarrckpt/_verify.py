@@ -18,18 +18,15 @@ read every chunk once, concurrently, with a bound on the bytes held in memory.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import posixpath
 from typing import Any, Iterator
 
 
-from . import _commit, _naming, _planning, _reader, _save, _storage, _tree
+from . import _commit, _concurrency, _naming, _planning, _reader, _storage, _tree
 from ._storage import Location
 from .errors import CheckpointCorruptError
-
-DEFAULT_MAX_INFLIGHT_BYTES = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +63,8 @@ class VerifyReport:
 
 
 def verify(url: str, *, storage_options: dict[str, Any] | None = None, checksums: bool = True,
-           max_workers: int | None = None, max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES) -> VerifyReport:
+           max_workers: int | None = None,
+           max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES) -> VerifyReport:
     """Checks the checkpoint at `url` for completeness and, with `checksums`, for damaged
     bytes (which reads every chunk once). Not collective.
 
@@ -89,14 +87,17 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None, checksums
     if ckpt.layout == "zarrckpt":
         records = {rec["name"]: (path, rec) for path, rec in _tree.recorded_leaves(ckpt.spec)}
         leaves = list(ckpt.leaves.values())
-        with concurrent.futures.ThreadPoolExecutor(max_workers or loc.concurrency) as pool:
+        with _concurrency.Operation(max_workers or loc.concurrency, "verify") as op:
             whole: list[tuple[_reader.StoredLeaf, str]] = []
-            results = pool.map(lambda leaf: _check_array(loc, leaf, *records[leaf.name]), leaves)
+            results = op.fan_out(leaves, lambda leaf: _check_array(loc, leaf, *records[leaf.name]))
             for leaf, (array_problems, expected, sized) in zip(leaves, results):
                 problems += array_problems
                 chunks += expected
                 whole += [(leaf, key) for key in sized if checksums and leaf.checksum]
-            problems += _check_checksums(loc, whole, pool, _save.ByteBudget(max_inflight_bytes))
+            sums = op.fan_out(whole, lambda item: _checksum_problem(loc, *item),
+                              budget=_concurrency.ByteBudget(max_inflight_bytes),
+                              nbytes=lambda item: item[0].stored_chunk_bytes)
+            problems += [problem for problem in sums if problem is not None]
             checksummed = len(whole)
     return VerifyReport(loc.url, ckpt.layout, ckpt.committed, len(ckpt.leaves), chunks, checksummed,
                         tuple(problems))
@@ -163,22 +164,6 @@ def _expected_chunks(leaf: _reader.StoredLeaf) -> Iterator[str]:
     """The key of every chunk in the array's grid (none for an array with no elements)."""
     full = tuple((0, n) for n in leaf.shape)
     return (leaf.chunk_key(chunk) for chunk in _planning.chunks_touching(full, leaf.chunks, leaf.shape))
-
-
-def _check_checksums(loc: Location, chunks: list[tuple[_reader.StoredLeaf, str]],
-                     pool: concurrent.futures.ThreadPoolExecutor, budget: _save.ByteBudget) -> list[Problem]:
-    """Checks the checksum of every chunk in `chunks`, with at most `budget` bytes read at once."""
-    def check(leaf: _reader.StoredLeaf, key: str) -> Problem | None:
-        try:
-            return _checksum_problem(loc, leaf, key)
-        finally:
-            budget.release(leaf.stored_chunk_bytes)
-
-    futures = []
-    for leaf, key in chunks:
-        budget.acquire(leaf.stored_chunk_bytes)
-        futures.append(pool.submit(check, leaf, key))
-    return [problem for future in futures if (problem := future.result()) is not None]
 
 
 def _checksum_problem(loc: Location, leaf: _reader.StoredLeaf, key: str) -> Problem | None:

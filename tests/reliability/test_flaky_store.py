@@ -14,21 +14,23 @@ from zarrckpt import _storage
 
 
 class FlakyFileSystem(MemoryFileSystem):
-    """fsspec's memory file system, failing `fail_rate` of reads and writes, and every
-    one whose path ends in `fail_suffix`, with `error`."""
+    """fsspec's memory file system, failing `fail_rate` of reads and writes, every one
+    whose path ends in `fail_suffix`, and every one whose path contains `fail_inside`,
+    with `error`."""
 
     protocol = "flaky"
     injected = 0
 
-    def __init__(self, fail_rate=0.0, error="transient", seed=0, fail_suffix=None, **kwargs):
+    def __init__(self, fail_rate=0.0, error="transient", seed=0, fail_suffix=None, fail_inside=None, **kwargs):
         super().__init__(**kwargs)
-        self._fail_rate, self._error, self._fail_suffix = fail_rate, error, fail_suffix
+        self._fail_rate, self._error, self._fail_suffix, self._fail_inside = fail_rate, error, fail_suffix, fail_inside
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
 
     def _maybe_fail(self, path):
         with self._lock:
-            fail = self._rng.random() < self._fail_rate or bool(self._fail_suffix and path.endswith(self._fail_suffix))
+            fail = (self._rng.random() < self._fail_rate or bool(self._fail_suffix and path.endswith(self._fail_suffix))
+                    or bool(self._fail_inside and self._fail_inside in path))
         if fail:
             type(self).injected += 1
             if self._error == "transient":
@@ -92,3 +94,16 @@ def test_a_failed_write_names_its_leaf(tmp_path, key, what):
                        match=rf"writing leaf \['w'\] \(array 'w'\) {what}: PermissionError: .*access denied"):
         zarrckpt.save_checkpoint(url, 1, state(), storage_options=options, max_chunk_bytes=1024)
     assert zarrckpt.all_steps(url, storage_options=options) == []
+
+
+def test_a_refused_save_stops_at_its_first_failure(tmp_path):
+    """A store that resets every connection to one leaf's objects: once the first
+    write has used up its retries, no new write starts and the writes in flight stop
+    retrying (it used to try all 257 objects 7 times each), and nothing is committed."""
+    url = f"flaky://refusing-{tmp_path.name}/run"
+    options = {"fail_inside": "0000000001/w/"}
+    tree = {"w": np.zeros((256, 64), np.float32)}  # 256 chunks of one row each
+    with pytest.raises(zarrckpt.CheckpointWriteError, match=r"connection reset.*after 7 tries"):
+        zarrckpt.save_checkpoint(url, 1, tree, storage_options=options, max_chunk_bytes=256, max_workers=4)
+    assert zarrckpt.all_steps(url, storage_options=options) == []
+    assert 7 <= FlakyFileSystem.injected <= 4 * (_storage.RETRIES + 1)

@@ -1,0 +1,223 @@
+"""Bounded concurrency: every place that keeps several requests (or copies) in flight.
+
+Three shapes, all on an `Operation` (a thread pool and the fate of one job):
+- `Operation.fan_out`: run a function on many items at once; optionally each item
+  holds bytes of a `ByteBudget` until it ends (writes, copies, checksum reads);
+- `Operation.window`: the same, but results come back in the items' order and items
+  are admitted only while a budget has room (restore and export reads, staging);
+- `run_all`: `fan_out` for a few small requests (listings, metadata reads).
+
+The failure rule is the same for all: once one item of an operation has failed, no
+new item starts (queued ones are cancelled), every storage request made for the
+operation checks `aborted()` first and before each retry (see `_storage`), and the
+first failure is raised once the items already running have ended.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+# Host bytes read or staged and not yet written or consumed, by default: the one bound
+# shared by save, restore, copy, verify and export.
+DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
+
+_current = threading.local()  # the Operation whose item this thread is running
+
+
+class Aborted(Exception):
+    """A request was not made because its operation had already failed."""
+
+
+def aborted() -> bool:
+    """Whether the operation this thread is working for has already failed."""
+    op = getattr(_current, "op", None)
+    return op is not None and op.error is not None
+
+
+class ByteBudget:
+    """Bounds bytes held at once (staged for writing, read and not yet consumed).
+
+    A single item larger than the whole budget is still let through alone. `abort`
+    wakes every waiter with an error, so a failed writer never leaves a stager stuck.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"a byte budget must be a positive int, got {limit!r}")
+        self._limit = limit
+        self._used = 0
+        self._error: BaseException | None = None
+        self._cv = threading.Condition()
+
+    def acquire(self, nbytes: int, *, block: bool = True) -> bool:
+        """Takes `nbytes`, waiting for room (or returning False without `block`);
+        raises `Aborted` once the budget has been aborted."""
+        with self._cv:
+            while True:
+                if self._error is not None:
+                    raise Aborted(f"aborted: {self._error}") from self._error
+                if self._used == 0 or self._used + nbytes <= self._limit:
+                    self._used += nbytes
+                    return True
+                if not block:
+                    return False
+                self._cv.wait()
+
+    def release(self, nbytes: int) -> None:
+        with self._cv:
+            self._used -= nbytes
+            self._cv.notify_all()
+
+    def abort(self, error: BaseException) -> None:
+        with self._cv:
+            self._error = error
+            self._cv.notify_all()
+
+
+class Operation:
+    """A pool of `workers` threads doing the items of one job, which fails as a whole.
+
+    Use as a context manager: leaving it (normally or by an exception) cancels what
+    has not started and waits for what is running.
+    """
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix=f"zarrckpt-{name}")
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._budgets: list[ByteBudget] = []
+
+    def __enter__(self) -> "Operation":
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> None:
+        if error is not None:
+            self.fail(error)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def fail(self, error: BaseException) -> None:
+        """Marks the operation failed (the first error wins) and aborts its budgets."""
+        with self._lock:
+            if self.error is None:
+                self.error = error
+            budgets = list(self._budgets)
+        for budget in budgets:
+            budget.abort(error)
+
+    def submit(self, fn: Callable[..., _R], *args: Any) -> concurrent.futures.Future[_R]:
+        """Runs `fn(*args)` on the pool as part of this operation; a failure fails it.
+        Raises the operation's first failure instead once it has failed."""
+        self._raise_if_failed()
+
+        def run() -> _R:
+            if self.error is not None:
+                raise Aborted("not started: the operation had already failed")
+            _current.op = self
+            try:
+                return fn(*args)
+            except BaseException as e:
+                self.fail(e)
+                raise
+            finally:
+                _current.op = None
+
+        return self._pool.submit(run)
+
+    def fan_out(self, items: Iterable[_T], fn: Callable[[_T], _R], *, budget: ByteBudget | None = None,
+                nbytes: Callable[[_T], int] = lambda item: 0,
+                on_done: Callable[[_T, _R], None] | None = None) -> list[_R]:
+        """`fn(item)` for every item, concurrently; returns the results in order.
+
+        With `budget`, each item takes `nbytes(item)` before it starts (waiting for
+        room) and gives them back when it ends. `on_done` runs as each item succeeds.
+        Stops starting items at the first failure, waits for those running, and
+        raises the first failure.
+        """
+        if budget is not None:
+            self._watch(budget)
+        futures: list[concurrent.futures.Future[_R]] = []
+        try:
+            for item in items:
+                if self.error is not None:
+                    break
+                size = nbytes(item) if budget is not None else 0
+                if budget is not None:
+                    budget.acquire(size)
+                future = self.submit(fn, item)
+                future.add_done_callback(self._finisher(item, size, budget, on_done))
+                futures.append(future)
+        except BaseException as e:
+            self.fail(e)
+        concurrent.futures.wait(futures)
+        self._raise_if_failed()
+        return [future.result() for future in futures]
+
+    def window(self, items: Iterable[_T], fn: Callable[[_T], _R], *, budget: ByteBudget,
+               nbytes: Callable[[_T], int],
+               admit: Callable[[_T], None] | None = None) -> Iterator[tuple[_T, _R]]:
+        """`fn(item)` for every item, concurrently, yielded as (item, result) in order.
+
+        Each item takes `nbytes(item)` of `budget` before it starts; while the budget
+        is full, finished items are handed back first, so that the consumer (which
+        gives the bytes back when it is done with them, or hands them on to whoever
+        does) can make room. `admit(item)` runs on the calling thread once the
+        item's bytes are taken, just before it starts.
+        """
+        self._watch(budget)
+        pending: collections.deque[tuple[_T, concurrent.futures.Future[_R]]] = collections.deque()
+        try:
+            for item in items:
+                size = nbytes(item)
+                while not budget.acquire(size, block=not pending):
+                    yield self._settle(pending.popleft())
+                if admit is not None:
+                    admit(item)
+                pending.append((item, self.submit(fn, item)))
+            while pending:
+                yield self._settle(pending.popleft())
+        except BaseException as e:
+            self.fail(e)
+            raise
+
+    def _settle(self, entry: tuple[_T, concurrent.futures.Future[_R]]) -> tuple[_T, _R]:
+        item, future = entry
+        try:
+            return item, future.result()
+        except BaseException:
+            self._raise_if_failed()  # the first failure, not a later `Aborted`
+            raise
+
+    def _finisher(self, item: Any, size: int, budget: ByteBudget | None,
+                  on_done: Callable[[Any, Any], None] | None) -> Callable[[concurrent.futures.Future[Any]], None]:
+        def done(future: concurrent.futures.Future[Any]) -> None:
+            if budget is not None:
+                budget.release(size)
+            if on_done is not None and not future.cancelled() and future.exception() is None:
+                on_done(item, future.result())
+        return done
+
+    def _watch(self, budget: ByteBudget) -> None:
+        with self._lock:
+            self._budgets.append(budget)
+            error = self.error
+        if error is not None:
+            budget.abort(error)
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def run_all(fn: Callable[[_T], _R], items: Sequence[_T], workers: int, name: str = "io") -> list[_R]:
+    """`fn(item)` for a few items at once, results in order; the first failure is raised
+    and stops the rest. One item, or one worker, runs on the calling thread."""
+    if len(items) < 2 or workers < 2:
+        return [fn(item) for item in items]
+    with Operation(min(workers, len(items)), name) as op:
+        return op.fan_out(items, fn)
