@@ -16,7 +16,7 @@ import logging
 import re
 from typing import Any
 
-from . import _naming, _zarrjson
+from . import _chunks, _naming, _zarrjson
 from ._storage import Location
 from .errors import CheckpointExistsError
 
@@ -109,7 +109,9 @@ def remove(loc: Location) -> None:
 # interrupted atomic write: anything else at a URL means it is not a checkpoint.
 _CHECKPOINT_OBJECT = re.compile(
     r"(zarr\.json|\.zattrs|\.zgroup|\.zmetadata|PINNED)(\.[0-9a-f]{32}\.tmp)?"
-    r"|[^/]+/((zarr\.json|\.zarray|\.zattrs)(\.[0-9a-f]{32}\.tmp)?|c(\.\d+)*|c(/\d+)+|\d+(\.\d+)*)")
+    r"|[^/]+/((zarr\.json|\.zarray|\.zattrs)(\.[0-9a-f]{32}\.tmp)?"
+    rf"|{_chunks.NAME.pattern}"  # zarrckpt's chunks
+    r"|c(/\d+)+|\d+(\.\d+)*)")  # zarr's other chunk key encodings: seqax's and other writers' arrays
 
 
 def remove_leftover(loc: Location) -> None:

@@ -11,6 +11,7 @@ The rules (docs/pytree-zarr-checkpoint.md, "Chunks"):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Iterator, Sequence
 
@@ -18,6 +19,7 @@ import jax
 import numpy as np
 
 from . import _multihost
+from ._chunks import ChunkCodec
 from ._concurrency import ByteBudget
 from ._tree import Leaf
 
@@ -113,6 +115,11 @@ class ArrayPlan:
     dtype: np.dtype
     chunks: tuple[int, ...]
     writes: list[WriteUnit]
+    checksum: bool = True
+
+    @functools.cached_property
+    def codec(self) -> ChunkCodec:
+        return ChunkCodec(self.leaf.name, self.dtype, self.chunks, self.checksum)
 
     @property
     def nbytes(self) -> int:
@@ -164,8 +171,10 @@ def _pieces_for(nbytes: int, replicas: int, max_chunk_bytes: int) -> int:
     return max(1, by_size, by_replicas)
 
 
-def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> ArrayPlan:
-    """Plans one leaf. Every process computes the same chunks and the same writers.
+def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+               checksum: bool = True) -> ArrayPlan:
+    """Plans one leaf. Every process computes the same chunks and the same writers;
+    `checksum` says whether its chunks carry a CRC-32C.
 
     `salt` (the leaf's position) rotates which replica writes a single-chunk shard,
     so that many small replicated leaves spread over devices and hosts too.
@@ -174,7 +183,7 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
     dtype = np.dtype(value.dtype) if hasattr(value, "dtype") else np.result_type(value)
     shape = tuple(np.shape(value))
     if isinstance(value, jax.Array) and (not value.is_fully_addressable or _multihost.process_count() == 1):
-        return _plan_sharded(leaf, value, shape, dtype, salt, max_chunk_bytes)
+        return _plan_sharded(leaf, value, shape, dtype, salt, max_chunk_bytes, checksum)
     # Host data (numpy, scalars, process-local jax arrays) is the same on every process
     # by contract; process 0 alone writes it so that no chunk has two writers.
     chunks = split_chunk(shape, _pieces_for(math.prod(shape) * dtype.itemsize, 1, max_chunk_bytes))
@@ -184,11 +193,11 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
         full: Region = tuple((0, d) for d in shape)
         writes = [WriteUnit(r, region_size(r) * dtype.itemsize, host=host) for r in _chunks_in(full, chunks)
                   if region_size(r)]
-    return ArrayPlan(leaf, shape, dtype, chunks, writes)
+    return ArrayPlan(leaf, shape, dtype, chunks, writes, checksum)
 
 
 def _plan_sharded(leaf: Leaf, value: jax.Array, shape: tuple[int, ...], dtype: np.dtype, salt: int,
-                  max_chunk_bytes: int) -> ArrayPlan:
+                  max_chunk_bytes: int, checksum: bool) -> ArrayPlan:
     replicas: dict[Region, list[jax.Device]] = {}
     for device, index in value.sharding.devices_indices_map(shape).items():
         replicas.setdefault(region_of(index, shape), []).append(device)
@@ -210,12 +219,7 @@ def _plan_sharded(leaf: Leaf, value: jax.Array, shape: tuple[int, ...], dtype: n
                 writes.append(WriteUnit(chunk, region_size(chunk) * dtype.itemsize,
                                         device_data=shards[writer].data,
                                         offset=tuple(a for a, _ in region)))
-    return ArrayPlan(leaf, shape, dtype, chunks, writes)
-
-
-def chunk_coords(chunk: Region, chunks: Sequence[int]) -> list[int]:
-    """The grid coordinates of the chunk covering `chunk` (a region on the chunk grid)."""
-    return [start // size for (start, _), size in zip(chunk, chunks)]
+    return ArrayPlan(leaf, shape, dtype, chunks, writes, checksum)
 
 
 def intersect(x: Region, y: Region) -> Region:

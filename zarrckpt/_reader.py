@@ -21,6 +21,7 @@ import numpy as np
 import zarr
 
 from . import _commit, _concurrency, _dtypes, _naming, _planning, _tree, _zarrjson
+from ._chunks import ChunkCodec
 from ._planning import Region
 from ._storage import Location
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
@@ -38,9 +39,8 @@ class StoredLeaf:
     shape: tuple[int, ...]
     dtype: np.dtype
     kind: str  # "jax", "numpy", "numpy_scalar", "prng_key", or the Python scalar type's name
-    chunks: tuple[int, ...]
+    codec: ChunkCodec
     prng_impl: str | None = None  # for typed PRNG keys: the implementation's name
-    checksum: bool = False  # each chunk ends in its CRC-32C
 
     @property
     def where(self) -> str:
@@ -51,31 +51,12 @@ class StoredLeaf:
         return math.prod(self.shape) * self.dtype.itemsize
 
     @property
-    def chunk_data_bytes(self) -> int:
-        return math.prod(self.chunks) * self.dtype.itemsize
+    def chunks(self) -> tuple[int, ...]:
+        return self.codec.shape
 
     @property
-    def stored_chunk_bytes(self) -> int:
-        """The size of every stored chunk object: its data, then its checksum if any."""
-        return self.chunk_data_bytes + (_zarrjson.CHECKSUM_BYTES if self.checksum else 0)
-
-    def chunk_key(self, chunk: Region) -> str:
-        return _zarrjson.chunk_key(self.name, _planning.chunk_coords(chunk, self.chunks))
-
-    def split_chunk(self, stored: bytes) -> tuple[np.ndarray, bytes]:
-        """A stored chunk object as its data (uint8, at most one chunk's worth) and the
-        bytes after it (the checksum, if any, and anything that should not be there)."""
-        return np.frombuffer(stored, np.uint8, count=min(len(stored), self.chunk_data_bytes)), \
-            stored[self.chunk_data_bytes:]
-
-    def chunk_damage(self, size: int, payload: np.ndarray, trailer: bytes | bytearray) -> str | None:
-        """What is wrong with a stored chunk of `size` bytes, read as its data `payload`
-        and the `trailer` after it, or None if its size and checksum are right."""
-        if size != self.stored_chunk_bytes:
-            return f"has {size} bytes, expected {self.stored_chunk_bytes}"
-        if self.checksum and _zarrjson.checksum(payload) != bytes(trailer):
-            return "fails its CRC-32C checksum: its bytes are damaged"
-        return None
+    def checksum(self) -> bool:
+        return self.codec.checksum
 
 
 @dataclasses.dataclass
@@ -114,31 +95,20 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
             f"leaf {leaf.where} of {loc.url} needs {nbytes:,} bytes for {box}, more than this machine's "
             f"{_MEMORY_BYTES:,} bytes of memory")
     out = np.empty([b - a for a, b in box], leaf.dtype)
-    chunk_bytes, stored_bytes = leaf.chunk_data_bytes, leaf.stored_chunk_bytes
     for chunk in _planning.chunks_touching(box, leaf.chunks, leaf.shape):
-        key = leaf.chunk_key(chunk)
         inside = _planning.intersect(chunk, box)
         # The trailing Ellipsis keeps a 0-d result a view, not a scalar copy.
         dest = out[(*(slice(a - o, b - o) for (a, b), (o, _) in zip(inside, box)), ...)]
-        direct = inside == chunk and all(b - a == c for (a, b), c in zip(chunk, leaf.chunks)) \
+        # The common case: the chunk's bytes land in the result with no copy.
+        whole = inside == chunk and all(b - a == c for (a, b), c in zip(chunk, leaf.chunks)) \
             and dest.flags.c_contiguous
         try:
-            if direct:
-                # The common case: the chunk's bytes land in the result with no copy.
-                payload = dest.reshape(-1).view(np.uint8)
-                trailer = bytearray(stored_bytes - chunk_bytes)
-                size = loc.read_into(key, memoryview(payload), memoryview(trailer))
-            else:
-                data = loc.read(key)
-                size = len(data)
-                payload, trailer = leaf.split_chunk(data)
+            values = leaf.codec.load(loc, chunk, out=dest if whole else None)
         except FileNotFoundError:
-            raise CheckpointCorruptError(f"chunk {key!r} is missing from checkpoint {loc.url}") from None
-        if (damage := leaf.chunk_damage(size, payload, trailer)) is not None:
-            raise CheckpointCorruptError(f"chunk {key!r} of checkpoint {loc.url} {damage}")
-        if not direct:
-            stored = payload.view(leaf.dtype).reshape(leaf.chunks)
-            dest[...] = stored[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inside, chunk))]
+            raise CheckpointCorruptError(f"chunk {leaf.codec.key(chunk)!r} is missing from checkpoint {loc.url}") \
+                from None
+        if not whole:
+            dest[...] = values[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inside, chunk))]
     return out
 
 
@@ -206,13 +176,15 @@ def _load_json(loc: Location, key: str) -> Any:
 
 def stored_leaf(path: _tree.KeyPath, rec: dict[str, Any], array: dict[str, Any]) -> StoredLeaf:
     """A leaf record checked against its array's metadata: they must agree exactly."""
-    leaf = StoredLeaf(path, rec["name"], tuple(int(d) for d in rec["shape"]), _dtypes.from_name(rec["dtype"]),
-                      rec["type"], tuple(int(c) for c in array["chunk_grid"]["configuration"]["chunk_shape"]),
-                      rec.get("impl"), _zarrjson.has_checksum(array))
+    dtype = _dtypes.from_name(rec["dtype"])
+    codec = ChunkCodec.from_codecs(rec["name"], dtype, array["chunk_grid"]["configuration"]["chunk_shape"],
+                                   array.get("codecs"))
+    leaf = StoredLeaf(path, rec["name"], tuple(int(d) for d in rec["shape"]), dtype, rec["type"], codec,
+                      rec.get("impl"))
     if (any(d < 0 for d in leaf.shape) or any(c < 1 for c in leaf.chunks) or len(leaf.chunks) != len(leaf.shape)
             or math.prod(leaf.shape) >= 2**62 or math.prod(leaf.chunks) * leaf.dtype.itemsize >= 2**40):
         raise ValueError(f"leaf {leaf.where}: shape {leaf.shape} with chunks {leaf.chunks}")
-    expected = {"shape": list(leaf.shape), **_dtype_fields(leaf.dtype, leaf.checksum)}
+    expected = {"shape": list(leaf.shape), **_dtype_fields(leaf.dtype, codec.checksum)}
     for field in ("shape", "data_type", "codecs", "chunk_key_encoding"):
         if array.get(field) != expected[field]:
             raise ValueError(f"leaf {leaf.where}: array {field} {array.get(field)!r}, expected {expected[field]!r}")
@@ -224,7 +196,7 @@ def _dtype_fields(dtype: np.dtype, checksum: bool) -> dict[str, Any]:
     """The fields of an array's `zarr.json` that its dtype fixes. Cached: zarr's
     fill-value code makes a whole document cost ~50 us, 50 ms for 1000 leaves, while
     a restore waits."""
-    doc = _zarrjson.array_document((), dtype, (), checksum=checksum)
+    doc = _zarrjson.array_document((), ChunkCodec("", dtype, (), checksum))
     return {field: doc[field] for field in ("data_type", "codecs", "chunk_key_encoding")}
 
 
@@ -265,7 +237,8 @@ def _open_seqax(loc: Location, committed: bool) -> Checkpoint:
         path = _parse_keystr(name)
         if path is None:
             raise CheckpointCorruptError(f"seqax checkpoint {loc.url}: cannot parse leaf name {name!r}")
-        leaves[name] = StoredLeaf(path, name, tuple(array.shape), np.dtype(array.dtype), "numpy", tuple(array.chunks))
+        leaves[name] = StoredLeaf(path, name, tuple(array.shape), np.dtype(array.dtype), "numpy",
+                                  ChunkCodec(name, np.dtype(array.dtype), tuple(array.chunks), checksum=False))
     spec = _spec_from_paths(list(leaves.values()))
     return Checkpoint(loc, "seqax", committed, spec, leaves, lambda p: _tu.keystr(tuple(p)), {}, group)
 

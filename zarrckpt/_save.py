@@ -94,7 +94,6 @@ class SaveJob:
     overwrite: bool
     max_workers: int | None
     timeout_s: float
-    checksums: bool = True
     channel: str = "save"
     before_prepare: Callable[[], None] | None = None  # run on process 0 first: a lease check
 
@@ -107,12 +106,11 @@ class SaveJob:
         """Plans a save; raises UnsupportedLeafError before anything is written."""
         loc = _storage.resolve(url, storage_options)
         spec, leaves = _tree.record(tree)
-        plans = [_planning.plan_array(leaf, i, max_chunk_bytes) for i, leaf in enumerate(leaves)]
+        plans = [_planning.plan_array(leaf, i, max_chunk_bytes, checksums) for i, leaf in enumerate(leaves)]
         # Every process knows every array's metadata without asking the store.
-        arrays = {p.leaf.name: _zarrjson.array_document(p.shape, p.dtype, p.chunks, checksum=checksums)
-                  for p in plans}
+        arrays = {p.leaf.name: _zarrjson.array_document(p.shape, p.codec) for p in plans}
         group = _zarrjson.group_document({_naming.META_ATTR: {**_tree_metadata(spec), **(extra_metadata or {})}})
-        return cls(loc, plans, arrays, group, overwrite, max_workers, timeout_s, checksums, channel, before_prepare)
+        return cls(loc, plans, arrays, group, overwrite, max_workers, timeout_s, channel, before_prepare)
 
     @property
     def nbytes(self) -> int:
@@ -135,8 +133,7 @@ class SaveJob:
             try:
                 _agree(op, "prepare", loc, lambda: self._prepare() if is_primary else None)
                 _agree(op, "write", loc, lambda: _write_all(loc, work, self._array_metadata() if is_primary else [],
-                                                            self.checksums, self.max_workers or loc.concurrency,
-                                                            advance))
+                                                            self.max_workers or loc.concurrency, advance))
                 _agree(op, "commit", loc, lambda: _commit.commit(loc, _zarrjson.group_document(
                     self.group["attributes"], self.arrays)) if is_primary else None)
             finally:
@@ -230,7 +227,7 @@ def _prepare(loc: _storage.Location, group: dict[str, Any], overwrite: bool) -> 
 
 
 def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPlan, dict[str, Any]]],
-               checksums: bool, workers: int, advance: Callable[[int], None]) -> None:
+               workers: int, advance: Callable[[int], None]) -> None:
     """Writes each array's `metadata` document and every unit of `work`, `workers` at
     a time. Array metadata is only read once committed, so it goes out alongside the
     chunks. Stops at the first failure (see `_concurrency`)."""
@@ -239,7 +236,7 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
         if isinstance(what, dict):
             _write_metadata(loc, plan, what)
         else:
-            _write_one(loc, plan, what, checksums)
+            _write_one(loc, plan, what)
             advance(what.nbytes)
 
     with _concurrency.Operation(workers, "write") as op:
@@ -251,13 +248,10 @@ def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str,
         loc.write(f"{plan.leaf.name}/zarr.json", _zarrjson.encode_document(document))
 
 
-def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, checksum: bool) -> None:
-    coords = _planning.chunk_coords(unit.region, plan.chunks)
+def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit) -> None:
     try:
-        with _naming_leaf(plan, f"chunk {coords}"):
-            data = _zarrjson.encode_chunk(unit.host_array(), plan.chunks)
-            parts = (data, _zarrjson.checksum(data)) if checksum else (data,)
-            loc.write(_zarrjson.chunk_key(plan.leaf.name, coords), *parts)
+        with _naming_leaf(plan, f"chunk {plan.codec.coords(unit.region)}"):
+            loc.write(plan.codec.key(unit.region), *plan.codec.encode(unit.host_array()))
     finally:
         unit.release()
 

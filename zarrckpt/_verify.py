@@ -21,10 +21,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import posixpath
-from typing import Any, Iterator
+from typing import Any
 
 
 from . import _commit, _concurrency, _naming, _planning, _reader, _storage, _tree
+from ._chunks import DamagedChunk
+from ._planning import Region
 from ._storage import Location
 from .errors import CheckpointCorruptError
 
@@ -88,15 +90,15 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None, checksums
         records = {rec["name"]: (path, rec) for path, rec in _tree.recorded_leaves(ckpt.spec)}
         leaves = list(ckpt.leaves.values())
         with _concurrency.Operation(max_workers or loc.concurrency, "verify") as op:
-            whole: list[tuple[_reader.StoredLeaf, str]] = []
+            whole: list[tuple[_reader.StoredLeaf, Region]] = []
             results = op.fan_out(leaves, lambda leaf: _check_array(loc, leaf, *records[leaf.name]))
             for leaf, (array_problems, expected, sized) in zip(leaves, results):
                 problems += array_problems
                 chunks += expected
-                whole += [(leaf, key) for key in sized if checksums and leaf.checksum]
+                whole += [(leaf, chunk) for chunk in sized if checksums and leaf.checksum]
             sums = op.fan_out(whole, lambda item: _checksum_problem(loc, *item),
                               budget=_concurrency.ByteBudget(max_inflight_bytes),
-                              nbytes=lambda item: item[0].stored_chunk_bytes)
+                              nbytes=lambda item: item[0].codec.stored_bytes)
             problems += [problem for problem in sums if problem is not None]
             checksummed = len(whole)
     return VerifyReport(loc.url, ckpt.layout, ckpt.committed, len(ckpt.leaves), chunks, checksummed,
@@ -111,11 +113,12 @@ def _marker_problems(committed: bool) -> list[Problem]:
 
 
 def _check_array(loc: Location, leaf: _reader.StoredLeaf, path: _tree.KeyPath,
-                 record: dict[str, Any]) -> tuple[list[Problem], int, list[str]]:
+                 record: dict[str, Any]) -> tuple[list[Problem], int, list[Region]]:
     """The metadata and chunk-size problems of one array, how many chunks its grid has,
-    and the keys of those present with the right size."""
+    and those present with the right size."""
     problems = _check_array_document(loc, leaf, path, record)
-    expected = list(_expected_chunks(leaf))
+    full = tuple((0, n) for n in leaf.shape)
+    expected = list(_planning.chunks_touching(full, leaf.chunks, leaf.shape))  # none if no elements
     sizes = _listed_sizes(loc, leaf.name)
     if sizes is None:
         if expected:
@@ -123,14 +126,15 @@ def _check_array(loc: Location, leaf: _reader.StoredLeaf, path: _tree.KeyPath,
                                                      "chunks)", leaf.where))
         return problems, len(expected), []
     sized = []
-    for key in expected:
+    for chunk in expected:
+        key = leaf.codec.key(chunk)
         size = sizes.get(posixpath.basename(key))
         if size is None:
             problems.append(Problem(key, "missing", leaf.where))
-        elif size != leaf.stored_chunk_bytes:
-            problems.append(Problem(key, f"has {size} bytes, expected {leaf.stored_chunk_bytes}", leaf.where))
+        elif (damage := leaf.codec.size_damage(size)) is not None:
+            problems.append(Problem(key, damage, leaf.where))
         else:
-            sized.append(key)
+            sized.append(chunk)
     return problems, len(expected), sized
 
 
@@ -160,17 +164,12 @@ def _listed_sizes(loc: Location, name: str) -> dict[str, int] | None:
         return None
 
 
-def _expected_chunks(leaf: _reader.StoredLeaf) -> Iterator[str]:
-    """The key of every chunk in the array's grid (none for an array with no elements)."""
-    full = tuple((0, n) for n in leaf.shape)
-    return (leaf.chunk_key(chunk) for chunk in _planning.chunks_touching(full, leaf.chunks, leaf.shape))
-
-
-def _checksum_problem(loc: Location, leaf: _reader.StoredLeaf, key: str) -> Problem | None:
+def _checksum_problem(loc: Location, leaf: _reader.StoredLeaf, chunk: Region) -> Problem | None:
     """Reads one chunk and compares its bytes with the CRC-32C stored after them."""
     try:
-        stored = loc.read(key)
+        leaf.codec.load(loc, chunk)
     except FileNotFoundError:
-        return Problem(key, "missing (deleted while being verified)", leaf.where)
-    damage = leaf.chunk_damage(len(stored), *leaf.split_chunk(stored))
-    return None if damage is None else Problem(key, damage, leaf.where)
+        return Problem(leaf.codec.key(chunk), "missing (deleted while being verified)", leaf.where)
+    except DamagedChunk as e:
+        return Problem(e.key, e.why, leaf.where)
+    return None
