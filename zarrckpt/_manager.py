@@ -12,7 +12,7 @@ from typing import Any, Iterator, Mapping
 from jax.experimental import multihost_utils
 
 from . import _commit, _concurrency, _lease, _multihost, _naming, _restore, _retention, _save, _steps, _storage
-from .errors import CheckpointError, CheckpointNotFoundError, DirectoryInUseError
+from .errors import CheckpointError, CheckpointNotFoundError
 
 log = logging.getLogger("zarrckpt")
 
@@ -160,10 +160,9 @@ class CheckpointManager:
             due = True
         if not due and self._interval_seconds is not None:
             # Clocks differ across hosts: process 0 decides for everyone.
-            elapsed = time.monotonic() - self._last_save >= self._interval_seconds
             op = _multihost.Collective("manager-decide", self._timeout_s)
             try:
-                due = bool(op.broadcast("due", elapsed))
+                due = bool(op.decide("due", lambda: time.monotonic() - self._last_save >= self._interval_seconds))
             finally:
                 op.close()
         return due
@@ -298,19 +297,11 @@ class CheckpointManager:
 
     def _claim_lease(self) -> None:
         """Process 0 claims the directory; a refusal is raised on every process. Collective."""
-        refusal = None
-        if self._lease is not None:
-            try:
-                self._lease.claim()
-            except DirectoryInUseError as e:
-                refusal = str(e)
-        op = _multihost.Collective("manager-open", self._timeout_s)
+        op = _multihost.Collective("manager-open", self._timeout_s, what=f"opening {self._root.url}")
         try:
-            refusal = op.broadcast("refusal", refusal)
+            op.decide("claim", lambda: self._lease.claim() if self._lease is not None else None)
         finally:
             op.close()
-        if refusal is not None:
-            raise DirectoryInUseError(refusal)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,11 +1,25 @@
-"""Agreement between processes through the JAX coordination service's key-value store.
+"""Agreement between processes through the JAX coordination service.
 
 Not device collectives: these calls may run on a background thread while training
-computations are in flight, and a key-value wait can time out and say which
-processes never arrived, where a hung collective cannot.
+computations are in flight, and a coordination-service wait can time out and say
+which processes never arrived, where a hung collective cannot.
 
-Contract: every process makes the same sequence of calls with the same `what`
-channel, as with any collective.
+Two agreements, each costing every process a constant number of calls to the
+service whatever the process count (none with a single process):
+- `Collective.decide`: process 0 runs a step (choose a step, clear the way, commit)
+  and publishes its outcome under one key; every other process reads that key
+  (one blocking read). Its result, or its error, comes out on every process.
+- `Collective.check`: every process runs its part (write its chunks); a process
+  whose part failed publishes the failure under a key of its own; all meet at a
+  barrier with a timeout, then read the (normally empty) directory of failures.
+  Every failure is raised on every process. Each process also marks its arrival
+  before the barrier, so that a timeout names the processes that never came.
+
+Each `Collective` is one operation with its own key namespace; when it is closed,
+every process counts itself out, and the last one deletes the namespace.
+
+Contract: every process makes the same sequence of calls with the same channel,
+as with any collective.
 """
 
 from __future__ import annotations
@@ -15,16 +29,17 @@ import itertools
 import json
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import jax
 
-from .errors import CoordinationTimeoutError
+from . import errors
+from .errors import CheckpointError, CoordinationTimeoutError
 
 DEFAULT_TIMEOUT_S = 600.0
+_T = TypeVar("_T")
 _counters: dict[str, itertools.count] = collections.defaultdict(itertools.count)
 _lock = threading.Lock()
-_stale_keys: dict[str, list[str]] = collections.defaultdict(list)
 
 
 def process_index() -> int:
@@ -50,74 +65,114 @@ def _client() -> Any:
 class Collective:
     """One multi-process operation (a save, a step choice) with its own key namespace.
 
-    `what` names the channel; a background thread uses its own channel so that its
-    keys never interleave with the foreground's.
+    `channel` names it; a background thread uses its own channel so that its keys
+    never interleave with the foreground's. A failure is raised on every process:
+    with its own type and message when it is a single zarrckpt error (a refusal such
+    as CheckpointExistsError), else as `error` with the message
+    "<what> failed at '<tag>' on K of N process(es)<; note>:" and one line per process.
     """
 
-    def __init__(self, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, channel: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, what: str = "",
+                 error: type[CheckpointError] = CheckpointError, note: str = "") -> None:
         with _lock:
-            number = next(_counters[what])
-        self._what = what
-        self._prefix = f"zarrckpt/{what}/{number}"
+            number = next(_counters[channel])
+        self._channel = channel
+        self._prefix = f"zarrckpt/{channel}/{number}"
         self._timeout_s = timeout_s
-        self._mine: list[str] = []
+        self._what, self._error, self._note = what or channel, error, note
+        self._used = False
 
-    def all_gather(self, tag: str, value: Any) -> list[Any]:
-        """Every process's JSON-able `value`, indexed by process. Collective."""
-        count = process_count()
-        if count == 1:
-            return [value]
-        client = _client()
-        me = process_index()
-        key = f"{self._prefix}/{tag}/{me}"
-        client.key_value_set(key, json.dumps(value))
-        self._mine.append(key)
-        deadline = time.monotonic() + self._timeout_s
-        values: list[Any] = []
-        for pid in range(count):
-            remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+    def decide(self, tag: str, step: Callable[[], _T]) -> _T:
+        """Runs `step` on process 0 and returns its JSON-able result on every process;
+        if it raised, raises on every process. Collective."""
+        mine: BaseException | None = None
+        outcome: dict[str, Any] = {}
+        if process_index() == 0:
             try:
-                raw = client.blocking_key_value_get(f"{self._prefix}/{tag}/{pid}", remaining_ms)
-            except Exception as e:  # the client raises a runtime error on deadline
-                missing = self._missing(client, tag, pid, count)
-                raise CoordinationTimeoutError(
-                    f"process {me} waited {self._timeout_s:.0f}s at '{self._what}/{tag}' "
-                    f"but processes {missing} never arrived ({e})"
-                ) from None
-            values.append(json.loads(raw))
-        self._forget_previous(client)
-        return values
+                outcome = {"value": step()}
+            except Exception as e:  # every process must learn of it
+                mine, outcome = e, {"failure": _report(e)}
+        if process_count() > 1:
+            key = f"{self._prefix}/{tag}"
+            self._used = True
+            if process_index() == 0:
+                _client().key_value_set(key, json.dumps(outcome))
+            else:
+                outcome = json.loads(self._wait(tag, lambda c, ms: c.blocking_key_value_get(key, ms), [0]))
+        if "failure" in outcome:
+            self._raise(tag, {0: outcome["failure"]}, mine)
+        return outcome["value"]
 
-    def _missing(self, client: Any, tag: str, start: int, count: int) -> list[int]:
-        missing = []
-        for q in range(start, count):
-            try:
-                client.key_value_try_get(f"{self._prefix}/{tag}/{q}")
-            except Exception:
-                missing.append(q)
-        return missing
-
-    def _forget_previous(self, client: Any) -> None:
-        # Everyone has now entered this operation, so all have finished reading the
-        # previous one on this channel: its keys can go.
-        with _lock:
-            stale, _stale_keys[self._what] = _stale_keys[self._what], []
-        for key in stale:
-            try:
-                client.key_value_delete(key)
-            except Exception:
-                pass  # a leftover key costs a few bytes; never fail a save for it
+    def check(self, tag: str, step: Callable[[], None]) -> None:
+        """Runs `step` on every process; if it raised anywhere, raises on every process.
+        Collective."""
+        mine: BaseException | None = None
+        failures: dict[int, dict[str, str]] = {}
+        try:
+            step()
+        except Exception as e:  # reported to every process, then raised below
+            mine = e
+            failures[process_index()] = _report(e)
+        if process_count() > 1:
+            client, me = _client(), process_index()
+            base = f"{self._prefix}/{tag}"
+            self._used = True
+            if mine is not None:
+                client.key_value_set(f"{base}/failed/{me}", json.dumps(failures[me]))
+            client.key_value_set(f"{base}/arrived/{me}", "")
+            self._wait(tag, lambda c, ms: c.wait_at_barrier(base, ms), None)
+            failures = {int(key.rsplit("/", 1)[1]): json.loads(value)
+                        for key, value in client.key_value_dir_get(f"{base}/failed/")}
+        if failures:
+            self._raise(tag, failures, mine)
 
     def close(self) -> None:
-        """Hands this operation's keys to the next one on the channel for deletion."""
-        with _lock:
-            _stale_keys[self._what].extend(self._mine)
-        self._mine = []
+        """Counts this process out of the operation; the last one out deletes its keys.
+        Every process must close what it opened, after its last call."""
+        if not self._used:
+            return
+        client = _client()
+        try:
+            if client.key_value_increment(f"{self._prefix}/closed", 1) == process_count():
+                client.key_value_delete(f"{self._prefix}/")
+        except Exception:
+            pass  # a leftover key costs a few bytes; never fail a save for it
 
-    def broadcast(self, tag: str, value: Any) -> Any:
-        """Process 0's `value`, on every process. Collective."""
-        return self.all_gather(tag, value if process_index() == 0 else None)[0]
+    def _wait(self, tag: str, call: Callable[[Any, int], Any], expected: list[int] | None) -> Any:
+        """Runs a blocking coordination `call` with what is left of the timeout; on
+        timeout, raises naming the processes that never arrived (`expected`, or those
+        that did not mark their arrival at `tag`)."""
+        client = _client()
+        deadline = time.monotonic() + self._timeout_s
+        try:
+            return call(client, max(1, int((deadline - time.monotonic()) * 1000)))
+        except Exception as e:  # the client raises a runtime error on deadline
+            if expected is None:
+                arrived = {int(key.rsplit("/", 1)[1])
+                           for key, _ in client.key_value_dir_get(f"{self._prefix}/{tag}/arrived/")}
+                expected = [p for p in range(process_count()) if p not in arrived]
+            raise CoordinationTimeoutError(
+                f"process {process_index()} waited {self._timeout_s:.0f}s at '{self._channel}/{tag}' "
+                f"but processes {expected} never arrived ({str(e).splitlines()[0]})"
+            ) from None
 
-    def agree(self, tag: str, error: str | None) -> list[tuple[int, str]]:
-        """The (process, error) pairs of every process that reported one. Collective."""
-        return [(pid, e) for pid, e in enumerate(self.all_gather(tag, error)) if e is not None]
+    def _raise(self, tag: str, failures: dict[int, dict[str, str]], mine: BaseException | None) -> None:
+        if len(failures) == 1:
+            ((_, only),) = failures.items()
+            kind = getattr(errors, only["type"], None)
+            if isinstance(kind, type) and issubclass(kind, CheckpointError) and kind is not errors.CheckpointWriteError:
+                # A refusal (CheckpointExistsError, DirectoryInUseError...) keeps its type everywhere.
+                if mine is not None:
+                    raise mine
+                raise kind(only["message"])
+        lines = "\n".join(f"  process {pid}: {failure['message']}" for pid, failure in sorted(failures.items()))
+        note = f"; {self._note}" if self._note else ""
+        raise self._error(f"{self._what} failed at '{tag}' on {len(failures)} of {process_count()} "
+                          f"process(es){note}:\n{lines}") from mine
+
+
+def _report(e: BaseException) -> dict[str, str]:
+    """A failure as it travels to the other processes: its type's name and its message
+    (zarrckpt's own messages stand alone; others are prefixed by their type)."""
+    name = type(e).__name__
+    return {"type": name, "message": str(e) if isinstance(e, CheckpointError) else f"{name}: {e}"}

@@ -1,15 +1,13 @@
 """Saving one pytree as one zarr group: the write protocol.
 
-    process 0: remove a leftover uncommitted group, write the group's metadata
-    all:       agree that it worked
-    all:       write the chunks this process owns (see _planning); process 0 also
-               writes every array's metadata
-    all:       agree that every write of every process succeeded
-    process 0: write the commit marker (see _commit)
-    all:       agree that the commit happened
+    process 0 decides: remove a leftover uncommitted group, write the group's metadata
+    all check:         write the chunks this process owns (see _planning); process 0
+                       also writes every array's metadata
+    process 0 decides: write the commit marker (see _commit)
 
-A failure anywhere is reported to every process at the next agreement, so all of
-them raise and nothing is committed.
+A decision's outcome (or error) reaches every process before any goes on, and a
+check raises on every process if any process's part failed (see _multihost), so
+all of them raise and nothing is committed.
 """
 
 from __future__ import annotations
@@ -127,15 +125,16 @@ class SaveJob:
         Collective."""
         is_primary = _multihost.process_index() == 0
         started = time.perf_counter()
-        op = _multihost.Collective(self.channel, self.timeout_s)
+        op = _multihost.Collective(self.channel, self.timeout_s, what=f"saving {self.loc.url}",
+                                   error=errors.CheckpointWriteError, note="nothing was committed")
         loc = self.loc
         with _progress.bar(f"saving {loc.url}", self.nbytes, progress) as advance:
             try:
-                _agree(op, "prepare", loc, lambda: self._prepare() if is_primary else None)
-                _agree(op, "write", loc, lambda: _write_all(loc, work, self._array_metadata() if is_primary else [],
-                                                            self.max_workers or loc.concurrency, advance))
-                _agree(op, "commit", loc, lambda: _commit.commit(loc, _zarrjson.group_document(
-                    self.group["attributes"], self.arrays)) if is_primary else None)
+                op.decide("prepare", self._prepare)
+                op.check("write", lambda: _write_all(loc, work, self._array_metadata() if is_primary else [],
+                                                     self.max_workers or loc.concurrency, advance))
+                op.decide("commit", lambda: _commit.commit(loc, _zarrjson.group_document(
+                    self.group["attributes"], self.arrays)))
             finally:
                 op.close()
         seconds = time.perf_counter() - started
@@ -192,32 +191,6 @@ def _tree_metadata(spec: dict[str, Any]) -> dict[str, Any]:
         "jax_version": jax.__version__,
         "zarr_version": zarr.__version__,
     }
-
-
-def _agree(op: _multihost.Collective, tag: str, loc: _storage.Location, step: Callable[[], Any]) -> None:
-    """Runs this process's part of a step, then raises on every process if any failed."""
-    mine: BaseException | None = None
-    report = None
-    try:
-        step()
-    except Exception as e:  # reported to every process, then re-raised below
-        mine = e
-        kind = type(e).__name__ if isinstance(e, errors.CheckpointError) else None
-        report = [kind, f"{type(e).__name__}: {e}" if kind is None else str(e)]
-    failures = op.agree(tag, report)
-    if not failures:
-        return
-    (_, (kind, message)), *others = failures
-    if not others and kind not in (None, errors.CheckpointWriteError.__name__):
-        # A refusal by process 0 (e.g. CheckpointExistsError) keeps its type everywhere.
-        if mine is not None:
-            raise mine
-        raise getattr(errors, kind)(message)
-    lines = "\n".join(f"  process {pid}: {message}" for pid, (_, message) in failures)
-    raise errors.CheckpointWriteError(
-        f"saving {loc.url} failed at '{tag}' on {len(failures)} of {_multihost.process_count()} "
-        f"process(es); nothing was committed:\n{lines}"
-    ) from mine
 
 
 def _prepare(loc: _storage.Location, group: dict[str, Any], overwrite: bool) -> None:

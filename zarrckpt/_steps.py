@@ -6,7 +6,6 @@ from typing import Any
 
 from . import _commit, _concurrency, _multihost, _naming, _restore, _save, _storage
 from ._storage import Location
-from .errors import CheckpointError
 
 
 def step_location(checkpoint_dir: str, step: int, storage_options: dict[str, Any] | None = None) -> Location:
@@ -78,20 +77,8 @@ def load_checkpoint_if_it_exists(checkpoint_dir: str, target: Any, *,
 
 def _choose_step(checkpoint_dir: str, storage_options: dict[str, Any] | None, timeout_s: float) -> int | None:
     """Process 0's latest_step, on every process; its failure is raised everywhere."""
-    mine: Exception | None = None
-    choice: dict[str, Any] | None = None
-    if _multihost.process_index() == 0:
-        try:
-            choice = {"step": latest_step(checkpoint_dir, storage_options=storage_options)}
-        except Exception as e:  # every process must learn of it, not wait for a step
-            mine, choice = e, {"error": f"{type(e).__name__}: {e}"}
-    op = _multihost.Collective("restore", timeout_s)
+    op = _multihost.Collective("restore", timeout_s, what=f"choosing the step to restore under {checkpoint_dir}")
     try:
-        choice = op.broadcast("step", choice)
+        return op.decide("step", lambda: latest_step(checkpoint_dir, storage_options=storage_options))
     finally:
         op.close()
-    if mine is not None:
-        raise mine
-    if "error" in choice:
-        raise CheckpointError(f"process 0 could not list the steps of {checkpoint_dir}: {choice['error']}")
-    return choice["step"]
