@@ -20,7 +20,7 @@ import pytest
 import safetensors
 
 import zarrckpt
-from zarrckpt import _cli, _commit, _retention, _steps, _storage
+from zarrckpt import _cli, _commit, _retention, _storage
 from object_store_servers import TEST_KEY, TEST_SECRET
 
 ROOT = Path(__file__).parent.parent
@@ -62,9 +62,9 @@ def run_dir(tmp_path) -> str:
     root = str(tmp_path / "run")
     for step in (10, 20, 30):
         zarrckpt.save_checkpoint(root, step, state(step))
-    _steps.step_location(root, 10).write(_retention.PIN_FILE, b"")
+    _storage.resolve(root).step(10).write(_retention.PIN_FILE, b"")
     zarrckpt.save_checkpoint(root, 40, state(40))
-    uncommit(_steps.step_location(root, 40))
+    uncommit(_storage.resolve(root).step(40))
     return root
 
 
@@ -129,7 +129,7 @@ def remove_marker(loc: _storage.Location) -> str:
 def test_verify_fails_on_damage(run_dir):
     zarrckpt.save_checkpoint(run_dir, 50, state(50))
     damages = {10: delete_chunk, 20: truncate_chunk, 30: remove_marker, 50: flip_bit}
-    urls = {step: _steps.step_location(run_dir, step).url for step in damages}
+    urls = {step: _storage.resolve(run_dir).step(step).url for step in damages}
     expected = {step: damage(_storage.resolve(urls[step])) for step, damage in damages.items()}
     for step, done in zip(damages, run_together([["verify", urls[step]] for step in damages])):
         assert done.returncode == _cli.EXIT_DAMAGED, (damages[step].__name__, done.stdout + done.stderr)
@@ -172,7 +172,7 @@ def test_gc_dry_run_then_for_real(tmp_path):
     root = str(tmp_path / "run")
     for step in range(1, 7):
         zarrckpt.save_checkpoint(root, step, {"x": step})
-    _steps.step_location(root, 2).write(_retention.PIN_FILE, b"")
+    _storage.resolve(root).step(2).write(_retention.PIN_FILE, b"")
     dry = run("gc", root, "--keep-last", "2", "--keep-every", "3", "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert dry.stdout.splitlines() == ["would delete step 1", "would delete step 4",

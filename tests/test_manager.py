@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import zarrckpt
-from zarrckpt import _commit, _manager, _retention, _steps, _storage
+from zarrckpt import _commit, _manager, _retention, _storage
 
 
 def small_state(value=0.0):
@@ -194,7 +194,7 @@ def test_interrupted_deletion_never_looks_committed(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="killed mid-deletion"):
         _retention.apply(_storage.resolve(root), _retention.Policy(keep_last=1), {})
     assert (tmp_path / "0000000001").exists()
-    assert _commit.state(_steps.step_location(root, 1)) is not _commit.State.COMMITTED
+    assert _commit.state(_storage.resolve(root).step(1)) is not _commit.State.COMMITTED
     assert zarrckpt.all_steps(root) == [2]
     monkeypatch.undo()
     zarrckpt.save_checkpoint(root, 1, {"fresh": np.ones(2)})  # the leftover is cleared first

@@ -15,7 +15,7 @@ import pytest
 
 import zarrckpt
 from object_store_servers import TEST_KEY, TEST_SECRET, request_kinds
-from zarrckpt import _commit, _steps, _storage
+from zarrckpt import _commit, _storage
 
 both = pytest.mark.parametrize("store", ["s3", "gcs"], indirect=True)
 UNCOMMITTED_GROUP = b'{"zarr_format": 3, "node_type": "group", "attributes": {}}'
@@ -81,7 +81,7 @@ def test_listing_steps_reads_newest_first_and_stops_at_the_first_committed(store
     server, opts = store.server, store.options
     for step in (1, 2, 3):
         zarrckpt.save_checkpoint(store.url, step, small_tree(2), storage_options=opts)
-    _steps.step_location(store.url, 3, opts).write("zarr.json", UNCOMMITTED_GROUP)  # a crashed save
+    _storage.resolve(store.url, opts).step(3).write("zarr.json", UNCOMMITTED_GROUP)  # a crashed save
     server.recorder.reset()
     assert zarrckpt.latest_step(store.url, storage_options=opts) == 2
     assert request_kinds(server) == {"list": 1, "read": 2}
@@ -134,7 +134,7 @@ def test_credentials_never_appear(s3_server, new_store, caplog):
     store = new_store("s3")
     zarrckpt.save_checkpoint(store.url, 1, small_tree(3), storage_options=store.options)
     zarrckpt.load_checkpoint_if_it_exists(store.url, small_tree(3), storage_options=store.options)
-    zarrckpt.metadata(_steps.step_location(store.url, 1, store.options).url, storage_options=store.options)
+    zarrckpt.metadata(_storage.resolve(store.url, store.options).step(1).url, storage_options=store.options)
     with pytest.raises(zarrckpt.CheckpointWriteError) as missing:
         zarrckpt.save_pytree("s3://zarrckpt-no-such-bucket/x", small_tree(1), storage_options=store.options)
     with s3_server.enforcing_auth(), pytest.raises(zarrckpt.CheckpointWriteError) as refused:

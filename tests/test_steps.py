@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import zarrckpt
-from zarrckpt import _commit, _steps
+from zarrckpt import _commit, _storage
 
 
 def test_resume_contract(store):
@@ -25,7 +25,7 @@ def test_uncommitted_steps_are_never_selected(store):
     url, opts = store.url, store.options
     zarrckpt.save_checkpoint(url, 1, {"w": np.ones(2)}, storage_options=opts)
     zarrckpt.save_checkpoint(url, 2, {"w": np.ones(2) * 2}, storage_options=opts)
-    newest = _steps.step_location(url, 2, opts)
+    newest = _storage.resolve(url, opts).step(2)
     # Take the commit away, as a crash between writing data and committing would leave it.
     _commit.remove(newest.child("w"))
     newest.fs.pipe_file(f"{newest.path}/zarr.json", b'{"zarr_format": 3, "node_type": "group", "attributes": {}}')
@@ -55,5 +55,5 @@ def test_committed_step_is_not_overwritten_unless_asked(tmp_path):
 
 
 def test_step_dir_names():
-    assert _steps.step_location("/x", 12).url == "/x/0000000012"
-    assert _steps.step_location("memory://b/run/", 10**11).url == "memory://b/run/100000000000"
+    assert _storage.resolve("/x").step(12).url == "/x/0000000012"
+    assert _storage.resolve("memory://b/run/").step(10**11).url == "memory://b/run/100000000000"

@@ -13,13 +13,13 @@ through this module: it is the one place that knows how a chunk is stored.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Any, Sequence
 
 import crc32c
 import numpy as np
 
+from . import _dtypes
 from ._storage import Location
 from .errors import CheckpointCorruptError
 
@@ -65,7 +65,7 @@ class ChunkCodec:
 
     @property
     def data_bytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return _dtypes.nbytes(self.shape, self.dtype)
 
     @property
     def stored_bytes(self) -> int:

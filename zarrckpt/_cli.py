@@ -189,7 +189,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _describe_step(root: _storage.Location, step: int) -> dict[str, Any]:
     """One `ls` row from the step's group metadata alone: one read for zarrckpt's layout."""
-    loc = root.child(_naming.step_dir_name(step))
+    loc = root.step(step)
     group = _commit.read_group(loc)
     state = _commit.state_of(group)
     meta = group.attributes.get(_naming.META_ATTR) if group else None
@@ -268,7 +268,7 @@ def _chunks_checked(report: _verify.VerifyReport, quick: bool) -> str:
 def _gc(args: argparse.Namespace) -> int:
     options = _options(args.storage_option)
     root = _storage.resolve(args.dir, options)
-    committed = set(_steps.all_steps(args.dir, storage_options=options))
+    committed = set(_steps.scan(root)[1])
     deleted = _retention.apply(root, _retention.Policy(keep_last=args.keep_last, keep_every=args.keep_every), {},
                                dry_run=args.dry_run)
     kept = sorted(committed - set(deleted))

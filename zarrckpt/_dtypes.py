@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, SupportsFloat, SupportsIndex
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, Sequence, SupportsFloat, SupportsIndex
 
 import ml_dtypes
 import numpy as np
@@ -426,6 +426,11 @@ def from_name(name: str) -> np.dtype:
 def zero(dtype: np.dtype) -> Any:
     """The fill value of every array: zero of `dtype` (never read: every chunk is written)."""
     return np.zeros((), dtype=dtype)[()]
+
+
+def nbytes(shape: Sequence[int], dtype: np.dtype) -> int:
+    """The bytes an array of `shape` and `dtype` holds."""
+    return math.prod(shape) * np.dtype(dtype).itemsize
 
 
 def is_prng_key(dtype: Any) -> bool:

@@ -11,7 +11,7 @@ from typing import Any, Iterator, Mapping
 
 from jax.experimental import multihost_utils
 
-from . import _commit, _concurrency, _lease, _multihost, _naming, _restore, _retention, _save, _steps, _storage
+from . import _commit, _concurrency, _lease, _multihost, _naming, _options, _planning, _restore, _retention, _save, _steps, _storage
 from .errors import CheckpointError, CheckpointNotFoundError
 
 log = logging.getLogger("zarrckpt")
@@ -49,8 +49,10 @@ class CheckpointManager:
       heartbeat_s: how often process 0 renews its lease on the directory; a second
         manager on a directory whose lease is alive is refused (see `zarrckpt._lease`).
       progress: progress bars on process 0 (default: when stderr is a terminal).
-      storage_options, timeout_s, and other keyword arguments: as for `save_pytree`.
-    Raises ValueError on contradictory settings.
+      storage_options, timeout_s, max_chunk_bytes, max_workers, checksums: as for
+        `save_pytree`.
+    Raises TypeError or ValueError, naming the option, on an unknown, ill-typed or
+    contradictory setting.
     """
 
     def __init__(
@@ -71,25 +73,27 @@ class CheckpointManager:
         progress: bool | None = None,
         storage_options: dict[str, Any] | None = None,
         timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
-        **save_options: Any,
+        max_chunk_bytes: int = _planning.DEFAULT_MAX_CHUNK_BYTES,
+        max_workers: int | None = None,
+        checksums: bool = True,
     ) -> None:
-        for name, value in (("save_interval_steps", save_interval_steps),
-                            ("save_interval_seconds", save_interval_seconds)):
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be positive or None, got {value!r}")
+        _options.check_settings(save_interval_steps=(save_interval_steps, int | None),
+                                save_interval_seconds=(save_interval_seconds, float | None),
+                                async_save=(async_save, bool), save_on_preemption=(save_on_preemption, bool),
+                                heartbeat_s=(heartbeat_s, float))
         self._policy = _retention.Policy(keep_last, keep_every, keep_best, best_metric, best_mode)
+        self._save_options = _options.SaveOptions(max_chunk_bytes=max_chunk_bytes, max_inflight_bytes=max_staged_bytes,
+                                                  max_workers=max_workers, timeout_s=timeout_s, progress=progress,
+                                                  checksums=checksums)
         self._root = _storage.resolve(checkpoint_dir, storage_options)
-        self._storage_options = storage_options
         self._interval_steps = save_interval_steps
         self._interval_seconds = save_interval_seconds
         self._async = async_save
-        self._max_staged_bytes = max_staged_bytes
         self._save_on_preemption = save_on_preemption
         self._progress = progress
         self._timeout_s = timeout_s
-        self._save_options = save_options
         self._last_save = time.monotonic()
-        self._committed = set(_steps.all_steps(checkpoint_dir, storage_options=storage_options))
+        self._committed = set(_steps.scan(self._root)[1])
         self._metrics = self._load_metrics() if keep_best is not None else {}
         self._lock = threading.Lock()
         self._in_flight: tuple[threading.Thread, int] | None = None
@@ -119,25 +123,22 @@ class CheckpointManager:
         started = time.perf_counter()
         self._last_save = time.monotonic()
         extra = {"metrics": dict(metrics)} if metrics is not None else None
-        job = _save.SaveJob.create(
-            _steps.step_location(self._root.url, step, self._storage_options).url, state,
-            storage_options=self._storage_options, timeout_s=self._timeout_s, extra_metadata=extra,
-            channel="manager-save", before_prepare=self._lease.check if self._lease else None,
-            **self._save_options)
-        budget = _concurrency.ByteBudget(self._max_staged_bytes)
+        job = _save.SaveJob.create(self._root.step(step), state, self._save_options, extra_metadata=extra,
+                                   channel="manager-save",
+                                   before_prepare=self._lease.check if self._lease else None)
         if not self._async:
-            job.run(_save.admitted(job.units(), budget), progress=self._progress)
+            job.run(job.admitted())
             self._on_commit(step, metrics, job, started, blocked=None)
             return True
         staged: queue.Queue[Any] = queue.Queue()
         timing: dict[str, float] = {}
         thread = threading.Thread(target=self._write_in_background, name=f"zarrckpt-save-{step}",
-                                  args=(job, budget, staged, step, metrics, started, timing), daemon=True)
+                                  args=(job, staged, step, metrics, started, timing), daemon=True)
         with self._lock:
             self._in_flight = (thread, step)
         thread.start()
         try:
-            _save.stage(job, budget, staged.put)
+            _save.stage(job, staged.put)
         except BaseException as e:
             staged.put(e)  # the writer aborts: nothing is committed
             thread.join()
@@ -167,8 +168,7 @@ class CheckpointManager:
                 op.close()
         return due
 
-    def _write_in_background(self, job: _save.SaveJob, budget: _concurrency.ByteBudget, staged: queue.Queue[Any],
-                             step: int, metrics: Mapping[str, float] | None, started: float,
+    def _write_in_background(self, job: _save.SaveJob, staged: queue.Queue[Any], step: int, metrics: Mapping[str, float] | None, started: float,
                              timing: dict[str, float]) -> None:
         def work() -> Iterator[Any]:
             while (item := staged.get()) is not _END:
@@ -177,10 +177,9 @@ class CheckpointManager:
                 yield item
 
         try:
-            job.run(work(), progress=self._progress)
+            job.run(work())
             self._on_commit(step, metrics, job, started, blocked=timing.get("blocked"))
         except BaseException as e:  # raised on the training thread by the next call
-            budget.abort(e)  # a stager waiting for room must not wait forever
             with self._lock:
                 self._errors.append(e)
         finally:
@@ -216,7 +215,7 @@ class CheckpointManager:
 
     def _load_metrics(self) -> dict[int, dict[str, Any]]:
         def metrics_of(step: int) -> dict[str, Any]:
-            group = _commit.read_group(self._root.child(_naming.step_dir_name(step)))
+            group = _commit.read_group(self._root.step(step))
             meta = group.attributes.get(_naming.META_ATTR, {}) if group else {}
             return meta.get("metrics") or {} if isinstance(meta, dict) else {}
 
@@ -237,40 +236,40 @@ class CheckpointManager:
         """Restores the newest committed step (or `step`) onto `target`.
 
         Returns (state, step); (target, 0) when nothing is committed and no `step`
-        was asked for. Waits for a save in flight first. Raises
-        CheckpointNotFoundError if `step` is not a committed step, and what
-        `load_pytree` raises.
+        was asked for. Waits for a save in flight first. Takes `load_pytree`'s
+        keyword options. Raises CheckpointNotFoundError if `step` is not a committed
+        step, TypeError for an unknown option, and what `load_pytree` raises.
         """
+        options = _options.gather(_options.LoadOptions, "CheckpointManager.restore",
+                                  {"progress": self._progress, **load_options})
         self._check_open()
         self.wait()
         started = time.perf_counter()
-        options = {"storage_options": self._storage_options, "progress": self._progress, **load_options}
         if step is None:
-            state, step = _steps.load_checkpoint_if_it_exists(self._root.url, target, timeout_s=self._timeout_s,
-                                                              **options)
+            state, step = _steps.restore_latest(self._root, target, options, self._timeout_s)
         else:
-            loc = _steps.step_location(self._root.url, step, self._storage_options)
-            if _commit.state(loc) is not _commit.State.COMMITTED:
+            loc = self._root.step(step)
+            if not _steps.is_committed(loc):
                 raise CheckpointNotFoundError(
                     f"step {step} is not a committed checkpoint in {self._root.url}; "
                     f"committed steps: {self.all_steps()}")
-            state = _restore.load_pytree(loc.url, target, **options)
+            state = _restore.load(loc, target, options)
         if step and _multihost.process_index() == 0:
             log.info("restored step %d from %s in %.2fs", step, self._root.url, time.perf_counter() - started)
         return state, step
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending (read from storage). Not collective."""
-        return _steps.all_steps(self._root.url, storage_options=self._storage_options)
+        return _steps.scan(self._root)[1]
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None. Not collective."""
-        return _steps.latest_step(self._root.url, storage_options=self._storage_options)
+        return _steps.latest(self._root)
 
     def pin(self, step: int) -> None:
         """Exempts committed `step` from retention, by a PINNED file in its directory."""
-        loc = _steps.step_location(self._root.url, step, self._storage_options)
-        if _commit.state(loc) is not _commit.State.COMMITTED:
+        loc = self._root.step(step)
+        if not _steps.is_committed(loc):
             raise CheckpointNotFoundError(f"step {step} is not a committed checkpoint in {self._root.url}")
         loc.write(_retention.PIN_FILE, b"")
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _reader, _storage, _tree
+from . import _dtypes, _reader, _storage, _tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +24,7 @@ class LeafMetadata:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return _dtypes.nbytes(self.shape, self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 import jax
 import numpy as np
 
-from . import _multihost
+from . import _dtypes, _multihost
 from ._chunks import ChunkCodec
 from ._concurrency import ByteBudget
 from ._tree import Leaf
@@ -45,8 +45,12 @@ def region_of(index: Sequence[slice], shape: Sequence[int]) -> Region:
     return tuple(out)
 
 
+def region_shape(region: Region) -> tuple[int, ...]:
+    return tuple(b - a for a, b in region)
+
+
 def region_size(region: Region) -> int:
-    return math.prod(b - a for a, b in region)
+    return math.prod(region_shape(region))
 
 
 @dataclasses.dataclass
@@ -123,7 +127,7 @@ class ArrayPlan:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return _dtypes.nbytes(self.shape, self.dtype)
 
 
 def split_chunk(chunk: Sequence[int], pieces: int) -> tuple[int, ...]:
@@ -186,12 +190,12 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
         return _plan_sharded(leaf, value, shape, dtype, salt, max_chunk_bytes, checksum)
     # Host data (numpy, scalars, process-local jax arrays) is the same on every process
     # by contract; process 0 alone writes it so that no chunk has two writers.
-    chunks = split_chunk(shape, _pieces_for(math.prod(shape) * dtype.itemsize, 1, max_chunk_bytes))
+    chunks = split_chunk(shape, _pieces_for(_dtypes.nbytes(shape, dtype), 1, max_chunk_bytes))
     writes = []
     if _multihost.process_index() == 0:
         host = np.asarray(value, dtype=dtype)
         full: Region = tuple((0, d) for d in shape)
-        writes = [WriteUnit(r, region_size(r) * dtype.itemsize, host=host) for r in _chunks_in(full, chunks)
+        writes = [WriteUnit(r, _dtypes.nbytes(region_shape(r), dtype), host=host) for r in _chunks_in(full, chunks)
                   if region_size(r)]
     return ArrayPlan(leaf, shape, dtype, chunks, writes, checksum)
 
@@ -203,7 +207,7 @@ def _plan_sharded(leaf: Leaf, value: jax.Array, shape: tuple[int, ...], dtype: n
         replicas.setdefault(region_of(index, shape), []).append(device)
     for devices in replicas.values():
         devices.sort(key=lambda d: d.id)
-    largest = max(region_size(r) for r in replicas) * dtype.itemsize
+    largest = max(_dtypes.nbytes(region_shape(r), dtype) for r in replicas)
     count = max(len(d) for d in replicas.values())
     chunks = split_chunk(_grid_chunk(shape, list(replicas)), _pieces_for(largest, count, max_chunk_bytes))
 
@@ -216,7 +220,7 @@ def _plan_sharded(leaf: Leaf, value: jax.Array, shape: tuple[int, ...], dtype: n
             # (id-sorted, so host-grouped) devices: few chunks still reach every host.
             writer = devices[(salt + k * len(devices) // len(inside)) % len(devices)]
             if writer in shards and region_size(chunk):
-                writes.append(WriteUnit(chunk, region_size(chunk) * dtype.itemsize,
+                writes.append(WriteUnit(chunk, _dtypes.nbytes(region_shape(chunk), dtype),
                                         device_data=shards[writer].data,
                                         offset=tuple(a for a, _ in region)))
     return ArrayPlan(leaf, shape, dtype, chunks, writes, checksum)

@@ -48,7 +48,7 @@ class StoredLeaf:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return _dtypes.nbytes(self.shape, self.dtype)
 
     @property
     def chunks(self) -> tuple[int, ...]:
@@ -88,7 +88,7 @@ class Checkpoint:
 
 
 def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
-    nbytes = _planning.region_size(box) * leaf.dtype.itemsize
+    nbytes = _dtypes.nbytes(_planning.region_shape(box), leaf.dtype)
     if nbytes > _MEMORY_BYTES:
         # A hostile or damaged checkpoint must not make us try to allocate it.
         raise CheckpointCorruptError(
@@ -120,9 +120,9 @@ def open_checkpoint(loc: Location, *, require_committed: bool = True) -> Checkpo
     """
     group = _commit.read_group(loc)
     if group is None:
-        steps = [n for n in loc.list_dir() if _naming.parse_step_dir_name(n) is not None]
+        steps = [s for n in loc.list_dir() if (s := _naming.parse_step_dir_name(n)) is not None]
         hint = (f" (it holds step directories: use load_checkpoint_if_it_exists, or one step's URL "
-                f"such as {loc.child(steps[-1]).url})") if steps else ""
+                f"such as {loc.step(steps[-1]).url})") if steps else ""
         raise CheckpointNotFoundError(f"no checkpoint at {loc.url}{hint}")
     if group.zarr_format == 3 and not group.document:
         raise CheckpointCorruptError(f"{loc.url}/zarr.json, the checkpoint's metadata, is not a JSON object")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from typing import Any, Callable
 
@@ -18,6 +17,7 @@ import jax
 import numpy as np
 
 from . import _concurrency, _dtypes, _planning, _progress, _reader, _storage, _tree
+from ._options import LoadOptions
 from ._planning import Region
 from .errors import CheckpointMismatchError, UnsupportedLeafError
 
@@ -73,26 +73,34 @@ def load_pytree(
         read, so that peak device memory stays near one copy of the state. The target
         must not be used afterwards. Nothing is freed if validation fails.
       max_inflight_bytes: bound on host bytes read and not yet placed on devices.
-      max_workers: concurrent reads (default: 8 on a local disk, 64 on an object store).
+      max_workers: concurrent reads (default: 8 on a local disk, 128 on an object store,
+        100 on GCS).
       progress: show a progress bar on process 0 (default: when stderr is a terminal).
 
     Raises:
+      TypeError, ValueError: an option of the wrong type or value (named).
       CheckpointNotFoundError: nothing committed at `url`.
       CheckpointMismatchError: the target does not match; lists every missing and
         unexpected key path and every shape and dtype difference. Nothing was read.
       CheckpointCorruptError: a chunk or metadata the checkpoint declares is missing.
     """
+    options = LoadOptions(allow_dtype_cast, donate_target, max_inflight_bytes, max_workers, progress)
+    return load(_storage.resolve(url, storage_options), target, options)
+
+
+def load(loc: _storage.Location, target: Any, options: LoadOptions) -> Any:
+    """`load_pytree` of the checkpoint at `loc`."""
     started = time.perf_counter()
-    ckpt = _reader.open_checkpoint(_storage.resolve(url, storage_options))
+    ckpt = _reader.open_checkpoint(loc)
     if target is None:
         requests = [_Request(s, s.dtype, "numpy" if s.kind in ("jax", "numpy") else s.kind)
                     for s in ckpt.leaves.values()]  # typed keys come back as keys, on the default device
         treedef = None
     else:
-        requests, treedef = _match(ckpt, target, allow_dtype_cast)
-    total = sum(math.prod(r.stored.shape) * r.dtype.itemsize for r in requests)
-    with _progress.bar(f"restoring {ckpt.loc.url}", total, progress) as advance:
-        values = _read_all(ckpt, requests, max_inflight_bytes, max_workers, donate_target, advance)
+        requests, treedef = _match(ckpt, target, options.allow_dtype_cast)
+    total = sum(_dtypes.nbytes(r.stored.shape, r.dtype) for r in requests)
+    with _progress.bar(f"restoring {ckpt.loc.url}", total, options.progress) as advance:
+        values = _read_all(ckpt, requests, options, advance)
     if treedef is None:
         result = _tree.rebuild(ckpt.spec, lambda rec: values[rec["name"]])
     else:
@@ -181,11 +189,11 @@ class _Read:
 
     @property
     def nbytes(self) -> int:
-        return _planning.region_size(self.box) * self.request.dtype.itemsize
+        return _dtypes.nbytes(_planning.region_shape(self.box), self.request.dtype)
 
 
-def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], max_inflight_bytes: int,
-              max_workers: int | None, donate_target: bool, advance: Callable[[int], None]) -> dict[str, Any]:
+def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], options: LoadOptions,
+              advance: Callable[[int], None]) -> dict[str, Any]:
     """Reads every request, leaf by leaf in order, with bounded host memory.
 
     Pool threads read (and, for large leaves, put each piece on its devices); this
@@ -195,7 +203,7 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], max_inflight_b
     reads: list[_Read] = []
     for request in requests:
         groups = _read_plan(ckpt, request)
-        nbytes = sum(_planning.region_size(box) for box, _ in groups) * request.dtype.itemsize
+        nbytes = sum(_dtypes.nbytes(_planning.region_shape(box), request.dtype) for box, _ in groups)
         request.placed_by_readers = request.make == "jax" and nbytes >= _READER_PLACEMENT_BYTES
         if not groups:  # no device of this process holds any of it
             done[request.stored.name] = _build(request, [])
@@ -204,20 +212,20 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], max_inflight_b
 
     def donate(read: _Read) -> None:
         old = read.request.old
-        if donate_target and old is not None and id(old) not in donated and not old.is_deleted():
+        if options.donate_target and old is not None and id(old) not in donated and not old.is_deleted():
             donated.add(id(old))
             old.delete()
 
-    budget = _concurrency.ByteBudget(max_inflight_bytes)
+    budget = _concurrency.ByteBudget(options.max_inflight_bytes)
     pieces: list[Any] = []
-    with _concurrency.Operation(max_workers or ckpt.loc.concurrency, "read") as op:
+    with _concurrency.Operation(options.max_workers or ckpt.loc.concurrency, "read") as op:
         for read, result in op.window(reads, lambda r: _read_group(ckpt, r.request, r.box, r.places),
                                       budget=budget, nbytes=lambda r: r.nbytes, admit=donate):
             budget.release(read.nbytes)
             pieces += result
             if read.last:
                 done[read.request.stored.name] = _build(read.request, pieces)
-                advance(math.prod(read.request.stored.shape) * read.request.dtype.itemsize)
+                advance(_dtypes.nbytes(read.request.stored.shape, read.request.dtype))
                 pieces = []
     return done
 

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 from typing import Any, Collection, Mapping
 
-from . import _commit, _naming, _steps
+from . import _commit, _steps
 from ._storage import Location
 
 log = logging.getLogger("zarrckpt")
@@ -83,15 +83,11 @@ def apply(root: Location, policy: Policy, metrics: Mapping[int, Mapping[str, Any
         return []
     newest = max(committed)
     keep = steps_to_keep(policy, committed, metrics)
-    doomed = sorted(s for s in committed - keep if s not in busy and not is_pinned(_step(root, s)))
+    doomed = sorted(s for s in committed - keep if s not in busy and not is_pinned(root.step(s)))
     leftovers = sorted(s for s in set(candidates) - committed if s < newest and s not in busy)
     for step in doomed + leftovers:
         if not dry_run:
-            _commit.remove(_step(root, step))
+            _commit.remove(root.step(step))
         log.info("%s step %d under %s (%s)", "would delete" if dry_run else "deleted", step, root.url,
                  "uncommitted leftover" if step in leftovers else "retention")
     return doomed + leftovers
-
-
-def _step(root: Location, step: int) -> Location:
-    return root.child(_naming.step_dir_name(step))

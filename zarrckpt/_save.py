@@ -25,6 +25,7 @@ import zarr
 
 from . import _commit, _concurrency, _multihost, _naming, _planning, _progress, _storage, _tree, _zarrjson
 from . import errors
+from ._options import SaveOptions
 from ._planning import ArrayPlan, WriteUnit
 
 log = logging.getLogger("zarrckpt")
@@ -58,24 +59,25 @@ def save_pytree(
       overwrite: replace a committed checkpoint at `url`. Without it that is an error.
       max_chunk_bytes: shards larger than this are split into several chunks.
       max_inflight_bytes: bound on host bytes copied off devices and not yet written.
-      max_workers: concurrent writes per process (default: 8 on a local disk, 64 on
-        an object store).
+      max_workers: concurrent writes per process (default: 8 on a local disk, 128 on
+        an object store, 100 on GCS).
       timeout_s: how long a process waits for the others at each agreement.
       progress: show a progress bar on process 0 (default: when stderr is a terminal).
       checksums: store a CRC-32C after every chunk (zarr's crc32c codec), verified on
         every read. Turning it off is for measuring its cost.
 
     Raises:
+      TypeError, ValueError: an option of the wrong type or value (named).
       UnsupportedLeafError: a leaf or key that cannot be saved (names its key path).
       CheckpointExistsError: `url` holds a committed checkpoint and overwrite is False.
       CheckpointWriteError: a write failed on some process (names process and leaf);
         nothing was committed.
       CoordinationTimeoutError: a process did not arrive at an agreement in time.
     """
-    job = SaveJob.create(url, tree, storage_options=storage_options, overwrite=overwrite,
-                         max_chunk_bytes=max_chunk_bytes, max_workers=max_workers, timeout_s=timeout_s,
-                         checksums=checksums)
-    job.run(admitted(job.units(), _concurrency.ByteBudget(max_inflight_bytes)), progress=progress)
+    options = SaveOptions(overwrite, max_chunk_bytes, max_inflight_bytes, max_workers, timeout_s, progress,
+                          checksums)
+    job = SaveJob.create(_storage.resolve(url, storage_options), tree, options)
+    job.run(job.admitted())
 
 
 Work = Iterable[tuple[ArrayPlan, WriteUnit]]
@@ -83,32 +85,35 @@ Work = Iterable[tuple[ArrayPlan, WriteUnit]]
 
 @dataclasses.dataclass
 class SaveJob:
-    """One planned save: what to write where. `run` executes the write protocol."""
+    """One planned save: what to write where. `run` executes the write protocol.
+
+    Its writes hold bytes of `budget` (`options.max_inflight_bytes`) from the moment
+    they are copied off their devices until they are written: `admitted` (a save that
+    writes as it copies) and `stage` (an async save's snapshot) take them.
+    """
 
     loc: _storage.Location
     plans: list[ArrayPlan]
     arrays: dict[str, dict[str, Any]]  # every array's zarr.json
     group: dict[str, Any]  # the group's zarr.json, uncommitted
-    overwrite: bool
-    max_workers: int | None
-    timeout_s: float
+    options: SaveOptions
+    budget: _concurrency.ByteBudget
     channel: str = "save"
     before_prepare: Callable[[], None] | None = None  # run on process 0 first: a lease check
 
     @classmethod
-    def create(cls, url: str, tree: Any, *, storage_options: dict[str, Any] | None = None,
-               overwrite: bool = False, max_chunk_bytes: int = _planning.DEFAULT_MAX_CHUNK_BYTES,
-               max_workers: int | None = None, timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
-               checksums: bool = True, extra_metadata: dict[str, Any] | None = None,
-               channel: str = "save", before_prepare: Callable[[], None] | None = None) -> "SaveJob":
+    def create(cls, loc: _storage.Location, tree: Any, options: SaveOptions, *,
+               extra_metadata: dict[str, Any] | None = None, channel: str = "save",
+               before_prepare: Callable[[], None] | None = None) -> "SaveJob":
         """Plans a save; raises UnsupportedLeafError before anything is written."""
-        loc = _storage.resolve(url, storage_options)
         spec, leaves = _tree.record(tree)
-        plans = [_planning.plan_array(leaf, i, max_chunk_bytes, checksums) for i, leaf in enumerate(leaves)]
+        plans = [_planning.plan_array(leaf, i, options.max_chunk_bytes, options.checksums)
+                 for i, leaf in enumerate(leaves)]
         # Every process knows every array's metadata without asking the store.
         arrays = {p.leaf.name: _zarrjson.array_document(p.shape, p.codec) for p in plans}
         group = _zarrjson.group_document({_naming.META_ATTR: {**_tree_metadata(spec), **(extra_metadata or {})}})
-        return cls(loc, plans, arrays, group, overwrite, max_workers, timeout_s, channel, before_prepare)
+        return cls(loc, plans, arrays, group, options, _concurrency.ByteBudget(options.max_inflight_bytes),
+                   channel, before_prepare)
 
     @property
     def nbytes(self) -> int:
@@ -119,22 +124,33 @@ class SaveJob:
         """This process's writes, in order."""
         return ((plan, unit) for plan in self.plans for unit in plan.writes)
 
-    def run(self, work: Work, *, progress: bool | None = None) -> float:
-        """Runs the write protocol over `work` (see `admitted` and `stage`: each unit
-        holds its bytes of a budget until written); returns the seconds it took.
-        Collective."""
+    def admitted(self) -> Work:
+        """This process's writes as the budget lets them in, each holding its bytes
+        and its device-to-host copy started (a save that is not staged)."""
+        for plan, unit in self.units():
+            self.budget.acquire(unit.nbytes)
+            unit.hold(self.budget)
+            unit.start_transfer()
+            yield plan, unit
+
+    def run(self, work: Work) -> float:
+        """Runs the write protocol over `work` (`admitted()`, or what `stage` staged);
+        returns the seconds it took. Collective."""
         is_primary = _multihost.process_index() == 0
         started = time.perf_counter()
-        op = _multihost.Collective(self.channel, self.timeout_s, what=f"saving {self.loc.url}",
+        op = _multihost.Collective(self.channel, self.options.timeout_s, what=f"saving {self.loc.url}",
                                    error=errors.CheckpointWriteError, note="nothing was committed")
         loc = self.loc
-        with _progress.bar(f"saving {loc.url}", self.nbytes, progress) as advance:
+        with _progress.bar(f"saving {loc.url}", self.nbytes, self.options.progress) as advance:
             try:
                 op.decide("prepare", self._prepare)
                 op.check("write", lambda: _write_all(loc, work, self._array_metadata() if is_primary else [],
-                                                     self.max_workers or loc.concurrency, advance))
+                                                     self.options.max_workers or loc.concurrency, advance))
                 op.decide("commit", lambda: _commit.commit(loc, _zarrjson.group_document(
                     self.group["attributes"], self.arrays)))
+            except BaseException as e:
+                self.budget.abort(e)  # a stager waiting for room must not wait forever
+                raise
             finally:
                 op.close()
         seconds = time.perf_counter() - started
@@ -150,23 +166,13 @@ class SaveJob:
     def _prepare(self) -> None:
         if self.before_prepare is not None:
             self.before_prepare()
-        _prepare(self.loc, self.group, self.overwrite)
+        _prepare(self.loc, self.group, self.options.overwrite)
 
 
-def admitted(units: Work, budget: _concurrency.ByteBudget) -> Work:
-    """`units` as the budget lets them in, each holding its bytes until written and
-    its device-to-host copy started (the writes of a save that is not staged)."""
-    for plan, unit in units:
-        budget.acquire(unit.nbytes)
-        unit.hold(budget)
-        unit.start_transfer()
-        yield plan, unit
-
-
-def stage(job: SaveJob, budget: _concurrency.ByteBudget, put: Callable[[tuple[ArrayPlan, WriteUnit]], None]) -> None:
+def stage(job: SaveJob, put: Callable[[tuple[ArrayPlan, WriteUnit]], None]) -> None:
     """Copies this process's writes of `job` to host memory the caller owns, handing each
     to `put` in order; returns once all are copied, so training may then overwrite its
-    buffers. Each unit holds its bytes of `budget` until it is written.
+    buffers. Each unit holds its bytes of `job.budget` until it is written.
 
     Copies are started (on this thread) for as many units as the budget allows before
     any is waited on, so device-to-host transfers run concurrently, and the host
@@ -174,11 +180,11 @@ def stage(job: SaveJob, budget: _concurrency.ByteBudget, put: Callable[[tuple[Ar
     is full.
     """
     def admit(item: tuple[ArrayPlan, WriteUnit]) -> None:
-        item[1].hold(budget)
+        item[1].hold(job.budget)
         item[1].start_transfer()
 
     with _concurrency.Operation(_STAGING_THREADS, "stage") as op:
-        for item, _ in op.window(job.units(), lambda item: item[1].stage(), budget=budget,
+        for item, _ in op.window(job.units(), lambda item: item[1].stage(), budget=job.budget,
                                  nbytes=lambda item: item[1].nbytes, admit=admit):
             put(item)
 

@@ -4,23 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _commit, _concurrency, _multihost, _naming, _restore, _save, _storage
+from . import _commit, _concurrency, _multihost, _naming, _options, _restore, _save, _storage
 from ._storage import Location
-
-
-def step_location(checkpoint_dir: str, step: int, storage_options: dict[str, Any] | None = None) -> Location:
-    return _storage.resolve(checkpoint_dir, storage_options).child(_naming.step_dir_name(step))
 
 
 def save_checkpoint(checkpoint_dir: str, step: int, state: Any, *,
                     storage_options: dict[str, Any] | None = None, **options: Any) -> None:
     """Saves `state` as step `step` under `checkpoint_dir` and commits it.
 
-    Collective, like `save_pytree`, whose keyword options it takes (`overwrite`, ...).
-    Raises what `save_pytree` raises; CheckpointExistsError if the step is committed.
+    Collective, like `save_pytree`, whose keyword options it takes (`overwrite`,
+    `max_chunk_bytes`, ...). Raises what `save_pytree` raises (TypeError for an
+    unknown option); CheckpointExistsError if the step is committed.
     """
-    loc = step_location(checkpoint_dir, step, storage_options)
-    _save.save_pytree(loc.url, state, storage_options=storage_options, **options)
+    save_options = _options.gather(_options.SaveOptions, "save_checkpoint", options)
+    job = _save.SaveJob.create(_storage.resolve(checkpoint_dir, storage_options).step(step), state, save_options)
+    job.run(job.admitted())
 
 
 def all_steps(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
@@ -34,8 +32,12 @@ def latest_step(checkpoint_dir: str, *, storage_options: dict[str, Any] | None =
     Reads the commit marker of candidates newest first and stops at the first
     committed one, so uncommitted leftovers (a crashed save) are skipped.
     """
-    root = _storage.resolve(checkpoint_dir, storage_options)
-    return next((s for s in reversed(candidate_steps(root)) if _is_committed(root, s)), None)
+    return latest(_storage.resolve(checkpoint_dir, storage_options))
+
+
+def latest(root: Location) -> int | None:
+    """`latest_step` of the checkpoint directory `root`."""
+    return next((s for s in reversed(candidate_steps(root)) if is_committed(root.step(s))), None)
 
 
 def candidate_steps(root: Location) -> list[int]:
@@ -47,12 +49,12 @@ def scan(root: Location) -> tuple[list[int], list[int]]:
     """Every step directory under `root`, and the committed ones among them, ascending:
     one listing, then every commit marker read concurrently."""
     steps = candidate_steps(root)
-    committed = _concurrency.run_all(lambda s: _is_committed(root, s), steps, root.concurrency)
+    committed = _concurrency.run_all(lambda s: is_committed(root.step(s)), steps, root.concurrency)
     return steps, [s for s, ok in zip(steps, committed) if ok]
 
 
-def _is_committed(root: Location, step: int) -> bool:
-    return _commit.state(root.child(_naming.step_dir_name(step))) is _commit.State.COMMITTED
+def is_committed(loc: Location) -> bool:
+    return _commit.state(loc) is _commit.State.COMMITTED
 
 
 def load_checkpoint_if_it_exists(checkpoint_dir: str, target: Any, *,
@@ -66,19 +68,25 @@ def load_checkpoint_if_it_exists(checkpoint_dir: str, target: Any, *,
 
     Collective: process 0 chooses the step and every process restores that one, even
     if a save commits another step in between. Takes `load_pytree`'s keyword options
-    and raises what it raises.
+    and raises what it raises (TypeError for an unknown option).
     """
-    step = _choose_step(checkpoint_dir, storage_options, timeout_s)
+    load_options = _options.gather(_options.LoadOptions, "load_checkpoint_if_it_exists", options)
+    return restore_latest(_storage.resolve(checkpoint_dir, storage_options), target, load_options, timeout_s)
+
+
+def restore_latest(root: Location, target: Any, options: _options.LoadOptions,
+                   timeout_s: float) -> tuple[Any, int]:
+    """`load_checkpoint_if_it_exists` under `root`. Collective."""
+    step = _choose_step(root, timeout_s)
     if step is None:
         return target, 0
-    loc = step_location(checkpoint_dir, step, storage_options)
-    return _restore.load_pytree(loc.url, target, storage_options=storage_options, **options), step
+    return _restore.load(root.step(step), target, options), step
 
 
-def _choose_step(checkpoint_dir: str, storage_options: dict[str, Any] | None, timeout_s: float) -> int | None:
-    """Process 0's latest_step, on every process; its failure is raised everywhere."""
-    op = _multihost.Collective("restore", timeout_s, what=f"choosing the step to restore under {checkpoint_dir}")
+def _choose_step(root: Location, timeout_s: float) -> int | None:
+    """Process 0's `latest`, on every process; its failure is raised everywhere."""
+    op = _multihost.Collective("restore", timeout_s, what=f"choosing the step to restore under {root.url}")
     try:
-        return op.decide("step", lambda: latest_step(checkpoint_dir, storage_options=storage_options))
+        return op.decide("step", lambda: latest(root))
     finally:
         op.close()

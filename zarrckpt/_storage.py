@@ -30,7 +30,7 @@ import numpy as np
 import zarr
 import zarr.storage
 
-from . import _concurrency
+from . import _concurrency, _naming
 from .errors import CheckpointCorruptError
 
 # Keys that hold metadata; any other key zarr asks for is a chunk.
@@ -143,6 +143,10 @@ class Location:
         return dataclasses.replace(
             self, url=posixpath.join(self.url.rstrip("/"), name), path=posixpath.join(self.path, name)
         )
+
+    def step(self, step: int) -> "Location":
+        """The directory of `step` in this checkpoint directory (ValueError for a bad step)."""
+        return self.child(_naming.step_dir_name(step))
 
     def zarr_store(self) -> zarr.abc.store.Store:
         """A read-only zarr store rooted here that raises on a missing chunk (zarr

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import multiprocess
 import zarrckpt
-from zarrckpt import _commit, _naming, _steps, _storage
+from zarrckpt import _commit, _naming, _storage
 
 # Recorded in docs/reliability.md; keep them in step with the figures there.
 SINGLE_PROCESS_KILLS = 8
@@ -55,7 +55,7 @@ def assert_committed_steps_are_whole(directory, must_have):
     committed = zarrckpt.all_steps(directory)
     assert set(must_have) <= set(committed), (must_have, committed)
     for step in committed:
-        tree = zarrckpt.load_pytree(_steps.step_location(directory, step).url)
+        tree = zarrckpt.load_pytree(_storage.resolve(directory).step(step).url)
         assert all(np.all(leaf == step) for leaf in tree.values()), step
     return committed
 
@@ -101,5 +101,5 @@ def test_sigkill_during_retention(tmp_path):
         for name in _storage.resolve(directory).list_dir():
             step = _naming.parse_step_dir_name(name)
             if step is not None and step not in committed:
-                assert _commit.state(_steps.step_location(directory, step)) is not _commit.State.COMMITTED
+                assert _commit.state(_storage.resolve(directory).step(step)) is not _commit.State.COMMITTED
     assert newest_reported
