@@ -1,9 +1,11 @@
 """Restoring one checkpoint onto a target: match, validate, then read.
 
 Nothing is read until the whole target has been checked against the checkpoint;
-every mismatch is reported at once. Each leaf is then rebuilt with
-`jax.make_array_from_callback` on the target's sharding, which is what makes
-restoring onto another mesh, device count or process count work.
+every mismatch is reported at once. Each target leaf then gets a `_Form` that says
+what to read and how to build its value: a jax.Array is read region by region,
+only the regions this process's devices of the target sharding hold, and built
+from pieces on those devices, which is what makes restoring onto another mesh,
+device count or process count work.
 """
 
 from __future__ import annotations
@@ -23,24 +25,158 @@ from .errors import CheckpointMismatchError, UnsupportedLeafError
 
 log = logging.getLogger("zarrckpt")
 
+# Leaves at least this large are put on their devices by the reader threads (transfers
+# overlap); smaller ones by the main thread from host pieces (per-call cost dominates,
+# and threads contending for the GIL made a 1000-leaf restore 3x slower).
 _READER_PLACEMENT_BYTES = 2**20
 _PY_SCALARS = {"bool": bool, "int": int, "float": float, "complex": complex}
+_SCALAR_KINDS = {"bool": "b", "int": "iub", "float": "f", "complex": "c"}
+
+# Where each region read goes: the devices that need it, or none (the host).
+Placement = dict[Region, list[jax.Device]]
 
 
-@dataclasses.dataclass
+class _Form:
+    """How a target leaf wants its value: what to read, and how to build the value.
+
+    This base reads the whole array to the host and returns it as a numpy array.
+    """
+
+    dtype: np.dtype  # the values' dtype once read (converted from the stored one)
+
+    def mismatch(self, stored: _reader.StoredLeaf, allow_dtype_cast: bool) -> str | None:
+        if self.dtype != stored.dtype and not allow_dtype_cast:
+            return (f"dtype {stored.dtype} in the checkpoint, {self.dtype} in the target "
+                    "(pass allow_dtype_cast=True to convert)")
+        return None
+
+    def reads(self, stored: _reader.StoredLeaf) -> list[tuple[Region, Placement]]:
+        full: Region = tuple((0, d) for d in stored.shape)
+        return [(full, {full: []})]
+
+    def fetch(self, ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, box: Region,
+              places: Placement) -> list[Any]:
+        """On a reader thread: reads `box` and cuts out each region, as (region, host array)."""
+        data = ckpt.read(stored, box)
+        data = data if data.dtype == self.dtype else data.astype(self.dtype)
+        return [(region, data[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(region, box))])
+                for region in places]
+
+    def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
+        """On the main thread: the value, from every piece `fetch` returned."""
+        ((_, data),) = pieces
+        return self.convert(data)
+
+    def convert(self, data: np.ndarray) -> Any:
+        return data
+
+
+@dataclasses.dataclass(frozen=True)
+class _Numpy(_Form):
+    dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class _NumpyScalar(_Form):
+    dtype: np.dtype
+
+    def convert(self, data: np.ndarray) -> Any:
+        return data[()]
+
+
+@dataclasses.dataclass(frozen=True)
+class _PythonScalar(_Form):
+    dtype: np.dtype  # the stored dtype: a Python scalar has none of its own
+    type_name: str
+
+    def mismatch(self, stored: _reader.StoredLeaf, allow_dtype_cast: bool) -> str | None:
+        if stored.dtype.kind not in _SCALAR_KINDS[self.type_name]:
+            return f"dtype {stored.dtype} in the checkpoint, Python {self.type_name} in the target"
+        return None
+
+    def convert(self, data: np.ndarray) -> Any:
+        return _PY_SCALARS[self.type_name](data.item())
+
+
+@dataclasses.dataclass(frozen=True)
+class _DefaultDevice(_Form):
+    dtype: np.dtype
+
+    def convert(self, data: np.ndarray) -> Any:
+        return jax.device_put(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PrngKeys(_Form):
+    """Typed PRNG keys, stored as their key data: read it, then wrap it as keys."""
+
+    dtype: np.dtype
+    sharding: jax.sharding.Sharding | None
+
+    def mismatch(self, stored: _reader.StoredLeaf, allow_dtype_cast: bool) -> str | None:
+        if stored.kind != "prng_key":
+            return f"a typed PRNG key array in the target, saved as plain {stored.dtype} data"
+        return None
+
+    def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
+        ((_, data),) = pieces
+        keys = jax.random.wrap_key_data(data, impl=stored.prng_impl)
+        return keys if self.sharding is None else jax.device_put(keys, self.sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sharded(_Form):
+    """A jax.Array on `sharding`: each process reads what its own devices hold, and the
+    main thread assembles host pieces (small leaves)."""
+
+    dtype: np.dtype
+    sharding: jax.sharding.Sharding
+
+    def reads(self, stored: _reader.StoredLeaf) -> list[tuple[Region, Placement]]:
+        shape = stored.shape
+        devices: Placement = {}
+        for device, index in self.sharding.addressable_devices_indices_map(shape).items():
+            devices.setdefault(_planning.region_of(index, shape), []).append(device)
+        return [(box, {region: devices[region] for region in regions})
+                for box, regions in _planning.plan_reads(list(devices), stored.chunks, shape)]
+
+    def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
+        by_region = dict(pieces)
+        return jax.make_array_from_callback(stored.shape, self.sharding,
+                                            lambda index: by_region[_planning.region_of(index, stored.shape)])
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShardedByReaders(_Sharded):
+    """A large jax.Array: the reader threads put each piece on its devices (one batched
+    call per read, so jax overlaps the transfers)."""
+
+    def fetch(self, ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, box: Region,
+              places: Placement) -> list[Any]:
+        pieces = super().fetch(ckpt, stored, box, places)
+        return jax.device_put([piece for region, piece in pieces for _ in places[region]],
+                              [device for region in places for device in places[region]])
+
+    def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
+        return jax.make_array_from_single_device_arrays(stored.shape, self.sharding, pieces)
+
+
+def _sharded(dtype: np.dtype, sharding: jax.sharding.Sharding, stored: _reader.StoredLeaf) -> _Sharded:
+    large = _dtypes.nbytes(stored.shape, dtype) >= _READER_PLACEMENT_BYTES
+    return (_ShardedByReaders if large else _Sharded)(dtype, sharding)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Request:
     """One leaf to restore and the form it must come back in."""
 
     stored: _reader.StoredLeaf
-    dtype: np.dtype
-    make: str  # "jax" (on `sharding`), "device" (default device), "numpy", "numpy_scalar", "prng_key",
-    # or a Python scalar type
-    sharding: jax.sharding.Sharding | None = None
-    old: jax.Array | None = None  # the target array this replaces, freed before reading
-    # Put on devices by the reader threads (large leaves: transfers overlap), or by the
-    # main thread from host pieces (small leaves: per-call cost dominates, and threads
-    # contending for the GIL made a 1000-leaf restore 3x slower).
-    placed_by_readers: bool = False
+    form: _Form
+    old: jax.Array | None = None  # the target array this replaces, freed before reading (with donation)
+
+    @property
+    def nbytes(self) -> int:
+        return _dtypes.nbytes(self.stored.shape, self.form.dtype)
 
 
 def load_pytree(
@@ -93,12 +229,11 @@ def load(loc: _storage.Location, target: Any, options: LoadOptions) -> Any:
     started = time.perf_counter()
     ckpt = _reader.open_checkpoint(loc)
     if target is None:
-        requests = [_Request(s, s.dtype, "numpy" if s.kind in ("jax", "numpy") else s.kind)
-                    for s in ckpt.leaves.values()]  # typed keys come back as keys, on the default device
+        requests = [_Request(s, _saved_form(s)) for s in ckpt.leaves.values()]
         treedef = None
     else:
         requests, treedef = _match(ckpt, target, options.allow_dtype_cast)
-    total = sum(_dtypes.nbytes(r.stored.shape, r.dtype) for r in requests)
+    total = sum(r.nbytes for r in requests)
     with _progress.bar(f"restoring {ckpt.loc.url}", total, options.progress) as advance:
         values = _read_all(ckpt, requests, options, advance)
     if treedef is None:
@@ -129,14 +264,8 @@ def _match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool) -> tup
         requests.append(request)
         if shape != stored.shape:
             problems.append(f"{where}: shape {stored.shape} in the checkpoint, {shape} in the target")
-        elif request.make in _PY_SCALARS:
-            if stored.dtype.kind not in _scalar_kinds(request.make):
-                problems.append(f"{where}: dtype {stored.dtype} in the checkpoint, Python {request.make} in the target")
-        elif request.make == "prng_key" and stored.kind != "prng_key":
-            problems.append(f"{where}: a typed PRNG key array in the target, saved as plain {stored.dtype} data")
-        elif request.dtype != stored.dtype and not allow_dtype_cast:
-            problems.append(f"{where}: dtype {stored.dtype} in the checkpoint, {request.dtype} in the target "
-                            "(pass allow_dtype_cast=True to convert)")
+        elif (mismatch := request.form.mismatch(stored, allow_dtype_cast)) is not None:
+            problems.append(f"{where}: {mismatch}")
     for name, stored in ckpt.leaves.items():
         if name not in seen:
             problems.append(f"{stored.where}: in the checkpoint but not in the target")
@@ -148,8 +277,16 @@ def _match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool) -> tup
     return requests, treedef
 
 
-def _scalar_kinds(python_type: str) -> str:
-    return {"bool": "b", "int": "iub", "float": "f", "complex": "c"}[python_type]
+def _saved_form(stored: _reader.StoredLeaf) -> _Form:
+    """The form a leaf comes back in without a target: numpy arrays and scalars, Python
+    scalars, and typed PRNG keys as keys on the default device."""
+    if stored.kind in _PY_SCALARS:
+        return _PythonScalar(stored.dtype, stored.kind)
+    if stored.kind == "numpy_scalar":
+        return _NumpyScalar(stored.dtype)
+    if stored.kind == "prng_key":
+        return _PrngKeys(stored.dtype, None)
+    return _Numpy(stored.dtype)
 
 
 def _request_for(leaf: Any, stored: _reader.StoredLeaf, where: str) -> tuple[_Request, tuple[int, ...]]:
@@ -158,20 +295,21 @@ def _request_for(leaf: Any, stored: _reader.StoredLeaf, where: str) -> tuple[_Re
         # Typed keys are stored as their key data: compare that shape, and rebuild keys.
         data_shape = tuple(jax.eval_shape(jax.random.key_data, leaf).shape)
         old = leaf if isinstance(leaf, jax.Array) else None
-        return _Request(stored, stored.dtype, "prng_key", leaf.sharding, old=old), data_shape
+        return _Request(stored, _PrngKeys(stored.dtype, leaf.sharding), old), data_shape
     if isinstance(leaf, jax.Array):
-        return _Request(stored, np.dtype(leaf.dtype), "jax", leaf.sharding, old=leaf), tuple(leaf.shape)
+        return _Request(stored, _sharded(np.dtype(leaf.dtype), leaf.sharding, stored), leaf), tuple(leaf.shape)
     if isinstance(leaf, jax.ShapeDtypeStruct):
-        sharding = leaf.sharding
-        return _Request(stored, np.dtype(leaf.dtype), "jax" if sharding else "device", sharding), tuple(leaf.shape)
+        dtype = np.dtype(leaf.dtype)
+        form = _DefaultDevice(dtype) if leaf.sharding is None else _sharded(dtype, leaf.sharding, stored)
+        return _Request(stored, form), tuple(leaf.shape)
     if isinstance(leaf, jax.sharding.Sharding):
-        return _Request(stored, stored.dtype, "jax", leaf), stored.shape
+        return _Request(stored, _sharded(stored.dtype, leaf, stored)), stored.shape
     if isinstance(leaf, np.ndarray):
-        return _Request(stored, leaf.dtype, "numpy"), leaf.shape
+        return _Request(stored, _Numpy(leaf.dtype)), leaf.shape
     if isinstance(leaf, np.generic):
-        return _Request(stored, leaf.dtype, "numpy_scalar"), ()
+        return _Request(stored, _NumpyScalar(leaf.dtype)), ()
     if isinstance(leaf, (bool, int, float, complex)):
-        return _Request(stored, stored.dtype, type(leaf).__name__), ()
+        return _Request(stored, _PythonScalar(stored.dtype, type(leaf).__name__)), ()
     raise UnsupportedLeafError(
         f"target leaf {where} is a {type(leaf).__qualname__}; expected jax.Array, jax.ShapeDtypeStruct, "
         "a Sharding, a numpy array or scalar, or a Python scalar"
@@ -184,12 +322,15 @@ class _Read:
 
     request: _Request
     box: Region
-    places: "Placement"
+    places: Placement
     last: bool  # the leaf's last read: once it is in, the leaf can be built
 
     @property
     def nbytes(self) -> int:
-        return _dtypes.nbytes(_planning.region_shape(self.box), self.request.dtype)
+        return _dtypes.nbytes(_planning.region_shape(self.box), self.request.form.dtype)
+
+    def fetch(self, ckpt: _reader.Checkpoint) -> list[Any]:
+        return self.request.form.fetch(ckpt, self.request.stored, self.box, self.places)
 
 
 def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], options: LoadOptions,
@@ -197,16 +338,14 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], options: LoadO
     """Reads every request, leaf by leaf in order, with bounded host memory.
 
     Pool threads read (and, for large leaves, put each piece on its devices); this
-    thread assembles the leaves in order as their last read comes in.
+    thread builds the leaves in order as their last read comes in.
     """
     done: dict[str, Any] = {}
     reads: list[_Read] = []
     for request in requests:
-        groups = _read_plan(ckpt, request)
-        nbytes = sum(_dtypes.nbytes(_planning.region_shape(box), request.dtype) for box, _ in groups)
-        request.placed_by_readers = request.make == "jax" and nbytes >= _READER_PLACEMENT_BYTES
+        groups = request.form.reads(request.stored)
         if not groups:  # no device of this process holds any of it
-            done[request.stored.name] = _build(request, [])
+            done[request.stored.name] = request.form.build(request.stored, [])
         reads += [_Read(request, box, places, i == len(groups) - 1) for i, (box, places) in enumerate(groups)]
     donated: set[int] = set()
 
@@ -219,63 +358,12 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], options: LoadO
     budget = _concurrency.ByteBudget(options.max_inflight_bytes)
     pieces: list[Any] = []
     with _concurrency.Operation(options.max_workers or ckpt.loc.concurrency, "read") as op:
-        for read, result in op.window(reads, lambda r: _read_group(ckpt, r.request, r.box, r.places),
-                                      budget=budget, nbytes=lambda r: r.nbytes, admit=donate):
+        for read, result in op.window(reads, lambda r: r.fetch(ckpt), budget=budget, nbytes=lambda r: r.nbytes,
+                                      admit=donate):
             budget.release(read.nbytes)
             pieces += result
             if read.last:
-                done[read.request.stored.name] = _build(read.request, pieces)
-                advance(_dtypes.nbytes(read.request.stored.shape, read.request.dtype))
+                done[read.request.stored.name] = read.request.form.build(read.request.stored, pieces)
+                advance(read.request.nbytes)
                 pieces = []
     return done
-
-
-# Where each region read goes: the devices that need it, or none (the host).
-Placement = dict[Region, list[jax.Device]]
-
-
-def _read_plan(ckpt: _reader.Checkpoint, request: _Request) -> list[tuple[Region, Placement]]:
-    shape = request.stored.shape
-    full: Region = tuple((0, d) for d in shape)
-    if request.make != "jax":
-        return [(full, {full: []})]
-    devices: Placement = {}
-    for device, index in request.sharding.addressable_devices_indices_map(shape).items():
-        devices.setdefault(_planning.region_of(index, shape), []).append(device)
-    return [(box, {region: devices[region] for region in regions})
-            for box, regions in _planning.plan_reads(list(devices), request.stored.chunks, shape)]
-
-
-def _read_group(ckpt: _reader.Checkpoint, request: _Request, box: Region, places: Placement) -> list[Any]:
-    """Reads `box` and cuts out each region: as (region, host array) pairs, or, when
-    `request.placed_by_readers`, already put on its devices (one batched call, so jax
-    overlaps the transfers)."""
-    data = ckpt.read(request.stored, box)
-    data = data if data.dtype == request.dtype else data.astype(request.dtype)
-    pieces = [(region, data[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(region, box))])
-              for region in places]
-    if not request.placed_by_readers:
-        return pieces
-    return jax.device_put([piece for region, piece in pieces for _ in places[region]],
-                          [device for region in places for device in places[region]])
-
-
-def _build(request: _Request, pieces: list[Any]) -> Any:
-    shape = request.stored.shape
-    if request.placed_by_readers:
-        return jax.make_array_from_single_device_arrays(shape, request.sharding, pieces)
-    by_region = dict(pieces)
-    if request.make == "jax":
-        return jax.make_array_from_callback(shape, request.sharding,
-                                            lambda index: by_region[_planning.region_of(index, shape)])
-    (data,) = by_region.values()
-    if request.make == "prng_key":
-        keys = jax.random.wrap_key_data(data, impl=request.stored.prng_impl)
-        return keys if request.sharding is None else jax.device_put(keys, request.sharding)
-    if request.make == "device":
-        return jax.device_put(data)
-    if request.make == "numpy":
-        return data
-    if request.make == "numpy_scalar":
-        return data[()]
-    return _PY_SCALARS[request.make](data.item())
