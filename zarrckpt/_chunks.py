@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Sequence
+from typing import Any
 
 import crc32c
 import numpy as np
 
-from . import _dtypes
+from . import _dtypes, _naming
 from ._storage import Location
 from .errors import CheckpointCorruptError
 
@@ -50,12 +50,6 @@ class ChunkCodec:
     shape: tuple[int, ...]  # the chunk shape
     checksum: bool = True
 
-    @classmethod
-    def from_codecs(cls, array: str, dtype: np.dtype, shape: Sequence[int], codecs: Any) -> "ChunkCodec":
-        """The codec an array's `zarr.json` `codecs` entry describes (checked by the reader)."""
-        return cls(array, dtype, tuple(int(n) for n in shape),
-                   isinstance(codecs, list) and CRC32C_CODEC in codecs)
-
     def codecs(self) -> list[dict[str, Any]]:
         """The `codecs` entry of the array's `zarr.json`."""
         bytes_codec: dict[str, Any] = {"name": "bytes"}
@@ -78,7 +72,7 @@ class ChunkCodec:
 
     def key(self, chunk: Region) -> str:
         """The object key of the chunk covering `chunk`."""
-        return f"{self.array}/" + SEPARATOR.join(["c", *map(str, self.coords(chunk))])
+        return _naming.object_key(self.array, SEPARATOR.join(["c", *map(str, self.coords(chunk))]))
 
     def size_damage(self, size: int) -> str | None:
         """What is wrong with a chunk object of `size` bytes, or None. zarrckpt never

@@ -61,7 +61,7 @@ def read_group(loc: Location) -> Group | None:
 def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past what json parses
         return {}
     return doc if isinstance(doc, dict) else {}
 

@@ -10,6 +10,8 @@ import hashlib
 import re
 from typing import Sequence
 
+from .errors import CheckpointCorruptError
+
 FORMAT_VERSION = 2  # 2: chunks carry a CRC-32C (version 1 checkpoints, without, still load)
 COMMIT_ATTR = "write_completed"  # seqax's commit marker; its presence as `true` is the commit
 META_ATTR = "zarrckpt"  # group attribute holding format_version and the tree record
@@ -20,6 +22,11 @@ MAX_NAME_LENGTH = 200  # file systems refuse path components over 255 bytes
 _HASHED_PREFIX_LENGTH = 160
 _UNESCAPED = re.compile(r"[A-Za-z0-9_\-]")
 _STEP_DIR = re.compile(r"\d{10,}")
+# Every array name `leaf_name` can produce: escaped components joined by ".", or a
+# hashed long name (a prefix of one, "~", 32 hex digits). Never "/", never a leading
+# ".", so never "." or "..": a name always stays inside its checkpoint.
+_ARRAY_NAME = re.compile(r"[A-Za-z0-9_%-]+(\.[A-Za-z0-9_%-]+)*"
+                         rf"|[A-Za-z0-9_%-][A-Za-z0-9_%.-]{{0,{_HASHED_PREFIX_LENGTH - 1}}}~[0-9a-f]{{32}}")
 
 
 def escape_component(text: str) -> str:
@@ -48,6 +55,19 @@ def leaf_name(components: Sequence[str]) -> str:
         digest = hashlib.sha256(name.encode("ascii")).hexdigest()[:32]
         name = f"{name[:_HASHED_PREFIX_LENGTH]}~{digest}"
     return name
+
+
+def object_key(array: str, key: str = "") -> str:
+    """The key, relative to the checkpoint, of object `key` of the array named `array`
+    (`zarr.json`, a chunk `c.0.1`, or "" for the array's directory). The one place a
+    leaf's array name becomes a key, on write and on read alike.
+
+    Raises CheckpointCorruptError for a name that `leaf_name` cannot produce: names
+    read from a checkpoint are never trusted to stay inside it.
+    """
+    if not isinstance(array, str) or len(array) > MAX_NAME_LENGTH or not _ARRAY_NAME.fullmatch(array):
+        raise CheckpointCorruptError(f"array name {array!r} is not one zarrckpt writes: refusing to read it")
+    return f"{array}/{key}" if key else array
 
 
 def step_dir_name(step: int) -> str:

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import zarr
 
-from . import _commit, _concurrency, _dtypes, _naming, _planning, _tree, _zarrjson
+from . import _chunks, _commit, _concurrency, _dtypes, _naming, _planning, _tree, _zarrjson
 from ._chunks import ChunkCodec
 from ._planning import Region
 from ._storage import Location
@@ -149,12 +149,29 @@ def _open_zarrckpt(loc: Location, committed: bool, meta: dict[str, Any], documen
         )
     spec = meta.get("tree")
     try:
-        records = _tree.recorded_leaves(spec)
+        records = _checked_records(spec)  # before any read: names decide which objects are read
         arrays = _array_documents(loc, document, [rec["name"] for _, rec in records])
         leaves = {rec["name"]: stored_leaf(path, rec, arrays[rec["name"]]) for path, rec in records}
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError,
+            CheckpointCorruptError) as e:
         raise CheckpointCorruptError(f"checkpoint {loc.url} has malformed metadata: {e!r}") from e
     return Checkpoint(loc, "zarrckpt", committed, spec, leaves, _tree.name_of, meta)
+
+
+def _checked_records(spec: Any) -> list[tuple[_tree.KeyPath, dict[str, Any]]]:
+    """The leaf records of a tree record, each under exactly the array name the write
+    side gives its key path, and no name twice (ValueError otherwise)."""
+    records = _tree.recorded_leaves(spec)
+    seen: set[str] = set()
+    for path, rec in records:
+        expected = _tree.name_of(path)
+        if rec.get("name") != expected:
+            raise ValueError(f"leaf {_tree.describe_path(path)} is recorded as array {rec.get('name')!r}, "
+                             f"but zarrckpt names it {expected!r}")
+        if expected in seen:
+            raise ValueError(f"array {expected!r} is recorded twice")
+        seen.add(expected)
+    return records
 
 
 def _array_documents(loc: Location, group_document: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -163,8 +180,8 @@ def _array_documents(loc: Location, group_document: dict[str, Any], names: list[
     consolidated = (group_document.get("consolidated_metadata") or {}).get("metadata")
     if isinstance(consolidated, dict):
         return consolidated
-    return dict(zip(names, _concurrency.run_all(lambda n: _load_json(loc, f"{n}/zarr.json"), names,
-                                                loc.concurrency)))
+    return dict(zip(names, _concurrency.run_all(lambda n: _load_json(loc, _naming.object_key(n, "zarr.json")),
+                                                names, loc.concurrency)))
 
 
 def _load_json(loc: Location, key: str) -> Any:
@@ -174,21 +191,44 @@ def _load_json(loc: Location, key: str) -> Any:
         raise CheckpointCorruptError(f"{key} is missing from checkpoint {loc.url}") from None
 
 
+# The leaf kinds a tree record can name (see _tree.leaf_record).
+_KINDS = frozenset({"jax", "numpy", "numpy_scalar", "prng_key", "bool", "int", "float", "complex"})
+
+
 def stored_leaf(path: _tree.KeyPath, rec: dict[str, Any], array: dict[str, Any]) -> StoredLeaf:
-    """A leaf record checked against its array's metadata: they must agree exactly."""
+    """A leaf record checked against its array's metadata: they must agree exactly, and
+    describe an array that zarrckpt could have written (ValueError otherwise)."""
     dtype = _dtypes.from_name(rec["dtype"])
-    codec = ChunkCodec.from_codecs(rec["name"], dtype, array["chunk_grid"]["configuration"]["chunk_shape"],
-                                   array.get("codecs"))
-    leaf = StoredLeaf(path, rec["name"], tuple(int(d) for d in rec["shape"]), dtype, rec["type"], codec,
-                      rec.get("impl"))
-    if (any(d < 0 for d in leaf.shape) or any(c < 1 for c in leaf.chunks) or len(leaf.chunks) != len(leaf.shape)
-            or math.prod(leaf.shape) >= 2**62 or math.prod(leaf.chunks) * leaf.dtype.itemsize >= 2**40):
-        raise ValueError(f"leaf {leaf.where}: shape {leaf.shape} with chunks {leaf.chunks}")
-    expected = {"shape": list(leaf.shape), **_dtype_fields(leaf.dtype, codec.checksum)}
+    shape = _ints(rec["shape"], "shape")
+    chunks = _ints(array["chunk_grid"]["configuration"]["chunk_shape"], "chunk shape")
+    kind, impl = rec["type"], rec.get("impl")
+    where = _tree.describe_path(path)
+    if kind not in _KINDS or (kind == "prng_key") != isinstance(impl, str) or (impl and not _prng_impl_known(impl)):
+        raise ValueError(f"leaf {where}: kind {kind!r} (PRNG implementation {impl!r})")
+    checksum = isinstance(array.get("codecs"), list) and _chunks.CRC32C_CODEC in array["codecs"]
+    expected = {"shape": list(shape), **_dtype_fields(dtype, checksum)}
     for field in ("shape", "data_type", "codecs", "chunk_key_encoding"):
         if array.get(field) != expected[field]:
-            raise ValueError(f"leaf {leaf.where}: array {field} {array.get(field)!r}, expected {expected[field]!r}")
-    return leaf
+            raise ValueError(f"leaf {where}: array {field} {array.get(field)!r}, expected {expected[field]!r}")
+    if (len(chunks) != len(shape) or any(d < 0 for d in shape) or math.prod(shape) >= 2**62
+            or not all(1 <= c <= max(d, 1) for c, d in zip(chunks, shape))):
+        raise ValueError(f"leaf {where}: shape {shape} with chunks {chunks}")
+    return StoredLeaf(path, rec["name"], shape, dtype, kind, ChunkCodec(rec["name"], dtype, chunks, checksum), impl)
+
+
+@functools.lru_cache(maxsize=None)
+def _prng_impl_known(name: str) -> bool:
+    try:
+        jax.eval_shape(lambda: jax.random.key(0, impl=name))
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in value):
+        raise ValueError(f"{what} {value!r} is not a list of ints")
+    return tuple(value)
 
 
 @functools.lru_cache(maxsize=None)

@@ -224,7 +224,7 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
 
 def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str, Any]) -> None:
     with _naming_leaf(plan, "metadata"):
-        loc.write(f"{plan.leaf.name}/zarr.json", _zarrjson.encode_document(document))
+        loc.write(_naming.object_key(plan.leaf.name, "zarr.json"), _zarrjson.encode_document(document))
 
 
 def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit) -> None:

@@ -165,18 +165,28 @@ def _entry_json(entry: Any) -> Any:
 
 
 def _entry_from_json(kind: str, key: Any) -> Any:
-    if kind == "dict":
+    """A key entry read from a tree record; ValueError for one `record` cannot write."""
+    integer = isinstance(key, int) and not isinstance(key, bool)
+    if kind == "dict" and (integer or isinstance(key, str)):
         return _tu.DictKey(key)
-    if kind in ("list", "tuple"):
+    if kind in ("list", "tuple") and integer:
         return _tu.SequenceKey(key)
-    return _tu.GetAttrKey(key) if isinstance(key, str) else _tu.FlattenedIndexKey(key)
+    if kind == "node" and (integer or isinstance(key, str)):
+        return _tu.GetAttrKey(key) if isinstance(key, str) else _tu.FlattenedIndexKey(key)
+    raise ValueError(f"key {key!r} of a {kind!r} node")
+
+
+_NODE_KINDS = frozenset({"leaf", "none", "list", "tuple", "dict", "node"})
 
 
 def recorded_leaves(spec: dict[str, Any]) -> list[tuple[KeyPath, dict[str, Any]]]:
-    """The leaf records of a tree record with their key paths, in flattening order."""
+    """The leaf records of a tree record with their key paths, in flattening order.
+    Raises ValueError (or TypeError...) for a record `record` could not have written."""
     out: list[tuple[KeyPath, dict[str, Any]]] = []
 
     def walk(node: dict[str, Any], path: KeyPath) -> None:
+        if node["kind"] not in _NODE_KINDS:
+            raise ValueError(f"node of unknown kind {node['kind']!r} at {describe_path(path)}")
         if node["kind"] == "leaf":
             out.append((path, node))
         for key, child in _keyed_children(node):
@@ -188,7 +198,9 @@ def recorded_leaves(spec: dict[str, Any]) -> list[tuple[KeyPath, dict[str, Any]]
 
 def _keyed_children(node: dict[str, Any]) -> list[tuple[Any, dict[str, Any]]]:
     children = node.get("children", [])
-    keys = node.get("keys", range(len(children)))
+    keys = node.get("keys") if node["kind"] in ("dict", "node") else list(range(len(children)))
+    if not isinstance(children, list) or not isinstance(keys, list) or len(keys) != len(children):
+        raise ValueError(f"a {node['kind']!r} node with keys {keys!r} for {len(children)} children")
     return list(zip(keys, children))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import posixpath
 from typing import Any
 
@@ -29,6 +30,11 @@ from ._chunks import DamagedChunk
 from ._planning import Region
 from ._storage import Location
 from .errors import CheckpointCorruptError
+
+
+# No array zarrckpt writes has a chunk grid this large (64 MiB chunks of a 4 PiB
+# array); checking a larger one chunk by chunk would never end.
+_MAX_CHUNKS = 2**26
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +123,10 @@ def _check_array(loc: Location, leaf: _reader.StoredLeaf, path: _tree.KeyPath,
     """The metadata and chunk-size problems of one array, how many chunks its grid has,
     and those present with the right size."""
     problems = _check_array_document(loc, leaf, path, record)
+    grid = math.prod(-(-n // c) for n, c in zip(leaf.shape, leaf.chunks))
+    if grid > _MAX_CHUNKS:
+        return problems + [Problem(_naming.object_key(leaf.name, "zarr.json"), f"a grid of {grid:,} chunks, more "
+                                   "than zarrckpt ever writes: damaged metadata", leaf.where)], 0, []
     full = tuple((0, n) for n in leaf.shape)
     expected = list(_planning.chunks_touching(full, leaf.chunks, leaf.shape))  # none if no elements
     sizes = _listed_sizes(loc, leaf.name)
@@ -142,7 +152,7 @@ def _check_array_document(loc: Location, leaf: _reader.StoredLeaf, path: _tree.K
                           record: dict[str, Any]) -> list[Problem]:
     """The array's own `zarr.json` must describe what the tree record and the
     consolidated metadata describe."""
-    key = f"{leaf.name}/zarr.json"
+    key = _naming.object_key(leaf.name, "zarr.json")
     try:
         own = _reader.stored_leaf(path, record, json.loads(loc.read(key)))
     except FileNotFoundError:
@@ -159,7 +169,7 @@ def _listed_sizes(loc: Location, name: str) -> dict[str, int] | None:
     """Size of every object in the array's directory by name, from one listing; None
     if the directory does not exist."""
     try:
-        return loc.sizes(name)
+        return loc.sizes(_naming.object_key(name))
     except FileNotFoundError:
         return None
 
