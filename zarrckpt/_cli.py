@@ -7,8 +7,8 @@
     zarrckpt cp SRC DST              copy one checkpoint anywhere, commit marker last
     zarrckpt export URL OUT          to .npz or .safetensors
 
-Every command reads and writes through the library (nothing here knows the format),
-and never touches an accelerator: JAX is held to the CPU unless JAX_PLATFORMS says
+Every command reads and writes through the library (nothing here knows the format:
+`_metadata`, `_verify`, `_copy`, `_export` and `_retention` do), and never touches an accelerator: JAX is held to the CPU unless JAX_PLATFORMS says
 otherwise, so the command works on a host whose devices a training job holds.
 """
 
@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import sys
 from typing import Any, Callable, Sequence
 
 import jax
 
-from . import __version__, _commit, _concurrency, _copy, _dtypes, _export, _naming, _reader, _retention, _steps, _storage, _tree, _verify
+from . import __version__, _commit, _concurrency, _copy, _export, _metadata, _retention, _steps, _storage, _verify
 from ._metadata import metadata
 from .errors import CheckpointError
 
@@ -192,21 +191,10 @@ def _describe_step(root: _storage.Location, step: int) -> dict[str, Any]:
     loc = root.step(step)
     group = _commit.read_group(loc)
     state = _commit.state_of(group)
-    meta = group.attributes.get(_naming.META_ATTR) if group else None
-    leaves = nbytes = None
-    if isinstance(meta, dict):
-        try:
-            records = [rec for _, rec in _tree.recorded_leaves(meta["tree"])]
-            nbytes = sum(math.prod(rec["shape"]) * _dtypes.from_name(rec["dtype"]).itemsize for rec in records)
-            leaves = len(records)
-        except (KeyError, TypeError, ValueError, AttributeError):
-            pass  # shown as unknown; `verify` says what is wrong
-    elif state is _commit.State.COMMITTED:  # seqax's layout keeps no tree record
-        stored = _reader.open_checkpoint(loc).leaves.values()
-        leaves, nbytes = len(stored), sum(leaf.nbytes for leaf in stored)
+    summary = _metadata.summarize(loc, group)
     return {"step": step, "url": loc.url, "state": state.value, "committed": state is _commit.State.COMMITTED,
-            "pinned": _retention.is_pinned(loc), "nbytes": nbytes, "leaves": leaves,
-            "created_at": meta.get("created_at") if isinstance(meta, dict) else None}
+            "pinned": _retention.is_pinned(loc), "nbytes": summary.nbytes, "leaves": summary.leaves,
+            "created_at": summary.created_at}
 
 
 def _info(args: argparse.Namespace) -> int:

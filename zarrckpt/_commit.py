@@ -2,9 +2,10 @@
 
 A checkpoint is committed exactly when its group metadata holds the attribute
 `write_completed: true`. That metadata is one object (`zarr.json`, or `.zattrs` in
-seqax's zarr v2 layout), and writing one object is atomic on local disks (zarr's
-LocalStore writes to a temporary file and renames it), S3 and GCS alike, so no
-reader can see a half-committed checkpoint and no rename is needed.
+seqax's zarr v2 layout), and writing one object is atomic on local disks
+(`Location.write(atomic=True)` writes a temporary file and renames it over), S3 and
+GCS (a PUT is all or nothing) alike, so no reader can see a half-committed
+checkpoint and no rename of the checkpoint is needed.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def copy_checkpoint(
       overwrite: replace a committed checkpoint at `dst` (removed commit marker first).
       allow_uncommitted: copy an uncommitted source too; the copy is uncommitted.
       max_workers: objects copied at once (default: the larger of the two stores'
-        concurrency, e.g. 64 when either is an object store).
+        concurrency, e.g. 128 when either is an object store).
       max_inflight_bytes: bound on bytes read and not yet written.
       progress: show a progress bar (default: when stderr is a terminal).
 

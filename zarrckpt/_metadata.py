@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _dtypes, _reader, _storage, _tree
+from . import _commit, _dtypes, _naming, _reader, _storage, _tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,3 +61,30 @@ def metadata(url: str, *, storage_options: dict[str, Any] | None = None) -> Chec
                                                                      leaves[rec["name"]].dtype))
     return CheckpointMetadata(ckpt.loc.url, ckpt.layout, ckpt.committed, ckpt.meta.get("format_version"),
                               ckpt.meta.get("created_at"), tuple(leaves.values()), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """What a listing shows of one checkpoint (None where it cannot be told)."""
+
+    leaves: int | None
+    nbytes: int | None
+    created_at: str | None
+
+
+def summarize(loc: _storage.Location, group: _commit.Group | None) -> Summary:
+    """Leaf count, size and creation time of the checkpoint at `loc` whose group
+    metadata is `group`: from its tree record with no further read, or, for seqax's
+    layout (no tree record), from its arrays' metadata once it is committed."""
+    meta = group.attributes.get(_naming.META_ATTR) if group else None
+    if isinstance(meta, dict):
+        try:
+            records = [rec for _, rec in _tree.recorded_leaves(meta["tree"])]
+            nbytes = sum(_dtypes.nbytes(rec["shape"], _dtypes.from_name(rec["dtype"])) for rec in records)
+            return Summary(len(records), nbytes, meta.get("created_at"))
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError):
+            return Summary(None, None, meta.get("created_at"))  # `verify` says what is wrong
+    if _commit.state_of(group) is _commit.State.COMMITTED:
+        stored = _reader.open_checkpoint(loc).leaves.values()
+        return Summary(len(stored), sum(leaf.nbytes for leaf in stored), None)
+    return Summary(None, None, None)

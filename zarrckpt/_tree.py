@@ -75,14 +75,6 @@ def _check_unique(leaves: Sequence[Leaf]) -> None:
             )
 
 
-def leaves_with_names(tree: Any) -> tuple[list[Leaf], Any]:
-    """Flattens like jax does, naming each leaf; returns the leaves and the treedef."""
-    flat, treedef = _tu.tree_flatten_with_path(tree)
-    leaves = [Leaf(tuple(path), name_of(tuple(path)), value) for path, value in flat]
-    _check_unique(leaves)
-    return leaves, treedef
-
-
 def stored_form(leaf: Leaf) -> tuple[Leaf, dict[str, Any]]:
     """The leaf as it is stored, and what the tree record says of it.
 
