@@ -215,7 +215,7 @@ def _info(args: argparse.Namespace) -> int:
     written = f", written {described.created_at}" if described.created_at else ""
     print(f"{described.url}: {state}, {layout}{written}")
     _print_table(["leaf", "shape", "dtype", "chunks", "size"],
-                 [[leaf.name, _shape(leaf.shape), leaf.dtype.name, _shape(leaf.chunks), _size(leaf.nbytes)]
+                 [[leaf.name, _shape(leaf.shape), _type_of(leaf), _shape(leaf.chunks), _size(leaf.nbytes)]
                   for leaf in described.leaves], right={4})
     print(f"{len(described.leaves)} leaves, {_size(described.nbytes)}")
     return 0
@@ -288,6 +288,8 @@ def _export_command(args: argparse.Namespace) -> int:
     print(f"exported {result.arrays} arrays ({_size(result.nbytes)}) to {result.path}")
     for name, (stored, exported) in sorted(result.widened.items()):
         print(f"  {name}: {stored} widened to {exported} ({result.format} has no {stored})")
+    for name in result.skipped:
+        print(f"  {name}: left out (a per-process value, not an array)")
     return 0
 
 
@@ -316,6 +318,11 @@ def _size(nbytes: int | None) -> str:
     while value >= 1024 and power < len(units) - 1:
         value, power = value / 1024, power + 1
     return f"{nbytes} B" if power == 0 else f"{value:.1f} {units[power]}"
+
+
+def _type_of(leaf: Any) -> str:
+    """A leaf's dtype, or what it is when not an array: str, bytes, per-process."""
+    return {"str": "str (utf-8)", "bytes": "bytes", "per_process": "per-process"}.get(leaf.kind, leaf.dtype.name)
 
 
 def _shape(shape: Sequence[int]) -> str:

@@ -3,7 +3,9 @@
 Each leaf becomes one array named by its array name in the checkpoint, as `zarrckpt
 info` lists it: `params.dense.kernel`, `opt_state.0.mu` (the dotted style of PyTorch
 state dicts; `%XX` escapes only for characters outside `[A-Za-z0-9_-]` in keys).
-A typed PRNG key is exported as its key data (uint32).
+A typed PRNG key is exported as its key data (uint32), a str or bytes leaf as its
+bytes (uint8; UTF-8 for a str). Per-process leaves (a data loader's position on each
+host) are left out: they are no array, and `skipped` lists them.
 
 A dtype the file format cannot hold is widened to one that holds every value exactly:
 ml_dtypes floats (bfloat16, float8_*) to float32 and 4-bit integers to int8/uint8 in
@@ -34,13 +36,15 @@ _WIDER: dict[str, np.dtype] = {"f": np.dtype(np.float32), "i": np.dtype(np.int8)
 @dataclasses.dataclass(frozen=True)
 class ExportResult:
     """What `export_checkpoint` wrote. `widened` maps each array name whose dtype the
-    format lacks to (stored dtype, exported dtype)."""
+    format lacks to (stored dtype, exported dtype); `skipped` names the per-process
+    leaves left out."""
 
     path: str
     format: str
     arrays: int
     nbytes: int
     widened: dict[str, tuple[str, str]]
+    skipped: tuple[str, ...] = ()
 
 
 def format_of(path: str) -> str:
@@ -73,7 +77,8 @@ def export_checkpoint(url: str, path: str, *, format: str | None = None,
         raise ValueError(f"export format must be one of {', '.join(FORMATS)}, got {format!r}")
     writer = _write_npz if format == "npz" else _write_safetensors
     ckpt = _reader.open_checkpoint(_storage.resolve(url, storage_options))
-    leaves = list(ckpt.leaves.values())
+    leaves = [leaf for leaf in ckpt.leaves.values() if leaf.processes is None]
+    skipped = tuple(leaf.name for leaf in ckpt.leaves.values() if leaf.processes is not None)
     dtypes = {leaf.name: _exported_dtype(leaf, format) for leaf in leaves}
     widened = {leaf.name: (leaf.dtype.name, dtypes[leaf.name].name) for leaf in leaves
                if dtypes[leaf.name] != leaf.dtype}
@@ -88,7 +93,7 @@ def export_checkpoint(url: str, path: str, *, format: str | None = None,
     finally:
         if os.path.exists(partial):
             os.remove(partial)
-    return ExportResult(path, format, len(leaves), total, widened)
+    return ExportResult(path, format, len(leaves), total, widened, skipped)
 
 
 def _exported_dtype(leaf: _reader.StoredLeaf, format: str) -> np.dtype:

@@ -20,7 +20,9 @@ class LeafMetadata:
     shape: tuple[int, ...]
     dtype: np.dtype
     chunks: tuple[int, ...]
-    kind: str  # "jax", "numpy", "numpy_scalar", or a Python scalar type's name
+    kind: str  # "jax", "numpy", "numpy_scalar", "prng_key", "str", "bytes", "per_process", or a Python scalar type
+    # A str or bytes leaf is stored as its bytes (uint8, UTF-8 for a str); a
+    # per-process leaf as one array per process, not described here (shape ()).
 
     @property
     def nbytes(self) -> int:
@@ -30,7 +32,9 @@ class LeafMetadata:
 @dataclasses.dataclass(frozen=True)
 class CheckpointMetadata:
     """A checkpoint's description. `tree` mirrors the saved tree with a
-    jax.ShapeDtypeStruct per leaf (add shardings to it to build a restore target)."""
+    jax.ShapeDtypeStruct per array leaf (add shardings to it to build a restore
+    target), "" and b"" for str and bytes leaves, and PerProcess(None) for per-process
+    ones."""
 
     url: str
     layout: str  # "zarrckpt" or "seqax"
@@ -45,6 +49,17 @@ class CheckpointMetadata:
         return sum(leaf.nbytes for leaf in self.leaves)
 
 
+def _placeholder(leaf: LeafMetadata) -> Any:
+    """What stands for a leaf in `CheckpointMetadata.tree`: usable as its restore target."""
+    if leaf.kind == "str":
+        return ""
+    if leaf.kind == "bytes":
+        return b""
+    if leaf.kind == "per_process":
+        return _tree.PerProcess(None)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+
+
 def metadata(url: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointMetadata:
     """Describes the checkpoint at `url` without reading array data. Not collective.
 
@@ -57,8 +72,7 @@ def metadata(url: str, *, storage_options: dict[str, Any] | None = None) -> Chec
         name: LeafMetadata(_tree.describe_path(s.path), name, s.shape, s.dtype, s.chunks, s.kind)
         for name, s in ckpt.leaves.items()
     }
-    tree = _tree.rebuild(ckpt.spec, lambda rec: jax.ShapeDtypeStruct(leaves[rec["name"]].shape,
-                                                                     leaves[rec["name"]].dtype))
+    tree = _tree.rebuild(ckpt.spec, lambda rec: _placeholder(leaves[rec["name"]]))
     return CheckpointMetadata(ckpt.loc.url, ckpt.layout, ckpt.committed, ckpt.meta.get("format_version"),
                               ckpt.meta.get("created_at"), tuple(leaves.values()), tree)
 

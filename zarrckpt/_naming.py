@@ -25,8 +25,10 @@ _STEP_DIR = re.compile(r"\d{10,}")
 # Every array name `leaf_name` can produce: escaped components joined by ".", or a
 # hashed long name (a prefix of one, "~", 32 hex digits). Never "/", never a leading
 # ".", so never "." or "..": a name always stays inside its checkpoint.
-_ARRAY_NAME = re.compile(r"[A-Za-z0-9_%-]+(\.[A-Za-z0-9_%-]+)*"
-                         rf"|[A-Za-z0-9_%-][A-Za-z0-9_%.-]{{0,{_HASHED_PREFIX_LENGTH - 1}}}~[0-9a-f]{{32}}")
+# A per-process leaf's arrays add ".%p<process>" (no escape makes "%p").
+_ARRAY_NAME = re.compile(r"([A-Za-z0-9_%-]+(\.[A-Za-z0-9_%-]+)*"
+                         rf"|[A-Za-z0-9_%-][A-Za-z0-9_%.-]{{0,{_HASHED_PREFIX_LENGTH - 1}}}~[0-9a-f]{{32}})"
+                         r"(\.%p\d{1,9})?")
 
 
 def escape_component(text: str) -> str:
@@ -65,9 +67,14 @@ def object_key(array: str, key: str = "") -> str:
     Raises CheckpointCorruptError for a name that `leaf_name` cannot produce: names
     read from a checkpoint are never trusted to stay inside it.
     """
-    if not isinstance(array, str) or len(array) > MAX_NAME_LENGTH or not _ARRAY_NAME.fullmatch(array):
+    if not isinstance(array, str) or len(array) > MAX_NAME_LENGTH + 12 or not _ARRAY_NAME.fullmatch(array):
         raise CheckpointCorruptError(f"array name {array!r} is not one zarrckpt writes: refusing to read it")
     return f"{array}/{key}" if key else array
+
+
+def per_process_name(name: str, process: int) -> str:
+    """The array holding process `process`'s value of the per-process leaf `name`."""
+    return f"{name}.%p{process}"
 
 
 def step_dir_name(step: int) -> str:

@@ -68,7 +68,8 @@ class LoadOptions:
     """How a restore reads (see `load_pytree` for what each does)."""
 
     allow_dtype_cast: bool = False
-    donate_target: bool = True
+    donate_target: bool = False
+    partial: bool = False
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
     max_workers: int | None = None
     progress: bool | None = None

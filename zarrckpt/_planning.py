@@ -176,9 +176,10 @@ def _pieces_for(nbytes: int, replicas: int, max_chunk_bytes: int) -> int:
 
 
 def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-               checksum: bool = True) -> ArrayPlan:
+               checksum: bool = True, *, local: bool = False) -> ArrayPlan:
     """Plans one leaf. Every process computes the same chunks and the same writers;
-    `checksum` says whether its chunks carry a CRC-32C.
+    `checksum` says whether its chunks carry a CRC-32C. A `local` array (a
+    per-process value) is this process's alone: it writes every chunk.
 
     `salt` (the leaf's position) rotates which replica writes a single-chunk shard,
     so that many small replicated leaves spread over devices and hosts too.
@@ -192,7 +193,7 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
     # by contract; process 0 alone writes it so that no chunk has two writers.
     chunks = split_chunk(shape, _pieces_for(_dtypes.nbytes(shape, dtype), 1, max_chunk_bytes))
     writes = []
-    if _multihost.process_index() == 0:
+    if _multihost.process_index() == 0 or local:
         host = np.asarray(value, dtype=dtype)
         full: Region = tuple((0, d) for d in shape)
         writes = [WriteUnit(r, _dtypes.nbytes(region_shape(r), dtype), host=host) for r in _chunks_in(full, chunks)

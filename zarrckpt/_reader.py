@@ -7,6 +7,7 @@ records the tree), and seqax's (a zarr v2 group with one array per leaf named by
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -14,16 +15,16 @@ import math
 import os
 import re
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
 import zarr
 
-from . import _chunks, _commit, _concurrency, _dtypes, _naming, _planning, _tree, _zarrjson
+from . import _chunks, _commit, _concurrency, _dtypes, _multihost, _naming, _planning, _tree, _zarrjson
 from ._chunks import ChunkCodec
 from ._planning import Region
-from ._storage import Location
+from ._storage import Location, MissingObject
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 
 _tu = jax.tree_util
@@ -41,6 +42,7 @@ class StoredLeaf:
     kind: str  # "jax", "numpy", "numpy_scalar", "prng_key", or the Python scalar type's name
     codec: ChunkCodec
     prng_impl: str | None = None  # for typed PRNG keys: the implementation's name
+    processes: int | None = None  # for per-process leaves: how many processes saved one
 
     @property
     def where(self) -> str:
@@ -78,10 +80,37 @@ class Checkpoint:
         Raises CheckpointCorruptError naming the chunk if one is missing or has the
         wrong size, with a note naming the leaf.
         """
-        try:
+        with self._reading(leaf):
             if self.seqax_group is not None:
                 return np.asarray(self.seqax_group[leaf.name][_planning.region_slices(box)])
             return _read_box(self.loc, leaf, box)
+
+    def read_own(self, leaf: StoredLeaf) -> Any:
+        """This process's value of the per-process `leaf` (see `_tree.PerProcess`)."""
+        process = _multihost.process_index()
+        with self._reading(leaf):
+            key = _naming.object_key(_naming.per_process_name(leaf.name, process), "zarr.json")
+            document = _load_json(self.loc, key)
+            try:
+                own = own_array(leaf, process, document)
+                data = _read_box(self.loc, own, ((0, own.shape[0]),)).tobytes()
+                return _tree.Encoded.decode(document["attributes"][_naming.META_ATTR]["encoding"], data)
+            except (KeyError, TypeError, ValueError, IndexError, RecursionError) as e:
+                raise CheckpointCorruptError(f"{key} of checkpoint {self.loc.url} is malformed: {e!r}") from e
+
+    @contextlib.contextmanager
+    def _reading(self, leaf: StoredLeaf) -> Iterator[None]:
+        """Names the leaf in any failure; a missing object in a checkpoint whose commit
+        marker has meanwhile gone means it was deleted under the reader, not damaged."""
+        try:
+            yield
+        except MissingObject as e:
+            if self.committed and _commit.state(self.loc) is not _commit.State.COMMITTED:
+                raise CheckpointNotFoundError(
+                    f"checkpoint {self.loc.url} was deleted while it was being read (its commit marker is gone: "
+                    f"retention or another job removed it); read a newer step") from e
+            e.add_note(f"while reading leaf {leaf.where} (array {leaf.name!r}) of {self.loc.url}")
+            raise
         except Exception as e:
             e.add_note(f"while reading leaf {leaf.where} (array {leaf.name!r}) of {self.loc.url}")
             raise
@@ -105,8 +134,7 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
         try:
             values = leaf.codec.load(loc, chunk, out=dest if whole else None)
         except FileNotFoundError:
-            raise CheckpointCorruptError(f"chunk {leaf.codec.key(chunk)!r} is missing from checkpoint {loc.url}") \
-                from None
+            raise MissingObject(f"chunk {leaf.codec.key(chunk)!r} is missing from checkpoint {loc.url}") from None
         if not whole:
             dest[...] = values[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inside, chunk))]
     return out
@@ -150,8 +178,9 @@ def _open_zarrckpt(loc: Location, committed: bool, meta: dict[str, Any], documen
     spec = meta.get("tree")
     try:
         records = _checked_records(spec)  # before any read: names decide which objects are read
-        arrays = _array_documents(loc, document, [rec["name"] for _, rec in records])
-        leaves = {rec["name"]: stored_leaf(path, rec, arrays[rec["name"]]) for path, rec in records}
+        shared = [rec["name"] for _, rec in records if rec.get("type") != "per_process"]
+        arrays = _array_documents(loc, document, shared)
+        leaves = {rec["name"]: stored_leaf(path, rec, arrays.get(rec["name"])) for path, rec in records}
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError,
             CheckpointCorruptError) as e:
         raise CheckpointCorruptError(f"checkpoint {loc.url} has malformed metadata: {e!r}") from e
@@ -188,16 +217,27 @@ def _load_json(loc: Location, key: str) -> Any:
     try:
         return json.loads(loc.read(key))
     except FileNotFoundError:
-        raise CheckpointCorruptError(f"{key} is missing from checkpoint {loc.url}") from None
+        raise MissingObject(f"{key} is missing from checkpoint {loc.url}") from None
+    except (ValueError, RecursionError):
+        raise CheckpointCorruptError(f"{key} of checkpoint {loc.url} is not JSON") from None
 
 
 # The leaf kinds a tree record can name (see _tree.leaf_record).
-_KINDS = frozenset({"jax", "numpy", "numpy_scalar", "prng_key", "bool", "int", "float", "complex"})
+_KINDS = frozenset({"jax", "numpy", "numpy_scalar", "prng_key", "bool", "int", "float", "complex", "str", "bytes"})
 
 
-def stored_leaf(path: _tree.KeyPath, rec: dict[str, Any], array: dict[str, Any]) -> StoredLeaf:
+def stored_leaf(path: _tree.KeyPath, rec: dict[str, Any], array: dict[str, Any] | None) -> StoredLeaf:
     """A leaf record checked against its array's metadata: they must agree exactly, and
-    describe an array that zarrckpt could have written (ValueError otherwise)."""
+    describe an array that zarrckpt could have written (ValueError otherwise). A
+    per-process leaf has no shared array: each process's value is its own array."""
+    if rec["type"] == "per_process":
+        processes = rec["processes"]
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+            raise ValueError(f"leaf {_tree.describe_path(path)}: saved by {processes!r} processes")
+        return StoredLeaf(path, rec["name"], (), np.dtype(np.uint8), "per_process",
+                          ChunkCodec(rec["name"], np.dtype(np.uint8), ()), processes=processes)
+    if not isinstance(array, dict):
+        raise ValueError(f"leaf {_tree.describe_path(path)}: no array metadata")
     dtype = _dtypes.from_name(rec["dtype"])
     shape = _ints(rec["shape"], "shape")
     chunks = _ints(array["chunk_grid"]["configuration"]["chunk_shape"], "chunk shape")
@@ -223,6 +263,14 @@ def _prng_impl_known(name: str) -> bool:
     except (ValueError, TypeError):
         return False
     return True
+
+
+def own_array(leaf: StoredLeaf, process: int, document: dict[str, Any]) -> StoredLeaf:
+    """The array holding `process`'s value of the per-process `leaf`, described by its
+    own `zarr.json` `document` (bytes, one dimension); ValueError if it is not such."""
+    name = _naming.per_process_name(leaf.name, process)
+    return stored_leaf(leaf.path, {"name": name, "type": "bytes", "shape": document["shape"], "dtype": "uint8"},
+                       document)
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:

@@ -18,9 +18,10 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from . import _concurrency, _dtypes, _planning, _progress, _reader, _storage, _tree
+from . import _concurrency, _dtypes, _multihost, _planning, _progress, _reader, _storage, _tree
 from ._options import LoadOptions
 from ._planning import Region
+from ._tree import PerProcess
 from .errors import CheckpointMismatchError, UnsupportedLeafError
 
 log = logging.getLogger("zarrckpt")
@@ -125,6 +126,59 @@ class _PrngKeys(_Form):
 
 
 @dataclasses.dataclass(frozen=True)
+class _Text(_Form):
+    """A str or bytes leaf, stored as its bytes (UTF-8 for a str)."""
+
+    dtype: np.dtype
+    kind: str  # "str" or "bytes"
+
+    def mismatch(self, stored: _reader.StoredLeaf, allow_dtype_cast: bool) -> str | None:
+        if stored.kind != self.kind:
+            return f"a {self.kind} in the target, saved as {_saved_as(stored)}"
+        return None
+
+    def convert(self, data: np.ndarray) -> Any:
+        raw = data.tobytes()
+        return raw.decode("utf-8") if self.kind == "str" else raw
+
+
+@dataclasses.dataclass(frozen=True)
+class _OwnValue(_Form):
+    """A per-process leaf: this process reads its own value (see `_tree.PerProcess`)."""
+
+    dtype: np.dtype
+    target: PerProcess
+
+    def mismatch(self, stored: _reader.StoredLeaf, allow_dtype_cast: bool) -> str | None:
+        if stored.kind != "per_process":
+            return f"a zarrckpt.PerProcess in the target, saved as {_saved_as(stored)}"
+        return self._count_mismatch(stored) if self.target.strict else None
+
+    def _count_mismatch(self, stored: _reader.StoredLeaf) -> str | None:
+        if stored.processes == _multihost.process_count():
+            return None
+        return (f"saved by {stored.processes} process(es), restored by {_multihost.process_count()}: each "
+                "process's value belongs to its part of the data; a target leaf "
+                "zarrckpt.PerProcess(None, strict=False) gets itself back instead")
+
+    def reads(self, stored: _reader.StoredLeaf) -> list[tuple[Region, Placement]]:
+        return [((), {(): []})]
+
+    def fetch(self, ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, box: Region,
+              places: Placement) -> list[Any]:
+        if (mismatch := self._count_mismatch(stored)) is None:
+            return [((), PerProcess(ckpt.read_own(stored), self.target.strict))]
+        if self.target.strict:
+            raise CheckpointMismatchError(f"leaf {stored.where} of {ckpt.loc.url}: {mismatch}")
+        return [((), self.target)]
+
+
+def _saved_as(stored: _reader.StoredLeaf) -> str:
+    return {"str": "a str", "bytes": "bytes", "per_process": "a zarrckpt.PerProcess"}.get(
+        stored.kind, f"{stored.dtype} data")
+
+
+@dataclasses.dataclass(frozen=True)
 class _Sharded(_Form):
     """A jax.Array on `sharding`: each process reads what its own devices hold, and the
     main thread assembles host pieces (small leaves)."""
@@ -184,8 +238,9 @@ def load_pytree(
     target: Any = None,
     *,
     storage_options: dict[str, Any] | None = None,
+    partial: bool = False,
     allow_dtype_cast: bool = False,
-    donate_target: bool = True,
+    donate_target: bool = False,
     max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
     max_workers: int | None = None,
     progress: bool | None = None,
@@ -201,13 +256,20 @@ def load_pytree(
       target: what to restore into, a pytree with the saved structure whose leaves are
         jax.Array (shape, dtype and sharding are taken from it), jax.ShapeDtypeStruct
         (with a sharding, or none for the default device), jax.sharding.Sharding (shape
-        and dtype from the checkpoint), numpy arrays or scalars, or Python scalars.
-        None restores the saved tree as nested dicts/lists of numpy arrays and scalars.
+        and dtype from the checkpoint), numpy arrays or scalars, Python scalars, a str
+        or bytes (any: the saved one comes back), or `zarrckpt.PerProcess(None)` (this
+        process's saved value comes back). None restores the saved tree as nested
+        dicts/lists of numpy arrays and scalars, str, bytes and PerProcess values.
+      partial: restore only the leaves the target has; the checkpoint's other leaves
+        are skipped and never read. The target's leaves must all be in the checkpoint.
       allow_dtype_cast: convert leaves whose saved dtype differs from the target's;
         without it such a leaf is a mismatch.
       donate_target: free each jax.Array of the target just before its replacement is
-        read, so that peak device memory stays near one copy of the state. The target
-        must not be used afterwards. Nothing is freed if validation fails.
+        read, so that peak device memory stays near one copy of the state; any other
+        reference to those arrays dies with them (an `eqx.filter` of a model, say).
+        Off by default: nothing the caller holds is freed. Nothing is freed if
+        validation fails; if reading fails after it began, the arrays already freed
+        are gone (the target is unusable, the checkpoint unchanged): restore again.
       max_inflight_bytes: bound on host bytes read and not yet placed on devices.
       max_workers: concurrent reads (default: 8 on a local disk, 128 on an object store,
         100 on GCS).
@@ -215,12 +277,14 @@ def load_pytree(
 
     Raises:
       TypeError, ValueError: an option of the wrong type or value (named).
-      CheckpointNotFoundError: nothing committed at `url`.
+      CheckpointNotFoundError: nothing committed at `url`, or it was deleted while
+        being read (by retention, say).
       CheckpointMismatchError: the target does not match; lists every missing and
         unexpected key path and every shape and dtype difference. Nothing was read.
-      CheckpointCorruptError: a chunk or metadata the checkpoint declares is missing.
+      CheckpointCorruptError: a chunk or metadata the checkpoint declares is missing
+        or damaged.
     """
-    options = LoadOptions(allow_dtype_cast, donate_target, max_inflight_bytes, max_workers, progress)
+    options = LoadOptions(allow_dtype_cast, donate_target, partial, max_inflight_bytes, max_workers, progress)
     return load(_storage.resolve(url, storage_options), target, options)
 
 
@@ -232,7 +296,7 @@ def load(loc: _storage.Location, target: Any, options: LoadOptions) -> Any:
         requests = [_Request(s, _saved_form(s)) for s in ckpt.leaves.values()]
         treedef = None
     else:
-        requests, treedef = _match(ckpt, target, options.allow_dtype_cast)
+        requests, treedef = _match(ckpt, target, options.allow_dtype_cast, options.partial)
     total = sum(r.nbytes for r in requests)
     with _progress.bar(f"restoring {ckpt.loc.url}", total, options.progress) as advance:
         values = _read_all(ckpt, requests, options, advance)
@@ -246,8 +310,10 @@ def load(loc: _storage.Location, target: Any, options: LoadOptions) -> Any:
     return result
 
 
-def _match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool) -> tuple[list[_Request], Any]:
-    """One request per target leaf; raises listing every mismatch before any read."""
+def _match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool,
+           partial: bool) -> tuple[list[_Request], Any]:
+    """One request per target leaf; raises listing every mismatch before any read. With
+    `partial`, the checkpoint's leaves that the target lacks are skipped, never read."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     problems: list[str] = []
     requests: list[_Request] = []
@@ -266,13 +332,15 @@ def _match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool) -> tup
             problems.append(f"{where}: shape {stored.shape} in the checkpoint, {shape} in the target")
         elif (mismatch := request.form.mismatch(stored, allow_dtype_cast)) is not None:
             problems.append(f"{where}: {mismatch}")
-    for name, stored in ckpt.leaves.items():
-        if name not in seen:
-            problems.append(f"{stored.where}: in the checkpoint but not in the target")
+    extra = [stored.where for name, stored in ckpt.leaves.items() if name not in seen]
+    if not partial:
+        problems += [f"{where}: in the checkpoint but not in the target" for where in extra]
     if problems:
+        hint = ("\n(pass partial=True to restore only the target's leaves and skip the checkpoint's others)"
+                if extra and not partial else "")
         raise CheckpointMismatchError(
             f"checkpoint {ckpt.loc.url} does not match the target ({len(problems)} problem(s)):\n  "
-            + "\n  ".join(problems)
+            + "\n  ".join(problems) + hint
         )
     return requests, treedef
 
@@ -286,6 +354,10 @@ def _saved_form(stored: _reader.StoredLeaf) -> _Form:
         return _NumpyScalar(stored.dtype)
     if stored.kind == "prng_key":
         return _PrngKeys(stored.dtype, None)
+    if stored.kind in ("str", "bytes"):
+        return _Text(stored.dtype, stored.kind)
+    if stored.kind == "per_process":
+        return _OwnValue(stored.dtype, PerProcess(None))
     return _Numpy(stored.dtype)
 
 
@@ -310,9 +382,13 @@ def _request_for(leaf: Any, stored: _reader.StoredLeaf, where: str) -> tuple[_Re
         return _Request(stored, _NumpyScalar(leaf.dtype)), ()
     if isinstance(leaf, (bool, int, float, complex)):
         return _Request(stored, _PythonScalar(stored.dtype, type(leaf).__name__)), ()
+    if isinstance(leaf, (str, bytes)):  # any text of that kind: the stored length is taken
+        return _Request(stored, _Text(stored.dtype, type(leaf).__name__)), stored.shape
+    if isinstance(leaf, PerProcess):
+        return _Request(stored, _OwnValue(stored.dtype, leaf)), stored.shape
     raise UnsupportedLeafError(
         f"target leaf {where} is a {type(leaf).__qualname__}; expected jax.Array, jax.ShapeDtypeStruct, "
-        "a Sharding, a numpy array or scalar, or a Python scalar"
+        "a Sharding, a numpy array or scalar, a Python scalar, a str, bytes or a zarrckpt.PerProcess"
     )
 
 

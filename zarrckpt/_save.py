@@ -94,7 +94,8 @@ class SaveJob:
 
     loc: _storage.Location
     plans: list[ArrayPlan]
-    arrays: dict[str, dict[str, Any]]  # every array's zarr.json
+    arrays: dict[str, dict[str, Any]]  # every shared array's zarr.json (the same on every process)
+    own: dict[str, dict[str, Any]]  # the zarr.json of this process's per-process values
     group: dict[str, Any]  # the group's zarr.json, uncommitted
     options: SaveOptions
     budget: _concurrency.ByteBudget
@@ -107,12 +108,21 @@ class SaveJob:
                before_prepare: Callable[[], None] | None = None) -> "SaveJob":
         """Plans a save; raises UnsupportedLeafError before anything is written."""
         spec, leaves = _tree.record(tree)
-        plans = [_planning.plan_array(leaf, i, options.max_chunk_bytes, options.checksums)
-                 for i, leaf in enumerate(leaves)]
-        # Every process knows every array's metadata without asking the store.
-        arrays = {p.leaf.name: _zarrjson.array_document(p.shape, p.codec) for p in plans}
+        plans, arrays, own = [], {}, {}
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf.value, _tree.Encoded):  # a PerProcess leaf: this process's value, its own array
+                mine = _tree.Leaf(leaf.path, _naming.per_process_name(leaf.name, _multihost.process_index()),
+                                  leaf.value.data)
+                plan = _planning.plan_array(mine, i, options.max_chunk_bytes, options.checksums, local=True)
+                own[mine.name] = _zarrjson.array_document(
+                    plan.shape, plan.codec, {_naming.META_ATTR: {"encoding": leaf.value.encoding}})
+            else:
+                plan = _planning.plan_array(leaf, i, options.max_chunk_bytes, options.checksums)
+                # Every process knows every shared array's metadata without asking the store.
+                arrays[leaf.name] = _zarrjson.array_document(plan.shape, plan.codec)
+            plans.append(plan)
         group = _zarrjson.group_document({_naming.META_ATTR: {**_tree_metadata(spec), **(extra_metadata or {})}})
-        return cls(loc, plans, arrays, group, options, _concurrency.ByteBudget(options.max_inflight_bytes),
+        return cls(loc, plans, arrays, own, group, options, _concurrency.ByteBudget(options.max_inflight_bytes),
                    channel, before_prepare)
 
     @property
@@ -144,7 +154,7 @@ class SaveJob:
         with _progress.bar(f"saving {loc.url}", self.nbytes, self.options.progress) as advance:
             try:
                 op.decide("prepare", self._prepare)
-                op.check("write", lambda: _write_all(loc, work, self._array_metadata() if is_primary else [],
+                op.check("write", lambda: _write_all(loc, work, self._array_metadata(),
                                                      self.options.max_workers or loc.concurrency, advance))
                 op.decide("commit", lambda: _commit.commit(loc, _zarrjson.group_document(
                     self.group["attributes"], self.arrays)))
@@ -160,8 +170,11 @@ class SaveJob:
         return seconds
 
     def _array_metadata(self) -> list[tuple[ArrayPlan, dict[str, Any]]]:
-        """Each array's plan with its `zarr.json`, for process 0 to write."""
-        return [(plan, self.arrays[plan.leaf.name]) for plan in self.plans]
+        """The `zarr.json` documents this process writes, each with its array's plan:
+        its own per-process arrays' and, on process 0, every shared array's."""
+        shared = self.arrays if _multihost.process_index() == 0 else {}
+        return [(plan, doc) for plan in self.plans
+                if (doc := self.own.get(plan.leaf.name) or shared.get(plan.leaf.name)) is not None]
 
     def _prepare(self) -> None:
         if self.before_prepare is not None:

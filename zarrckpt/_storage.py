@@ -402,6 +402,11 @@ def _cached_url_to_fs(url: str, options: tuple[tuple[str, Any], ...]) -> tuple[f
     return fsspec.core.url_to_fs(url, **dict(options))
 
 
+class MissingObject(CheckpointCorruptError):
+    """An object a checkpoint declares is absent: damage, or a checkpoint deleted while
+    it was read (the reader tells which by reading the commit marker again)."""
+
+
 class _StrictStore(zarr.storage.WrapperStore):
     """Raises on a missing chunk instead of letting zarr return fill values.
 
@@ -417,5 +422,5 @@ class _StrictStore(zarr.storage.WrapperStore):
     async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
         value = await super().get(key, prototype, byte_range)
         if value is None and posixpath.basename(key) not in _METADATA_KEYS:
-            raise CheckpointCorruptError(f"chunk {key!r} is missing from checkpoint {self._url}")
+            raise MissingObject(f"chunk {key!r} is missing from checkpoint {self._url}")
         return value

@@ -8,6 +8,7 @@ lists, and a target can be matched leaf by leaf by name.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Callable, Sequence
 
 import jax
@@ -81,10 +82,76 @@ def stored_form(leaf: Leaf) -> tuple[Leaf, dict[str, Any]]:
     A typed PRNG key array is stored as its key data (uint32, one more axis) with
     the name of its implementation, so that it comes back as the same typed keys.
     """
-    if isinstance(leaf.value, jax.Array) and _dtypes.is_prng_key(leaf.value.dtype):
-        data = Leaf(leaf.path, leaf.name, jax.random.key_data(leaf.value))
-        return data, {**leaf_record(data), "type": "prng_key", "impl": str(jax.random.key_impl(leaf.value))}
+    value = leaf.value
+    if isinstance(value, jax.Array) and _dtypes.is_prng_key(value.dtype):
+        data = Leaf(leaf.path, leaf.name, jax.random.key_data(value))
+        return data, {**leaf_record(data), "type": "prng_key", "impl": str(jax.random.key_impl(value))}
+    if isinstance(value, (str, bytes)):
+        data = Leaf(leaf.path, leaf.name, _as_uint8(value.encode("utf-8") if isinstance(value, str) else value))
+        return data, {**leaf_record(data), "type": type(value).__name__}
+    if isinstance(value, PerProcess):
+        encoded = Leaf(leaf.path, leaf.name, Encoded.of(value.value, leaf.where))
+        return encoded, {"kind": "leaf", "name": leaf.name, "type": "per_process", "shape": [], "dtype": "uint8",
+                         "processes": jax.process_count()}
     return leaf, leaf_record(leaf)
+
+
+@dataclasses.dataclass(frozen=True)
+class PerProcess:
+    """A leaf whose value differs on every process, such as a data loader's position.
+
+    Each process saves its own `value` (JSON-able data: dicts, lists, str, numbers,
+    bool, None; or a str; or bytes), and a restore into a target leaf
+    `PerProcess(None)` returns `PerProcess(<this process's saved value>)`. A grain
+    iterator's `get_state()` is such a value.
+
+    Restoring with another process count than the save's is a
+    CheckpointMismatchError naming the leaf, unless the target leaf says
+    `strict=False`: then every process gets its target leaf back unchanged (its
+    `value` as the default, e.g. `PerProcess(None, strict=False)` to start the data
+    over), since positions saved for another split of the data do not carry over.
+    """
+
+    value: Any = None
+    strict: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """A per-process value as this process stores it: its encoding ("json", "str" or
+    "bytes") and its bytes."""
+
+    encoding: str
+    data: np.ndarray  # uint8
+
+    @classmethod
+    def of(cls, value: Any, where: str) -> "Encoded":
+        """Raises UnsupportedLeafError, naming the leaf, for a value that is none of them."""
+        if isinstance(value, bytes):
+            return cls("bytes", _as_uint8(value))
+        if isinstance(value, str):
+            return cls("str", _as_uint8(value.encode("utf-8")))
+        try:
+            text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError) as e:
+            raise UnsupportedLeafError(f"PerProcess leaf {where}: its value must be JSON-able data, a str or "
+                                       f"bytes ({e})") from None
+        return cls("json", _as_uint8(text.encode("utf-8")))
+
+    @staticmethod
+    def decode(encoding: str, data: bytes) -> Any:
+        """The value `of` encoded; ValueError for an encoding it does not write."""
+        if encoding == "bytes":
+            return data
+        if encoding == "str":
+            return data.decode("utf-8")
+        if encoding == "json":
+            return json.loads(data)
+        raise ValueError(f"unknown per-process encoding {encoding!r}")
+
+
+def _as_uint8(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, np.uint8)
 
 
 def leaf_record(leaf: Leaf) -> dict[str, Any]:
@@ -101,7 +168,8 @@ def leaf_record(leaf: Leaf) -> dict[str, Any]:
     else:
         raise UnsupportedLeafError(
             f"leaf {leaf.where} is a {type(value).__module__}.{type(value).__qualname__}; "
-            "only jax.Array, numpy arrays and scalars, and Python bool/int/float/complex can be saved"
+            "only jax.Array, numpy arrays and scalars, Python bool/int/float/complex, str, bytes and "
+            "zarrckpt.PerProcess can be saved"
         )
     if kind == "int" and not -(2**63) <= value < 2**63:
         raise UnsupportedLeafError(f"leaf {leaf.where}: Python int {value} does not fit in int64")

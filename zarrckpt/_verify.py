@@ -97,11 +97,11 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None, checksums
         leaves = list(ckpt.leaves.values())
         with _concurrency.Operation(max_workers or loc.concurrency, "verify") as op:
             whole: list[tuple[_reader.StoredLeaf, Region]] = []
-            results = op.fan_out(leaves, lambda leaf: _check_array(loc, leaf, *records[leaf.name]))
-            for leaf, (array_problems, expected, sized) in zip(leaves, results):
-                problems += array_problems
+            results = op.fan_out(leaves, lambda leaf: _check_leaf(loc, leaf, *records[leaf.name]))
+            for leaf_problems, expected, sized in results:
+                problems += leaf_problems
                 chunks += expected
-                whole += [(leaf, chunk) for chunk in sized if checksums and leaf.checksum]
+                whole += [(array, chunk) for array, chunk in sized if checksums and array.checksum]
             sums = op.fan_out(whole, lambda item: _checksum_problem(loc, *item),
                               budget=_concurrency.ByteBudget(max_inflight_bytes),
                               nbytes=lambda item: item[0].codec.stored_bytes)
@@ -118,11 +118,43 @@ def _marker_problems(committed: bool) -> list[Problem]:
                                  "the save did not finish, or is still running")]
 
 
-def _check_array(loc: Location, leaf: _reader.StoredLeaf, path: _tree.KeyPath,
-                 record: dict[str, Any]) -> tuple[list[Problem], int, list[Region]]:
-    """The metadata and chunk-size problems of one array, how many chunks its grid has,
-    and those present with the right size."""
-    problems = _check_array_document(loc, leaf, path, record)
+def _check_leaf(loc: Location, leaf: _reader.StoredLeaf, path: _tree.KeyPath, record: dict[str, Any]
+                ) -> tuple[list[Problem], int, list[tuple[_reader.StoredLeaf, Region]]]:
+    """The metadata and chunk-size problems of one leaf's arrays (one, or one per process
+    for a per-process leaf), how many chunks their grids have, and those present with
+    the right size."""
+    if leaf.processes is None:
+        arrays, problems = [leaf], _check_array_document(loc, leaf, path, record)
+    else:
+        arrays, problems = _per_process_arrays(loc, leaf)
+    expected, sized = 0, []
+    for array in arrays:
+        array_problems, count, present = _check_chunks(loc, array)
+        problems += array_problems
+        expected += count
+        sized += [(array, chunk) for chunk in present]
+    return problems, expected, sized
+
+
+def _per_process_arrays(loc: Location, leaf: _reader.StoredLeaf) -> tuple[list[_reader.StoredLeaf], list[Problem]]:
+    """The array of every process that saved the per-process `leaf`, from each one's
+    own `zarr.json`, and the problems of those that cannot be read."""
+    arrays, problems = [], []
+    for process in range(leaf.processes or 0):
+        key = _naming.object_key(_naming.per_process_name(leaf.name, process), "zarr.json")
+        try:
+            arrays.append(_reader.own_array(leaf, process, json.loads(loc.read(key))))
+        except FileNotFoundError:
+            problems.append(Problem(key, f"missing (process {process}'s value)", leaf.where))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            problems.append(Problem(key, f"malformed: {e}", leaf.where))
+    return arrays, problems
+
+
+def _check_chunks(loc: Location, leaf: _reader.StoredLeaf) -> tuple[list[Problem], int, list[Region]]:
+    """The chunk-size problems of one array, how many chunks its grid has, and those
+    present with the right size."""
+    problems: list[Problem] = []
     grid = math.prod(-(-n // c) for n, c in zip(leaf.shape, leaf.chunks))
     if grid > _MAX_CHUNKS:
         return problems + [Problem(_naming.object_key(leaf.name, "zarr.json"), f"a grid of {grid:,} chunks, more "

@@ -22,7 +22,8 @@ from . import _chunks, _dtypes
 from ._chunks import ChunkCodec
 
 
-def array_document(shape: Sequence[int], codec: ChunkCodec) -> dict[str, Any]:
+def array_document(shape: Sequence[int], codec: ChunkCodec,
+                   attributes: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `zarr.json` of one leaf's array, whose chunks `codec` stores."""
     zdtype = _zarr_dtype(codec.dtype)
     return {
@@ -34,7 +35,7 @@ def array_document(shape: Sequence[int], codec: ChunkCodec) -> dict[str, Any]:
         "chunk_key_encoding": _chunks.KEY_ENCODING,
         "fill_value": zdtype.to_json_scalar(_dtypes.zero(codec.dtype), zarr_format=3),
         "codecs": codec.codecs(),
-        "attributes": {},
+        "attributes": attributes or {},
         "storage_transformers": [],
     }
 
