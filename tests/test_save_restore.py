@@ -128,11 +128,11 @@ def test_target_arrays_are_freed_before_reading(tmp_path):
     state = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
     zarrckpt.save_pytree(url, state)
     target = {"w": jnp.full((4, 4), 7.0), "b": jnp.full(4, 7.0)}
-    back = zarrckpt.load_pytree(url, target)
+    back = zarrckpt.load_pytree(url, target, donate_target=True)
     assert all(t.is_deleted() for t in target.values())
     np.testing.assert_array_equal(back["w"], np.ones((4, 4)))
     kept = {"w": jnp.full((4, 4), 7.0), "b": jnp.full(4, 7.0)}
-    zarrckpt.load_pytree(url, kept, donate_target=False)
+    zarrckpt.load_pytree(url, kept)  # donation is opt-in (issue 10)
     assert not any(t.is_deleted() for t in kept.values())
 
 

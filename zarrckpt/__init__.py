@@ -3,6 +3,9 @@
     save_pytree / load_pytree            one checkpoint at one URL
     save_checkpoint / load_checkpoint_if_it_exists / all_steps / latest_step
                                          numbered steps under a checkpoint directory
+    load_checkpoint / checkpoints_iterator
+                                         an evaluator following a training run
+    PerProcess                           a leaf each process saves for itself (data loader state)
     metadata                             what a checkpoint holds, without reading data
     verify / copy_checkpoint             is a checkpoint whole; copy one anywhere, commit last
     CheckpointManager                    save policies, async saves, retention
@@ -17,7 +20,15 @@ from ._metadata import CheckpointMetadata, LeafMetadata, metadata
 from ._naming import FORMAT_VERSION
 from ._restore import load_pytree
 from ._save import save_pytree
-from ._steps import all_steps, latest_step, load_checkpoint_if_it_exists, save_checkpoint
+from ._steps import (
+    all_steps,
+    checkpoints_iterator,
+    latest_step,
+    load_checkpoint,
+    load_checkpoint_if_it_exists,
+    save_checkpoint,
+)
+from ._tree import PerProcess
 from ._verify import Problem, VerifyReport, verify
 from .errors import (
     CheckpointCorruptError,
@@ -49,12 +60,15 @@ __all__ = [
     "CopyResult",
     "DirectoryInUseError",
     "LeafMetadata",
+    "PerProcess",
     "Problem",
     "UnsupportedLeafError",
     "VerifyReport",
     "all_steps",
+    "checkpoints_iterator",
     "copy_checkpoint",
     "latest_step",
+    "load_checkpoint",
     "load_checkpoint_if_it_exists",
     "load_pytree",
     "metadata",

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
+import math
 import queue
 import threading
 import time
 from typing import Any, Iterator, Mapping
 
+import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
-from . import _commit, _concurrency, _lease, _multihost, _naming, _options, _planning, _restore, _retention, _save, _steps, _storage
+from . import (_commit, _concurrency, _lease, _multihost, _naming, _options, _planning, _retention, _save,
+               _steps, _storage)
 from .errors import CheckpointError, CheckpointNotFoundError
 
 log = logging.getLogger("zarrckpt")
 
 DEFAULT_MAX_STAGED_BYTES = 8 * 2**30
 _END = object()  # closes the queue of staged writes
+_NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}  # JSON has no such numbers
 
 
 class CheckpointManager:
@@ -34,10 +38,17 @@ class CheckpointManager:
     decisions that depend on its clock and broadcasts them. `all_steps`,
     `latest_step` and `pin` are not collective.
 
+    One manager per directory: a second one on a directory that a live manager
+    holds is refused (DirectoryInUseError). Evaluators and other readers need no
+    manager: `latest_step`, `load_checkpoint`, `load_checkpoint_if_it_exists` and
+    `checkpoints_iterator` read a directory that a training job is writing.
+
     Args:
       checkpoint_dir: local path or fsspec URL holding one directory per step.
       save_interval_steps: save when `step % save_interval_steps == 0`.
       save_interval_seconds: save when this long has passed since the last save.
+        With neither interval, every `save` call saves (as Orbax's default interval
+        of 1 step does).
       keep_last, keep_every, keep_best, best_metric, best_mode: retention, applied on
         process 0 after each commit, off the training thread; see `zarrckpt._retention`.
         The newest committed step and pinned steps are never deleted.
@@ -98,7 +109,6 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._in_flight: tuple[threading.Thread, int] | None = None
         self._errors: list[BaseException] = []
-        self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zarrckpt-retention")
         self._lease = _lease.Lease(self._root, heartbeat_s) if _multihost.process_index() == 0 else None
         self._closed = True  # until the lease is ours
         self._claim_lease()
@@ -106,34 +116,44 @@ class CheckpointManager:
 
     # -- saving ----------------------------------------------------------------
 
-    def save(self, step: int, state: Any, *, metrics: Mapping[str, float] | None = None,
+    def save(self, step: int, state: Any, *, metrics: Mapping[str, Any] | None = None,
              force: bool = False) -> bool:
         """Saves `state` as `step` if a policy says so (or `force`); returns whether it did.
 
+        `metrics` (for `keep_best`, and kept in the checkpoint) maps names to real
+        numbers: Python or numpy numbers, or 0-d numpy or jax arrays (a jax value is
+        fetched to the host here, as `float(loss)` would). NaN and infinities are kept
+        as the strings "NaN", "Infinity", "-Infinity" and never rank as best.
+
         With async_save, returns once the state is copied off the devices: the caller
         may then donate or overwrite its buffers. Waits first for the previous save.
-        Raises the error of an earlier background save or deletion, if any, and what
-        `save_pytree` raises. A step already committed is not saved again.
+        Without async_save, returns once the save has committed and the retention
+        it triggers has run. Raises TypeError or ValueError for a bad step or metric
+        (nothing is saved, and the next save works), the error of an earlier
+        background save or deletion, if any, and what `save_pytree` raises. A step
+        already committed is not saved again.
         """
         self._check_open()
+        location = self._root.step(step)  # a bad step is refused here
+        values = _metric_values(metrics)
         self._raise_errors()
         if not self._should_save(step, force):
             return False
         self.wait()
         started = time.perf_counter()
         self._last_save = time.monotonic()
-        extra = {"metrics": dict(metrics)} if metrics is not None else None
-        job = _save.SaveJob.create(self._root.step(step), state, self._save_options, extra_metadata=extra,
+        extra = {"metrics": values} if values is not None else None
+        job = _save.SaveJob.create(location, state, self._save_options, extra_metadata=extra,
                                    channel="manager-save",
                                    before_prepare=self._lease.check if self._lease else None)
         if not self._async:
             job.run(job.admitted())
-            self._on_commit(step, metrics, job, started, blocked=None)
+            self._on_commit(step, values, job, started, blocked=None)
             return True
         staged: queue.Queue[Any] = queue.Queue()
         timing: dict[str, float] = {}
         thread = threading.Thread(target=self._write_in_background, name=f"zarrckpt-save-{step}",
-                                  args=(job, staged, step, metrics, started, timing), daemon=True)
+                                  args=(job, staged, step, values, started, timing), daemon=True)
         with self._lock:
             self._in_flight = (thread, step)
         thread.start()
@@ -155,7 +175,8 @@ class CheckpointManager:
         with self._lock:
             if step in self._committed or (self._in_flight and self._in_flight[1] == step):
                 return False
-        due = force or bool(self._interval_steps and step % self._interval_steps == 0)
+        every_call = self._interval_steps is None and self._interval_seconds is None
+        due = force or every_call or bool(self._interval_steps and step % self._interval_steps == 0)
         if self._save_on_preemption and multihost_utils.reached_preemption_sync_point(step):
             log.warning("preemption notice at step %d: saving", step)
             due = True
@@ -197,19 +218,20 @@ class CheckpointManager:
             log.info("checkpoint step %d committed: %.3f GB in %.2fs (%.2f GB/s)%s", step, job.nbytes / 1e9,
                      seconds, job.nbytes / 1e9 / max(seconds, 1e-9),
                      "" if blocked is None else f", training blocked {blocked:.3f}s")
-            if self._policy.deletes:
-                self._deleter.submit(self._retain)
+        if self._policy.deletes:
+            self._retain()
 
     def _retain(self) -> None:
+        """Applies retention after a commit, on the thread that committed: process 0
+        deletes, every process waits for it (so `wait` covers it) and learns what
+        went. Collective."""
         with self._lock:
-            busy = {self._in_flight[1]} if self._in_flight else set()
             metrics = dict(self._metrics)
+        op = _multihost.Collective("manager-retain", self._timeout_s, what=f"retention under {self._root.url}")
         try:
-            deleted = _retention.apply(self._root, self._policy, metrics, busy=busy)
-        except BaseException as e:
-            with self._lock:
-                self._errors.append(e)
-            return
+            deleted = op.decide("retain", lambda: _retention.apply(self._root, self._policy, metrics))
+        finally:
+            op.close()
         with self._lock:
             self._committed.difference_update(deleted)
 
@@ -225,7 +247,8 @@ class CheckpointManager:
     # -- waiting, restoring, listing --------------------------------------------
 
     def wait(self) -> None:
-        """Blocks until the save in flight has committed; raises its error if it failed."""
+        """Blocks until the save in flight has committed and the retention its commit
+        triggered has run; raises its error if it failed. Collective."""
         with self._lock:
             in_flight = self._in_flight
         if in_flight is not None:
@@ -240,6 +263,10 @@ class CheckpointManager:
         keyword options. Raises CheckpointNotFoundError if `step` is not a committed
         step, TypeError for an unknown option, and what `load_pytree` raises.
         """
+        if isinstance(target, (int, np.integer)) and not isinstance(target, bool):
+            raise TypeError(f"CheckpointManager.restore takes the restore target first (the state to restore "
+                            f"into, or None for numpy arrays); to restore step {target}, call "
+                            f"mgr.restore(state, step={target})")
         options = _options.gather(_options.LoadOptions, "CheckpointManager.restore",
                                   {"progress": self._progress, **load_options})
         self._check_open()
@@ -248,12 +275,7 @@ class CheckpointManager:
         if step is None:
             state, step = _steps.restore_latest(self._root, target, options, self._timeout_s)
         else:
-            loc = self._root.step(step)
-            if not _steps.is_committed(loc):
-                raise CheckpointNotFoundError(
-                    f"step {step} is not a committed checkpoint in {self._root.url}; "
-                    f"committed steps: {self.all_steps()}")
-            state = _restore.load(loc, target, options)
+            state = _steps.load_step(self._root, step, target, options)
         if step and _multihost.process_index() == 0:
             log.info("restored step %d from %s in %.2fs", step, self._root.url, time.perf_counter() - started)
         return state, step
@@ -283,7 +305,6 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            self._deleter.shutdown(wait=True)
             if self._lease is not None:
                 self._lease.release()
         self._raise_errors()
@@ -311,3 +332,23 @@ class CheckpointManager:
             pending, self._errors = self._errors, []
         if pending:
             raise pending[0]
+
+
+def _metric_values(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """`metrics` as JSON numbers (see `CheckpointManager.save`); TypeError naming the
+    first metric that is not a real number."""
+    if metrics is None:
+        return None
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must map names to numbers, got {type(metrics).__name__}")
+    values = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str):
+            raise TypeError(f"metric names must be str, got {name!r}")
+        if isinstance(value, (jax.Array, np.ndarray, np.generic)) and np.shape(value) == ():
+            value = np.asarray(value).item()  # a jax value is fetched to the host here
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"metric {name!r} must be a real number (a Python or numpy number, or a 0-d numpy or "
+                            f"jax array), got {type(value).__name__} {value!r}")
+        values[name] = value if math.isfinite(value) else _NON_FINITE[str(value)]
+    return values

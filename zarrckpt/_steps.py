@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Iterator
 
 from . import _commit, _concurrency, _multihost, _naming, _options, _restore, _save, _storage
 from ._storage import Location
+from .errors import CheckpointNotFoundError
 
 
 def save_checkpoint(checkpoint_dir: str, step: int, state: Any, *,
@@ -71,7 +73,65 @@ def load_checkpoint_if_it_exists(checkpoint_dir: str, target: Any, *,
     and raises what it raises (TypeError for an unknown option).
     """
     load_options = _options.gather(_options.LoadOptions, "load_checkpoint_if_it_exists", options)
+    _options.check_settings(timeout_s=(timeout_s, float))
     return restore_latest(_storage.resolve(checkpoint_dir, storage_options), target, load_options, timeout_s)
+
+
+def load_checkpoint(checkpoint_dir: str, step: int, target: Any = None, *,
+                    storage_options: dict[str, Any] | None = None, **options: Any) -> Any:
+    """Restores committed step `step` under `checkpoint_dir` onto `target`: what an
+    evaluator calls for each step `checkpoints_iterator` yields. Not collective.
+
+    Takes `load_pytree`'s keyword options and raises what it raises (TypeError for an
+    unknown option); CheckpointNotFoundError if `step` is not committed, or was
+    deleted (by the training job's retention) while it was being read.
+    """
+    load_options = _options.gather(_options.LoadOptions, "load_checkpoint", options)
+    return load_step(_storage.resolve(checkpoint_dir, storage_options), step, target, load_options)
+
+
+def load_step(root: Location, step: int, target: Any, options: _options.LoadOptions) -> Any:
+    """`load_checkpoint` under `root`."""
+    loc = root.step(step)
+    if not is_committed(loc):
+        raise CheckpointNotFoundError(f"step {step} is not a committed checkpoint in {root.url}; "
+                                      f"committed steps: {scan(root)[1]}")
+    return _restore.load(loc, target, options)
+
+
+def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None, poll_interval_s: float = 5.0,
+                         start_after: int | None = None,
+                         storage_options: dict[str, Any] | None = None) -> Iterator[int]:
+    """Yields the steps committed under `checkpoint_dir` as they appear, in increasing
+    order: an evaluator's loop beside a training job (the habit of TensorFlow's and
+    Orbax's `checkpoints_iterator`). Not collective.
+
+        for step in zarrckpt.checkpoints_iterator(run_dir, timeout_s=3600):
+            params = zarrckpt.load_checkpoint(run_dir, step, {"params": target}, partial=True)
+
+    First the newest step already committed (or, with `start_after`, every committed
+    step after it), then each step committed later, one by one. A step deleted (by
+    the training job's retention) before it is yielded is skipped. Checks every
+    `poll_interval_s`; returns once `timeout_s` (None: never) has passed without a
+    new step.
+    """
+    _options.check_settings(timeout_s=(timeout_s, float | None), poll_interval_s=(poll_interval_s, float))
+    if start_after is not None:
+        _naming.step_dir_name(start_after)  # a bad step is refused here
+    root = _storage.resolve(checkpoint_dir, storage_options)
+    last, first, idle_since = start_after, start_after is None, time.monotonic()
+    while True:
+        new = [s for s in scan(root)[1] if last is None or s > last]
+        for step in new[-1:] if first else new:
+            if is_committed(root.step(step)):  # not deleted since the listing
+                last = step
+                yield step
+                idle_since = time.monotonic()
+        first = False
+        waited = time.monotonic() - idle_since
+        if timeout_s is not None and waited >= timeout_s:
+            return
+        time.sleep(poll_interval_s if timeout_s is None else min(poll_interval_s, timeout_s - waited))
 
 
 def restore_latest(root: Location, target: Any, options: _options.LoadOptions,
