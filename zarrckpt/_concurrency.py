@@ -183,6 +183,7 @@ class Operation:
                 yield self._settle(pending.popleft())
         except BaseException as e:
             self.fail(e)
+            self._raise_if_failed()  # the first failure, not the `Aborted` it caused here
             raise
 
     def _settle(self, entry: tuple[_T, concurrent.futures.Future[_R]]) -> tuple[_T, _R]:
