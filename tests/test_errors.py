@@ -92,7 +92,7 @@ def test_missing_chunk_is_an_error_not_zeros(tmp_path):
     url = tmp_path / "c"
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
     x = jax.device_put(jnp.zeros((8, 8)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a")))
-    zarrckpt.save_pytree(str(url), {"w": x})
+    zarrckpt.save_pytree(str(url), {"w": x}, min_chunk_bytes=1)
     os.remove(url / "w" / "c.1.0")
     with pytest.raises(zarrckpt.CheckpointCorruptError, match=r"chunk 'w/c.1.0' is missing from checkpoint") as e:
         zarrckpt.load_pytree(str(url))

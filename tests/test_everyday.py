@@ -72,7 +72,7 @@ def test_manager_options_are_checked_at_construction(tmp_path, options, error, m
 def test_function_options_are_checked_at_the_call(tmp_path):
     url = str(tmp_path)
     with pytest.raises(TypeError, match=r"save_checkpoint\(\) got unknown option\(s\) 'max_inflight_byte'; "
-                                        r"its options are: overwrite, max_chunk_bytes, max_inflight_bytes"):
+                                        r"its options are: overwrite, max_chunk_bytes, min_chunk_bytes"):
         zarrckpt.save_checkpoint(url, 1, state(), max_inflight_byte=10)
     with pytest.raises(TypeError, match="option max_chunk_bytes must be an int"):
         zarrckpt.save_checkpoint(url, 1, state(), max_chunk_bytes="64MiB")

@@ -98,7 +98,7 @@ def plan(x, **kw):
 def test_chunks_follow_shards():
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
     x = jax.device_put(jnp.zeros((16, 32)), NamedSharding(mesh, P("a", "b")))
-    p = plan(x)
+    p = plan(x, min_chunk_bytes=1)  # shards this small are merged by default (test_small_shards_are_merged)
     assert p.chunks == (8, 8)
     assert len(p.writes) == 8  # one whole chunk per shard, each written once
     # Uneven shards (10 rows over 4 devices): the chunk grid still has every boundary.
@@ -109,10 +109,10 @@ def test_chunks_follow_shards():
 def test_large_shards_split_and_replicas_share():
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
     big = jax.device_put(jnp.zeros((64, 1024)), NamedSharding(mesh, P("a")))  # 128 KiB shards
-    assert plan(big, max_chunk_bytes=32 * 1024).chunks == (8, 1024)
+    assert plan(big, max_chunk_bytes=32 * 1024, min_chunk_bytes=1).chunks == (8, 1024)
     replicated = jax.device_put(jnp.zeros((2048, 1024)), NamedSharding(mesh, P()))  # 8 MiB on 8 devices
     p = plan(replicated)
-    writers = {u.device_data.devices().pop() for u in p.writes}
+    writers = {u.sources[0][0].devices().pop() for u in p.writes}
     assert len(p.writes) == 8 and len(writers) == 8
     regions = [u.region for u in p.writes]
     assert len(set(regions)) == len(regions)  # no chunk has two writers
@@ -123,7 +123,8 @@ def test_large_shards_split_and_replicas_share():
 def test_every_chunk_is_written_even_zeros(tmp_path):
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
     url = str(tmp_path / "c")
-    zarrckpt.save_pytree(url, {"z": jax.device_put(jnp.zeros((8, 8)), NamedSharding(mesh, P("a", "b")))})
+    zarrckpt.save_pytree(url, {"z": jax.device_put(jnp.zeros((8, 8)), NamedSharding(mesh, P("a", "b")))},
+                         min_chunk_bytes=1)
     chunks = [p for p in (Path(url) / "z").glob("c.*") if p.is_file()]
     assert len(chunks) == 8
 
@@ -210,3 +211,22 @@ def test_checkpoints_without_checksums_still_load(tmp_path):
     assert (url / "w" / "c.0").stat().st_size == 48
     np.testing.assert_array_equal(zarrckpt.load_pytree(str(url))["w"], np.arange(6.0))
     assert zarrckpt.verify(str(url)).ok
+
+
+def test_small_shards_are_merged_into_one_object_per_writing_process(tmp_path):
+    """A 4 KiB leaf over 8 devices was 8 objects of 512 bytes: now one chunk, whole, written
+    once; a larger leaf's shards merge up to `min_chunk_bytes`, never past a process."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    small = jax.device_put(jnp.arange(1024.0, dtype=jnp.float32), NamedSharding(mesh, P(("a", "b"))))
+    p = plan(small)
+    assert p.chunks == (1024,) and len(p.writes) == 1 and len(p.writes[0].sources) == 8
+    grid = jax.device_put(jnp.zeros((512, 1024), jnp.float32), NamedSharding(mesh, P("a", "b")))  # 256 KiB shards
+    p = plan(grid)
+    assert p.chunks == (256, 1024) and len(p.writes) == 2  # two 1 MiB chunks of four shards each
+    assert plan(grid, max_chunk_bytes=512 * 1024).chunks == (256, 512)  # never past max_chunk_bytes
+    url = str(tmp_path / "c")
+    zarrckpt.save_pytree(url, {"small": small, "grid": grid})
+    assert sorted(p.name for p in (Path(url) / "small").iterdir()) == ["c.0", "zarr.json"]
+    back = zarrckpt.load_pytree(url, {"small": small.sharding, "grid": grid.sharding})
+    np.testing.assert_array_equal(np.asarray(back["small"]), np.arange(1024.0))
+    assert zarrckpt.verify(url).ok

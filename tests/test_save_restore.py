@@ -172,7 +172,7 @@ class CountingStore:
 def test_each_chunk_read_once_per_process(tmp_path, monkeypatch):
     url = str(tmp_path / "c")
     x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
-    zarrckpt.save_pytree(url, {"x": jax.device_put(x, NamedSharding(mesh((2, 4)), P("a", "b")))})
+    zarrckpt.save_pytree(url, {"x": jax.device_put(x, NamedSharding(mesh((2, 4)), P("a", "b")))}, min_chunk_bytes=1)
     counter = CountingStore(monkeypatch)
     # Replicated over 8 devices, and split more finely than the saved chunks (32 x 16).
     for spec in (P(), P("x"), P(None, "x")):
@@ -186,7 +186,8 @@ def test_each_chunk_read_once_per_process(tmp_path, monkeypatch):
 def test_metadata_reads_no_array_data(tmp_path, monkeypatch):
     url = str(tmp_path / "c")
     zarrckpt.save_pytree(url, {"w": jax.device_put(jnp.ones((8, 4), jnp.bfloat16),
-                                                   NamedSharding(mesh((2, 4)), P("a"))), "n": None, "s": 1})
+                                                   NamedSharding(mesh((2, 4)), P("a"))), "n": None, "s": 1},
+                         min_chunk_bytes=1)
     counter = CountingStore(monkeypatch)
     meta = zarrckpt.metadata(url)
     assert counter.chunk_reads() == []

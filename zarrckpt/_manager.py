@@ -60,8 +60,8 @@ class CheckpointManager:
       heartbeat_s: how often process 0 renews its lease on the directory; a second
         manager on a directory whose lease is alive is refused (see `zarrckpt._lease`).
       progress: progress bars on process 0 (default: when stderr is a terminal).
-      storage_options, timeout_s, max_chunk_bytes, max_workers, checksums: as for
-        `save_pytree`.
+      storage_options, timeout_s, max_chunk_bytes, min_chunk_bytes, max_workers,
+        checksums: as for `save_pytree`.
     Raises TypeError or ValueError, naming the option, on an unknown, ill-typed or
     contradictory setting.
     """
@@ -85,6 +85,7 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
         max_chunk_bytes: int = _planning.DEFAULT_MAX_CHUNK_BYTES,
+        min_chunk_bytes: int = _planning.DEFAULT_MIN_CHUNK_BYTES,
         max_workers: int | None = None,
         checksums: bool = True,
     ) -> None:
@@ -93,7 +94,8 @@ class CheckpointManager:
                                 async_save=(async_save, bool), save_on_preemption=(save_on_preemption, bool),
                                 heartbeat_s=(heartbeat_s, float))
         self._policy = _retention.Policy(keep_last, keep_every, keep_best, best_metric, best_mode)
-        self._save_options = _options.SaveOptions(max_chunk_bytes=max_chunk_bytes, max_inflight_bytes=max_staged_bytes,
+        self._save_options = _options.SaveOptions(max_chunk_bytes=max_chunk_bytes, min_chunk_bytes=min_chunk_bytes,
+                                                  max_inflight_bytes=max_staged_bytes,
                                                   max_workers=max_workers, timeout_s=timeout_s, progress=progress,
                                                   checksums=checksums)
         self._root = _storage.resolve(checkpoint_dir, storage_options)

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from ._concurrency import DEFAULT_MAX_INFLIGHT_BYTES
 from ._multihost import DEFAULT_TIMEOUT_S
-from ._planning import DEFAULT_MAX_CHUNK_BYTES
+from ._planning import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MIN_CHUNK_BYTES
 
 _O = TypeVar("_O")
 
@@ -53,6 +53,7 @@ class SaveOptions:
 
     overwrite: bool = False
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+    min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
     max_workers: int | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S

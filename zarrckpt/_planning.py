@@ -1,11 +1,16 @@
 """Write planning: the chunk shape of every array, and which device writes which chunk.
 
 The rules (docs/pytree-zarr-checkpoint.md, "Chunks"):
-- chunk boundaries fall on every shard boundary, so each chunk lies inside one shard
-  and every write covers a whole chunk (no read-modify-write, no shared chunks);
+- chunk boundaries fall on every shard boundary, and every chunk has exactly one
+  writer, which holds all of it: every write covers a whole chunk (no
+  read-modify-write, no shared chunks);
 - a shard larger than `max_chunk_bytes`, or held by several replicas, is split into
   more chunks, and the chunks of a replicated shard are dealt out over its replicas,
-  so replicated data is written by every host that holds it, not by one device.
+  so replicated data is written by every host that holds it, not by one device;
+- shards smaller than `min_chunk_bytes` are merged: a chunk covers several whole
+  shards side by side when one process holds them all (its local devices' shards, or
+  a small array whole), so that a small leaf is one object per writing process, not
+  one per device.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from ._concurrency import ByteBudget
 from ._tree import Leaf
 
 DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
+# Shards smaller than this are merged, side by side, into chunks of at least this size
+# where one process holds them all: fewer, larger objects (each is a request on S3/GCS).
+DEFAULT_MIN_CHUNK_BYTES = 2**20
 # A replicated shard smaller than this per replica is not worth splitting.
 _MIN_REPLICA_SPLIT_BYTES = 2**20
 
@@ -60,9 +68,10 @@ class WriteUnit:
     region: Region
     nbytes: int
     host: np.ndarray | None = None  # a numpy leaf: the whole array
-    device_data: jax.Array | None = None  # the single-device shard holding the chunk
-    offset: tuple[int, ...] = ()  # where that shard starts in the array
-    _pending: Any = None  # the transfer in flight: a host view, or a device piece
+    # Single-device shards holding the chunk, each with the region of the array it
+    # holds: one, or several side by side when small shards are merged into a chunk.
+    sources: tuple[tuple[jax.Array, Region], ...] = ()
+    _pending: list[tuple[Region, Any]] | None = None  # transfers in flight: (part, host view or device piece)
     _owned: np.ndarray | None = None  # a staged copy, independent of the source
     _budget: ByteBudget | None = None  # holds `nbytes` of it until released
 
@@ -71,28 +80,36 @@ class WriteUnit:
         self._budget = budget
 
     def start_transfer(self) -> None:
-        """Starts the device-to-host copy without waiting for it."""
-        if self.device_data is None or self._pending is not None:
+        """Starts the device-to-host copies without waiting for them."""
+        if not self.sources or self._pending is not None:
             return
-        local = tuple(slice(a - o, b - o) for (a, b), o in zip(self.region, self.offset))
-        data = self.device_data
-        if data.devices().pop().platform == "cpu":
-            # CPU buffers convert to numpy without a copy; slicing there is free.
-            self._pending = np.asarray(data)[local]
-        else:
-            # Copy only this chunk off the accelerator, not the whole shard.
-            piece = data if tuple(data.shape) == tuple(s.stop - s.start for s in local) else data[local]
-            piece.copy_to_host_async()
-            self._pending = piece
+        self._pending = []
+        for data, held in self.sources:
+            part = intersect(self.region, held)
+            local = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(part, held))
+            if data.devices().pop().platform == "cpu":
+                # CPU buffers convert to numpy without a copy; slicing there is free.
+                self._pending.append((part, np.asarray(data)[local]))
+            else:
+                # Copy only this chunk's part off the accelerator, not the whole shard.
+                piece = data if tuple(data.shape) == region_shape(part) else data[local]
+                piece.copy_to_host_async()
+                self._pending.append((part, piece))
 
     def host_array(self) -> np.ndarray:
-        """The chunk's data on the host (waits for the copy)."""
+        """The chunk's data on the host (waits for the copies)."""
         if self._owned is not None:
             return self._owned
         if self.host is not None:
             return self.host[region_slices(self.region)]
         self.start_transfer()
-        return np.asarray(self._pending)
+        assert self._pending is not None
+        if len(self._pending) == 1:
+            return np.asarray(self._pending[0][1])
+        out = np.empty(region_shape(self.region), np.asarray(self._pending[0][1]).dtype)
+        for part, piece in self._pending:
+            out[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(part, self.region))] = np.asarray(piece)
+        return out
 
     def stage(self) -> None:
         """Keeps a host copy this unit owns, so that the source (a device buffer that
@@ -100,11 +117,11 @@ class WriteUnit:
         data = self.host_array()
         # On CPU and for numpy leaves, host_array() is a view of the source itself.
         self._owned = data if data.flags.owndata else np.array(data)
-        self.host = self.device_data = self._pending = None
+        self.host = self.sources = self._pending = None
 
     def release(self) -> None:
         """Drops every reference to the chunk's data and gives back its budget."""
-        self.host = self.device_data = self._pending = self._owned = None
+        self.host = self.sources = self._pending = self._owned = None
         budget, self._budget = self._budget, None
         if budget is not None:
             budget.release(self.nbytes)
@@ -176,7 +193,8 @@ def _pieces_for(nbytes: int, replicas: int, max_chunk_bytes: int) -> int:
 
 
 def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-               checksum: bool = True, *, local: bool = False) -> ArrayPlan:
+               checksum: bool = True, *, local: bool = False,
+               min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES) -> ArrayPlan:
     """Plans one leaf. Every process computes the same chunks and the same writers;
     `checksum` says whether its chunks carry a CRC-32C. A `local` array (a
     per-process value) is this process's alone: it writes every chunk.
@@ -188,7 +206,7 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
     dtype = np.dtype(value.dtype) if hasattr(value, "dtype") else np.result_type(value)
     shape = tuple(np.shape(value))
     if isinstance(value, jax.Array) and (not value.is_fully_addressable or _multihost.process_count() == 1):
-        return _plan_sharded(leaf, value, shape, dtype, salt, max_chunk_bytes, checksum)
+        return _plan_sharded(leaf, value, shape, dtype, salt, checksum, max_chunk_bytes, min_chunk_bytes)
     # Host data (numpy, scalars, process-local jax arrays) is the same on every process
     # by contract; process 0 alone writes it so that no chunk has two writers.
     chunks = split_chunk(shape, _pieces_for(_dtypes.nbytes(shape, dtype), 1, max_chunk_bytes))
@@ -202,29 +220,113 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
 
 
 def _plan_sharded(leaf: Leaf, value: jax.Array, shape: tuple[int, ...], dtype: np.dtype, salt: int,
-                  max_chunk_bytes: int, checksum: bool) -> ArrayPlan:
+                  checksum: bool, max_chunk_bytes: int, min_chunk_bytes: int) -> ArrayPlan:
+    layout = _layout(value.sharding, shape, dtype.itemsize, max_chunk_bytes, min_chunk_bytes)
+    shards = {s.device: s.data for s in value.addressable_shards}
+    me = _multihost.process_index()
+    writes = []
+    for k, (chunk, writer, holders) in enumerate(layout.assignments(salt)):
+        if writer == me and region_size(chunk):
+            sources = tuple((shards[device], held) for held, device in holders.items())
+            writes.append(WriteUnit(chunk, _dtypes.nbytes(region_shape(chunk), dtype), sources=sources))
+    return ArrayPlan(leaf, shape, dtype, layout.chunks, writes, checksum)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The chunk grid of arrays of one shape and sharding, and who may write each chunk.
+
+    `replicas` maps each distinct shard region to the devices holding it (sorted by id,
+    so grouped by host). A chunk lies inside one shard (split: large shards, or shards
+    held by several replicas, are cut into more chunks) or covers several whole shards
+    of one process side by side (`merged`: small shards, so that no chunk is tiny).
+    """
+
+    chunks: tuple[int, ...]
+    replicas: dict[Region, list[jax.Device]]
+    merged: _Shards | None = None
+
+    def assignments(self, salt: int) -> Iterator[tuple[Region, int, dict[Region, jax.Device]]]:
+        """Every chunk with the process that writes it and, for that process, the device
+        to copy each shard region inside the chunk from."""
+        if self.merged is None:
+            for region, devices in self.replicas.items():
+                inside = list(_chunks_in(region, self.chunks))
+                for k, chunk in enumerate(inside):
+                    # Contiguous runs of chunks per replica, replicas spaced evenly over the
+                    # (id-sorted, so host-grouped) devices: few chunks still reach every host.
+                    writer = devices[(salt + k * len(devices) // len(inside)) % len(devices)]
+                    yield chunk, writer.process_index, {region: writer}
+            return
+        for k, chunk in enumerate(_chunks_in(self.merged.full, self.chunks)):
+            inside = self.merged.inside(chunk)
+            holders = sorted(self.merged.holders(inside))
+            writer = holders[(salt + k) % len(holders)]
+            yield chunk, writer, {r: next(d for d in self.replicas[r] if d.process_index == writer) for r in inside}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shards:
+    """Which shard each chunk of the base grid (the largest chunk that every shard
+    boundary cuts) lies in, to tell quickly which shards a larger chunk covers."""
+
+    full: Region
+    base: tuple[int, ...]
+    shard_of: dict[tuple[int, ...], Region]  # base chunk start -> the shard holding it
+    processes: dict[Region, frozenset[int]]
+
+    @classmethod
+    def of(cls, shape: Sequence[int], base: Sequence[int], replicas: dict[Region, list[jax.Device]]) -> "_Shards":
+        shard_of = {tuple(a for a, _ in c): region for region in replicas for c in _chunks_in(region, base)}
+        processes = {r: frozenset(d.process_index for d in devices) for r, devices in replicas.items()}
+        return cls(tuple((0, d) for d in shape), tuple(base), shard_of, processes)
+
+    def inside(self, chunk: Region) -> list[Region]:
+        """The shards a chunk made of whole base chunks covers."""
+        return list(dict.fromkeys(self.shard_of[tuple(a for a, _ in c)] for c in _chunks_in(chunk, self.base)))
+
+    def holders(self, shards: Sequence[Region]) -> frozenset[int]:
+        """The processes holding every one of `shards`."""
+        return frozenset.intersection(*(self.processes[r] for r in shards))
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsize: int, max_chunk_bytes: int,
+            min_chunk_bytes: int) -> _Layout:
+    """The layout of every array of this shape and sharding (many leaves share one)."""
     replicas: dict[Region, list[jax.Device]] = {}
-    for device, index in value.sharding.devices_indices_map(shape).items():
+    for device, index in sharding.devices_indices_map(shape).items():
         replicas.setdefault(region_of(index, shape), []).append(device)
     for devices in replicas.values():
         devices.sort(key=lambda d: d.id)
-    largest = max(_dtypes.nbytes(region_shape(r), dtype) for r in replicas)
+    base = _grid_chunk(shape, list(replicas))
+    if len(replicas) > 1 and math.prod(base) * itemsize < min_chunk_bytes:
+        shards = _Shards.of(shape, base, replicas)
+        merged = _merged_chunk(shards, itemsize, min_chunk_bytes, max_chunk_bytes)
+        if merged != shards.base:
+            return _Layout(merged, replicas, shards)
+    largest = max(region_size(r) for r in replicas) * itemsize
     count = max(len(d) for d in replicas.values())
-    chunks = split_chunk(_grid_chunk(shape, list(replicas)), _pieces_for(largest, count, max_chunk_bytes))
+    return _Layout(split_chunk(base, _pieces_for(largest, count, max_chunk_bytes)), replicas)
 
-    shards = {s.device: s for s in value.addressable_shards}
-    writes = []
-    for region, devices in replicas.items():
-        inside = list(_chunks_in(region, chunks))
-        for k, chunk in enumerate(inside):
-            # Contiguous runs of chunks per replica, replicas spaced evenly over the
-            # (id-sorted, so host-grouped) devices: few chunks still reach every host.
-            writer = devices[(salt + k * len(devices) // len(inside)) % len(devices)]
-            if writer in shards and region_size(chunk):
-                writes.append(WriteUnit(chunk, _dtypes.nbytes(region_shape(chunk), dtype),
-                                        device_data=shards[writer].data,
-                                        offset=tuple(a for a, _ in region)))
-    return ArrayPlan(leaf, shape, dtype, chunks, writes, checksum)
+
+def _merged_chunk(shards: _Shards, itemsize: int, min_chunk_bytes: int, max_chunk_bytes: int) -> tuple[int, ...]:
+    """The smallest chunk of at least `min_chunk_bytes` (else the largest one) made of
+    whole base chunks, growing trailing axes first, such that one process holds every
+    chunk of its grid whole and no chunk exceeds `max_chunk_bytes`."""
+    chunk = list(shards.base)
+    for axis in reversed(range(len(chunk))):
+        dim, step = shards.full[axis][1], shards.base[axis]
+        count = -(-dim // step)  # base chunks along the axis
+        for multiple in (m for m in range(2, count + 1) if count % m == 0):
+            if math.prod(chunk) * itemsize >= min_chunk_bytes:
+                return tuple(chunk)
+            candidate = chunk[:axis] + [min(multiple * step, dim)] + chunk[axis + 1:]
+            if math.prod(candidate) * itemsize > max_chunk_bytes:
+                break
+            if all(shards.holders(shards.inside(c)) for c in _chunks_in(shards.full, candidate)):
+                chunk = candidate
+    return tuple(chunk)
 
 
 def intersect(x: Region, y: Region) -> Region:

@@ -40,6 +40,7 @@ def save_pytree(
     storage_options: dict[str, Any] | None = None,
     overwrite: bool = False,
     max_chunk_bytes: int = _planning.DEFAULT_MAX_CHUNK_BYTES,
+    min_chunk_bytes: int = _planning.DEFAULT_MIN_CHUNK_BYTES,
     max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
     max_workers: int | None = None,
     timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
@@ -58,6 +59,8 @@ def save_pytree(
       storage_options: passed to fsspec (credentials, endpoint_url...). Never logged.
       overwrite: replace a committed checkpoint at `url`. Without it that is an error.
       max_chunk_bytes: shards larger than this are split into several chunks.
+      min_chunk_bytes: shards smaller than this are merged into larger chunks where one
+        process holds several side by side (fewer objects: each is a request on S3/GCS).
       max_inflight_bytes: bound on host bytes copied off devices and not yet written.
       max_workers: concurrent writes per process (default: 8 on a local disk, 128 on
         an object store, 100 on GCS).
@@ -74,8 +77,8 @@ def save_pytree(
         nothing was committed.
       CoordinationTimeoutError: a process did not arrive at an agreement in time.
     """
-    options = SaveOptions(overwrite, max_chunk_bytes, max_inflight_bytes, max_workers, timeout_s, progress,
-                          checksums)
+    options = SaveOptions(overwrite, max_chunk_bytes, min_chunk_bytes, max_inflight_bytes, max_workers, timeout_s,
+                          progress, checksums)
     job = SaveJob.create(_storage.resolve(url, storage_options), tree, options)
     job.run(job.admitted())
 
@@ -113,11 +116,13 @@ class SaveJob:
             if isinstance(leaf.value, _tree.Encoded):  # a PerProcess leaf: this process's value, its own array
                 mine = _tree.Leaf(leaf.path, _naming.per_process_name(leaf.name, _multihost.process_index()),
                                   leaf.value.data)
-                plan = _planning.plan_array(mine, i, options.max_chunk_bytes, options.checksums, local=True)
+                plan = _planning.plan_array(mine, i, options.max_chunk_bytes, options.checksums, local=True,
+                                            min_chunk_bytes=options.min_chunk_bytes)
                 own[mine.name] = _zarrjson.array_document(
                     plan.shape, plan.codec, {_naming.META_ATTR: {"encoding": leaf.value.encoding}})
             else:
-                plan = _planning.plan_array(leaf, i, options.max_chunk_bytes, options.checksums)
+                plan = _planning.plan_array(leaf, i, options.max_chunk_bytes, options.checksums,
+                                            min_chunk_bytes=options.min_chunk_bytes)
                 # Every process knows every shared array's metadata without asking the store.
                 arrays[leaf.name] = _zarrjson.array_document(plan.shape, plan.codec)
             plans.append(plan)
