@@ -71,6 +71,7 @@ class LoadOptions:
     allow_dtype_cast: bool = False
     donate_target: bool = False
     partial: bool = False
+    load_and_broadcast: bool = True
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
     max_workers: int | None = None
     progress: bool | None = None

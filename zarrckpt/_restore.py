@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Any, Callable
 
@@ -215,9 +216,153 @@ class _ShardedByReaders(_Sharded):
         return jax.make_array_from_single_device_arrays(stored.shape, self.sharding, pieces)
 
 
-def _sharded(dtype: np.dtype, sharding: jax.sharding.Sharding, stored: _reader.StoredLeaf) -> _Sharded:
+def _sharded(dtype: np.dtype, sharding: jax.sharding.Sharding, stored: _reader.StoredLeaf,
+             broadcast: bool = False) -> _Form:
+    """How to read a jax.Array on `sharding`. With `broadcast`, a leaf that several
+    processes need is read once in total: on a staging sharding cut at chunk
+    boundaries, or else by one reader per shard, then shared by device collectives."""
+    if broadcast and _held_by_several_processes(sharding, stored.shape):
+        staged = _staging_sharding(sharding, stored.shape, stored.chunks)
+        if staged is not None:
+            return _Broadcast(dtype, sharding, _sharded(dtype, staged, stored))
+        if _summable(dtype):
+            return _OneReader(dtype, sharding)
     large = _dtypes.nbytes(stored.shape, dtype) >= _READER_PLACEMENT_BYTES
     return (_ShardedByReaders if large else _Sharded)(dtype, sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Broadcast(_Form):
+    """Load and broadcast, cut: each process reads its slice of the leaf on the staging
+    sharding (the target's, with the replica axes also cutting the leaf, at chunk
+    boundaries), then one reshard moves the slices onto the target (see `_share`)."""
+
+    dtype: np.dtype
+    sharding: jax.sharding.Sharding  # the target's
+    staged: _Form  # reads and builds the leaf on the staging sharding
+
+    def reads(self, stored: _reader.StoredLeaf) -> list[tuple[Region, Placement]]:
+        return self.staged.reads(stored)
+
+    def fetch(self, ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, box: Region,
+              places: Placement) -> list[Any]:
+        return self.staged.fetch(ckpt, stored, box, places)
+
+    def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
+        return self.staged.build(stored, pieces)
+
+
+@dataclasses.dataclass(frozen=True)
+class _OneReader(_Sharded):
+    """Load and broadcast, whole: each chunk of each shard of the target is read by one
+    device, of one of the processes holding that shard (dealt out chunk by chunk);
+    every other replica holds zeros there, and a sum over the replicas (exact: on the
+    bits, as integers) fills them in (see `_share`). For leaves the staging sharding
+    cannot cut at chunk boundaries: small ones, whole in one chunk, and others."""
+
+    def reads(self, stored: _reader.StoredLeaf) -> list[tuple[Region, Placement]]:
+        me = _multihost.process_index()
+        mine = [part for part, device in self._readers(stored).items() if device.process_index == me]
+        return [(box, {part: [] for part in parts}) for box, parts in _planning.plan_reads(mine, stored.chunks,
+                                                                                           stored.shape)]
+
+    def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
+        readers = self._readers(stored)
+        arrays = []
+        for device, index in self.sharding.addressable_devices_indices_map(stored.shape).items():
+            region = _planning.region_of(index, stored.shape)
+            data = np.zeros(_planning.region_shape(region), self.dtype)
+            for part, piece in pieces:
+                if readers[part] == device:
+                    data[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(part, region))] = piece
+            arrays.append(jax.device_put(data, device))
+        return jax.make_array_from_single_device_arrays(stored.shape, self.sharding, arrays)
+
+    def _readers(self, stored: _reader.StoredLeaf) -> dict[Region, jax.Device]:
+        """The one device reading each part (a shard's overlap with a chunk): the first
+        device (by id) of one of the processes holding the shard, taken in turn."""
+        holders: dict[Region, list[jax.Device]] = {}
+        for device, index in self.sharding.devices_indices_map(stored.shape).items():
+            holders.setdefault(_planning.region_of(index, stored.shape), []).append(device)
+        readers, k = {}, 0
+        for region, devices in sorted(holders.items()):
+            processes = sorted({d.process_index for d in devices})
+            for chunk in _planning.chunks_touching(region, stored.chunks, stored.shape):
+                process = processes[k % len(processes)]
+                k += 1
+                part = _planning.intersect(chunk, region)
+                readers[part] = min((d for d in devices if d.process_index == process), key=lambda d: d.id)
+        return readers
+
+
+def _held_by_several_processes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
+    if not isinstance(sharding, jax.sharding.NamedSharding) or _multihost.process_count() == 1:
+        return False
+    held_by: dict[Region, set[int]] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        held_by.setdefault(_planning.region_of(index, shape), set()).add(device.process_index)
+    return any(len(processes) > 1 for processes in held_by.values())
+
+
+def _replica_axes(sharding: jax.sharding.NamedSharding) -> list[str]:
+    """The mesh axes the spec leaves out: the target is replicated along them."""
+    used = {a for e in sharding.spec if e is not None for a in (e if isinstance(e, tuple) else (e,))}
+    return [a for a in sharding.mesh.axis_names if a not in used and sharding.mesh.shape[a] > 1]
+
+
+def _staging_sharding(target: jax.sharding.NamedSharding, shape: tuple[int, ...],
+                      chunks: tuple[int, ...]) -> jax.sharding.NamedSharding | None:
+    """The target's sharding with every replica axis also cutting one dimension, where
+    the cut falls on chunk boundaries (so no chunk is read twice); None when some
+    replica axis finds no such dimension."""
+    spec = list(target.spec) + [None] * (len(shape) - len(target.spec))
+    entries = [[] if e is None else list(e) if isinstance(e, tuple) else [e] for e in spec]
+    mesh = target.mesh
+    for axis in _replica_axes(target):
+        for dim, entry in enumerate(entries):
+            pieces = math.prod(mesh.shape[a] for a in entry) * mesh.shape[axis]
+            if shape[dim] % pieces == 0 and (shape[dim] // pieces) % chunks[dim] == 0:
+                entry.append(axis)
+                break
+        else:
+            return None
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+        *(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries)))
+
+
+def _summable(dtype: np.dtype) -> bool:
+    """Whether a sum over replicas can carry this dtype's bits exactly (as integers)."""
+    return dtype.kind != "c" and dtype.itemsize in (1, 2, 4, 8)
+
+
+def _share(arrays: list[jax.Array], forms: list[_Form]) -> list[jax.Array]:
+    """Load and broadcast's second half, for every such leaf in one compiled program
+    (collective: every process calls it with the same leaves): a staged leaf is
+    resharded onto its target, a leaf read by one replica is summed over the
+    replicas. XLA's collectives (gloo on CPU, NCCL or ICI on accelerators) carry the
+    bytes between hosts."""
+    def share(x: jax.Array, form: _Form) -> jax.Array:
+        if isinstance(form, _Broadcast):
+            return x  # out_shardings reshards it
+        assert isinstance(form, _OneReader) and isinstance(form.sharding, jax.sharding.NamedSharding)
+        same = np.dtype(f"uint{x.dtype.itemsize * 8}")
+        wide = np.dtype(np.int64) if x.dtype.itemsize == 8 else np.dtype(np.int32)
+
+        def total(block: jax.Array) -> jax.Array:
+            boolean = block.dtype == np.bool_
+            bits = block.astype(same) if boolean else jax.lax.bitcast_convert_type(block, same)
+            summed = jax.lax.psum(jax.lax.convert_element_type(bits, wide), tuple(_replica_axes(form.sharding)))
+            summed = jax.lax.convert_element_type(summed, same)
+            return summed.astype(np.bool_) if boolean else jax.lax.bitcast_convert_type(summed, block.dtype)
+
+        spec = form.sharding.spec
+        return jax.shard_map(total, mesh=form.sharding.mesh, in_specs=spec, out_specs=spec)(x)
+
+    shardings = tuple(form.sharding for form in forms)  # type: ignore[attr-defined]
+    moved = jax.jit(lambda *xs: tuple(share(x, f) for x, f in zip(xs, forms)), out_shardings=shardings)(*arrays)
+    for array in arrays:
+        array.delete()
+    return list(moved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,15 +386,18 @@ def load_pytree(
     partial: bool = False,
     allow_dtype_cast: bool = False,
     donate_target: bool = False,
+    load_and_broadcast: bool = True,
     max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
     max_workers: int | None = None,
     progress: bool | None = None,
 ) -> Any:
     """Restores the committed checkpoint at `url`.
 
-    Not collective: each process reads only what its own devices need, so it works
-    whatever the process count; under `jax.distributed` every process should call it
-    with the same target structure to get one consistent global state.
+    Each process reads only what its own devices need, so it works whatever the
+    process count; under `jax.distributed` every process calls it with the same
+    target to get one consistent global state. Collective when a leaf of the target
+    is held by several processes (data-parallel replicas) and `load_and_broadcast`
+    is on: that leaf is read once in total and shared over device collectives.
 
     Args:
       url: a local path or fsspec URL of one checkpoint (not a step directory parent).
@@ -270,6 +418,13 @@ def load_pytree(
         Off by default: nothing the caller holds is freed. Nothing is freed if
         validation fails; if reading fails after it began, the arrays already freed
         are gone (the target is unusable, the checkpoint unchanged): restore again.
+      load_and_broadcast: where several processes need the same part of a leaf (its
+        target sharding replicates it across hosts), each process reads a distinct
+        slice of it (the replica axes of the target's NamedSharding cut the leaf
+        further) and one compiled reshard sends the slices to the replicas over the
+        device network, so the store serves each byte once, not once per host. It
+        costs extra device memory of 1/R of those leaves (R replicas) until the
+        reshard. Off: every process reads all it needs itself.
       max_inflight_bytes: bound on host bytes read and not yet placed on devices.
       max_workers: concurrent reads (default: 8 on a local disk, 128 on an object store,
         100 on GCS).
@@ -284,7 +439,8 @@ def load_pytree(
       CheckpointCorruptError: a chunk or metadata the checkpoint declares is missing
         or damaged.
     """
-    options = LoadOptions(allow_dtype_cast, donate_target, partial, max_inflight_bytes, max_workers, progress)
+    options = LoadOptions(allow_dtype_cast, donate_target, partial, load_and_broadcast, max_inflight_bytes,
+                          max_workers, progress)
     return load(_storage.resolve(url, storage_options), target, options)
 
 
@@ -296,7 +452,8 @@ def load(loc: _storage.Location, target: Any, options: LoadOptions) -> Any:
         requests = [_Request(s, _saved_form(s)) for s in ckpt.leaves.values()]
         treedef = None
     else:
-        requests, treedef = _match(ckpt, target, options.allow_dtype_cast, options.partial)
+        requests, treedef = _match(ckpt, target, options.allow_dtype_cast, options.partial,
+                                   options.load_and_broadcast)
     total = sum(r.nbytes for r in requests)
     with _progress.bar(f"restoring {ckpt.loc.url}", total, options.progress) as advance:
         values = _read_all(ckpt, requests, options, advance)
@@ -310,8 +467,8 @@ def load(loc: _storage.Location, target: Any, options: LoadOptions) -> Any:
     return result
 
 
-def _match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool,
-           partial: bool) -> tuple[list[_Request], Any]:
+def _match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial: bool,
+           load_and_broadcast: bool) -> tuple[list[_Request], Any]:
     """One request per target leaf; raises listing every mismatch before any read. With
     `partial`, the checkpoint's leaves that the target lacks are skipped, never read."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
@@ -326,7 +483,7 @@ def _match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool,
             problems.append(f"{where}: in the target but not in the checkpoint")
             continue
         seen.add(name)
-        request, shape = _request_for(leaf, stored, where)
+        request, shape = _request_for(leaf, stored, where, load_and_broadcast)
         requests.append(request)
         if shape != stored.shape:
             problems.append(f"{where}: shape {stored.shape} in the checkpoint, {shape} in the target")
@@ -361,7 +518,8 @@ def _saved_form(stored: _reader.StoredLeaf) -> _Form:
     return _Numpy(stored.dtype)
 
 
-def _request_for(leaf: Any, stored: _reader.StoredLeaf, where: str) -> tuple[_Request, tuple[int, ...]]:
+def _request_for(leaf: Any, stored: _reader.StoredLeaf, where: str,
+                 broadcast: bool) -> tuple[_Request, tuple[int, ...]]:
     """How a target leaf asks to be restored, and the shape it expects."""
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and _dtypes.is_prng_key(leaf.dtype):
         # Typed keys are stored as their key data: compare that shape, and rebuild keys.
@@ -369,13 +527,14 @@ def _request_for(leaf: Any, stored: _reader.StoredLeaf, where: str) -> tuple[_Re
         old = leaf if isinstance(leaf, jax.Array) else None
         return _Request(stored, _PrngKeys(stored.dtype, leaf.sharding), old), data_shape
     if isinstance(leaf, jax.Array):
-        return _Request(stored, _sharded(np.dtype(leaf.dtype), leaf.sharding, stored), leaf), tuple(leaf.shape)
+        return (_Request(stored, _sharded(np.dtype(leaf.dtype), leaf.sharding, stored, broadcast), leaf),
+                tuple(leaf.shape))
     if isinstance(leaf, jax.ShapeDtypeStruct):
         dtype = np.dtype(leaf.dtype)
-        form = _DefaultDevice(dtype) if leaf.sharding is None else _sharded(dtype, leaf.sharding, stored)
+        form = _DefaultDevice(dtype) if leaf.sharding is None else _sharded(dtype, leaf.sharding, stored, broadcast)
         return _Request(stored, form), tuple(leaf.shape)
     if isinstance(leaf, jax.sharding.Sharding):
-        return _Request(stored, _sharded(stored.dtype, leaf, stored)), stored.shape
+        return _Request(stored, _sharded(stored.dtype, leaf, stored, broadcast)), stored.shape
     if isinstance(leaf, np.ndarray):
         return _Request(stored, _Numpy(leaf.dtype)), leaf.shape
     if isinstance(leaf, np.generic):
@@ -442,4 +601,8 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], options: LoadO
                 done[read.request.stored.name] = read.request.form.build(read.request.stored, pieces)
                 advance(read.request.nbytes)
                 pieces = []
+    shared = [r for r in requests if isinstance(r.form, (_Broadcast, _OneReader))]
+    if shared:
+        moved = _share([done[r.stored.name] for r in shared], [r.form for r in shared])
+        done.update((r.stored.name, array) for r, array in zip(shared, moved))
     return done

@@ -1,0 +1,83 @@
+"""Scale: 4 processes x 2 CPU devices on localhost. What grows with the process count
+must not: coordination calls per process, bytes read from the store for replicated
+state, objects per small leaf. A process killed mid-save is named by the others."""
+
+import pytest
+
+import multiprocess
+import zarrckpt
+from zarrckpt import _commit, _storage
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Step 1 saved by 4 processes with 2 devices each."""
+    directory = str(tmp_path_factory.mktemp("scale") / "run")
+    results = multiprocess.run("mp_scale", "save", directory, "1", processes=4, devices=2)
+    return directory, results
+
+
+def test_four_processes_save_and_restore_on_four_two_and_one(saved):
+    directory, _ = saved
+    assert zarrckpt.all_steps(directory) == [1]
+    for processes, devices in ((4, 2), (2, 2), (1, 2)):
+        for layout in ("replicated", "mixed", "sharded"):
+            results = multiprocess.run("mp_scale", "restore", directory, layout, processes=processes,
+                                       devices=devices)
+            for r in results:  # every addressable shard checked on every process
+                assert r["step"] == 1 and r["step_value"] == 7 and r["checked"] > 0, (processes, layout, r)
+            if processes > 1:
+                break  # the other layouts are covered on 4 processes below
+
+
+@pytest.mark.parametrize("layout", ["replicated", "mixed"])
+def test_replicated_state_is_read_from_the_store_once(saved, layout):
+    """Load and broadcast: 4 processes that each need all (or a host's share) of the
+    state read it about once in total, and get the right values on every device."""
+    directory, _ = saved
+    shared = multiprocess.run("mp_scale", "restore", directory, layout, "on", processes=4, devices=2)
+    alone = multiprocess.run("mp_scale", "restore", directory, layout, "off", processes=4, devices=2)
+    checkpoint = shared[0]["checkpoint_bytes"]
+    read_shared = sum(r["bytes_read"] for r in shared) / checkpoint
+    read_alone = sum(r["bytes_read"] for r in alone) / checkpoint
+    assert all(r["checked"] > 0 for r in shared + alone)
+    assert read_shared <= 1.1, (read_shared, [r["bytes_read"] for r in shared])
+    if layout == "replicated":
+        assert read_alone > 3.5  # without it, every host reads everything it needs itself
+
+
+def test_coordination_calls_per_process_do_not_grow_with_the_process_count(saved, tmp_path):
+    counts = {}
+    for processes in (2, 4):
+        directory = str(tmp_path / f"p{processes}")
+        saves = multiprocess.run("mp_scale", "save", directory, "1", processes=processes, devices=2)
+        restores = multiprocess.run("mp_scale", "restore", directory, "sharded", "off", processes=processes,
+                                    devices=2)
+        counts[processes] = ([sum(r["calls"].values()) for r in saves], [sum(r["calls"].values()) for r in restores])
+    (save2, restore2), (save4, restore4) = counts[2], counts[4]
+    assert max(save4) <= max(save2) and max(restore4) <= max(restore2), counts
+    assert max(save4) <= 8 and max(restore4) <= 3, counts  # a handful, whatever the process count
+
+
+def test_a_small_leaf_is_one_object_per_writing_process(saved):
+    directory, _ = saved
+    loc = _storage.resolve(directory).step(1)
+    small = [k for k in loc.sizes(recursive=True) if k.startswith("small/c.")]
+    assert len(small) == 4  # 4 KiB over 8 devices of 4 hosts: each host merges its two shards
+    assert zarrckpt.verify(loc.url).ok
+
+
+def test_a_process_killed_mid_save_is_named_and_the_restart_resumes(saved, tmp_path):
+    directory = str(tmp_path / "run")
+    multiprocess.run("mp_scale", "save", directory, "1", processes=4, devices=2)
+    results = multiprocess.run("mp_scale", "kill", directory, "2", "2", processes=4, devices=2, expect_ok=False,
+                               timeout=120)
+    assert results[2]["returncode"] == -9  # SIGKILL
+    for pid in (0, 1, 3):
+        r = results[pid]
+        assert "error" in r, r["output"][-3000:]
+        assert "processes [2] never arrived" in r["error"], r["error"]
+        assert r["latest"] == 1
+    assert _commit.state(_storage.resolve(directory).step(2)) is not _commit.State.COMMITTED
+    restarted = multiprocess.run("mp_scale", "restore", directory, "sharded", processes=4, devices=2)
+    assert [r["step"] for r in restarted] == [1, 1, 1, 1]

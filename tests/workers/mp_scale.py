@@ -1,0 +1,150 @@
+"""Multi-process worker for the scale tests, counting what each process asks of the
+coordination service and of the store.
+
+    save DIR STEP            save the state (every process), then report
+    restore DIR MESH         restore onto MESH ("replicated", "mixed", "sharded"), check
+                             every addressable shard, report
+    kill DIR STEP VICTIM     like save, but process VICTIM SIGKILLs itself mid-write
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import sys
+import time
+
+from common import check_shards, expected, init, report
+
+args = init()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import zarrckpt  # noqa: E402
+from zarrckpt import _storage  # noqa: E402
+
+SHAPES = {"sharded": (64, 32), "replicated": (1024, 512), "small": (1024,), "host": (5, 3)}  # replicated: 2 MiB
+TIMEOUT_S = 20.0
+
+
+class Counting:
+    """The coordination client, counting every call made through it by name."""
+
+    def __init__(self, client):
+        self._client, self.calls = client, collections.Counter()
+
+    def __getattr__(self, name):
+        method = getattr(self._client, name)
+
+        def counted(*a, **k):
+            self.calls[name] += 1
+            return method(*a, **k)
+
+        return counted
+
+
+def count_coordination() -> Counting | None:
+    from jax._src import distributed
+
+    jax.devices()  # the backend's gloo collectives take the real client, first
+    if distributed.global_state.client is None:
+        return None
+    distributed.global_state.client = Counting(distributed.global_state.client)
+    return distributed.global_state.client
+
+
+def count_store_bytes() -> dict:
+    """Bytes read from and objects written to the store by this process."""
+    seen = collections.Counter()
+    read, read_into, write = _storage.Location.read, _storage.Location.read_into, _storage.Location.write
+
+    def counted_read(self, key):
+        data = read(self, key)
+        seen["bytes_read"] += len(data)
+        seen["reads"] += 1
+        return data
+
+    def counted_read_into(self, key, *buffers):
+        size = read_into(self, key, *buffers)
+        seen["bytes_read"] += size
+        seen["reads"] += 1
+        return size
+
+    def counted_write(self, key, *parts, **kwargs):
+        seen["writes"] += 1
+        return write(self, key, *parts, **kwargs)
+
+    _storage.Location.read, _storage.Location.read_into, _storage.Location.write = \
+        counted_read, counted_read_into, counted_write
+    return seen
+
+
+def global_array(name: str, sharding) -> jax.Array:
+    full = expected(name, SHAPES[name])
+    return jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
+
+
+def state() -> dict:
+    mesh = Mesh(np.array(jax.devices()), ("all",))
+    return {"sharded": global_array("sharded", NamedSharding(mesh, P("all"))),
+            "replicated": global_array("replicated", NamedSharding(mesh, P())),
+            "small": global_array("small", NamedSharding(mesh, P("all"))),  # 4 KiB over every device
+            "host": expected("host", SHAPES["host"]), "step": 7}
+
+
+def save(directory: str, step: str, victim: int | None = None) -> None:
+    calls, store = count_coordination(), count_store_bytes()
+    if victim == jax.process_index():
+        write = _storage.Location.write
+
+        def die_mid_write(self, key, *parts, **kwargs):
+            if "/c." in key:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write(self, key, *parts, **kwargs)
+
+        _storage.Location.write = die_mid_write
+    try:
+        # A shorter wait where a process is killed: the test waits for the timeout.
+        zarrckpt.save_checkpoint(directory, int(step), state(), timeout_s=TIMEOUT_S if victim is None else 8.0)
+    except zarrckpt.CoordinationTimeoutError as e:
+        report(error=str(e), latest=zarrckpt.latest_step(directory))
+        sys.stdout.flush()
+        if jax.process_index() == 0:
+            time.sleep(5)  # it hosts the coordination service: let the others report first
+        os._exit(0)  # the job is broken: do not wait for the coordination service to shut down
+    report(calls=dict(calls.calls) if calls else {}, writes=store["writes"])
+
+
+RESTORE_MESHES = {
+    # Every leaf on every device: data-parallel replicas, all of it needed on every host.
+    "replicated": lambda mesh: {"sharded": P(), "replicated": P(), "small": P()},
+    # Sharded within a host, replicated across hosts: (hosts, devices per host).
+    "mixed": lambda mesh: {"sharded": P(None, "local"), "replicated": P("local"), "small": P()},
+    "sharded": lambda mesh: {"sharded": P(("hosts", "local")), "replicated": P("hosts"), "small": P("local")},
+}
+
+
+def restore(directory: str, layout: str, broadcast: str = "on") -> None:
+    calls, store = count_coordination(), count_store_bytes()
+    devices = np.array(jax.devices()).reshape(jax.process_count(), -1)
+    mesh = Mesh(devices, ("hosts", "local"))
+    target = {name: NamedSharding(mesh, spec) for name, spec in RESTORE_MESHES[layout](mesh).items()}
+    target["host"], target["step"] = np.zeros(SHAPES["host"], np.float32), 0
+    restored, step = zarrckpt.load_checkpoint_if_it_exists(directory, target, timeout_s=TIMEOUT_S,
+                                                           load_and_broadcast=broadcast == "on")
+    checked = check_shards(restored, SHAPES)
+    report(step=step, checked=checked, step_value=restored["step"], bytes_read=store["bytes_read"],
+           reads=store["reads"], calls=dict(calls.calls) if calls else {},
+           checkpoint_bytes=sum(int(np.prod(s)) * 4 for s in SHAPES.values()))
+
+
+mode, *rest = args
+if mode == "save":
+    save(*rest)
+elif mode == "kill":
+    save(rest[0], rest[1], victim=int(rest[2]))
+else:
+    restore(*rest)
