@@ -204,6 +204,7 @@ def test_str_and_bytes_leaves_round_trip(tmp_path):
     with pytest.raises(zarrckpt.CheckpointMismatchError, match=r"\['blob'\]: a str in the target, saved as bytes"):
         zarrckpt.load_pytree(url, {**target, "blob": ""})
     assert zarrckpt.verify(url).ok
+    assert zarrckpt.metadata(url).format_version == 3  # older zarrckpt refuses it rather than misread it
 
 
 def test_per_process_leaf_on_one_process(tmp_path):

@@ -215,6 +215,23 @@ class Operation:
             raise self.error
 
 
+def batches(items: Iterable[_T], size: Callable[[_T], int], max_items: int,
+            max_bytes: int) -> Iterator[list[_T]]:
+    """`items` in consecutive groups of at most `max_items` and, past the first item,
+    `max_bytes`: many small requests to a local store cost less as one task each group
+    (a future and a thread switch per file were most of a small file's cost)."""
+    group: list[_T] = []
+    held = 0
+    for item in items:
+        if group and (len(group) == max_items or held + size(item) > max_bytes):
+            yield group
+            group, held = [], 0
+        group.append(item)
+        held += size(item)
+    if group:
+        yield group
+
+
 def run_all(fn: Callable[[_T], _R], items: Sequence[_T], workers: int, name: str = "io") -> list[_R]:
     """`fn(item)` for a few items at once, results in order; the first failure is raised
     and stops the rest. One item, or one worker, runs on the calling thread."""

@@ -33,7 +33,7 @@ from typing import Any, Callable, TypeVar
 
 import jax
 
-from . import errors
+from . import _stats, errors
 from .errors import CheckpointError, CoordinationTimeoutError
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -59,7 +59,18 @@ def _client() -> Any:
             f"{process_count()} JAX processes but no coordination service: "
             "call jax.distributed.initialize() in every process first"
         )
-    return client
+    return _Counted(client)
+
+
+class _Counted:
+    """The coordination client, counting each call (`_stats`: coordination_calls)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        _stats.add("coordination_calls")
+        return getattr(self._client, name)
 
 
 class Collective:

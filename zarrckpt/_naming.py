@@ -12,7 +12,9 @@ from typing import Sequence
 
 from .errors import CheckpointCorruptError
 
-FORMAT_VERSION = 2  # 2: chunks carry a CRC-32C (version 1 checkpoints, without, still load)
+FORMAT_VERSION = 3  # the newest version this zarrckpt reads and writes (see `format_version`)
+# 3: str, bytes and per-process leaves; 2: chunks carry a CRC-32C (version 1, without, still loads).
+_VERSION_3_KINDS = frozenset({"str", "bytes", "per_process"})
 COMMIT_ATTR = "write_completed"  # seqax's commit marker; its presence as `true` is the commit
 META_ATTR = "zarrckpt"  # group attribute holding format_version and the tree record
 
@@ -75,6 +77,13 @@ def object_key(array: str, key: str = "") -> str:
 def per_process_name(name: str, process: int) -> str:
     """The array holding process `process`'s value of the per-process leaf `name`."""
     return f"{name}.%p{process}"
+
+
+def format_version(leaf_kinds: set[str]) -> int:
+    """The version a checkpoint with leaves of these kinds is written as: 3 only when it
+    holds leaves a reader of version 2 would misread, so that older zarrckpt still
+    reads every checkpoint it can."""
+    return FORMAT_VERSION if leaf_kinds & _VERSION_3_KINDS else 2
 
 
 def step_dir_name(step: int) -> str:

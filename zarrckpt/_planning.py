@@ -36,6 +36,7 @@ DEFAULT_MIN_CHUNK_BYTES = 2**20
 _MIN_REPLICA_SPLIT_BYTES = 2**20
 
 Region = tuple[tuple[int, int], ...]  # (start, stop) per axis
+Slices = tuple[slice, ...]
 
 
 def region_slices(region: Region) -> tuple[slice, ...]:
@@ -68,9 +69,10 @@ class WriteUnit:
     region: Region
     nbytes: int
     host: np.ndarray | None = None  # a numpy leaf: the whole array
-    # Single-device shards holding the chunk, each with the region of the array it
-    # holds: one, or several side by side when small shards are merged into a chunk.
-    sources: tuple[tuple[jax.Array, Region], ...] = ()
+    # The single-device shards holding the chunk: each with the part of it to take and
+    # where that goes in the chunk (None: all of it). One, or several side by side when
+    # small shards are merged into one chunk.
+    sources: tuple[tuple[jax.Array, Slices | None, Slices | None], ...] = ()
     _pending: list[tuple[Region, Any]] | None = None  # transfers in flight: (part, host view or device piece)
     _owned: np.ndarray | None = None  # a staged copy, independent of the source
     _budget: ByteBudget | None = None  # holds `nbytes` of it until released
@@ -84,17 +86,17 @@ class WriteUnit:
         if not self.sources or self._pending is not None:
             return
         self._pending = []
-        for data, held in self.sources:
-            part = intersect(self.region, held)
-            local = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(part, held))
-            if data.devices().pop().platform == "cpu":
+        on_cpu = self.sources[0][0].devices().pop().platform == "cpu"  # one platform per array
+        for data, take, put in self.sources:
+            if on_cpu:
                 # CPU buffers convert to numpy without a copy; slicing there is free.
-                self._pending.append((part, np.asarray(data)[local]))
+                host = np.asarray(data)
+                self._pending.append((put, host if take is None else host[take]))
             else:
                 # Copy only this chunk's part off the accelerator, not the whole shard.
-                piece = data if tuple(data.shape) == region_shape(part) else data[local]
+                piece = data if take is None else data[take]
                 piece.copy_to_host_async()
-                self._pending.append((part, piece))
+                self._pending.append((put, piece))
 
     def host_array(self) -> np.ndarray:
         """The chunk's data on the host (waits for the copies)."""
@@ -104,11 +106,11 @@ class WriteUnit:
             return self.host[region_slices(self.region)]
         self.start_transfer()
         assert self._pending is not None
-        if len(self._pending) == 1:
+        if len(self._pending) == 1 and self._pending[0][0] is None:
             return np.asarray(self._pending[0][1])
         out = np.empty(region_shape(self.region), np.asarray(self._pending[0][1]).dtype)
-        for part, piece in self._pending:
-            out[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(part, self.region))] = np.asarray(piece)
+        for put, piece in self._pending:
+            out[put] = np.asarray(piece)
         return out
 
     def stage(self) -> None:
@@ -222,12 +224,14 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
 def _plan_sharded(leaf: Leaf, value: jax.Array, shape: tuple[int, ...], dtype: np.dtype, salt: int,
                   checksum: bool, max_chunk_bytes: int, min_chunk_bytes: int) -> ArrayPlan:
     layout = _layout(value.sharding, shape, dtype.itemsize, max_chunk_bytes, min_chunk_bytes)
-    shards = {s.device: s.data for s in value.addressable_shards}
     me = _multihost.process_index()
+    shards: dict[jax.Device, jax.Array] | None = None
     writes = []
-    for k, (chunk, writer, holders) in enumerate(layout.assignments(salt)):
+    for chunk, writer, parts in layout.assignments(salt):
         if writer == me and region_size(chunk):
-            sources = tuple((shards[device], held) for held, device in holders.items())
+            if shards is None:  # only a writing process asks for its shards
+                shards = {s.device: s.data for s in value.addressable_shards}
+            sources = tuple((shards[device], take, put) for device, take, put in parts)
             writes.append(WriteUnit(chunk, _dtypes.nbytes(region_shape(chunk), dtype), sources=sources))
     return ArrayPlan(leaf, shape, dtype, layout.chunks, writes, checksum)
 
@@ -246,9 +250,10 @@ class _Layout:
     replicas: dict[Region, list[jax.Device]]
     merged: _Shards | None = None
 
-    def assignments(self, salt: int) -> Iterator[tuple[Region, int, dict[Region, jax.Device]]]:
-        """Every chunk with the process that writes it and, for that process, the device
-        to copy each shard region inside the chunk from."""
+    def assignments(self, salt: int) -> Iterator[tuple[Region, int, list[tuple[jax.Device, Slices | None,
+                                                                                Slices | None]]]]:
+        """Every chunk with the process that writes it and, on that process, each device
+        to copy from, the part of its shard to take and where it goes in the chunk."""
         if self.merged is None:
             for region, devices in self.replicas.items():
                 inside = list(_chunks_in(region, self.chunks))
@@ -256,13 +261,37 @@ class _Layout:
                     # Contiguous runs of chunks per replica, replicas spaced evenly over the
                     # (id-sorted, so host-grouped) devices: few chunks still reach every host.
                     writer = devices[(salt + k * len(devices) // len(inside)) % len(devices)]
-                    yield chunk, writer.process_index, {region: writer}
+                    yield chunk, writer.process_index, [(writer, None if chunk == region else
+                                                         _relative(chunk, region), None)]
             return
-        for k, chunk in enumerate(_chunks_in(self.merged.full, self.chunks)):
-            inside = self.merged.inside(chunk)
-            holders = sorted(self.merged.holders(inside))
+        for k, (chunk, holders, parts) in enumerate(self._merged_cells):
             writer = holders[(salt + k) % len(holders)]
-            yield chunk, writer, {r: next(d for d in self.replicas[r] if d.process_index == writer) for r in inside}
+            yield chunk, writer, [(first[writer], take, put) for first, take, put in parts]
+
+    @functools.cached_property
+    def _merged_cells(self) -> list[tuple[Region, list[int], list[tuple[dict[int, jax.Device], Slices | None,
+                                                                           Slices]]]]:
+        """Per merged chunk, computed once for every leaf of this layout: the processes
+        holding it whole, and per shard inside it, its first device on each process,
+        the part of the shard to take and where it goes in the chunk."""
+        assert self.merged is not None
+        cells = []
+        for chunk in _chunks_in(self.merged.full, self.chunks):
+            inside = self.merged.inside(chunk)
+            parts = []
+            for region in inside:
+                first: dict[int, jax.Device] = {}
+                for device in self.replicas[region]:
+                    first.setdefault(device.process_index, device)
+                part = intersect(chunk, region)
+                parts.append((first, None if part == region else _relative(part, region), _relative(part, chunk)))
+            cells.append((chunk, sorted(self.merged.holders(inside)), parts))
+        return cells
+
+
+def _relative(part: Region, within: Region) -> Slices:
+    """`part` as slices of an array holding `within`."""
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(part, within))
 
 
 @dataclasses.dataclass(frozen=True)

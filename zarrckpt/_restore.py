@@ -11,9 +11,11 @@ device count or process count work.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
+import zlib
 from typing import Any, Callable
 
 import jax
@@ -284,7 +286,9 @@ class _OneReader(_Sharded):
         holders: dict[Region, list[jax.Device]] = {}
         for device, index in self.sharding.devices_indices_map(stored.shape).items():
             holders.setdefault(_planning.region_of(index, stored.shape), []).append(device)
-        readers, k = {}, 0
+        # Start the turn at a place of the leaf's own, so that many one-chunk leaves
+        # spread over the processes too.
+        readers, k = {}, zlib.crc32(stored.name.encode())
         for region, devices in sorted(holders.items()):
             processes = sorted({d.process_index for d in devices})
             for chunk in _planning.chunks_touching(region, stored.chunks, stored.shape):
@@ -341,28 +345,38 @@ def _share(arrays: list[jax.Array], forms: list[_Form]) -> list[jax.Array]:
     resharded onto its target, a leaf read by one replica is summed over the
     replicas. XLA's collectives (gloo on CPU, NCCL or ICI on accelerators) carry the
     bytes between hosts."""
-    def share(x: jax.Array, form: _Form) -> jax.Array:
-        if isinstance(form, _Broadcast):
-            return x  # out_shardings reshards it
-        assert isinstance(form, _OneReader) and isinstance(form.sharding, jax.sharding.NamedSharding)
-        same = np.dtype(f"uint{x.dtype.itemsize * 8}")
-        wide = np.dtype(np.int64) if x.dtype.itemsize == 8 else np.dtype(np.int32)
-
-        def total(block: jax.Array) -> jax.Array:
-            boolean = block.dtype == np.bool_
-            bits = block.astype(same) if boolean else jax.lax.bitcast_convert_type(block, same)
-            summed = jax.lax.psum(jax.lax.convert_element_type(bits, wide), tuple(_replica_axes(form.sharding)))
-            summed = jax.lax.convert_element_type(summed, same)
-            return summed.astype(np.bool_) if boolean else jax.lax.bitcast_convert_type(summed, block.dtype)
-
-        spec = form.sharding.spec
-        return jax.shard_map(total, mesh=form.sharding.mesh, in_specs=spec, out_specs=spec)(x)
-
-    shardings = tuple(form.sharding for form in forms)  # type: ignore[attr-defined]
-    moved = jax.jit(lambda *xs: tuple(share(x, f) for x, f in zip(xs, forms)), out_shardings=shardings)(*arrays)
+    moved = _sharing_program(tuple(forms))(*arrays)
     for array in arrays:
         array.delete()
     return list(moved)
+
+
+@functools.lru_cache(maxsize=16)
+def _sharing_program(forms: tuple[_Form, ...]) -> Callable[..., Any]:
+    """One jitted program per set of leaves (restoring the same state again, as an
+    evaluator does, compiles nothing new)."""
+    shardings = tuple(form.sharding for form in forms)  # type: ignore[attr-defined]
+    return jax.jit(lambda *xs: tuple(_shared(x, f) for x, f in zip(xs, forms)), out_shardings=shardings)
+
+
+def _shared(x: jax.Array, form: _Form) -> jax.Array:
+    """Inside the program: one leaf as its target holds it."""
+    if isinstance(form, _Broadcast):
+        return x  # out_shardings reshards it
+    assert isinstance(form, _OneReader) and isinstance(form.sharding, jax.sharding.NamedSharding)
+    same = np.dtype(f"uint{x.dtype.itemsize * 8}")
+    wide = np.dtype(np.int64) if x.dtype.itemsize == 8 else np.dtype(np.int32)
+    axes = tuple(_replica_axes(form.sharding))
+
+    def total(block: jax.Array) -> jax.Array:
+        # A sum with zeros is exact on the bits (as integers): -0.0 and NaN payloads survive.
+        boolean = block.dtype == np.bool_
+        bits = block.astype(same) if boolean else jax.lax.bitcast_convert_type(block, same)
+        summed = jax.lax.convert_element_type(jax.lax.psum(jax.lax.convert_element_type(bits, wide), axes), same)
+        return summed.astype(np.bool_) if boolean else jax.lax.bitcast_convert_type(summed, block.dtype)
+
+    spec = form.sharding.spec
+    return jax.shard_map(total, mesh=form.sharding.mesh, in_specs=spec, out_specs=spec)(x)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ import numpy as np
 import zarr
 import zarr.storage
 
-from . import _concurrency, _naming
+from . import _concurrency, _naming, _stats
 from .errors import CheckpointCorruptError
 
 # Keys that hold metadata; any other key zarr asks for is a chunk.
@@ -47,6 +47,9 @@ class _Protocol:
     concurrency: int
     # The client accepts only `bytes` bodies, so a chunk's memoryview is copied first.
     bytes_body: bool = True
+    # Small writes done one after another in one task, up to this many: worth it where
+    # a request costs microseconds (a local file), never where it waits on a network.
+    writes_per_task: int = 1
     # Extra arguments to `cat_file`, passed where the installed client takes them.
     read_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # Storage options merged under the user's (the user's win, key by key).
@@ -72,7 +75,7 @@ LOCAL_CONCURRENCY = 8  # a local disk is kept busy by a few requests
 # A bound all the same: S3 and GCS throttle one prefix past a few thousand requests
 # a second (their clients retry), and each request in flight holds a thread.
 OBJECT_STORE_CONCURRENCY = 128
-_LOCAL = _Protocol(LOCAL_CONCURRENCY, bytes_body=False)
+_LOCAL = _Protocol(LOCAL_CONCURRENCY, bytes_body=False, writes_per_task=64)
 _S3 = _Protocol(
     OBJECT_STORE_CONCURRENCY,
     # botocore refuses memoryview bodies; a file object would be read 64 KiB at a time
@@ -93,7 +96,7 @@ _S3 = _Protocol(
 # session opens at most 100 connections: more requests would only queue for them.
 _GCS = _Protocol(100, bytes_body=False)
 # The in-process memory file system: more threads would only contend for the GIL.
-_MEMORY = _Protocol(LOCAL_CONCURRENCY, bytes_body=False)
+_MEMORY = _Protocol(LOCAL_CONCURRENCY, bytes_body=False, writes_per_task=64)
 # Anything else (azure, http, a wrapper...) is assumed remote and given bytes.
 _OTHER = _Protocol(OBJECT_STORE_CONCURRENCY)
 _PROTOCOLS = {"file": _LOCAL, "local": _LOCAL, "memory": _MEMORY,
@@ -194,11 +197,13 @@ class Location:
         (see docs/pytree-zarr-checkpoint.md, Commit).
         """
         path = posixpath.join(self.path, key)
+        _stats.add("store_bytes_written", sum(memoryview(p).nbytes for p in parts))
         if not self.is_local:
             data = parts[0] if len(parts) == 1 else b"".join(parts)
             body = bytes(data) if self.protocol.bytes_body else data
             self._call("write", key, self.fs.pipe_file, path, body)
             return
+        _stats.add("store_write")
         target = f"{path}.{uuid.uuid4().hex}.tmp" if atomic else path
         try:
             f = open(target, "wb")
@@ -212,8 +217,9 @@ class Location:
 
     def read(self, key: str) -> bytes:
         """The whole object `key` below this location (one request); FileNotFoundError if absent."""
-        return self._call("read", key, self.fs.cat_file, posixpath.join(self.path, key),
-                          **self.read_options)
+        data = self._call("read", key, self.fs.cat_file, posixpath.join(self.path, key), **self.read_options)
+        _stats.add("store_bytes_read", len(data))
+        return data
 
     def read_if_present(self, keys: Sequence[str]) -> list[bytes | None]:
         """Several small objects, None for each that is absent: one round trip, as the
@@ -243,11 +249,13 @@ class Location:
                 np.frombuffer(buffer, np.uint8)[: len(piece)] = piece
                 offset += len(piece)
             return len(data)
+        _stats.add("store_read")
         with open(posixpath.join(self.path, key), "rb", buffering=0) as f:
             for buffer in buffers:
                 done = 0
                 while done < len(buffer) and (n := f.readinto(buffer[done:])):
                     done += n
+                _stats.add("store_bytes_read", done)
             return os.fstat(f.fileno()).st_size
 
     def exists(self) -> bool:
@@ -282,6 +290,7 @@ class Location:
         for attempt in range(RETRIES + 1):
             if _concurrency.aborted():
                 raise _concurrency.Aborted(f"not {action}ing {key or self.url}: the operation had already failed")
+            _stats.add(f"store_{action}")
             try:
                 return fn(*args, **kwargs)
             except Exception as e:  # any failure inside the store's client library

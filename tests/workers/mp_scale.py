@@ -1,5 +1,5 @@
-"""Multi-process worker for the scale tests, counting what each process asks of the
-coordination service and of the store.
+"""Multi-process worker for the scale tests, reporting what each process asked of the
+coordination service and of the store (zarrckpt._stats).
 
     save DIR STEP            save the state (every process), then report
     restore DIR MESH         restore onto MESH ("replicated", "mixed", "sharded"), check
@@ -9,7 +9,6 @@ coordination service and of the store.
 
 from __future__ import annotations
 
-import collections
 import os
 import signal
 import sys
@@ -24,62 +23,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zarrckpt  # noqa: E402
-from zarrckpt import _storage  # noqa: E402
+from zarrckpt import _stats, _storage  # noqa: E402
 
 SHAPES = {"sharded": (64, 32), "replicated": (1024, 512), "small": (1024,), "host": (5, 3)}  # replicated: 2 MiB
 TIMEOUT_S = 20.0
-
-
-class Counting:
-    """The coordination client, counting every call made through it by name."""
-
-    def __init__(self, client):
-        self._client, self.calls = client, collections.Counter()
-
-    def __getattr__(self, name):
-        method = getattr(self._client, name)
-
-        def counted(*a, **k):
-            self.calls[name] += 1
-            return method(*a, **k)
-
-        return counted
-
-
-def count_coordination() -> Counting | None:
-    from jax._src import distributed
-
-    jax.devices()  # the backend's gloo collectives take the real client, first
-    if distributed.global_state.client is None:
-        return None
-    distributed.global_state.client = Counting(distributed.global_state.client)
-    return distributed.global_state.client
-
-
-def count_store_bytes() -> dict:
-    """Bytes read from and objects written to the store by this process."""
-    seen = collections.Counter()
-    read, read_into, write = _storage.Location.read, _storage.Location.read_into, _storage.Location.write
-
-    def counted_read(self, key):
-        data = read(self, key)
-        seen["bytes_read"] += len(data)
-        seen["reads"] += 1
-        return data
-
-    def counted_read_into(self, key, *buffers):
-        size = read_into(self, key, *buffers)
-        seen["bytes_read"] += size
-        seen["reads"] += 1
-        return size
-
-    def counted_write(self, key, *parts, **kwargs):
-        seen["writes"] += 1
-        return write(self, key, *parts, **kwargs)
-
-    _storage.Location.read, _storage.Location.read_into, _storage.Location.write = \
-        counted_read, counted_read_into, counted_write
-    return seen
 
 
 def global_array(name: str, sharding) -> jax.Array:
@@ -96,7 +43,7 @@ def state() -> dict:
 
 
 def save(directory: str, step: str, victim: int | None = None) -> None:
-    calls, store = count_coordination(), count_store_bytes()
+    _stats.reset()
     if victim == jax.process_index():
         write = _storage.Location.write
 
@@ -115,7 +62,8 @@ def save(directory: str, step: str, victim: int | None = None) -> None:
         if jax.process_index() == 0:
             time.sleep(5)  # it hosts the coordination service: let the others report first
         os._exit(0)  # the job is broken: do not wait for the coordination service to shut down
-    report(calls=dict(calls.calls) if calls else {}, writes=store["writes"])
+    counts = _stats.snapshot()
+    report(calls=counts.get("coordination_calls", 0), writes=counts.get("store_write", 0))
 
 
 RESTORE_MESHES = {
@@ -128,7 +76,7 @@ RESTORE_MESHES = {
 
 
 def restore(directory: str, layout: str, broadcast: str = "on") -> None:
-    calls, store = count_coordination(), count_store_bytes()
+    _stats.reset()
     devices = np.array(jax.devices()).reshape(jax.process_count(), -1)
     mesh = Mesh(devices, ("hosts", "local"))
     target = {name: NamedSharding(mesh, spec) for name, spec in RESTORE_MESHES[layout](mesh).items()}
@@ -136,8 +84,9 @@ def restore(directory: str, layout: str, broadcast: str = "on") -> None:
     restored, step = zarrckpt.load_checkpoint_if_it_exists(directory, target, timeout_s=TIMEOUT_S,
                                                            load_and_broadcast=broadcast == "on")
     checked = check_shards(restored, SHAPES)
-    report(step=step, checked=checked, step_value=restored["step"], bytes_read=store["bytes_read"],
-           reads=store["reads"], calls=dict(calls.calls) if calls else {},
+    counts = _stats.snapshot()
+    report(step=step, checked=checked, step_value=restored["step"], bytes_read=counts.get("store_bytes_read", 0),
+           reads=counts.get("store_read", 0), calls=counts.get("coordination_calls", 0),
            checkpoint_bytes=sum(int(np.prod(s)) * 4 for s in SHAPES.values()))
 
 
