@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import threading
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
@@ -28,6 +29,7 @@ _R = TypeVar("_R")
 DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
 
 _current = threading.local()  # the Operation whose item this thread is running
+_DONE = object()
 
 
 class Aborted(Exception):
@@ -88,7 +90,8 @@ class Operation:
     """
 
     def __init__(self, workers: int, name: str) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix=f"zarrckpt-{name}")
+        self._workers = max(1, workers)
+        self._pool = concurrent.futures.ThreadPoolExecutor(self._workers, thread_name_prefix=f"zarrckpt-{name}")
         self._lock = threading.Lock()
         self.error: BaseException | None = None
         self._budgets: list[ByteBudget] = []
@@ -134,29 +137,41 @@ class Operation:
                 on_done: Callable[[_T, _R], None] | None = None) -> list[_R]:
         """`fn(item)` for every item, concurrently; returns the results in order.
 
+        Every worker of the pool takes the next item in turn (so `items` is pulled as
+        the work goes, never ahead of it: a generator may block, e.g. on a budget) and
+        runs it: no future per item, which for many small files was most of the cost.
         With `budget`, each item takes `nbytes(item)` before it starts (waiting for
         room) and gives them back when it ends. `on_done` runs as each item succeeds.
-        Stops starting items at the first failure, waits for those running, and
-        raises the first failure.
+        Stops taking items at the first failure, waits for those running, and raises
+        the first failure.
         """
         if budget is not None:
             self._watch(budget)
-        futures: list[concurrent.futures.Future[_R]] = []
-        try:
-            for item in items:
-                if self.error is not None:
-                    break
-                size = nbytes(item) if budget is not None else 0
-                if budget is not None:
-                    budget.acquire(size)
-                future = self.submit(fn, item)
-                future.add_done_callback(self._finisher(item, size, budget, on_done))
-                futures.append(future)
-        except BaseException as e:
-            self.fail(e)
-        concurrent.futures.wait(futures)
+        source, turn, count = iter(items), threading.Lock(), itertools.count()
+        results: dict[int, _R] = {}
+
+        def worker() -> None:
+            while self.error is None:
+                with turn:
+                    if self.error is not None:
+                        return
+                    item = next(source, _DONE)
+                    if item is _DONE:
+                        return
+                    index, size = next(count), nbytes(item) if budget is not None else 0
+                    if budget is not None:
+                        budget.acquire(size)
+                try:
+                    results[index] = fn(item)
+                finally:
+                    if budget is not None:
+                        budget.release(size)
+                if on_done is not None:
+                    on_done(item, results[index])
+
+        concurrent.futures.wait([self.submit(worker) for _ in range(self._workers)])
         self._raise_if_failed()
-        return [future.result() for future in futures]
+        return [results[i] for i in range(len(results))]
 
     def window(self, items: Iterable[_T], fn: Callable[[_T], _R], *, budget: ByteBudget,
                nbytes: Callable[[_T], int],
@@ -194,15 +209,6 @@ class Operation:
             self._raise_if_failed()  # the first failure, not a later `Aborted`
             raise
 
-    def _finisher(self, item: Any, size: int, budget: ByteBudget | None,
-                  on_done: Callable[[Any, Any], None] | None) -> Callable[[concurrent.futures.Future[Any]], None]:
-        def done(future: concurrent.futures.Future[Any]) -> None:
-            if budget is not None:
-                budget.release(size)
-            if on_done is not None and not future.cancelled() and future.exception() is None:
-                on_done(item, future.result())
-        return done
-
     def _watch(self, budget: ByteBudget) -> None:
         with self._lock:
             self._budgets.append(budget)
@@ -213,23 +219,6 @@ class Operation:
     def _raise_if_failed(self) -> None:
         if self.error is not None:
             raise self.error
-
-
-def batches(items: Iterable[_T], size: Callable[[_T], int], max_items: int,
-            max_bytes: int) -> Iterator[list[_T]]:
-    """`items` in consecutive groups of at most `max_items` and, past the first item,
-    `max_bytes`: many small requests to a local store cost less as one task each group
-    (a future and a thread switch per file were most of a small file's cost)."""
-    group: list[_T] = []
-    held = 0
-    for item in items:
-        if group and (len(group) == max_items or held + size(item) > max_bytes):
-            yield group
-            group, held = [], 0
-        group.append(item)
-        held += size(item)
-    if group:
-        yield group
 
 
 def run_all(fn: Callable[[_T], _R], items: Sequence[_T], workers: int, name: str = "io") -> list[_R]:

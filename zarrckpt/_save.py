@@ -31,7 +31,6 @@ from ._planning import ArrayPlan, WriteUnit
 log = logging.getLogger("zarrckpt")
 
 _STAGING_THREADS = 4
-_SMALL_WRITES_BYTES = 2**20  # a task of several writes holds at most this much chunk data
 
 
 def save_pytree(
@@ -227,9 +226,8 @@ def _prepare(loc: _storage.Location, group: dict[str, Any], overwrite: bool) -> 
 def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPlan, dict[str, Any]]],
                workers: int, advance: Callable[[int], None]) -> None:
     """Writes each array's `metadata` document and every unit of `work`, `workers` at
-    a time (small writes to a local store several to a task). Array metadata is only
-    read once committed, so it goes out alongside the chunks. Stops at the first
-    failure (see `_concurrency`)."""
+    a time. Array metadata is only read once committed, so it goes out alongside the
+    chunks. Stops at the first failure (see `_concurrency`)."""
     def write(item: tuple[ArrayPlan, WriteUnit | dict[str, Any]]) -> None:
         plan, what = item
         if isinstance(what, dict):
@@ -238,13 +236,8 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
             _write_one(loc, plan, what)
             advance(what.nbytes)
 
-    def size(item: tuple[ArrayPlan, WriteUnit | dict[str, Any]]) -> int:
-        return 0 if isinstance(item[1], dict) else item[1].nbytes
-
-    tasks = _concurrency.batches(itertools.chain(metadata, work), size, loc.protocol.writes_per_task,
-                                 _SMALL_WRITES_BYTES)
     with _concurrency.Operation(workers, "write") as op:
-        op.fan_out(tasks, lambda task: [write(item) for item in task])
+        op.fan_out(itertools.chain(metadata, work), write)
 
 
 def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str, Any]) -> None:

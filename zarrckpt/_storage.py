@@ -47,9 +47,6 @@ class _Protocol:
     concurrency: int
     # The client accepts only `bytes` bodies, so a chunk's memoryview is copied first.
     bytes_body: bool = True
-    # Small writes done one after another in one task, up to this many: worth it where
-    # a request costs microseconds (a local file), never where it waits on a network.
-    writes_per_task: int = 1
     # Extra arguments to `cat_file`, passed where the installed client takes them.
     read_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # Storage options merged under the user's (the user's win, key by key).
@@ -75,7 +72,7 @@ LOCAL_CONCURRENCY = 8  # a local disk is kept busy by a few requests
 # A bound all the same: S3 and GCS throttle one prefix past a few thousand requests
 # a second (their clients retry), and each request in flight holds a thread.
 OBJECT_STORE_CONCURRENCY = 128
-_LOCAL = _Protocol(LOCAL_CONCURRENCY, bytes_body=False, writes_per_task=64)
+_LOCAL = _Protocol(LOCAL_CONCURRENCY, bytes_body=False)
 _S3 = _Protocol(
     OBJECT_STORE_CONCURRENCY,
     # botocore refuses memoryview bodies; a file object would be read 64 KiB at a time
@@ -96,7 +93,7 @@ _S3 = _Protocol(
 # session opens at most 100 connections: more requests would only queue for them.
 _GCS = _Protocol(100, bytes_body=False)
 # The in-process memory file system: more threads would only contend for the GIL.
-_MEMORY = _Protocol(LOCAL_CONCURRENCY, bytes_body=False, writes_per_task=64)
+_MEMORY = _Protocol(LOCAL_CONCURRENCY, bytes_body=False)
 # Anything else (azure, http, a wrapper...) is assumed remote and given bytes.
 _OTHER = _Protocol(OBJECT_STORE_CONCURRENCY)
 _PROTOCOLS = {"file": _LOCAL, "local": _LOCAL, "memory": _MEMORY,
