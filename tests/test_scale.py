@@ -30,13 +30,15 @@ def test_four_processes_save_and_restore_on_four_two_and_one(saved):
                 break  # the other layouts are covered on 4 processes below
 
 
-@pytest.mark.parametrize("layout", ["replicated", "mixed"])
-def test_replicated_state_is_read_from_the_store_once(saved, layout):
+@pytest.mark.parametrize("layout, inflight", [("replicated", 2**31), ("mixed", 2**31), ("replicated", 4096)])
+def test_replicated_state_is_read_from_the_store_once(saved, layout, inflight):
     """Load and broadcast: 4 processes that each need all (or a host's share) of the
-    state read it about once in total, and get the right values on every device."""
+    state read it about once in total, and get the right values on every device; with
+    a small max_inflight_bytes the leaves are shared a few at a time."""
     directory, _ = saved
-    shared = multiprocess.run("mp_scale", "restore", directory, layout, "on", processes=4, devices=2)
-    alone = multiprocess.run("mp_scale", "restore", directory, layout, "off", processes=4, devices=2)
+    shared = multiprocess.run("mp_scale", "restore", directory, layout, "on", str(inflight), processes=4,
+                              devices=2)
+    alone = multiprocess.run("mp_scale", "restore", directory, layout, "off", str(inflight), processes=4, devices=2)
     checkpoint = shared[0]["checkpoint_bytes"]
     read_shared = sum(r["bytes_read"] for r in shared) / checkpoint
     read_alone = sum(r["bytes_read"] for r in alone) / checkpoint

@@ -339,16 +339,18 @@ def _summable(dtype: np.dtype) -> bool:
     return dtype.kind != "c" and dtype.itemsize in (1, 2, 4, 8)
 
 
-def _share(arrays: list[jax.Array], forms: list[_Form]) -> list[jax.Array]:
-    """Load and broadcast's second half, for every such leaf in one compiled program
-    (collective: every process calls it with the same leaves): a staged leaf is
-    resharded onto its target, a leaf read by one replica is summed over the
-    replicas. XLA's collectives (gloo on CPU, NCCL or ICI on accelerators) carry the
-    bytes between hosts."""
-    moved = _sharing_program(tuple(forms))(*arrays)
-    for array in arrays:
-        array.delete()
-    return list(moved)
+def _share(requests: list["_Request"], done: dict[str, Any]) -> None:
+    """Load and broadcast's second half for `requests`, whose staged arrays are in
+    `done` and are replaced there by the target's arrays, in one compiled program
+    (collective: every process calls it with the same leaves, as they complete in the
+    same order everywhere): a staged leaf is resharded onto its target, a leaf read by
+    one replica is summed over the replicas. XLA's collectives (gloo on CPU, NCCL or
+    ICI on accelerators) carry the bytes between hosts."""
+    staged = [done[r.stored.name] for r in requests]
+    moved = _sharing_program(tuple(r.form for r in requests))(*staged)
+    for request, array, old in zip(requests, moved, staged):
+        done[request.stored.name] = array
+        old.delete()
 
 
 @functools.lru_cache(maxsize=16)
@@ -434,11 +436,13 @@ def load_pytree(
         are gone (the target is unusable, the checkpoint unchanged): restore again.
       load_and_broadcast: where several processes need the same part of a leaf (its
         target sharding replicates it across hosts), each process reads a distinct
-        slice of it (the replica axes of the target's NamedSharding cut the leaf
-        further) and one compiled reshard sends the slices to the replicas over the
-        device network, so the store serves each byte once, not once per host. It
-        costs extra device memory of 1/R of those leaves (R replicas) until the
-        reshard. Off: every process reads all it needs itself.
+        part of it (the replica axes of the target's NamedSharding cut the leaf at
+        chunk boundaries, or else each chunk is read by one replica) and a compiled
+        program sends the parts to the replicas over the device network, so the store
+        serves each byte once, not once per host. Leaves
+        wait on the devices, staged, until shared in groups of about
+        `max_inflight_bytes` (one leaf more at most): that is the extra device memory
+        it costs. Off: every process reads all it needs itself.
       max_inflight_bytes: bound on host bytes read and not yet placed on devices.
       max_workers: concurrent reads (default: 8 on a local disk, 128 on an object store,
         100 on GCS).
@@ -606,17 +610,36 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[_Request], options: LoadO
 
     budget = _concurrency.ByteBudget(options.max_inflight_bytes)
     pieces: list[Any] = []
+    # Leaves read for load and broadcast wait on the devices (staged) until shared, in
+    # groups of about max_inflight_bytes (that bounds the extra memory), the same
+    # groups in the same order on every process, as sharing is collective.
+    groups = _groups([r for r in requests if isinstance(r.form, (_Broadcast, _OneReader))],
+                     options.max_inflight_bytes)
+
+    def share_ready() -> None:
+        while groups and all(r.stored.name in done for r in groups[0]):
+            _share(groups.pop(0), done)
+
+    share_ready()
     with _concurrency.Operation(options.max_workers or ckpt.loc.concurrency, "read") as op:
         for read, result in op.window(reads, lambda r: r.fetch(ckpt), budget=budget, nbytes=lambda r: r.nbytes,
                                       admit=donate):
             budget.release(read.nbytes)
             pieces += result
             if read.last:
-                done[read.request.stored.name] = read.request.form.build(read.request.stored, pieces)
-                advance(read.request.nbytes)
+                request = read.request
+                done[request.stored.name] = request.form.build(request.stored, pieces)
+                advance(request.nbytes)
                 pieces = []
-    shared = [r for r in requests if isinstance(r.form, (_Broadcast, _OneReader))]
-    if shared:
-        moved = _share([done[r.stored.name] for r in shared], [r.form for r in shared])
-        done.update((r.stored.name, array) for r, array in zip(shared, moved))
+                share_ready()
     return done
+
+
+def _groups(requests: list[_Request], max_bytes: int) -> list[list[_Request]]:
+    """`requests` cut, in order, into runs of at least `max_bytes` (the last: what is left)."""
+    groups: list[list[_Request]] = [[]]
+    for request in requests:
+        if sum(r.nbytes for r in groups[-1]) >= max_bytes:
+            groups.append([])
+        groups[-1].append(request)
+    return [group for group in groups if group]

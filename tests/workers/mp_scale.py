@@ -75,14 +75,15 @@ RESTORE_MESHES = {
 }
 
 
-def restore(directory: str, layout: str, broadcast: str = "on") -> None:
+def restore(directory: str, layout: str, broadcast: str = "on", max_inflight_bytes: str = str(2**31)) -> None:
     _stats.reset()
     devices = np.array(jax.devices()).reshape(jax.process_count(), -1)
     mesh = Mesh(devices, ("hosts", "local"))
     target = {name: NamedSharding(mesh, spec) for name, spec in RESTORE_MESHES[layout](mesh).items()}
     target["host"], target["step"] = np.zeros(SHAPES["host"], np.float32), 0
     restored, step = zarrckpt.load_checkpoint_if_it_exists(directory, target, timeout_s=TIMEOUT_S,
-                                                           load_and_broadcast=broadcast == "on")
+                                                           load_and_broadcast=broadcast == "on",
+                                                           max_inflight_bytes=int(max_inflight_bytes))
     checked = check_shards(restored, SHAPES)
     counts = _stats.snapshot()
     report(step=step, checked=checked, step_value=restored["step"], bytes_read=counts.get("store_bytes_read", 0),
