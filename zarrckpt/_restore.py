@@ -19,6 +19,7 @@ import zlib
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import _concurrency, _dtypes, _multihost, _planning, _progress, _reader, _storage, _tree
@@ -273,10 +274,13 @@ class _OneReader(_Sharded):
         arrays = []
         for device, index in self.sharding.addressable_devices_indices_map(stored.shape).items():
             region = _planning.region_of(index, stored.shape)
+            mine = [(part, piece) for part, piece in pieces if readers[part] == device]
+            if not mine:  # made on the device: nothing to copy from the host
+                arrays.append(jnp.zeros(_planning.region_shape(region), self.dtype, device=device))
+                continue
             data = np.zeros(_planning.region_shape(region), self.dtype)
-            for part, piece in pieces:
-                if readers[part] == device:
-                    data[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(part, region))] = piece
+            for part, piece in mine:
+                data[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(part, region))] = piece
             arrays.append(jax.device_put(data, device))
         return jax.make_array_from_single_device_arrays(stored.shape, self.sharding, arrays)
 
