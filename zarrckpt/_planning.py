@@ -247,7 +247,7 @@ class _Layout:
     """
 
     chunks: tuple[int, ...]
-    replicas: dict[Region, list[jax.Device]]
+    replicas: dict[Region, tuple[jax.Device, ...]]
     merged: _Shards | None = None
 
     def assignments(self, salt: int) -> Iterator[tuple[Region, int, list[tuple[jax.Device, Slices | None,
@@ -305,7 +305,8 @@ class _Shards:
     processes: dict[Region, frozenset[int]]
 
     @classmethod
-    def of(cls, shape: Sequence[int], base: Sequence[int], replicas: dict[Region, list[jax.Device]]) -> "_Shards":
+    def of(cls, shape: Sequence[int], base: Sequence[int],
+           replicas: dict[Region, tuple[jax.Device, ...]]) -> "_Shards":
         shard_of = {tuple(a for a, _ in c): region for region in replicas for c in _chunks_in(region, base)}
         processes = {r: frozenset(d.process_index for d in devices) for r, devices in replicas.items()}
         return cls(tuple((0, d) for d in shape), tuple(base), shard_of, processes)
@@ -320,14 +321,21 @@ class _Shards:
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsize: int, max_chunk_bytes: int,
-            min_chunk_bytes: int) -> _Layout:
-    """The layout of every array of this shape and sharding (many leaves share one)."""
+def replicas_of(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[Region, tuple[jax.Device, ...]]:
+    """Each distinct shard region of an array of `shape` on `sharding`, with every device
+    (of every process) holding it, sorted by id, so grouped by host. Cached: many
+    leaves share a shape and sharding; callers must not change what it returns."""
     replicas: dict[Region, list[jax.Device]] = {}
     for device, index in sharding.devices_indices_map(shape).items():
         replicas.setdefault(region_of(index, shape), []).append(device)
-    for devices in replicas.values():
-        devices.sort(key=lambda d: d.id)
+    return {region: tuple(sorted(devices, key=lambda d: d.id)) for region, devices in replicas.items()}
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsize: int, max_chunk_bytes: int,
+            min_chunk_bytes: int) -> _Layout:
+    """The layout of every array of this shape and sharding (many leaves share one)."""
+    replicas = replicas_of(sharding, shape)
     base = _grid_chunk(shape, list(replicas))
     if len(replicas) > 1 and math.prod(base) * itemsize < min_chunk_bytes:
         shards = _Shards.of(shape, base, replicas)

@@ -191,12 +191,13 @@ class _Sharded(_Form):
     sharding: jax.sharding.Sharding
 
     def reads(self, stored: _reader.StoredLeaf) -> list[tuple[Region, Placement]]:
-        shape = stored.shape
+        me = _multihost.process_index()
         devices: Placement = {}
-        for device, index in self.sharding.addressable_devices_indices_map(shape).items():
-            devices.setdefault(_planning.region_of(index, shape), []).append(device)
+        for region, holders in _planning.replicas_of(self.sharding, stored.shape).items():
+            if mine := [d for d in holders if d.process_index == me]:
+                devices[region] = mine
         return [(box, {region: devices[region] for region in regions})
-                for box, regions in _planning.plan_reads(list(devices), stored.chunks, shape)]
+                for box, regions in _planning.plan_reads(list(devices), stored.chunks, stored.shape)]
 
     def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
         by_region = dict(pieces)
@@ -229,7 +230,7 @@ def _sharded(dtype: np.dtype, sharding: jax.sharding.Sharding, stored: _reader.S
         if staged is not None:
             return _Broadcast(dtype, sharding, _sharded(dtype, staged, stored))
         if _summable(dtype):
-            return _OneReader(dtype, sharding)
+            return _OneReader(dtype, sharding, _one_readers(sharding, stored))
     large = _dtypes.nbytes(stored.shape, dtype) >= _READER_PLACEMENT_BYTES
     return (_ShardedByReaders if large else _Sharded)(dtype, sharding)
 
@@ -263,14 +264,16 @@ class _OneReader(_Sharded):
     bits, as integers) fills them in (see `_share`). For leaves the staging sharding
     cannot cut at chunk boundaries: small ones, whole in one chunk, and others."""
 
+    readers: tuple[tuple[Region, jax.Device], ...] = ()  # the one device reading each part (`_one_readers`)
+
     def reads(self, stored: _reader.StoredLeaf) -> list[tuple[Region, Placement]]:
         me = _multihost.process_index()
-        mine = [part for part, device in self._readers(stored).items() if device.process_index == me]
+        mine = [part for part, device in self.readers if device.process_index == me]
         return [(box, {part: [] for part in parts}) for box, parts in _planning.plan_reads(mine, stored.chunks,
                                                                                            stored.shape)]
 
     def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
-        readers = self._readers(stored)
+        readers = dict(self.readers)
         arrays = []
         for device, index in self.sharding.addressable_devices_indices_map(stored.shape).items():
             region = _planning.region_of(index, stored.shape)
@@ -284,32 +287,27 @@ class _OneReader(_Sharded):
             arrays.append(jax.device_put(data, device))
         return jax.make_array_from_single_device_arrays(stored.shape, self.sharding, arrays)
 
-    def _readers(self, stored: _reader.StoredLeaf) -> dict[Region, jax.Device]:
-        """The one device reading each part (a shard's overlap with a chunk): the first
-        device (by id) of one of the processes holding the shard, taken in turn."""
-        holders: dict[Region, list[jax.Device]] = {}
-        for device, index in self.sharding.devices_indices_map(stored.shape).items():
-            holders.setdefault(_planning.region_of(index, stored.shape), []).append(device)
-        # Start the turn at a place of the leaf's own, so that many one-chunk leaves
-        # spread over the processes too.
-        readers, k = {}, zlib.crc32(stored.name.encode())
-        for region, devices in sorted(holders.items()):
-            processes = sorted({d.process_index for d in devices})
-            for chunk in _planning.chunks_touching(region, stored.chunks, stored.shape):
-                process = processes[k % len(processes)]
-                k += 1
-                part = _planning.intersect(chunk, region)
-                readers[part] = min((d for d in devices if d.process_index == process), key=lambda d: d.id)
-        return readers
+
+def _one_readers(sharding: jax.sharding.Sharding, stored: _reader.StoredLeaf) -> tuple[tuple[Region, jax.Device], ...]:
+    """The one device reading each part of a leaf (a shard's overlap with a chunk): the
+    first device (by id) of one of the processes holding the shard, taken in turn."""
+    # Start the turn at a place of the leaf's own, so that many one-chunk leaves
+    # spread over the processes too.
+    readers, k = [], zlib.crc32(stored.name.encode())
+    for region, devices in sorted(_planning.replicas_of(sharding, stored.shape).items()):
+        processes = sorted({d.process_index for d in devices})
+        for chunk in _planning.chunks_touching(region, stored.chunks, stored.shape):
+            process = processes[k % len(processes)]
+            k += 1
+            readers.append((_planning.intersect(chunk, region), next(d for d in devices if d.process_index == process)))
+    return tuple(readers)
 
 
 def _held_by_several_processes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
     if not isinstance(sharding, jax.sharding.NamedSharding) or _multihost.process_count() == 1:
         return False
-    held_by: dict[Region, set[int]] = {}
-    for device, index in sharding.devices_indices_map(shape).items():
-        held_by.setdefault(_planning.region_of(index, shape), set()).add(device.process_index)
-    return any(len(processes) > 1 for processes in held_by.values())
+    return any(len({d.process_index for d in devices}) > 1
+               for devices in _planning.replicas_of(sharding, shape).values())
 
 
 def _replica_axes(sharding: jax.sharding.NamedSharding) -> list[str]:
