@@ -15,7 +15,7 @@ from jax.experimental import multihost_utils
 
 from . import (_commit, _concurrency, _lease, _multihost, _naming, _options, _planning, _retention, _save,
                _steps, _storage)
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError
 
 log = logging.getLogger("zarrckpt")
 
@@ -292,10 +292,7 @@ class CheckpointManager:
 
     def pin(self, step: int) -> None:
         """Exempts committed `step` from retention, by a PINNED file in its directory."""
-        loc = self._root.step(step)
-        if not _steps.is_committed(loc):
-            raise CheckpointNotFoundError(f"step {step} is not a committed checkpoint in {self._root.url}")
-        loc.write(_retention.PIN_FILE, b"")
+        _steps.committed_step(self._root, step).write(_retention.PIN_FILE, b"")
 
     # -- lifetime ----------------------------------------------------------------
 

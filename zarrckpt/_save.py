@@ -79,7 +79,12 @@ def save_pytree(
     """
     options = SaveOptions(overwrite, max_chunk_bytes, min_chunk_bytes, max_inflight_bytes, max_workers, timeout_s,
                           progress, checksums)
-    job = SaveJob.create(_storage.resolve(url, storage_options), tree, options)
+    save(_storage.resolve(url, storage_options), tree, options)
+
+
+def save(loc: _storage.Location, tree: Any, options: SaveOptions) -> None:
+    """`save_pytree` at `loc`: plan, then write as the budget lets each unit in. Collective."""
+    job = SaveJob.create(loc, tree, options)
     job.run(job.admitted())
 
 

@@ -19,8 +19,7 @@ def save_checkpoint(checkpoint_dir: str, step: int, state: Any, *,
     unknown option); CheckpointExistsError if the step is committed.
     """
     save_options = _options.gather(_options.SaveOptions, "save_checkpoint", options)
-    job = _save.SaveJob.create(_storage.resolve(checkpoint_dir, storage_options).step(step), state, save_options)
-    job.run(job.admitted())
+    _save.save(_storage.resolve(checkpoint_dir, storage_options).step(step), state, save_options)
 
 
 def all_steps(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
@@ -92,11 +91,17 @@ def load_checkpoint(checkpoint_dir: str, step: int, target: Any = None, *,
 
 def load_step(root: Location, step: int, target: Any, options: _options.LoadOptions) -> Any:
     """`load_checkpoint` under `root`."""
+    return _restore.load(committed_step(root, step), target, options)
+
+
+def committed_step(root: Location, step: int) -> Location:
+    """The directory of `step` under `root`; CheckpointNotFoundError listing the
+    committed steps if it is not a committed checkpoint."""
     loc = root.step(step)
     if not is_committed(loc):
         raise CheckpointNotFoundError(f"step {step} is not a committed checkpoint in {root.url}; "
                                       f"committed steps: {scan(root)[1]}")
-    return _restore.load(loc, target, options)
+    return loc
 
 
 def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None, poll_interval_s: float = 5.0,
