@@ -1,19 +1,33 @@
-"""How long an async CheckpointManager.save blocks training, side by side with the
-whole save and with a bare device-to-host copy of the same state.
+"""What an async save costs training: how long `save` blocks, and how much longer a run of
+train steps takes with one save in it. zarrckpt against Orbax's async
+StandardCheckpointer and the bare copies, side by side in one run.
 
-    python benchmarks/async_save.py --size-gib 1 --repeats 5
+    python benchmarks/async_save.py                      # 1 GiB state + a 600-leaf state
+    python benchmarks/async_save.py --size-gib 8 --repeats 3 --train-steps 200
 
-Per round: the bare copy (every shard this process would write, copied into new
-host memory: the least any true snapshot must do), then `mgr.save` (the time it
-blocks) and `mgr.wait` (until committed). Peak host memory is the largest resident
-set size above the pre-save baseline, sampled every millisecond during the save.
+Part 1, per state and round (each contender gets a new state first, as after a train
+step: a state already copied once is cached on the host and flatters everyone):
+- bare host copy: `np.array` of every shard a save writes (a pageable snapshot);
+- pinned copy: one batched `device_put` of those shards into pinned host memory, until
+  dispatched and until complete;
+- zarrckpt: `CheckpointManager.save` (the time it blocks), then `wait` (until committed);
+- orbax: `StandardCheckpointer.save` (blocks), then `wait_until_finished`.
+Peak host memory is the resident set above the baseline during save and wait. The first
+round is reported apart (pinned host memory is allocated then), the rest as best /
+median.
+
+Part 2, training time lost per save: `--train-steps` jitted steps over the big state
+(each blocks on its loss, as a loop that logs it does), once without a save and once
+with one async save at step `--save-at`, with a step that donates the state and one
+that does not; the loss is the difference in wall time of the steps (the save's own
+background work after the last step is not counted). "pinned + thread" is the
+ceiling: a batched pinned copy dispatched at the save step and written out from a
+thread.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import os
 import shutil
 import statistics
@@ -22,106 +36,236 @@ import tempfile
 import threading
 import time
 
-# Before jax is imported (by the shared module below): 8 host devices, unless the
-# caller's environment already chose a platform or a device count.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import save_restore as common  # noqa: E402  (the same tree as the main benchmark)
+import _common  # noqa: E402
 
 
-def release_free_memory() -> None:
-    """Hands memory freed by earlier rounds back to the OS, so that the next round's
-    peak is measured from a true baseline rather than hidden in reused heap."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # not glibc: the peak may then read low
-        pass
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-gib", type=float, default=1.0, help="size of the big state (default 1)")
+    parser.add_argument("--leaves", type=int, default=600, help="leaves of the many-leaf state (default 600)")
+    parser.add_argument("--leaves-mib", type=float, default=78, help="size of the many-leaf state (default 78)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds after the first (default 5)")
+    parser.add_argument("--train-steps", type=int, default=30, help="steps per run of part 2 (0: skip it)")
+    parser.add_argument("--save-at", type=int, default=10, help="the step that saves in part 2 (default 10)")
+    parser.add_argument("--train-rounds", type=int, default=3, help="rounds of part 2 (default 3)")
+    parser.add_argument("--only", default="zarrckpt,orbax", help="contenders (default zarrckpt,orbax)")
+    parser.add_argument("--dir", default=None, help="where to write (default: a new directory on /dev/shm)")
+    _common.add_platform_arguments(parser)
+    return parser.parse_args(argv)
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+# -- part 1 ----------------------------------------------------------------------------------
 
 
-class PeakMemory:
-    """Samples the resident set size on a thread; `peak` is the largest seen."""
+class ZarrckptAsync:
+    name = "zarrckpt"
 
-    def __init__(self) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
+    def __init__(self, base: str) -> None:
+        import zarrckpt
 
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss_bytes())
-            time.sleep(0.001)
+        self.mgr = zarrckpt.CheckpointManager(os.path.join(base, "zarrckpt"), keep_last=1)
+        self.step = 0
 
-    def __enter__(self) -> "PeakMemory":
-        self._thread.start()
-        return self
+    def save(self, state) -> None:
+        self.step += 1
+        self.mgr.save(self.step, state, force=True)
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+    def wait(self) -> None:
+        self.mgr.wait()
+
+    def close(self) -> None:
+        self.mgr.close()
 
 
-def bare_copy(tree) -> float:
+class OrbaxAsync:
+    name = "orbax"
+
+    def __init__(self, base: str) -> None:
+        import orbax.checkpoint as ocp
+
+        self.checkpointer = ocp.StandardCheckpointer()
+        self.base = os.path.join(base, "orbax")
+        self.step = 0
+
+    def save(self, state) -> None:
+        self.step += 1
+        shutil.rmtree(os.path.join(self.base, str(self.step - 2)), ignore_errors=True)  # keep the disk small
+        self.checkpointer.save(os.path.join(self.base, str(self.step)), state)
+
+    def wait(self) -> None:
+        self.checkpointer.wait_until_finished()
+
+    def close(self) -> None:
+        self.checkpointer.close()
+
+
+class PinnedAndThread:
+    """The ceiling of an async save: a batched pinned copy, written by a thread."""
+
+    name = "pinned + thread"
+
+    def __init__(self, base: str) -> None:
+        self.base = os.path.join(base, "raw")
+        os.makedirs(self.base, exist_ok=True)
+        self.thread: threading.Thread | None = None
+
+    def save(self, state) -> None:
+        _, _, copies = _common.pinned_copy(state, wait=False)
+        self.thread = threading.Thread(target=self._write, args=(copies,))
+        self.thread.start()
+
+    def _write(self, copies) -> None:
+        import concurrent.futures
+
+        import numpy as np
+
+        with concurrent.futures.ThreadPoolExecutor(_common.writer_threads()) as pool:
+            list(pool.map(lambda item: np.asarray(item[1]).tofile(os.path.join(self.base, f"{item[0]}.bin")),
+                          enumerate(copies)))
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+    def close(self) -> None:
+        self.wait()
+
+
+CONTENDERS = {"zarrckpt": ZarrckptAsync, "orbax": OrbaxAsync}
+
+
+def part1(name: str, tree, contenders, repeats: int) -> dict:
+    nbytes = _common.tree_nbytes(tree)
     import jax
-    import numpy as np
 
+    print(f"\n{name}: {nbytes / 2**30:.3f} GiB in {len(jax.tree.leaves(tree))} leaves", flush=True)
+    rows: dict[str, list[float]] = {}
+    first: dict[str, float] = {}
+
+    def record(key: str, value: float, r: int) -> None:
+        if r == 0:
+            first[key] = value
+        else:
+            rows.setdefault(key, []).append(value)
+
+    for r in range(repeats + 1):
+        line = []
+        record("bare copy", copy_s := _common.bare_copy(_common.fresh(tree)), r)
+        dispatched, done, copies = _common.pinned_copy(_common.fresh(tree))
+        del copies
+        record("pinned dispatched", dispatched, r)
+        record("pinned complete", done, r)
+        line.append(f"bare {copy_s:.3f}s, pinned {dispatched:.3f}/{done:.3f}s")
+        for contender in contenders:
+            state = _common.fresh(tree)
+            with _common.PeakMemory() as memory:
+                started = time.perf_counter()
+                contender.save(state)
+                blocked = time.perf_counter() - started
+                contender.wait()
+                total = time.perf_counter() - started
+            del state
+            record(f"{contender.name} blocked", blocked, r)
+            record(f"{contender.name} total", total, r)
+            record(f"{contender.name} peak MiB", memory.above / 2**20, r)
+            line.append(f"{contender.name} blocked {blocked:.3f}s total {total:.3f}s "
+                        f"+{memory.above / 2**20:.0f} MiB")
+        print(f"  {'first' if r == 0 else f'round {r}'}: " + "; ".join(line), flush=True)
+    print(f"  {'':28} {'first':>9}   best / median of {repeats}")
+    for key, values in rows.items():
+        unit = "MiB" if key.endswith("MiB") else "s"
+        digits = 0 if unit == "MiB" else 3
+        print(f"  {key:28} {first[key]:9.{digits}f}   {_common.fmt(values, unit, digits)}")
+    medians = {key: statistics.median(values) for key, values in rows.items()}
+    for contender in contenders:
+        blocked = medians[f"{contender.name} blocked"]
+        print(f"  {contender.name}: blocked / bare copy {blocked / medians['bare copy']:.2f}, "
+              f"blocked / pinned copy complete {blocked / medians['pinned complete']:.2f}")
+    if "zarrckpt blocked" in medians and "orbax blocked" in medians:
+        print(f"  zarrckpt blocked / orbax blocked: {medians['zarrckpt blocked'] / medians['orbax blocked']:.2f}")
+    return {"first": first, "rounds": rows}
+
+
+# -- part 2 ----------------------------------------------------------------------------------
+
+
+def _train_step(donate: bool):
+    import jax
+    import jax.numpy as jnp
+
+    def step(state):
+        new = jax.tree.map(lambda x: x * 0.9999 + 1e-4 if jnp.issubdtype(x.dtype, jnp.floating) else x + 1, state)
+        loss = sum(jnp.mean(x) for x in jax.tree.leaves(new) if jnp.issubdtype(x.dtype, jnp.floating))
+        return new, loss
+
+    return jax.jit(step, donate_argnums=0 if donate else ())
+
+
+def _run_steps(step_fn, state, steps: int, save_at: int, save) -> tuple[float, object]:
     started = time.perf_counter()
-    copies = [np.array(shard.data) for leaf in jax.tree.leaves(tree)
-              for shard in leaf.addressable_shards if shard.replica_id == 0]
+    for i in range(steps):
+        state, loss = step_fn(state)
+        loss.block_until_ready()  # a loop that logs its loss waits for each step
+        if save is not None and i == save_at:
+            save(state)
     seconds = time.perf_counter() - started
-    del copies
-    return seconds
+    return seconds, state
+
+
+def part2(tree, contenders, steps: int, save_at: int, rounds: int) -> dict:
+    import jax
+
+    print(f"\ntraining time lost per save: {steps} steps, one async save at step {save_at}", flush=True)
+    results = {}
+    for donate in (True, False):
+        step_fn = _train_step(donate)
+        jax.block_until_ready(_run_steps(step_fn, _common.fresh(tree), 2, -1, None)[1])  # compile
+        lost: dict[str, list[float]] = {}
+        step_times = []
+        for r in range(rounds):
+            base, state = _run_steps(step_fn, _common.fresh(tree), steps, -1, None)
+            del state
+            step_times.append(base / steps)
+            for contender in contenders:
+                seconds, state = _run_steps(step_fn, _common.fresh(tree), steps, save_at, contender.save)
+                contender.wait()
+                del state
+                lost.setdefault(contender.name, []).append(seconds - base)
+            print(f"  {'donating' if donate else 'not donating'} round {r + 1}: step "
+                  f"{base / steps * 1e3:.1f} ms; lost " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in lost.items()),
+                  flush=True)
+        key = "donating" if donate else "not donating"
+        results[key] = lost
+        print(f"  {key} (step {statistics.median(step_times) * 1e3:.1f} ms): "
+              + "; ".join(f"{k} {_common.fmt(v)}" for k, v in lost.items()))
+    return results
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-gib", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    args = parser.parse_args()
+    args = parse_args()
+    _common.setup_platform(args.platform, args.devices)
     import jax
 
-    import zarrckpt
-
-    base = args.dir or tempfile.mkdtemp(prefix="zarrckpt-async-")
-    tree = common.build_tree(args.size_gib, common.make_mesh())
-    nbytes = common.tree_nbytes(tree)
-    print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}; "
-          f"tree {nbytes / 2**30:.3f} GiB in {len(jax.tree.leaves(tree))} leaves", flush=True)
-    rows = {"bare copy": [], "save blocked": [], "save total": [], "peak host MiB": []}
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    base = args.dir or tempfile.mkdtemp(prefix="zarrckpt-async-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                        else None)
+    mesh = _common.make_mesh()
+    print(f"jax {jax.__version__} on {_common.describe_platform()}; writing to {base}", flush=True)
+    contenders = [CONTENDERS[n](base) for n in names]
     try:
-        with zarrckpt.CheckpointManager(base, async_save=True, keep_last=1) as mgr:
-            for step in range(args.repeats + 1):  # step 0 warms up
-                copy_s = bare_copy(tree)
-                gc.collect()
-                release_free_memory()
-                baseline = rss_bytes()
-                with PeakMemory() as memory:
-                    started = time.perf_counter()
-                    mgr.save(step, tree, force=True)
-                    blocked = time.perf_counter() - started
-                    mgr.wait()
-                    total = time.perf_counter() - started
-                print(f"  step {step}: bare copy {copy_s:.3f}s, save blocked {blocked:.3f}s, "
-                      f"total {total:.3f}s, peak host +{(memory.peak - baseline) / 2**20:.0f} MiB", flush=True)
-                if step:
-                    for key, value in zip(rows, (copy_s, blocked, total, (memory.peak - baseline) / 2**20)):
-                        rows[key].append(value)
+        big = _common.build_tree(args.size_gib, mesh)
+        part1("big state", big, contenders, args.repeats)
+        many = _common.many_leaf_tree(args.leaves, args.leaves_mib, mesh)
+        part1("many-leaf state", many, contenders, args.repeats)
+        del many
+        if args.train_steps:
+            part2(big, contenders + [PinnedAndThread(base)], args.train_steps, args.save_at, args.train_rounds)
     finally:
+        for contender in contenders:
+            contender.close()
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
-    medians = {key: statistics.median(values) for key, values in rows.items()}
-    print(f"\nmedian of {args.repeats}: bare copy {medians['bare copy']:.3f}s, save blocked "
-          f"{medians['save blocked']:.3f}s, save total {medians['save total']:.3f}s, "
-          f"peak host memory +{medians['peak host MiB']:.0f} MiB (state {nbytes / 2**20:.0f} MiB)")
-    print(f"blocked / bare copy: {medians['save blocked'] / medians['bare copy']:.2f} (target <= 1.5); "
-          f"blocked / total save: {medians['save blocked'] / medians['save total']:.2f}")
 
 
 if __name__ == "__main__":

@@ -38,14 +38,14 @@ import threading
 import time
 import uuid
 
-# Before jax is imported (by the shared module below): 8 host devices, unless the
-# caller's environment already chose a platform or a device count.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import save_restore as common  # noqa: E402  (the big tree of the main benchmark)
+import _common as common  # noqa: E402  (the big tree of the main benchmark)
+
+# Before jax is imported: the store is what is measured here, so the CPU with 8
+# devices, unless the caller's environment already chose a platform or a device count.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+common.setup_platform(None, None)
 
 import fsspec  # noqa: E402
 import jax  # noqa: E402

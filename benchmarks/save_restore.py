@@ -1,12 +1,21 @@
-"""Save/restore throughput of zarrckpt against Orbax and a raw numpy ceiling.
+"""Save/restore throughput of zarrckpt against Orbax and the raw ceiling.
 
-Every contender checkpoints the same sharded pytree on 8 host (CPU) devices,
-``--repeats`` times, each round into a fresh directory that is deleted
-afterwards. Throughput is the tree's logical bytes (each global array counted
-once, however many replicas it has) / 1e9 / seconds.
+Every contender checkpoints the same sharded pytree on the devices JAX has (8
+simulated CPU devices without an accelerator; `--platform` chooses), ``--repeats``
+times, each round into a fresh directory that is deleted afterwards, and each save
+of a new state (computed on the devices, never copied to the host: a state copied
+once is cached there and flatters everyone). Throughput is the tree's logical bytes
+(each global array counted once, however many replicas it has) / 1e9 / seconds.
+Peak host memory is the resident set above the baseline during the save.
+
+The raw ceiling writes each shard's bytes to a file with as many threads as zarrckpt
+writes with, no format and no metadata: on an accelerator after one batched copy
+into pinned host memory, on the CPU straight from the device buffers; it restores
+with as many threads of `np.fromfile` and a `device_put` per shard.
 
     python benchmarks/save_restore.py --size-gib 0.25 --repeats 1
     python benchmarks/save_restore.py --only zarrckpt,raw --json results.json
+    python benchmarks/save_restore.py --restore-probe     # pageable vs pinned placement
 """
 
 import argparse
@@ -16,7 +25,6 @@ import functools
 import gc
 import importlib
 import importlib.metadata
-import itertools
 import json
 import os
 import shutil
@@ -28,13 +36,13 @@ import traceback
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
 CONTENDERS = ("zarrckpt", "orbax", "raw")
 # Not run by default: zarrckpt with its per-chunk CRC-32C turned off, to measure what
 # checksums cost (`--only zarrckpt,zarrckpt-nocrc`).
 EXTRA_CONTENDERS = ("zarrckpt-nocrc",)
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-DEFAULT_DEVICES = 8
-RAW_WORKERS = 8
 
 
 def parse_args(argv=None):
@@ -50,12 +58,12 @@ def parse_args(argv=None):
     parser.add_argument("--only", default=",".join(CONTENDERS),
                         help="comma list of contenders (default: all of "
                              f"{','.join(CONTENDERS)})")
-    parser.add_argument("--devices", type=int, default=None,
-                        help=f"host devices to simulate (default "
-                             f"{DEFAULT_DEVICES}, or the count already in "
-                             f"XLA_FLAGS)")
+    parser.add_argument("--restore-probe", action="store_true",
+                        help="also time two ways of putting host data on the devices, per leaf size: "
+                             "device_put from pageable memory, and through pinned host memory")
     parser.add_argument("--json", metavar="PATH",
                         help="also write the results as JSON to PATH")
+    _common.add_platform_arguments(parser)
     args = parser.parse_args(argv)
     args.only = [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = sorted(set(args.only) - set(CONTENDERS) - set(EXTRA_CONTENDERS))
@@ -66,102 +74,15 @@ def parse_args(argv=None):
     return args
 
 
-def configure_jax_env(devices):
-    """Point jax at N host devices; XLA reads these flags only once."""
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    has_count = any(f.startswith(DEVICE_COUNT_FLAG) for f in flags)
-    if devices is None and has_count:
-        return  # the user's own XLA_FLAGS already chose a count
-    flags = [f for f in flags if not f.startswith(DEVICE_COUNT_FLAG)]
-    flags.append(f"{DEVICE_COUNT_FLAG}={devices or DEFAULT_DEVICES}")
-    os.environ["XLA_FLAGS"] = " ".join(flags)
-
-
 # The environment has to be in place before jax is first imported.
 ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None:
-    configure_jax_env(ARGS.devices)
+    _common.setup_platform(ARGS.platform, ARGS.devices)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-
-# --------------------------------------------------------------------------
-# The benchmark pytree
-# --------------------------------------------------------------------------
-
-# (name, share of the total bytes, column count, PartitionSpec). The shares
-# mimic a transformer: most bytes in a few big matrices with assorted
-# layouts, ~10% fully replicated.
-MATRICES = (
-    ("embed", 0.20, 1024, P(None, "model")),              # column-sharded
-    ("attn_qkv", 0.15, 3072, P("data", "model")),         # both axes
-    ("attn_out", 0.10, 2048, P("model", "data")),         # both, transposed
-    ("mlp_up", 0.20, 4096, P("data", None)),              # rows; model replicas
-    ("mlp_down", 0.15, 1024, P(("data", "model"), None)),  # rows over all 8
-    ("lm_head", 0.10, 2048, P(None, "data")),             # columns; replicas
-    ("rope_table", 0.06, 512, P()),                       # fully replicated
-    ("norm_stats", 0.04, 256, P()),                       # fully replicated
-)
-SMALL_LAYERS = 24  # each has a bias and a scale: 48 small leaves + step
-SMALL_LEN = 1024
-
-
-def round_up(value, multiple):
-    return max(multiple, -(-value // multiple) * multiple)
-
-
-def make_mesh():
-    devices = jax.devices()
-    # Keep a 2-row mesh like a real data x model split; fall back to 1 row
-    # when the device count is odd.
-    rows = 2 if len(devices) % 2 == 0 else 1
-    grid = np.array(devices).reshape(rows, len(devices) // rows)
-    return Mesh(grid, ("data", "model"))
-
-
-@functools.cache  # the 48 small leaves share two shapes: compile once each
-def random_fn(shape, dtype, sharding):
-    # Generated already sharded so no single device ever holds a whole leaf.
-    return jax.jit(lambda key: jax.random.normal(key, shape, dtype),
-                   out_shardings=sharding)
-
-
-def build_tree(size_gib, mesh):
-    """A pytree of ~size_gib float32, plus an int32 step, sharded on mesh."""
-    n = mesh.size  # dims are multiples of n so every PartitionSpec divides
-    total = int(size_gib * 2**30)
-    key = jax.random.key(0)
-    counter = itertools.count()
-
-    def leaf(shape, spec):
-        generate = random_fn(shape, jnp.float32, NamedSharding(mesh, spec))
-        return generate(jax.random.fold_in(key, next(counter)))
-
-    params = {}
-    for name, share, cols, spec in MATRICES:
-        cols = round_up(cols, n)
-        rows = round_up(int(total * share) // (4 * cols), n)
-        params[name] = leaf((rows, cols), spec)
-    bias_len = round_up(SMALL_LEN, n)
-    params["layers"] = {
-        f"layer_{i:02d}": {"bias": leaf((bias_len,), P("model")),
-                           "scale": leaf((bias_len,), P())}
-        for i in range(SMALL_LAYERS)
-    }
-    step = jax.device_put(np.int32(1000), NamedSharding(mesh, P()))
-    return jax.block_until_ready({"params": params, "step": step})
-
-
-def tree_nbytes(tree):
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def replicated_nbytes(tree):
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
-               if x.sharding.is_fully_replicated)
+build_tree, make_mesh, tree_nbytes, replicated_nbytes = (_common.build_tree, _common.make_mesh,
+                                                         _common.tree_nbytes, _common.replicated_nbytes)
 
 
 # --------------------------------------------------------------------------
@@ -235,18 +156,19 @@ def shard_filename(directory, leaf_number, index, shape):
 @contextlib.contextmanager
 def raw_contender(tree):
     """Upper bound: shard bytes straight to files, no format, no metadata."""
-    pool = concurrent.futures.ThreadPoolExecutor(RAW_WORKERS)
+    pool = concurrent.futures.ThreadPoolExecutor(_common.writer_threads())
 
     def save(path, tree):
         os.makedirs(path)
-        jobs = []
+        names, shards = [], []
         for number, array in enumerate(jax.tree.leaves(tree)):
             for shard in array.addressable_shards:
                 if shard.replica_id == 0:
-                    name = shard_filename(path, number, shard.index,
-                                          array.shape)
-                    jobs.append(pool.submit(_write_shard, shard.data, name))
-        for job in jobs:
+                    names.append(shard_filename(path, number, shard.index, array.shape))
+                    shards.append(shard.data)
+        if jax.devices()[0].platform != "cpu":  # one batched DMA into pinned host memory
+            shards = _common.pinned_copy({"shards": shards}, wait=False)[2]
+        for job in [pool.submit(_write_shard, data, name) for data, name in zip(shards, names)]:
             job.result()
 
     def restore(path, tree):
@@ -322,12 +244,16 @@ def verify(restored, original):
 
 
 def run_round(name, save, restore, tree, base_dir, label, check=False):
-    """One save + restore into a fresh directory; returns the wall seconds of the save
-    and the restore, then the CPU seconds (this process, all threads) of each."""
+    """One save of a new state + restore into a fresh directory; returns the wall
+    seconds of the save and the restore, the CPU seconds (this process, all threads)
+    of each, and the peak host memory above the baseline during the save."""
     path = os.path.join(base_dir, f"{name}-{label}")
-    start, start_cpu = time.perf_counter(), time.process_time()
-    save(path, tree)
-    saved, saved_cpu = time.perf_counter(), time.process_time()
+    state = _common.fresh(tree)
+    with _common.PeakMemory() as memory:
+        start, start_cpu = time.perf_counter(), time.process_time()
+        save(path, state)
+        saved, saved_cpu = time.perf_counter(), time.process_time()
+    del state
     restored = jax.block_until_ready(restore(path, tree))
     restored_at, restored_cpu = time.perf_counter(), time.process_time()
     if check:
@@ -335,9 +261,10 @@ def run_round(name, save, restore, tree, base_dir, label, check=False):
     del restored
     shutil.rmtree(path)
     gc.collect()
-    print(f"  {name} {label}: save {saved - start:.3f}s ({saved_cpu - start_cpu:.3f}s CPU), "
-          f"restore {restored_at - saved:.3f}s ({restored_cpu - saved_cpu:.3f}s CPU)", flush=True)
-    return saved - start, restored_at - saved, saved_cpu - start_cpu, restored_cpu - saved_cpu
+    print(f"  {name} {label}: save {saved - start:.3f}s ({saved_cpu - start_cpu:.3f}s CPU, "
+          f"+{memory.above / 2**20:.0f} MiB), restore {restored_at - saved:.3f}s "
+          f"({restored_cpu - saved_cpu:.3f}s CPU)", flush=True)
+    return saved - start, restored_at - saved, saved_cpu - start_cpu, restored_cpu - saved_cpu, memory.above
 
 
 def run_all(names, tree, base_dir, repeats):
@@ -354,7 +281,7 @@ def run_all(names, tree, base_dir, repeats):
                 save, restore = stack.enter_context(CONTENDER_FACTORIES[name](tree))
                 run_round(name, save, restore, tree, base_dir, "warm-up", check=True)
                 active[name] = (save, restore)
-                results[name] = ([], [], [], [])
+                results[name] = ([], [], [], [], [])
             except Unavailable as exc:
                 results[name] = {"error": str(exc)}
                 print(f"  {name}: {exc}", flush=True)
@@ -369,11 +296,14 @@ def run_all(names, tree, base_dir, repeats):
     return results
 
 
-def summarize(seconds, cpu_seconds, nbytes):
+def summarize(seconds, cpu_seconds, nbytes, peak=None):
     rates = [nbytes / 1e9 / s for s in seconds]
-    return {"seconds": seconds, "best_gbps": max(rates),
-            "median_gbps": statistics.median(rates),
-            "cpu_seconds": cpu_seconds, "median_cpu_seconds": statistics.median(cpu_seconds)}
+    out = {"seconds": seconds, "best_gbps": max(rates),
+           "median_gbps": statistics.median(rates),
+           "cpu_seconds": cpu_seconds, "median_cpu_seconds": statistics.median(cpu_seconds)}
+    if peak is not None:
+        out["peak_host_bytes"] = peak
+    return out
 
 
 def package_version(name):
@@ -413,16 +343,17 @@ def ratios(results):
 
 
 def print_table(results):
-    print(f"\n{'contender':<14} | {'save GB/s best':>14} {'median':>7} {'CPU s':>6} | "
+    print(f"\n{'contender':<14} | {'save GB/s best':>14} {'median':>7} {'CPU s':>6} {'peak MiB':>9} | "
           f"{'restore GB/s best':>17} {'median':>7} {'CPU s':>6}")
-    print("-" * 84)
+    print("-" * 94)
     for name, result in results.items():
         if "error" in result:
             print(f"{name:<14} | {result['error']}")
             continue
         save, restore = result["save"], result["restore"]
         print(f"{name:<14} | {save['best_gbps']:>14.3f} {save['median_gbps']:>7.3f} "
-              f"{save['median_cpu_seconds']:>6.3f} | {restore['best_gbps']:>17.3f} "
+              f"{save['median_cpu_seconds']:>6.3f} {statistics.median(save['peak_host_bytes']) / 2**20:>9.0f} | "
+              f"{restore['best_gbps']:>17.3f} "
               f"{restore['median_gbps']:>7.3f} {restore['median_cpu_seconds']:>6.3f}")
 
 
@@ -460,6 +391,38 @@ def print_ratios(ratio_values):
             print(f"  zarrckpt/{other:<5} {phase:<7}: {', '.join(cells)}")
 
 
+PROBE_MIB = (1, 16, 64, 256)
+
+
+def restore_probe(base_dir, repeats):
+    """Per leaf size: seconds to read a file and put it on one device, from pageable
+    memory (`device_put` of the numpy array) and through pinned host memory (a
+    `device_put` into it, then one onto the device)."""
+    device = jax.devices()[0]
+    pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
+    print(f"\nrestore probe on {device.platform}: read + place one leaf, best / median of {repeats}", flush=True)
+    results = {}
+    for mib in PROBE_MIB:
+        path = os.path.join(base_dir, f"probe-{mib}.bin")
+        np.random.default_rng(0).standard_normal(mib * 2**18).astype(np.float32).tofile(path)
+        rows = {"pageable": [], "pinned": []}
+        for r in range(repeats + 1):  # the first round warms up
+            for how, series in rows.items():
+                start = time.perf_counter()
+                host = np.fromfile(path, np.float32)
+                placed = jax.device_put(jax.device_put(host, pinned) if how == "pinned" else host, on_device)
+                placed.block_until_ready()
+                if r:
+                    series.append(time.perf_counter() - start)
+                del placed, host
+        os.remove(path)
+        results[mib] = rows
+        print(f"  {mib:4d} MiB: pageable {_common.fmt(rows['pageable'], 's', 4)}; "
+              f"pinned {_common.fmt(rows['pinned'], 's', 4)}", flush=True)
+    return results
+
+
 def main(args):
     owns_dir = args.dir is None
     base_dir = tempfile.mkdtemp(prefix="zarrckpt-bench-") if owns_dir \
@@ -476,7 +439,7 @@ def main(args):
         "leaves": len(jax.tree.leaves(tree)),
         "bytes": nbytes,
         "replicated_bytes": replicated_nbytes(tree),
-        "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
+        "devices": _common.describe_platform(),
         "mesh": dict(mesh.shape),
     }
     print(f"tree: {summary['leaves']} leaves, {nbytes:,} bytes "
@@ -493,10 +456,11 @@ def main(args):
 
     try:
         raw_results = run_all(args.only, tree, base_dir, args.repeats)
+        probe = restore_probe(base_dir, args.repeats) if args.restore_probe else None
     finally:
         if owns_dir:
             shutil.rmtree(base_dir, ignore_errors=True)
-    results = {name: r if isinstance(r, dict) else {"save": summarize(r[0], r[2], nbytes),
+    results = {name: r if isinstance(r, dict) else {"save": summarize(r[0], r[2], nbytes, r[4]),
                                                      "restore": summarize(r[1], r[3], nbytes)}
                for name, r in raw_results.items()}
 
@@ -510,7 +474,7 @@ def main(args):
         with open(args.json, "w") as f:
             json.dump({"versions": versions(), "tree": summary,
                        "size_gib": args.size_gib, "repeats": args.repeats,
-                       "results": results, "ratios": ratio_values,
+                       "results": results, "ratios": ratio_values, "restore_probe": probe,
                        "checksum_cost": checksum_cost(results)},
                       f, indent=2)
 

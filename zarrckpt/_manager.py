@@ -52,8 +52,9 @@ class CheckpointManager:
       keep_last, keep_every, keep_best, best_metric, best_mode: retention, applied on
         process 0 after each commit, off the training thread; see `zarrckpt._retention`.
         The newest committed step and pinned steps are never deleted.
-      async_save: `save` returns once the state is copied to host memory; writing and
-        committing continue on a background thread (at most one save in flight).
+      async_save: `save` returns once the state's copies to host memory are dispatched
+        (pinned host memory where the devices have it); writing and committing continue
+        on a background thread (at most one save in flight).
       max_staged_bytes: bound on host memory holding staged snapshots; a larger state
         makes `save` wait for writes to drain before it has copied everything.
       save_on_preemption: save at JAX's preemption sync point.
@@ -127,8 +128,9 @@ class CheckpointManager:
         fetched to the host here, as `float(loss)` would). NaN and infinities are kept
         as the strings "NaN", "Infinity", "-Infinity" and never rank as best.
 
-        With async_save, returns once the state is copied off the devices: the caller
-        may then donate or overwrite its buffers. Waits first for the previous save.
+        With async_save, returns once the state's copies off the devices are dispatched
+        and numpy leaves are copied: the caller may then donate or overwrite its buffers
+        (the runtime finishes the copies first). Waits first for the previous save.
         Without async_save, returns once the save has committed and the retention
         it triggers has run. Raises TypeError or ValueError for a bad step or metric
         (nothing is saved, and the next save works), the error of an earlier

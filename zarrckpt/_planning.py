@@ -64,7 +64,8 @@ def region_size(region: Region) -> int:
 
 @dataclasses.dataclass
 class WriteUnit:
-    """One chunk to write: its place in the array and where its data comes from."""
+    """One chunk to write: its place in the array, where its data comes from, and (once
+    `_transfer.start` has run) where its host copy is."""
 
     region: Region
     nbytes: int
@@ -73,57 +74,31 @@ class WriteUnit:
     # where that goes in the chunk (None: all of it). One, or several side by side when
     # small shards are merged into one chunk.
     sources: tuple[tuple[jax.Array, Slices | None, Slices | None], ...] = ()
-    _pending: list[tuple[Region, Any]] | None = None  # transfers in flight: (part, host view or device piece)
-    _owned: np.ndarray | None = None  # a staged copy, independent of the source
+    # Each part on the host, with where it goes in the chunk: a numpy array, or a
+    # jax.Array in host memory or being copied there (see `_transfer`).
+    copies: list[tuple[Slices | None, Any]] | None = None
     _budget: ByteBudget | None = None  # holds `nbytes` of it until released
 
     def hold(self, budget: ByteBudget) -> None:
         """Records that this unit holds `nbytes` of `budget`, given back by `release`."""
         self._budget = budget
 
-    def start_transfer(self) -> None:
-        """Starts the device-to-host copies without waiting for them."""
-        if not self.sources or self._pending is not None:
-            return
-        self._pending = []
-        on_cpu = self.sources[0][0].devices().pop().platform == "cpu"  # one platform per array
-        for data, take, put in self.sources:
-            if on_cpu:
-                # CPU buffers convert to numpy without a copy; slicing there is free.
-                host = np.asarray(data)
-                self._pending.append((put, host if take is None else host[take]))
-            else:
-                # Copy only this chunk's part off the accelerator, not the whole shard.
-                piece = data if take is None else data[take]
-                piece.copy_to_host_async()
-                self._pending.append((put, piece))
-
     def host_array(self) -> np.ndarray:
-        """The chunk's data on the host (waits for the copies)."""
-        if self._owned is not None:
-            return self._owned
-        if self.host is not None:
-            return self.host[region_slices(self.region)]
-        self.start_transfer()
-        assert self._pending is not None
-        if len(self._pending) == 1 and self._pending[0][0] is None:
-            return np.asarray(self._pending[0][1])
-        out = np.empty(region_shape(self.region), np.asarray(self._pending[0][1]).dtype)
-        for put, piece in self._pending:
-            out[put] = np.asarray(piece)
+        """The chunk's values on the host; waits for its copies to arrive."""
+        assert self.copies is not None, "the unit's transfer was not started"
+        if len(self.copies) == 1 and self.copies[0][0] is None:
+            return np.asarray(self.copies[0][1])  # a host-memory jax.Array is viewed in place
+        parts = [(put, np.asarray(copy)) for put, copy in self.copies]
+        out = np.empty(region_shape(self.region), parts[0][1].dtype)
+        for put, part in parts:
+            out[put] = part
         return out
 
-    def stage(self) -> None:
-        """Keeps a host copy this unit owns, so that the source (a device buffer that
-        training may donate, a numpy array it may mutate) is free to change."""
-        data = self.host_array()
-        # On CPU and for numpy leaves, host_array() is a view of the source itself.
-        self._owned = data if data.flags.owndata else np.array(data)
-        self.host = self.sources = self._pending = None
-
     def release(self) -> None:
-        """Drops every reference to the chunk's data and gives back its budget."""
-        self.host = self.sources = self._pending = self._owned = None
+        """Drops every reference to the chunk's data (a pinned buffer goes back at once)
+        and gives back its budget."""
+        self.host = self.copies = None
+        self.sources = ()
         budget, self._budget = self._budget, None
         if budget is not None:
             budget.release(self.nbytes)

@@ -446,8 +446,8 @@ def load_pytree(
         `max_inflight_bytes` (one leaf more at most): that is the extra device memory
         it costs. Off: every process reads all it needs itself.
       max_inflight_bytes: bound on host bytes read and not yet placed on devices.
-      max_workers: concurrent reads (default: 8 on a local disk, 128 on an object store,
-        100 on GCS).
+      max_workers: concurrent reads (default: one per core, 8 to 32, on a local disk;
+        128 on an object store; 100 on GCS).
       progress: show a progress bar on process 0 (default: when stderr is a terminal).
 
     Raises:

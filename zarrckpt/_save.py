@@ -23,15 +23,13 @@ from typing import Any, Callable, Iterable, Iterator
 import jax
 import zarr
 
-from . import _commit, _concurrency, _multihost, _naming, _planning, _progress, _storage, _tree, _zarrjson
+from . import (_commit, _concurrency, _multihost, _naming, _planning, _progress, _storage, _transfer, _tree,
+               _zarrjson)
 from . import errors
 from ._options import SaveOptions
 from ._planning import ArrayPlan, WriteUnit
 
 log = logging.getLogger("zarrckpt")
-
-_STAGING_THREADS = 4
-
 
 def save_pytree(
     url: str,
@@ -62,8 +60,8 @@ def save_pytree(
       min_chunk_bytes: shards smaller than this are merged into larger chunks where one
         process holds several side by side (fewer objects: each is a request on S3/GCS).
       max_inflight_bytes: bound on host bytes copied off devices and not yet written.
-      max_workers: concurrent writes per process (default: 8 on a local disk, 128 on
-        an object store, 100 on GCS).
+      max_workers: concurrent writes per process (default: one per core, 8 to 32, on a local
+        disk; 128 on an object store; 100 on GCS).
       timeout_s: how long a process waits for the others at each agreement.
       progress: show a progress bar on process 0 (default: when stderr is a terminal).
       checksums: store a CRC-32C after every chunk (zarr's crc32c codec), verified on
@@ -96,8 +94,8 @@ class SaveJob:
     """One planned save: what to write where. `run` executes the write protocol.
 
     Its writes hold bytes of `budget` (`options.max_inflight_bytes`) from the moment
-    they are copied off their devices until they are written: `admitted` (a save that
-    writes as it copies) and `stage` (an async save's snapshot) take them.
+    they are copied off their devices until they are written: `admitted` takes them,
+    for a save that writes as it copies and for `stage` (an async save's snapshot).
     """
 
     loc: _storage.Location
@@ -144,14 +142,24 @@ class SaveJob:
         """This process's writes, in order."""
         return ((plan, unit) for plan in self.plans for unit in plan.writes)
 
-    def admitted(self) -> Work:
-        """This process's writes as the budget lets them in, each holding its bytes
-        and its device-to-host copy started (a save that is not staged)."""
-        for plan, unit in self.units():
-            self.budget.acquire(unit.nbytes)
-            unit.hold(self.budget)
-            unit.start_transfer()
-            yield plan, unit
+    def admitted(self, *, snapshot: bool = False) -> Work:
+        """This process's writes in order, each holding its bytes of the budget and its
+        copy to the host started (see `_transfer`): whenever the budget has room, every
+        unit it admits goes out in one batched transfer. With `snapshot`, a batch's
+        copies no longer depend on the caller's state once it is yielded."""
+        units = iter(self.units())
+        item = next(units, None)
+        while item is not None:
+            batch = []
+            self.budget.acquire(item[1].nbytes)  # the first of a batch waits for room
+            while item is not None:
+                item[1].hold(self.budget)
+                batch.append(item)
+                item = next(units, None)
+                if item is not None and not self.budget.acquire(item[1].nbytes, block=False):
+                    break
+            _transfer.start([unit for _, unit in batch], snapshot=snapshot)
+            yield from batch
 
     def run(self, work: Work) -> float:
         """Runs the write protocol over `work` (`admitted()`, or what `stage` staged);
@@ -193,23 +201,13 @@ class SaveJob:
 
 
 def stage(job: SaveJob, put: Callable[[tuple[ArrayPlan, WriteUnit]], None]) -> None:
-    """Copies this process's writes of `job` to host memory the caller owns, handing each
-    to `put` in order; returns once all are copied, so training may then overwrite its
-    buffers. Each unit holds its bytes of `job.budget` until it is written.
-
-    Copies are started (on this thread) for as many units as the budget allows before
-    any is waited on, so device-to-host transfers run concurrently, and the host
-    copies run on a few threads (numpy lets go of the GIL). Blocks while the budget
-    is full.
-    """
-    def admit(item: tuple[ArrayPlan, WriteUnit]) -> None:
-        item[1].hold(job.budget)
-        item[1].start_transfer()
-
-    with _concurrency.Operation(_STAGING_THREADS, "stage") as op:
-        for item, _ in op.window(job.units(), lambda item: item[1].stage(), budget=job.budget,
-                                 nbytes=lambda item: item[1].nbytes, admit=admit):
-            put(item)
+    """An async save's snapshot: hands each of this process's writes of `job` to `put`,
+    in order, with its copy to host memory dispatched; returns once every copy is
+    dispatched and none depends on the caller's state any more, so training may go on
+    and donate its buffers (see `_transfer`). Blocks while `job.budget` is full: each
+    unit holds its bytes until it is written."""
+    for item in job.admitted(snapshot=True):
+        put(item)
 
 
 def _tree_metadata(spec: dict[str, Any]) -> dict[str, Any]:

@@ -188,32 +188,35 @@ def record(tree: Any) -> tuple[dict[str, Any], list[Leaf]]:
     cannot be saved, or of two key paths whose names would collide.
     """
     leaves: list[Leaf] = []
-
-    def walk(node: Any, path: KeyPath) -> dict[str, Any]:
-        if node is None:
-            return {"kind": "none"}
-        try:
-            treedef = _tu.tree_structure(node)
-        except ValueError as e:  # e.g. dict keys of mixed types, which jax cannot sort
-            raise UnsupportedLeafError(f"cannot flatten the tree at {describe_path(path)}: {e}") from None
-        if treedef.num_nodes == 1 and treedef.num_leaves == 1:
-            leaf, leaf_spec = stored_form(Leaf(path, name_of(path), node))
-            leaves.append(leaf)
-            return leaf_spec
-        # Flatten one level only: every child counts as a leaf here.
-        children, _ = _tu.tree_flatten_with_path(node, is_leaf=lambda c: c is not node)
-        entries = [(p[0], walk(child, path + (p[0],))) for p, child in children]
-        nodes = [n for _, n in entries]
-        if type(node) in (list, tuple):
-            return {"kind": type(node).__name__, "children": nodes}
-        if isinstance(node, dict):
-            return {"kind": "dict", "keys": [e.key for e, _ in entries], "children": nodes}
-        return {"kind": "node", "type": f"{type(node).__module__}.{type(node).__qualname__}",
-                "keys": [_entry_json(e) for e, _ in entries], "children": nodes}
-
-    spec = walk(tree, ())
+    spec = _record_node(tree, (), leaves)
     _check_unique(leaves)
     return spec, leaves
+
+
+# The recursions below are module functions, not closures: a recursive closure is a
+# reference cycle, which would keep the leaves it collects (the caller's arrays) alive
+# until the garbage collector runs.
+def _record_node(node: Any, path: KeyPath, leaves: list[Leaf]) -> dict[str, Any]:
+    if node is None:
+        return {"kind": "none"}
+    try:
+        treedef = _tu.tree_structure(node)
+    except ValueError as e:  # e.g. dict keys of mixed types, which jax cannot sort
+        raise UnsupportedLeafError(f"cannot flatten the tree at {describe_path(path)}: {e}") from None
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+        leaf, leaf_spec = stored_form(Leaf(path, name_of(path), node))
+        leaves.append(leaf)
+        return leaf_spec
+    # Flatten one level only: every child counts as a leaf here.
+    children, _ = _tu.tree_flatten_with_path(node, is_leaf=lambda c: c is not node)
+    entries = [(p[0], _record_node(child, path + (p[0],), leaves)) for p, child in children]
+    nodes = [n for _, n in entries]
+    if type(node) in (list, tuple):
+        return {"kind": type(node).__name__, "children": nodes}
+    if isinstance(node, dict):
+        return {"kind": "dict", "keys": [e.key for e, _ in entries], "children": nodes}
+    return {"kind": "node", "type": f"{type(node).__module__}.{type(node).__qualname__}",
+            "keys": [_entry_json(e) for e, _ in entries], "children": nodes}
 
 
 def _entry_json(entry: Any) -> Any:
@@ -243,17 +246,17 @@ def recorded_leaves(spec: dict[str, Any]) -> list[tuple[KeyPath, dict[str, Any]]
     """The leaf records of a tree record with their key paths, in flattening order.
     Raises ValueError (or TypeError...) for a record `record` could not have written."""
     out: list[tuple[KeyPath, dict[str, Any]]] = []
-
-    def walk(node: dict[str, Any], path: KeyPath) -> None:
-        if node["kind"] not in _NODE_KINDS:
-            raise ValueError(f"node of unknown kind {node['kind']!r} at {describe_path(path)}")
-        if node["kind"] == "leaf":
-            out.append((path, node))
-        for key, child in _keyed_children(node):
-            walk(child, path + (_entry_from_json(node["kind"], key),))
-
-    walk(spec, ())
+    _collect_records(spec, (), out)
     return out
+
+
+def _collect_records(node: dict[str, Any], path: KeyPath, out: list[tuple[KeyPath, dict[str, Any]]]) -> None:
+    if node["kind"] not in _NODE_KINDS:
+        raise ValueError(f"node of unknown kind {node['kind']!r} at {describe_path(path)}")
+    if node["kind"] == "leaf":
+        out.append((path, node))
+    for key, child in _keyed_children(node):
+        _collect_records(child, path + (_entry_from_json(node["kind"], key),), out)
 
 
 def _keyed_children(node: dict[str, Any]) -> list[tuple[Any, dict[str, Any]]]:

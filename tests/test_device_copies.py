@@ -1,0 +1,187 @@
+"""Copies off the devices for a save (zarrckpt._transfer): the pinned host memory path,
+its fallback, what a snapshot guarantees, and what a save leaves behind.
+
+The CPU backend has a `pinned_host` memory as accelerators do, so an async save on CPU
+devices takes the same path as on a GPU; a sync save on CPU reads the device buffers in
+place.
+"""
+
+import functools
+import gc
+import logging
+import os
+import weakref
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import zarrckpt
+from zarrckpt import _transfer
+
+
+def mesh():
+    return Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+
+
+def varied_state():
+    """Leaves of every path a chunk can take: split shards (a replicated leaf dealt out
+    over its replicas, sliced on the device), merged small shards, whole shards, odd
+    dtypes, a typed key, numpy and Python leaves."""
+    m = mesh()
+    rng = np.random.default_rng(0)
+
+    def put(host, spec):
+        return jax.device_put(host, NamedSharding(m, spec))
+
+    return {
+        "replicated": put(rng.standard_normal((2048, 1024)).astype(np.float32), P()),  # 8 MiB: split 8 ways
+        "rows": put(rng.standard_normal((64, 96)).astype(np.float32), P("data", "model")),  # merged
+        "big": put(rng.standard_normal((2048, 1024)).astype(np.float32), P(("data", "model"))),
+        "bf16": put(rng.standard_normal((16, 32)).astype(ml_dtypes.bfloat16), P(None, "model")),
+        "int4": put(rng.integers(-8, 8, (8, 8)).astype(ml_dtypes.int4), P("data")),
+        "mask": put(rng.random((40, 8)) > 0.5, P("data")),
+        "key": jax.random.key(7),
+        "step": jnp.array(12, jnp.int32),
+        "host": rng.standard_normal(300),
+        "lr": 0.5,
+    }
+
+
+def chunk_bytes(root):
+    """Every chunk object of a checkpoint, by key."""
+    out = {}
+    for directory, _, names in os.walk(root):
+        for name in names:
+            if name.startswith("c."):
+                path = os.path.join(directory, name)
+                with open(path, "rb") as f:
+                    out[os.path.relpath(path, root)] = f.read()
+    return out
+
+
+def assert_restores(url, state):
+    target = jax.tree.map(lambda x: x.sharding if isinstance(x, jax.Array) and not jnp.issubdtype(
+        x.dtype, jax.dtypes.prng_key) else x, state)
+    restored = zarrckpt.load_pytree(url, target)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(state)):
+        if isinstance(want, jax.Array) and jnp.issubdtype(want.dtype, jax.dtypes.prng_key):
+            got, want = jax.random.key_data(got), jax.random.key_data(want)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=jax.tree_util.keystr(path))
+
+
+def test_pinned_and_in_place_copies_write_identical_bytes(tmp_path):
+    state = varied_state()
+    zarrckpt.save_pytree(str(tmp_path / "sync"), state)  # CPU, not a snapshot: read in place
+    with zarrckpt.CheckpointManager(str(tmp_path / "run")) as mgr:  # async: pinned host memory
+        mgr.save(1, state)
+    in_place, pinned = chunk_bytes(tmp_path / "sync"), chunk_bytes(tmp_path / "run" / "0000000001")
+    assert len(in_place) > 20 and in_place.keys() == pinned.keys()
+    assert [k for k in in_place if in_place[k] != pinned[k]] == []
+    assert_restores(str(tmp_path / "run" / "0000000001"), state)
+
+
+def test_a_device_without_pinned_memory_falls_back_to_pageable_copies(tmp_path, monkeypatch, caplog):
+    state = varied_state()
+    zarrckpt.save_pytree(str(tmp_path / "reference"), state)
+    # No CPU build lacks a pinned host memory: pretend this one does.
+    monkeypatch.setattr(_transfer, "has_pinned_memory", lambda device: False)
+    _transfer._log_pageable.cache_clear()
+    with caplog.at_level(logging.INFO, logger="zarrckpt"):
+        with zarrckpt.CheckpointManager(str(tmp_path / "run")) as mgr:
+            mgr.save(1, state)
+            mgr.save(2, state)
+    assert [r.getMessage() for r in caplog.records if "pinned host memory" in r.getMessage()] == [
+        "cpu devices have no pinned host memory: saves copy through pageable memory, which is slower"]
+    assert chunk_bytes(tmp_path / "reference") == chunk_bytes(tmp_path / "run" / "0000000002")
+    assert_restores(str(tmp_path / "run" / "0000000001"), state)
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+def test_an_async_save_is_a_snapshot_when_the_next_step_donates_at_once(tmp_path, monkeypatch, pinned):
+    if not pinned:
+        monkeypatch.setattr(_transfer, "has_pinned_memory", lambda device: False)
+    m = mesh()
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state):
+        return jax.tree.map(lambda x: x * 3 - 1, state)
+
+    # 64 MiB, so that the copies are still running when `save` returns.
+    state = {f"w{i}": jax.device_put(jnp.full((1024, 2048), float(i)), NamedSharding(m, P("data", "model")))
+             for i in range(8)}
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        for step in range(1, 4):
+            expected = {k: float(np.asarray(v[0, 0])) for k, v in state.items()}
+            mgr.save(step, state)
+            state = train_step(state)  # donates the buffers the save copies from
+            assert all(v.is_deleted() is False for v in state.values())
+            mgr.wait()
+            restored = zarrckpt.load_checkpoint(str(tmp_path), step)
+            for key, value in expected.items():
+                np.testing.assert_array_equal(restored[key], np.full((1024, 2048), value, np.float32), err_msg=key)
+
+
+def test_numpy_leaves_are_copied_before_an_async_save_returns(tmp_path):
+    host = np.arange(1000.0)
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"host": host, "w": jnp.ones(4)})
+        host[:] = -1  # the caller reuses its buffer at once
+    np.testing.assert_array_equal(zarrckpt.load_checkpoint(str(tmp_path), 1)["host"], np.arange(1000.0))
+
+
+def test_many_leaves_go_out_in_one_batched_transfer(tmp_path, monkeypatch):
+    m = mesh()
+    state = {f"layer{i:03d}": {"w": jax.device_put(jnp.full((8, 64), float(i)), NamedSharding(m, P(None, "model"))),
+                               "b": jax.device_put(jnp.full((64,), -float(i)), NamedSharding(m, P()))}
+             for i in range(300)}
+    calls = []
+    real = _transfer.jax.device_put
+    monkeypatch.setattr(_transfer.jax, "device_put", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, state)
+    assert len(calls) == 1 and calls[0] >= 600  # every leaf's shards in one call
+    restored = zarrckpt.load_checkpoint(str(tmp_path), 1)
+    for i in (0, 151, 299):
+        np.testing.assert_array_equal(restored[f"layer{i:03d}"]["w"], np.full((8, 64), float(i), np.float32))
+        np.testing.assert_array_equal(restored[f"layer{i:03d}"]["b"], np.full((64,), -float(i), np.float32))
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_a_state_larger_than_the_budget_goes_out_in_several_batches(tmp_path, monkeypatch, async_save):
+    state = {f"l{i}": jax.device_put(jnp.full((256, 256), float(i)), NamedSharding(mesh(), P("data")))
+             for i in range(8)}  # 256 KiB each
+    calls = []
+    real = _transfer.jax.device_put
+    monkeypatch.setattr(_transfer.jax, "device_put", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    with zarrckpt.CheckpointManager(str(tmp_path), async_save=async_save, max_staged_bytes=600 * 1024) as mgr:
+        mgr.save(1, state)
+    if async_save:
+        assert len(calls) > 2  # at most two leaves' copies at a time
+    restored = zarrckpt.load_checkpoint(str(tmp_path), 1)
+    for key, value in state.items():
+        np.testing.assert_array_equal(restored[key], np.asarray(value))
+
+
+@pytest.mark.parametrize("how", ["save_pytree", "async manager", "sync manager"])
+def test_a_saved_state_is_freed_as_soon_as_the_caller_drops_it(tmp_path, how):
+    """No reference cycle keeps the caller's arrays (device memory, on an accelerator)
+    alive after a save until the garbage collector happens to run."""
+    state = varied_state()
+    alive = [weakref.ref(x) for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+    gc.collect()
+    gc.disable()
+    try:
+        if how == "save_pytree":
+            zarrckpt.save_pytree(str(tmp_path / "ckpt"), state)
+        else:
+            with zarrckpt.CheckpointManager(str(tmp_path / "run"), async_save=how == "async manager") as mgr:
+                mgr.save(1, state)
+                mgr.save(1, state, force=True)  # already committed: not saved again
+        del state
+        assert [r for r in alive if r() is not None] == []
+    finally:
+        gc.enable()
