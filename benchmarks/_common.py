@@ -13,7 +13,6 @@ import functools
 import itertools
 import os
 import statistics
-import threading
 import time
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -230,20 +229,27 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+_SAMPLER = """
+import select, sys
+path, peak = f"/proc/{sys.argv[1]}/statm", 0
+print("ready", flush=True)
+while not select.select([sys.stdin], [], [], 0.001)[0]:
+    with open(path) as f:
+        peak = max(peak, int(f.read().split()[1]))
+print(peak, flush=True)
+"""
+
+
 class PeakMemory:
-    """Samples the resident set size on a thread; `above` is the peak over the baseline
-    taken on entry (after freed memory went back to the OS)."""
+    """The resident set size's peak while inside, sampled every millisecond by another
+    process (a sampling thread here would compete for the GIL with what is measured);
+    `above` is the peak over the baseline taken on entry, after freed memory went back
+    to the OS."""
 
     def __init__(self) -> None:
         self.peak = 0
         self.baseline = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss_bytes())
-            time.sleep(0.001)
+        self._sampler = None
 
     @property
     def above(self) -> int:
@@ -251,16 +257,20 @@ class PeakMemory:
 
     def __enter__(self) -> "PeakMemory":
         import gc
+        import subprocess
+        import sys
 
         gc.collect()
         release_free_memory()
-        self.baseline = self.peak = rss_bytes()
-        self._thread.start()
+        self.baseline = rss_bytes()
+        self._sampler = subprocess.Popen([sys.executable, "-c", _SAMPLER, str(os.getpid())], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+        self._sampler.stdout.readline()  # sampling has begun
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+        out, _ = self._sampler.communicate("stop\n")
+        self.peak = max(int(out.split()[-1]) * os.sysconf("SC_PAGE_SIZE"), rss_bytes())
 
 
 # -- statistics --------------------------------------------------------------------------------

@@ -87,6 +87,12 @@ def save(loc: _storage.Location, tree: Any, options: SaveOptions) -> None:
 
 
 Work = Iterable[tuple[ArrayPlan, WriteUnit]]
+# Units per batched transfer of a save that writes as it copies: enough that a call's
+# fixed cost is shared, few enough that the writers start while the rest are being
+# prepared (10,000 small leaves in one batch kept every writer waiting for all of them:
+# 40% slower). A snapshot sends all the budget admits at once: on CPU devices, a second
+# `device_put` into pinned memory waited for the copies of the first.
+_BATCH_UNITS = 64
 
 
 @dataclasses.dataclass
@@ -144,8 +150,8 @@ class SaveJob:
 
     def admitted(self, *, snapshot: bool = False) -> Work:
         """This process's writes in order, each holding its bytes of the budget and its
-        copy to the host started (see `_transfer`): whenever the budget has room, every
-        unit it admits goes out in one batched transfer. With `snapshot`, a batch's
+        copy to the host started (see `_transfer`): whenever the budget has room, the
+        units it admits go out in batched transfers. With `snapshot`, a batch's
         copies no longer depend on the caller's state once it is yielded."""
         units = iter(self.units())
         item = next(units, None)
@@ -156,7 +162,8 @@ class SaveJob:
                 item[1].hold(self.budget)
                 batch.append(item)
                 item = next(units, None)
-                if item is not None and not self.budget.acquire(item[1].nbytes, block=False):
+                if item is not None and ((len(batch) == _BATCH_UNITS and not snapshot)
+                                         or not self.budget.acquire(item[1].nbytes, block=False)):
                     break
             _transfer.start([unit for _, unit in batch], snapshot=snapshot)
             yield from batch
