@@ -229,7 +229,7 @@ def test_copy_commits_last_and_not_at_all_on_failure(run_dir, tmp_path, monkeypa
         zarrckpt.copy_checkpoint(src, dst)
     # Group metadata first, without the marker: the partial copy is an uncommitted checkpoint.
     assert written[0][0] == "zarr.json" and b"write_completed" not in bytes(written[0][1])
-    assert _commit.state(_storage.resolve(dst)) is _commit.State.UNCOMMITTED
+    assert _commit.head(_storage.resolve(dst)).state is _commit.State.UNCOMMITTED
     failing = False
     written.clear()
     result = zarrckpt.copy_checkpoint(src, dst)  # replaces the partial copy

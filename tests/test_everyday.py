@@ -112,7 +112,7 @@ def test_restoring_into_aliases_of_live_arrays_keeps_them_alive(tmp_path):
 
 def damage_one_chunk(url: str, name: str = "params.w") -> None:
     loc = _storage.resolve(url)
-    key = next(k for k in loc.sizes(recursive=True) if k.startswith(f"{name}/c"))
+    key = next(k for k in (e.name for e in loc.walk()) if k.startswith(f"{name}/c"))
     data = bytearray(loc.read(key))
     data[0] ^= 0xFF
     loc.write(key, bytes(data))

@@ -137,9 +137,9 @@ def test_commit_marker_is_written_last(tmp_path, monkeypatch):
     original = _commit.commit
 
     def spy(loc, doc):
-        seen.append(_commit.state(loc))
+        seen.append(_commit.head(loc).state)
         original(loc, doc)
-        seen.append(_commit.state(loc))
+        seen.append(_commit.head(loc).state)
 
     monkeypatch.setattr(_commit, "commit", spy)
     zarrckpt.save_pytree(url, {"a": np.ones(3)})

@@ -194,7 +194,7 @@ def test_interrupted_deletion_never_looks_committed(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="killed mid-deletion"):
         _retention.apply(_storage.resolve(root), _retention.Policy(keep_last=1), {})
     assert (tmp_path / "0000000001").exists()
-    assert _commit.state(_storage.resolve(root).step(1)) is not _commit.State.COMMITTED
+    assert _commit.head(_storage.resolve(root).step(1)).state is not _commit.State.COMMITTED
     assert zarrckpt.all_steps(root) == [2]
     monkeypatch.undo()
     zarrckpt.save_checkpoint(root, 1, {"fresh": np.ones(2)})  # the leftover is cleared first

@@ -154,9 +154,9 @@ class CountingStore:
         self.keys = []
         read, read_into = _storage.Location.read, _storage.Location.read_into
 
-        def counted_read(loc, key):
+        def counted_read(loc, key, **options):
             self.keys.append(key)
-            return read(loc, key)
+            return read(loc, key, **options)
 
         def counted_read_into(loc, key, *buffers):
             self.keys.append(key)

@@ -29,6 +29,7 @@ CHECKSUM_BYTES = 4
 KEY_ENCODING = {"name": "default", "configuration": {"separator": SEPARATOR}}
 # A chunk's name inside its array's directory.
 NAME = re.compile(r"c(\.\d+)*")
+_CRC_DAMAGE = "fails its CRC-32C checksum: its bytes are damaged"
 
 Region = tuple[tuple[int, int], ...]  # (start, stop) per axis
 
@@ -91,6 +92,17 @@ class ChunkCodec:
         payload = np.ascontiguousarray(data, dtype=little).reshape(-1).view(np.uint8)
         return (payload, _crc(payload)) if self.checksum else (payload,)
 
+    def damage(self, stored: bytes | memoryview) -> str | None:
+        """What is wrong with the stored bytes of a chunk object, or None: its size, and
+        with a checksum, its CRC-32C."""
+        if (wrong_size := self.size_damage(len(stored))) is not None:
+            return wrong_size
+        if self.checksum:
+            payload = np.frombuffer(stored, np.uint8, count=self.data_bytes)
+            if _crc(payload) != bytes(stored[self.data_bytes:]):
+                return _CRC_DAMAGE
+        return None
+
     def load(self, loc: Location, chunk: Region, out: np.ndarray | None = None) -> np.ndarray:
         """Reads the chunk covering `chunk` from `loc` and checks it; returns its values
         in the chunk shape. With `out` (a C-contiguous array of the chunk shape), the
@@ -100,20 +112,19 @@ class ChunkCodec:
         or checksum is wrong.
         """
         key = self.key(chunk)
-        if out is not None:
-            payload = out.reshape(-1).view(np.uint8)
-            trailer = bytearray(self.stored_bytes - self.data_bytes)
-            size = loc.read_into(key, memoryview(payload), memoryview(trailer))
-        else:
+        if out is None:
             stored = loc.read(key)
-            size = len(stored)
-            payload = np.frombuffer(stored, np.uint8, count=min(size, self.data_bytes))
-            trailer = stored[self.data_bytes:]
+            if (damage := self.damage(stored)) is not None:
+                raise DamagedChunk(key, loc.url, damage)
+            return np.frombuffer(stored, np.uint8, count=self.data_bytes).view(self.dtype).reshape(self.shape)
+        payload = out.reshape(-1).view(np.uint8)
+        trailer = bytearray(self.stored_bytes - self.data_bytes)
+        size = loc.read_into(key, memoryview(payload), memoryview(trailer))
         if (wrong_size := self.size_damage(size)) is not None:
             raise DamagedChunk(key, loc.url, wrong_size)
         if self.checksum and _crc(payload) != bytes(trailer):
-            raise DamagedChunk(key, loc.url, "fails its CRC-32C checksum: its bytes are damaged")
-        return out if out is not None else payload.view(self.dtype).reshape(self.shape)
+            raise DamagedChunk(key, loc.url, _CRC_DAMAGE)
+        return out
 
 
 def _crc(payload: np.ndarray) -> bytes:

@@ -23,7 +23,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from . import __version__, _commit, _concurrency, _copy, _export, _metadata, _retention, _steps, _storage, _verify
+from . import (__version__, _commit, _concurrency, _copy, _export, _metadata, _retention, _steps, _storage,
+               _verify, _zarrjson)
 from ._metadata import metadata
 from .errors import CheckpointError
 
@@ -146,7 +147,9 @@ def _option(text: str) -> tuple[str, Any]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     try:
-        return key, json.loads(value)
+        return key, _zarrjson.decode(value)
+    except _zarrjson.TooDeep as e:
+        raise argparse.ArgumentTypeError(f"the value of {key!r} is {e}") from None
     except ValueError:
         return key, value
 
@@ -176,7 +179,7 @@ def _ls(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(rows)
     elif not rows:
-        itself = _commit.state(root) is not _commit.State.ABSENT
+        itself = _commit.head(root).state is not _commit.State.ABSENT
         print(f"no step directories under {root.url}"
               + (f" (it is a checkpoint itself: see `zarrckpt info {root.url}`)" if itself else ""))
     else:
@@ -190,7 +193,7 @@ def _describe_step(root: _storage.Location, step: int) -> dict[str, Any]:
     """One `ls` row from the step's group metadata alone: one read for zarrckpt's layout."""
     loc = root.step(step)
     group = _commit.read_group(loc)
-    state = _commit.state_of(group)
+    state = _commit.state(loc, group)
     summary = _metadata.summarize(loc, group)
     return {"step": step, "url": loc.url, "state": state.value, "committed": state is _commit.State.COMMITTED,
             "pinned": _retention.is_pinned(loc), "nbytes": summary.nbytes, "leaves": summary.leaves,

@@ -1,24 +1,30 @@
 """Copying one checkpoint between any two URLs (local, s3://, gs://...), commit last.
 
 The copy follows the save protocol: first the group metadata without the commit
-marker, then every other object as it is stored, concurrently, and last the object
-holding the commit marker (`zarr.json`, or `.zattrs` in seqax's layout). So a copy
-cut short is an uncommitted checkpoint, which readers skip and the next copy or
-save replaces, never a committed one with holes (Orbax #394: copies made without
-their commit file).
+marker, then every other object the checkpoint records (see `_objects`: nothing else
+under the source is read), concurrently, each checked as it goes (a zarrckpt chunk's
+size and CRC-32C), and last the object holding the commit marker (`zarr.json`, or
+`.zattrs` in seqax's layout), once the source is found unchanged (the same save) and
+every object is on stable storage. So a copy cut short, of a damaged source, or of a
+source overwritten meanwhile is an uncommitted checkpoint, which readers skip and the
+next copy or save replaces, never a committed one with holes or parts of two saves
+(Orbax #394: copies made without their commit file).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import os
+import posixpath
 import time
 from typing import Any, Callable
 
-from . import _commit, _concurrency, _naming, _progress, _reader, _storage, _zarrjson
+from . import _commit, _concurrency, _local, _naming, _objects, _progress, _reader, _seqax, _storage, _zarrjson
+from ._chunks import DamagedChunk
 from ._storage import Location
-from .errors import CheckpointError, CheckpointWriteError
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
 
+_MARKERS = ("zarr.json", _seqax.MARKER)  # where the commit marker is: zarrckpt's layout, seqax's
 
 @dataclasses.dataclass(frozen=True)
 class CopyResult:
@@ -58,63 +64,102 @@ def copy_checkpoint(
 
     Raises:
       CheckpointNotFoundError: no checkpoint at `src`, or it is not committed and
-        `allow_uncommitted` is False.
+        `allow_uncommitted` is False, or it was replaced or deleted during the copy
+        (`dst` is left uncommitted).
+      CheckpointCorruptError: an object of `src` is missing or damaged (named); `dst`
+        is left uncommitted.
       CheckpointExistsError: `dst` holds a committed checkpoint and `overwrite` is
-        False, or `dst` holds something that is not a checkpoint (never deleted).
+        False, or `dst` holds something that is no checkpoint's (never deleted).
       CheckpointWriteError: an object could not be copied; `dst` is left uncommitted.
-      CheckpointError: `src` changed during the copy; `dst` is left uncommitted.
-      ValueError: `src` and `dst` are the same place, or one lies inside the other.
+      ValueError: `src` and `dst` are the same place (however spelled), or one lies
+        inside the other.
     """
     started = time.perf_counter()
     source = _storage.resolve(src, src_storage_options)
     target = _storage.resolve(dst, dst_storage_options)
     _check_apart(source, target)
-    ckpt = _reader.open_checkpoint(source, require_committed=not allow_uncommitted)
-    marker_key = "zarr.json" if ckpt.layout == "zarrckpt" else ".zattrs"
-    marker = source.read(marker_key)
+    # The commit marker's object is read once: the copy ends with these very bytes.
+    marker_key, marker = next(((key, raw) for key, raw in zip(_MARKERS, source.read_if_present(_MARKERS))
+                               if raw is not None), (_MARKERS[0], None))
+    group = None if marker is None else _commit.parse_group(marker_key, marker)
+    ckpt = _reader.open_checkpoint(source, require_committed=not allow_uncommitted, group=group)
+    marker = marker if marker is not None else source.read(marker_key)
     first_key, first = _uncommitted_group(source, marker_key, marker)
-    objects = {key: size for key, size in source.sizes(recursive=True).items() if key not in (marker_key, first_key)}
-    _commit.make_way(target, overwrite=overwrite)
-    total = sum(objects.values()) + len(marker)
+    objects = [o for o in _objects.owned(ckpt) if o.key not in (marker_key, first_key)]
+    _objects.make_way(target, overwrite=overwrite)
+    total = sum(o.nbytes for o in objects) + len(marker)
     with _progress.bar(f"copying to {target.url}", total, progress) as advance:
-        target.write(first_key, first, atomic=True)
+        target.write(first_key, first, atomic=True, durable=True)
         try:
             _copy_all(source, target, objects, max_workers or max(source.concurrency, target.concurrency),
                       _concurrency.ByteBudget(max_inflight_bytes), advance)
+        except CheckpointCorruptError as e:  # the source's damage, named
+            _check_unchanged(ckpt, marker_key, marker, target)
+            raise CheckpointCorruptError(f"{e}; not copied: {target.url} holds an uncommitted partial copy") from e
         except Exception as e:
             raise CheckpointWriteError(f"copying {source.url} to {target.url} failed; {target.url} holds an "
                                        f"uncommitted partial copy: {e}") from e
-        if source.read(marker_key) != marker:
-            raise CheckpointError(f"{source.url} changed while it was being copied (overwritten or deleted); "
-                                  f"{target.url} holds an uncommitted partial copy")
-        target.write(marker_key, marker, atomic=True)
+        _check_unchanged(ckpt, marker_key, marker, target)
+        target.sync_dirs(sorted({posixpath.dirname(o.key) for o in objects} - {""}))
+        target.write(marker_key, marker, atomic=True, durable=True)
         advance(len(marker))
     return CopyResult(source.url, target.url, len(objects) + len({first_key, marker_key}), total,
                       time.perf_counter() - started)
 
 
+def _place(loc: Location) -> tuple[str, str]:
+    """Where `loc` really is: its store, and its path with every other spelling undone
+    (`a/./b`, `a//b`, `a/x/../b`; on a local disk, symbolic links in the path too)."""
+    if loc.is_local:
+        return "file", os.path.realpath(loc.path)
+    options = loc.storage_options
+    endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
+    return f"{_storage.protocol_of(loc)}:{endpoint}", posixpath.normpath("/" + loc.path)
+
+
 def _check_apart(source: Location, target: Location) -> None:
-    if source.fs != target.fs:
-        return
-    a, b = source.path.rstrip("/"), target.path.rstrip("/")
-    if a == b or b.startswith(a + "/") or a.startswith(b + "/"):
+    (store_a, a), (store_b, b) = _place(source), _place(target)
+    if store_a == store_b and (a == b or b.startswith(a.rstrip("/") + "/") or a.startswith(b.rstrip("/") + "/")):
         raise ValueError(f"cannot copy {source.url} to {target.url}: one is the other or lies inside it")
+
+
+def _check_unchanged(ckpt: _reader.Checkpoint, marker_key: str, marker: bytes, target: Location) -> None:
+    """Raises CheckpointNotFoundError if the source is no longer the save being copied."""
+    if ckpt.save_id is not None:
+        now = _commit.head(ckpt.loc)
+        same = now.save_id == ckpt.save_id and (now.state is _commit.State.COMMITTED or not ckpt.committed)
+    else:  # seqax's layout, or a checkpoint written before save identities
+        same = ckpt.loc.read_if_present([marker_key])[0] == marker
+    if not same:
+        raise CheckpointNotFoundError(f"{ckpt.loc.url} was replaced or deleted while being copied; {target.url} "
+                                      "holds an uncommitted partial copy")
 
 
 def _uncommitted_group(source: Location, marker_key: str, marker: bytes) -> tuple[str, bytes]:
     """The key and bytes of the group metadata that marks the copy in progress as an
     uncommitted checkpoint: `zarr.json` without the marker, or seqax's `.zgroup`."""
-    if marker_key == ".zattrs":
-        return ".zgroup", source.read(".zgroup")
-    document = json.loads(marker)
+    if marker_key == _seqax.MARKER:
+        return _seqax.GROUP, source.read(_seqax.GROUP)
+    document = _zarrjson.decode(marker)
     document["attributes"] = {k: v for k, v in document["attributes"].items() if k != _naming.COMMIT_ATTR}
     return "zarr.json", _zarrjson.encode_document(document)
 
 
-def _copy_all(source: Location, target: Location, objects: dict[str, int], workers: int,
+def _copy_all(source: Location, target: Location, objects: list[_objects.Owned], workers: int,
               budget: _concurrency.ByteBudget, advance: Callable[[int], None]) -> None:
-    """Copies `objects` concurrently, at most `budget` bytes in memory; stops at the
-    first failure and raises it (see `_concurrency`)."""
+    """Copies `objects` concurrently, durably, at most `budget` bytes in memory, checking
+    each chunk it can; stops at the first failure and raises it (see `_concurrency`)."""
+    def copy(obj: _objects.Owned) -> None:
+        try:
+            data = source.read(obj.key)
+        except FileNotFoundError:
+            raise _reader.MissingObject(f"{obj.key!r} is missing from checkpoint {source.url}") from None
+        except _local.SymlinkError as e:
+            raise CheckpointCorruptError(f"{e.strerror}: {obj.key!r} of checkpoint {source.url}") from None
+        if obj.codec is not None and (damage := obj.codec.damage(data)) is not None:
+            raise DamagedChunk(obj.key, source.url, damage)
+        target.write(obj.key, data, durable=True)
+
     with _concurrency.Operation(workers, "copy") as op:
-        op.fan_out(sorted(objects), lambda key: target.write(key, source.read(key)), budget=budget,
-                   nbytes=objects.__getitem__, on_done=lambda key, _: advance(objects[key]))
+        op.fan_out(objects, copy, budget=budget, nbytes=lambda obj: obj.nbytes,
+                   on_done=lambda obj, _: advance(obj.nbytes))

@@ -7,8 +7,11 @@ A new manager that finds a lease not its own watches it for a few heartbeats: if
 changes, its owner is alive and the new manager refuses to start; if not, the owner
 died (a crash, a preemption) and the lease is taken over. Watching for change, not
 comparing timestamps, keeps this correct whatever the hosts' clocks say. A lease
-written on this host by a process that no longer exists is taken over at once, so a
-job restarted in place after a crash does not wait.
+whose writer is provably gone is taken over at once, so a job restarted in place
+after a crash does not wait: written on this very machine (its boot id) in this PID
+namespace, by a process id that is gone or now names another process (its start
+time). A process in another container (another PID namespace, perhaps with the same
+host name) cannot be seen from here, so its lease is watched like any other.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 import uuid
 from typing import Any
 
+from . import _zarrjson
 from ._storage import Location
 from .errors import DirectoryInUseError
 
@@ -30,6 +34,7 @@ log = logging.getLogger("zarrckpt")
 LEASE_FILE = "zarrckpt.lease"
 DEFAULT_HEARTBEAT_S = 5.0
 _WATCH_BEATS = 2.5  # how many heartbeats a found lease must stay unchanged to count as dead
+_SETTLE_S = 0.02  # and twice the lease write's own time: then a rival's write has landed
 
 
 class Lease:
@@ -57,7 +62,18 @@ class Lease:
                     f"{self._root.url} is in use by another CheckpointManager (host {found.get('host')}, pid "
                     f"{found.get('pid')}) that is still alive: two jobs saving into one directory would "
                     "interleave their checkpoints. Stop the other job, or use another directory.")
+        started = time.monotonic()
         self._write()
+        # A manager started at the same moment may have read the same lease (or none)
+        # and be writing its own: wait about as long as a write takes, then see whose
+        # lease stands. Only one of them finds its own.
+        time.sleep(_SETTLE_S + 2 * (time.monotonic() - started))
+        found = self._read()
+        if found is None or found.get("owner") != self._owner:
+            raise DirectoryInUseError(
+                f"{self._root.url} was claimed at the same moment by another CheckpointManager (host "
+                f"{(found or {}).get('host')}, pid {(found or {}).get('pid')}): two jobs saving into one directory "
+                "would interleave their checkpoints. Stop the other job, or use another directory.")
         self._thread = threading.Thread(target=self._renew, name="zarrckpt-lease", daemon=True)
         self._thread.start()
 
@@ -88,28 +104,49 @@ class Lease:
                 log.warning("could not renew the lease on %s: %s", self._root.url, e)
 
     def _read(self) -> dict[str, Any] | None:
+        """The lease found, or None; a lease that is not a JSON object reads as `{}`
+        (an owner that is not alive: watched, then taken over)."""
         try:
-            doc = json.loads(self._root.read(LEASE_FILE))
+            raw = self._root.read(LEASE_FILE)
         except FileNotFoundError:
             return None
-        except ValueError:
-            return {}
-        return doc if isinstance(doc, dict) else {}
+        found = _zarrjson.object_or_none(raw)
+        if found is None:
+            log.warning("%s/%s is not a JSON object: treated as the lease of a manager that is not alive",
+                        self._root.url, LEASE_FILE)
+        return found or {}
 
     def _write(self) -> None:
         self._beats += 1
-        doc = {"owner": self._owner, "host": socket.gethostname(), "pid": os.getpid(), "beat": self._beats}
+        doc = {"owner": self._owner, "host": socket.gethostname(), "pid": os.getpid(), "process": _THIS_PROCESS,
+               "beat": self._beats}
         self._root.write(LEASE_FILE, json.dumps(doc).encode(), atomic=True)
 
 
-def _dead_here(lease: dict[str, Any]) -> bool:
-    """Whether the lease's owner ran on this host and its process is gone."""
-    if lease.get("host") != socket.gethostname() or not isinstance(lease.get("pid"), int):
-        return False
+def _process_identity(pid: int) -> str | None:
+    """What tells a process apart on this machine, now and later: the machine's boot,
+    the PID namespace, the process id and its start time. None where it cannot be
+    told (no /proc, or no such process)."""
     try:
-        os.kill(lease["pid"], 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, as another user
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+        with open(f"/proc/{pid}/stat") as f:
+            started = f.read().rsplit(")", 1)[1].split()[19]  # field 22, after the command's name
+    except (OSError, IndexError):
+        return None
+    return f"{boot}/{namespace}/{pid}/{started}"
+
+
+_THIS_PROCESS = _process_identity(os.getpid())
+
+
+def _dead_here(lease: dict[str, Any]) -> bool:
+    """Whether the lease's writer is provably gone: it ran on this machine, in this PID
+    namespace, and its process id is gone or names another process now."""
+    written_by, pid = lease.get("process"), lease.get("pid")
+    if not isinstance(written_by, str) or not isinstance(pid, int) or _THIS_PROCESS is None:
         return False
-    return False
+    if written_by.rsplit("/", 2)[0] != _THIS_PROCESS.rsplit("/", 2)[0]:
+        return False  # another machine or container: only its renewals can tell
+    return _process_identity(pid) != written_by

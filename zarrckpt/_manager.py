@@ -100,6 +100,10 @@ class CheckpointManager:
                                                   max_workers=max_workers, timeout_s=timeout_s, progress=progress,
                                                   checksums=checksums)
         self._root = _storage.resolve(checkpoint_dir, storage_options)
+        if _commit.head(self._root).state is _commit.State.COMMITTED:
+            raise ValueError(f"{self._root.url} is a checkpoint itself, not a directory of steps: a manager saves "
+                             "each step in a directory of its own below the one it is given; give it another "
+                             "directory")
         self._interval_steps = save_interval_steps
         self._interval_seconds = save_interval_seconds
         self._async = async_save
@@ -243,7 +247,12 @@ class CheckpointManager:
         def metrics_of(step: int) -> dict[str, Any]:
             group = _commit.read_group(self._root.step(step))
             meta = group.attributes.get(_naming.META_ATTR, {}) if group else {}
-            return meta.get("metrics") or {} if isinstance(meta, dict) else {}
+            found = meta.get("metrics", {}) if isinstance(meta, dict) else {}
+            if not isinstance(found, dict) or not all(isinstance(k, str) for k in found):
+                log.warning("step %d under %s has metrics %.100r, not a dict of named numbers: not ranked by "
+                            "keep_best", step, self._root.url, found)
+                return {}
+            return found
 
         steps = sorted(self._committed)
         return dict(zip(steps, _concurrency.run_all(metrics_of, steps, self._root.concurrency)))
@@ -294,7 +303,7 @@ class CheckpointManager:
 
     def pin(self, step: int) -> None:
         """Exempts committed `step` from retention, by a PINNED file in its directory."""
-        _steps.committed_step(self._root, step).write(_retention.PIN_FILE, b"")
+        _steps.committed_step(self._root, step).write(_retention.PIN_FILE, b"", durable=True)
 
     # -- lifetime ----------------------------------------------------------------
 

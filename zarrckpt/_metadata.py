@@ -98,7 +98,7 @@ def summarize(loc: _storage.Location, group: _commit.Group | None) -> Summary:
             return Summary(len(records), nbytes, meta.get("created_at"))
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError):
             return Summary(None, None, meta.get("created_at"))  # `verify` says what is wrong
-    if _commit.state_of(group) is _commit.State.COMMITTED:
+    if group is not None and group.state is _commit.State.COMMITTED:
         stored = _reader.open_checkpoint(loc).leaves.values()
         return Summary(len(stored), sum(leaf.nbytes for leaf in stored), None)
     return Summary(None, None, None)

@@ -23,7 +23,7 @@ EMPTY_COMPONENT = "%"  # an empty-string key; "%" alone is never produced by esc
 MAX_NAME_LENGTH = 200  # file systems refuse path components over 255 bytes
 _HASHED_PREFIX_LENGTH = 160
 _UNESCAPED = re.compile(r"[A-Za-z0-9_\-]")
-_STEP_DIR = re.compile(r"\d{10,}")
+_STEP_DIR = re.compile(r"[0-9]{10,}")
 # Every array name `leaf_name` can produce: escaped components joined by ".", or a
 # hashed long name (a prefix of one, "~", 32 hex digits). Never "/", never a leading
 # ".", so never "." or "..": a name always stays inside its checkpoint.
@@ -94,6 +94,10 @@ def step_dir_name(step: int) -> str:
 
 
 def parse_step_dir_name(name: str) -> int | None:
-    """The step a directory name stands for, or None if it is not a step directory."""
+    """The step a directory name stands for, or None if it is not exactly the name
+    `step_dir_name` gives a step (ASCII digits, 10 or more, no extra leading zero)."""
     name = name.rstrip("/")
-    return int(name) if _STEP_DIR.fullmatch(name) else None
+    if not _STEP_DIR.fullmatch(name):
+        return None
+    step = int(name)
+    return step if step_dir_name(step) == name else None

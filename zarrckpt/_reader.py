@@ -10,24 +10,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import os
-import re
-import warnings
 from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
-import zarr
 
-from . import _chunks, _commit, _concurrency, _dtypes, _multihost, _naming, _planning, _tree, _zarrjson
-from ._chunks import ChunkCodec
+from . import _chunks, _commit, _concurrency, _dtypes, _local, _multihost, _naming, _planning, _seqax, _tree, _zarrjson
+from ._chunks import ChunkCodec, DamagedChunk
 from ._planning import Region
-from ._storage import Location, MissingObject
+from ._storage import Location
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 
-_tu = jax.tree_util
 _MEMORY_BYTES = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -40,7 +35,7 @@ class StoredLeaf:
     shape: tuple[int, ...]
     dtype: np.dtype
     kind: str  # "jax", "numpy", "numpy_scalar", "prng_key", or the Python scalar type's name
-    codec: ChunkCodec
+    codec: ChunkCodec | _seqax.Codec
     prng_impl: str | None = None  # for typed PRNG keys: the implementation's name
     processes: int | None = None  # for per-process leaves: how many processes saved one
 
@@ -61,6 +56,11 @@ class StoredLeaf:
         return self.codec.checksum
 
 
+class MissingObject(CheckpointCorruptError):
+    """An object a checkpoint declares is absent: damage, or a checkpoint deleted while
+    it was read (the reader tells which by reading the commit marker again)."""
+
+
 @dataclasses.dataclass
 class Checkpoint:
     """An opened checkpoint: what it holds, and a way to read any box of any leaf."""
@@ -72,47 +72,64 @@ class Checkpoint:
     leaves: dict[str, StoredLeaf]
     name_of: Callable[[_tree.KeyPath], str]  # target key path -> array name in this layout
     meta: dict[str, Any]
-    seqax_group: zarr.Group | None = None
+    save_id: str | None = None  # the identity of the save read (see `_commit`)
 
     def read(self, leaf: StoredLeaf, box: Region) -> np.ndarray:
         """The values of `leaf` inside `box`, reading each chunk it touches once.
 
-        Raises CheckpointCorruptError naming the chunk if one is missing or has the
-        wrong size, with a note naming the leaf.
+        Raises CheckpointCorruptError naming the chunk if one is missing, a symbolic
+        link, or has the wrong size or checksum, with a note naming the leaf;
+        CheckpointNotFoundError if that is because the checkpoint was deleted or
+        replaced while being read.
         """
         with self._reading(leaf):
-            if self.seqax_group is not None:
-                return np.asarray(self.seqax_group[leaf.name][_planning.region_slices(box)])
             return _read_box(self.loc, leaf, box)
 
     def read_own(self, leaf: StoredLeaf) -> Any:
         """This process's value of the per-process `leaf` (see `_tree.PerProcess`)."""
-        process = _multihost.process_index()
         with self._reading(leaf):
-            key = _naming.object_key(_naming.per_process_name(leaf.name, process), "zarr.json")
-            document = _load_json(self.loc, key)
+            own, document = read_own_array(self.loc, leaf, _multihost.process_index())
+            data = _read_box(self.loc, own, ((0, own.shape[0]),)).tobytes()
             try:
-                own = own_array(leaf, process, document)
-                data = _read_box(self.loc, own, ((0, own.shape[0]),)).tobytes()
                 return _tree.Encoded.decode(document["attributes"][_naming.META_ATTR]["encoding"], data)
-            except (KeyError, TypeError, ValueError, IndexError, RecursionError) as e:
-                raise CheckpointCorruptError(f"{key} of checkpoint {self.loc.url} is malformed: {e!r}") from e
+            except (KeyError, TypeError, ValueError, IndexError) as e:
+                raise CheckpointCorruptError(f"{own.name}/zarr.json of checkpoint {self.loc.url} is malformed: "
+                                             f"{e!r}") from e
+
+    def check_unchanged(self) -> None:
+        """Raises CheckpointNotFoundError if the checkpoint read is no longer there as it
+        was opened: deleted, or replaced by another save (one small read). Called after
+        the last read, so that no result mixes two saves, and on damage, which a
+        deletion or replacement under the reader looks like."""
+        if not self.committed:
+            return  # an inspection of a save in progress: it changes by design
+        now = _commit.head(self.loc)
+        if now.state is not _commit.State.COMMITTED:
+            raise CheckpointNotFoundError(
+                f"checkpoint {self.loc.url} was deleted while it was being read (its commit marker is gone: "
+                "retention or another job removed it); read a newer step")
+        if now.save_id != self.save_id:
+            raise CheckpointNotFoundError(
+                f"checkpoint {self.loc.url} was replaced while being read (another save overwrote it); "
+                "read it again")
 
     @contextlib.contextmanager
     def _reading(self, leaf: StoredLeaf) -> Iterator[None]:
-        """Names the leaf in any failure; a missing object in a checkpoint whose commit
-        marker has meanwhile gone means it was deleted under the reader, not damaged."""
+        """Names the leaf in any failure. Damage (a missing, short or corrupt chunk)
+        in a checkpoint that has meanwhile been deleted or replaced is that, not damage;
+        a symbolic link where a chunk should be is damage."""
+        note = f"while reading leaf {leaf.where} (array {leaf.name!r}) of {self.loc.url}"
         try:
             yield
-        except MissingObject as e:
-            if self.committed and _commit.state(self.loc) is not _commit.State.COMMITTED:
-                raise CheckpointNotFoundError(
-                    f"checkpoint {self.loc.url} was deleted while it was being read (its commit marker is gone: "
-                    f"retention or another job removed it); read a newer step") from e
-            e.add_note(f"while reading leaf {leaf.where} (array {leaf.name!r}) of {self.loc.url}")
+        except (MissingObject, DamagedChunk) as e:
+            self.check_unchanged()
+            e.add_note(note)
             raise
+        except _local.SymlinkError as e:
+            self.check_unchanged()
+            raise CheckpointCorruptError(f"{e.strerror} ({note})") from None
         except Exception as e:
-            e.add_note(f"while reading leaf {leaf.where} (array {leaf.name!r}) of {self.loc.url}")
+            e.add_note(note)
             raise
 
 
@@ -140,26 +157,33 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
     return out
 
 
-def open_checkpoint(loc: Location, *, require_committed: bool = True) -> Checkpoint:
-    """Opens the checkpoint at `loc`: one metadata read for a committed zarrckpt checkpoint.
+def open_checkpoint(loc: Location, *, require_committed: bool = True, group: _commit.Group | None = None,
+                    save_id: str | None = None) -> Checkpoint:
+    """Opens the checkpoint at `loc`: one metadata read for a committed zarrckpt checkpoint
+    (none if `group`, its group metadata, was already read).
 
-    Raises CheckpointNotFoundError if there is none, or if it is not committed and
-    `require_committed`; CheckpointCorruptError if its metadata cannot be understood.
+    Raises CheckpointNotFoundError if there is none, if it is not committed and
+    `require_committed`, or if `save_id` is given and it is another save's (the step
+    chosen was replaced); CheckpointCorruptError if its metadata cannot be understood.
     """
-    group = _commit.read_group(loc)
+    group = group or _commit.read_group(loc)
     if group is None:
-        steps = [s for n in loc.list_dir() if (s := _naming.parse_step_dir_name(n)) is not None]
+        steps = [s for e in loc.list_dir() if (s := _naming.parse_step_dir_name(e.name)) is not None]
         hint = (f" (it holds step directories: use load_checkpoint_if_it_exists, or one step's URL "
                 f"such as {loc.step(steps[-1]).url})") if steps else ""
         raise CheckpointNotFoundError(f"no checkpoint at {loc.url}{hint}")
-    if group.zarr_format == 3 and not group.document:
-        raise CheckpointCorruptError(f"{loc.url}/zarr.json, the checkpoint's metadata, is not a JSON object")
-    committed = _commit.state_of(group) is _commit.State.COMMITTED
+    if group.problem is not None:
+        name = "zarr.json" if group.zarr_format == 3 else _seqax.MARKER
+        raise CheckpointCorruptError(f"{loc.url}/{name}, the checkpoint's metadata, {group.problem}")
+    committed = group.state is _commit.State.COMMITTED
     if require_committed and not committed:
         raise CheckpointNotFoundError(
             f"checkpoint at {loc.url} is not committed (no '{_naming.COMMIT_ATTR}: true'): "
             "it is incomplete, or still being written"
         )
+    if save_id is not None and group.save_id != save_id:
+        raise CheckpointNotFoundError(f"checkpoint {loc.url} was replaced by another save after it was chosen; "
+                                      "restore again")
     meta = group.attributes.get(_naming.META_ATTR)
     if isinstance(meta, dict):
         return _open_zarrckpt(loc, committed, meta, group.document)
@@ -184,7 +208,9 @@ def _open_zarrckpt(loc: Location, committed: bool, meta: dict[str, Any], documen
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError,
             CheckpointCorruptError) as e:
         raise CheckpointCorruptError(f"checkpoint {loc.url} has malformed metadata: {e!r}") from e
-    return Checkpoint(loc, "zarrckpt", committed, spec, leaves, _tree.name_of, meta)
+    save_id = meta.get(_commit.SAVE_ID)
+    return Checkpoint(loc, "zarrckpt", committed, spec, leaves, _tree.name_of, meta,
+                      save_id if isinstance(save_id, str) else None)
 
 
 def _checked_records(spec: Any) -> list[tuple[_tree.KeyPath, dict[str, Any]]]:
@@ -215,10 +241,10 @@ def _array_documents(loc: Location, group_document: dict[str, Any], names: list[
 
 def _load_json(loc: Location, key: str) -> Any:
     try:
-        return json.loads(loc.read(key))
+        return _zarrjson.decode(loc.read(key))
     except FileNotFoundError:
         raise MissingObject(f"{key} is missing from checkpoint {loc.url}") from None
-    except (ValueError, RecursionError):
+    except ValueError:
         raise CheckpointCorruptError(f"{key} of checkpoint {loc.url} is not JSON") from None
 
 
@@ -265,6 +291,18 @@ def _prng_impl_known(name: str) -> bool:
     return True
 
 
+def read_own_array(loc: Location, leaf: StoredLeaf, process: int) -> tuple[StoredLeaf, dict[str, Any]]:
+    """The array holding `process`'s value of the per-process `leaf`, from its own
+    `zarr.json`, and that document. MissingObject if it is absent,
+    CheckpointCorruptError if it is malformed."""
+    key = _naming.object_key(_naming.per_process_name(leaf.name, process), "zarr.json")
+    document = _load_json(loc, key)
+    try:
+        return own_array(leaf, process, document), document
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise CheckpointCorruptError(f"{key} of checkpoint {loc.url} is malformed: {e!r}") from e
+
+
 def own_array(leaf: StoredLeaf, process: int, document: dict[str, Any]) -> StoredLeaf:
     """The array holding `process`'s value of the per-process `leaf`, described by its
     own `zarr.json` `document` (bytes, one dimension); ValueError if it is not such."""
@@ -288,72 +326,14 @@ def _dtype_fields(dtype: np.dtype, checksum: bool) -> dict[str, Any]:
     return {field: doc[field] for field in ("data_type", "codecs", "chunk_key_encoding")}
 
 
-# One key entry of jax.tree_util.keystr: ['str'] / ["str"], [int], or .attr
-_KEYSTR_TOKEN = re.compile(r"""\['((?:[^'\\]|\\.)*)'\]|\["((?:[^"\\]|\\.)*)"\]|\[(-?\d+)\]|\.([A-Za-z_]\w*)""")
-
-
-def _parse_keystr(name: str) -> _tree.KeyPath | None:
-    path: list[Any] = []
-    pos = 0
-    while pos < len(name):
-        m = _KEYSTR_TOKEN.match(name, pos)
-        if m is None:
-            return None
-        single, double, index, attr = m.groups()
-        if index is not None:
-            path.append(_tu.SequenceKey(int(index)))
-        elif attr is not None:
-            path.append(_tu.GetAttrKey(attr))
-        else:
-            text = single if single is not None else double
-            path.append(_tu.DictKey(re.sub(r"\\(.)", r"\1", text)))
-        pos = m.end()
-    return tuple(path)
-
-
 def _open_seqax(loc: Location, committed: bool) -> Checkpoint:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        try:
-            group = zarr.open_group(loc.zarr_store(), mode="r", zarr_format=2)
-        except Exception as e:
-            raise CheckpointCorruptError(f"cannot open checkpoint {loc.url}: {type(e).__name__}: {e}") from e
-    names = sorted(group.array_keys())
-    arrays = dict(zip(names, _concurrency.run_all(lambda n: group[n], names, loc.concurrency)))
-    leaves = {}
-    for name, array in arrays.items():
-        path = _parse_keystr(name)
-        if path is None:
-            raise CheckpointCorruptError(f"seqax checkpoint {loc.url}: cannot parse leaf name {name!r}")
-        leaves[name] = StoredLeaf(path, name, tuple(array.shape), np.dtype(array.dtype), "numpy",
-                                  ChunkCodec(name, np.dtype(array.dtype), tuple(array.chunks), checksum=False))
-    spec = _spec_from_paths(list(leaves.values()))
-    return Checkpoint(loc, "seqax", committed, spec, leaves, lambda p: _tu.keystr(tuple(p)), {}, group)
-
-
-def _spec_from_paths(leaves: list[StoredLeaf]) -> dict[str, Any]:
-    """A tree record for seqax's layout, which keeps only leaf names: dicts and lists."""
-    if len(leaves) == 1 and not leaves[0].path:
-        return {"kind": "leaf", "name": leaves[0].name, "type": "numpy"}
-    root: dict[Any, Any] = {}
-    for leaf in leaves:
-        node = root
-        for entry in leaf.path[:-1]:
-            node = node.setdefault(_key(entry), {})
-        node[_key(leaf.path[-1])] = leaf
-
-    def to_spec(node: Any) -> dict[str, Any]:
-        if isinstance(node, StoredLeaf):
-            return {"kind": "leaf", "name": node.name, "type": "numpy"}
-        keys = sorted(node, key=lambda k: (isinstance(k, str), k))
-        if keys and all(isinstance(k, int) for k in keys):
-            return {"kind": "list", "children": [to_spec(node[k]) for k in keys]}
-        return {"kind": "dict", "keys": keys, "children": [to_spec(node[k]) for k in keys]}
-
-    return to_spec(root)
-
-
-def _key(entry: Any) -> Any:
-    if isinstance(entry, _tu.SequenceKey):
-        return entry.idx
-    return entry.name if isinstance(entry, _tu.GetAttrKey) else entry.key
+    try:
+        arrays = _seqax.read_arrays(loc)
+    except (ValueError, TypeError) as e:
+        raise CheckpointCorruptError(f"seqax checkpoint {loc.url}: {e}") from e
+    except _local.SymlinkError as e:
+        raise CheckpointCorruptError(f"seqax checkpoint {loc.url}: {e.strerror}") from None
+    leaves = {codec.array: StoredLeaf(path, codec.array, shape, codec.dtype, "numpy", codec)
+              for path, codec, shape in arrays}
+    spec = _seqax.spec_from_paths([(leaf.path, leaf.name) for leaf in leaves.values()])
+    return Checkpoint(loc, "seqax", committed, spec, leaves, _seqax.name_of, {})

@@ -466,8 +466,13 @@ def load_pytree(
 
 def load(loc: _storage.Location, target: Any, options: LoadOptions) -> Any:
     """`load_pytree` of the checkpoint at `loc`."""
+    return load_opened(_reader.open_checkpoint(loc), target, options)
+
+
+def load_opened(ckpt: _reader.Checkpoint, target: Any, options: LoadOptions) -> Any:
+    """`load_pytree` of the opened checkpoint `ckpt`. Raises CheckpointNotFoundError if
+    it was deleted or replaced before its last read was checked (see `_commit`)."""
     started = time.perf_counter()
-    ckpt = _reader.open_checkpoint(loc)
     if target is None:
         requests = [_Request(s, _saved_form(s)) for s in ckpt.leaves.values()]
         treedef = None
@@ -477,6 +482,7 @@ def load(loc: _storage.Location, target: Any, options: LoadOptions) -> Any:
     total = sum(r.nbytes for r in requests)
     with _progress.bar(f"restoring {ckpt.loc.url}", total, options.progress) as advance:
         values = _read_all(ckpt, requests, options, advance)
+    ckpt.check_unchanged()  # one small read: these values are all of one save
     if treedef is None:
         result = _tree.rebuild(ckpt.spec, lambda rec: values[rec["name"]])
     else:

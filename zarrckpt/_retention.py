@@ -60,7 +60,8 @@ def steps_to_keep(policy: Policy, committed: Collection[int], metrics: Mapping[i
     if policy.keep_every is not None:
         keep.update(s for s in steps if s % policy.keep_every == 0)
     if policy.keep_best is not None:
-        ranked = [s for s in steps if isinstance(metrics.get(s, {}).get(policy.best_metric), (int, float))]
+        ranked = [s for s in steps if isinstance(metrics.get(s, {}).get(policy.best_metric), (int, float))
+                  and not isinstance(metrics[s][policy.best_metric], bool)]
         ranked.sort(key=lambda s: metrics[s][policy.best_metric], reverse=policy.best_mode == "max")
         keep.update(ranked[: policy.keep_best])
     return keep

@@ -1,13 +1,15 @@
 """Saving one pytree as one zarr group: the write protocol.
 
-    process 0 decides: remove a leftover uncommitted group, write the group's metadata
-    all check:         write the chunks this process owns (see _planning); process 0
-                       also writes every array's metadata
-    process 0 decides: write the commit marker (see _commit)
+    process 0 decides: remove a leftover uncommitted group (see _objects), write the
+                       group's metadata with the save's new identity (see _commit)
+    all check:         write the chunks this process owns (see _planning), durably;
+                       process 0 also writes every array's metadata
+    process 0 decides: write the commit marker, durably (see _commit)
 
 A decision's outcome (or error) reaches every process before any goes on, and a
 check raises on every process if any process's part failed (see _multihost), so
-all of them raise and nothing is committed.
+all of them raise and nothing is committed. Every object is on stable storage before
+the commit marker is written, and the marker before the save returns.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from typing import Any, Callable, Iterable, Iterator
 import jax
 import zarr
 
-from . import (_commit, _concurrency, _multihost, _naming, _planning, _progress, _storage, _transfer, _tree,
-               _zarrjson)
+from . import (_commit, _concurrency, _multihost, _naming, _objects, _planning, _progress, _storage, _transfer,
+               _tree, _zarrjson)
 from . import errors
 from ._options import SaveOptions
 from ._planning import ArrayPlan, WriteUnit
@@ -113,6 +115,7 @@ class SaveJob:
     budget: _concurrency.ByteBudget
     channel: str = "save"
     before_prepare: Callable[[], None] | None = None  # run on process 0 first: a lease check
+    save_id: str | None = None  # this save's identity, once prepared (see `_commit`)
 
     @classmethod
     def create(cls, loc: _storage.Location, tree: Any, options: SaveOptions, *,
@@ -178,7 +181,7 @@ class SaveJob:
         loc = self.loc
         with _progress.bar(f"saving {loc.url}", self.nbytes, self.options.progress) as advance:
             try:
-                op.decide("prepare", self._prepare)
+                self.save_id = op.decide("prepare", self._prepare)
                 op.check("write", lambda: _write_all(loc, work, self._array_metadata(),
                                                      self.options.max_workers or loc.concurrency, advance))
                 op.decide("commit", lambda: _commit.commit(loc, _zarrjson.group_document(
@@ -201,10 +204,17 @@ class SaveJob:
         return [(plan, doc) for plan in self.plans
                 if (doc := self.own.get(plan.leaf.name) or shared.get(plan.leaf.name)) is not None]
 
-    def _prepare(self) -> None:
+    def _prepare(self) -> str:
+        """Process 0: clears the way and writes the group metadata, uncommitted, with
+        this save's new identity first (see `_commit`); returns the identity."""
         if self.before_prepare is not None:
             self.before_prepare()
-        _prepare(self.loc, self.group, self.options.overwrite)
+        _objects.make_way(self.loc, overwrite=self.options.overwrite)
+        save_id = _commit.new_save_id()
+        meta = self.group["attributes"][_naming.META_ATTR]
+        self.group = _zarrjson.group_document({_naming.META_ATTR: {_commit.SAVE_ID: save_id, **meta}})
+        self.loc.write("zarr.json", _zarrjson.encode_document(self.group), atomic=True, durable=True)
+        return save_id
 
 
 def stage(job: SaveJob, put: Callable[[tuple[ArrayPlan, WriteUnit]], None]) -> None:
@@ -227,17 +237,15 @@ def _tree_metadata(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _prepare(loc: _storage.Location, group: dict[str, Any], overwrite: bool) -> None:
-    """Process 0: clears the way and writes the (uncommitted) group metadata."""
-    _commit.make_way(loc, overwrite=overwrite)
-    loc.write("zarr.json", _zarrjson.encode_document(group), atomic=True)
-
-
 def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPlan, dict[str, Any]]],
                workers: int, advance: Callable[[int], None]) -> None:
     """Writes each array's `metadata` document and every unit of `work`, `workers` at
-    a time. Array metadata is only read once committed, so it goes out alongside the
-    chunks. Stops at the first failure (see `_concurrency`)."""
+    a time, each on stable storage before this returns (see `_local`): the commit that
+    follows must never find a chunk only in the page cache. Array metadata is only read
+    once committed, so it goes out alongside the chunks. Stops at the first failure
+    (see `_concurrency`)."""
+    arrays: set[str] = set()  # the directories written into, synced at the end
+
     def write(item: tuple[ArrayPlan, WriteUnit | dict[str, Any]]) -> None:
         plan, what = item
         if isinstance(what, dict):
@@ -245,20 +253,23 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
         else:
             _write_one(loc, plan, what)
             advance(what.nbytes)
+        arrays.add(plan.codec.array)
 
     with _concurrency.Operation(workers, "write") as op:
         op.fan_out(itertools.chain(metadata, work), write)
+    loc.sync_dirs(sorted(arrays))
 
 
 def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str, Any]) -> None:
     with _naming_leaf(plan, "metadata"):
-        loc.write(_naming.object_key(plan.leaf.name, "zarr.json"), _zarrjson.encode_document(document))
+        loc.write(_naming.object_key(plan.codec.array, "zarr.json"), _zarrjson.encode_document(document),
+                  durable=True)
 
 
 def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit) -> None:
     try:
         with _naming_leaf(plan, f"chunk {plan.codec.coords(unit.region)}"):
-            loc.write(plan.codec.key(unit.region), *plan.codec.encode(unit.host_array()))
+            loc.write(plan.codec.key(unit.region), *plan.codec.encode(unit.host_array()), durable=True)
     finally:
         unit.release()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Iterator
 
-from . import _commit, _concurrency, _multihost, _naming, _options, _restore, _save, _storage
+from . import _commit, _concurrency, _multihost, _naming, _options, _reader, _restore, _save, _storage
 from ._storage import Location
 from .errors import CheckpointNotFoundError
 
@@ -42,20 +42,32 @@ def latest(root: Location) -> int | None:
 
 
 def candidate_steps(root: Location) -> list[int]:
-    steps = (_naming.parse_step_dir_name(name) for name in root.list_dir())
-    return sorted(s for s in steps if s is not None)
+    """The step directories under `root`, ascending. An entry named like a step that is
+    no directory (a file, a symbolic link, an object beside a prefix) is skipped with a
+    warning naming it: it cannot be a step, and must not stop a run from resuming."""
+    steps = []
+    for entry in root.list_dir():
+        step = _naming.parse_step_dir_name(entry.name)
+        if step is None:
+            continue
+        if entry.kind == "dir":
+            steps.append(step)
+        else:
+            what = "a symbolic link (never followed)" if entry.kind == "link" else "not a directory"
+            _commit.warn_once(f"{root.url}/{entry.name} is named like a step but is {what}: skipped")
+    return sorted(steps)
 
 
 def scan(root: Location) -> tuple[list[int], list[int]]:
     """Every step directory under `root`, and the committed ones among them, ascending:
-    one listing, then every commit marker read concurrently."""
+    one listing, then the first bytes of every commit marker, read concurrently."""
     steps = candidate_steps(root)
     committed = _concurrency.run_all(lambda s: is_committed(root.step(s)), steps, root.concurrency)
     return steps, [s for s, ok in zip(steps, committed) if ok]
 
 
 def is_committed(loc: Location) -> bool:
-    return _commit.state(loc) is _commit.State.COMMITTED
+    return _commit.head(loc).state is _commit.State.COMMITTED
 
 
 def load_checkpoint_if_it_exists(checkpoint_dir: str, target: Any, *,
@@ -142,16 +154,27 @@ def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None,
 def restore_latest(root: Location, target: Any, options: _options.LoadOptions,
                    timeout_s: float) -> tuple[Any, int]:
     """`load_checkpoint_if_it_exists` under `root`. Collective."""
-    step = _choose_step(root, timeout_s)
-    if step is None:
-        return target, 0
-    return _restore.load(root.step(step), target, options), step
-
-
-def _choose_step(root: Location, timeout_s: float) -> int | None:
-    """Process 0's `latest`, on every process; its failure is raised everywhere."""
+    chosen: dict[str, Any] = {}
     op = _multihost.Collective("restore", timeout_s, what=f"choosing the step to restore under {root.url}")
     try:
-        return op.decide("step", lambda: latest(root))
+        step, save_id = op.decide("step", lambda: _newest(root, chosen))
     finally:
         op.close()
+    if step is None:
+        return target, 0
+    # Every process opens the save process 0 chose, or fails: never two saves of a step.
+    ckpt = _reader.open_checkpoint(root.step(step), group=chosen.get("group"), save_id=save_id)
+    return _restore.load_opened(ckpt, target, options), step
+
+
+def _newest(root: Location, chosen: dict[str, Any]) -> tuple[int | None, str | None]:
+    """The newest committed step under `root` whose group metadata can be read, and its
+    save identity; that metadata goes into `chosen`, so that opening it reads it no
+    more. Damaged steps are skipped, with a warning."""
+    for step in reversed(candidate_steps(root)):
+        loc = root.step(step)
+        group = _commit.read_group(loc)
+        if _commit.state(loc, group) is _commit.State.COMMITTED:
+            chosen["group"] = group
+            return step, group.save_id  # type: ignore[union-attr]
+    return None, None

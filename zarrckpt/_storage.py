@@ -1,13 +1,15 @@
 """URLs -> Locations: the few storage operations zarrckpt needs, on any fsspec URL.
 
 Local paths and file:// URLs are read and written with plain file calls (chunks go
-straight between files and array memory); every other protocol goes through fsspec,
-with per-protocol settings (`_Protocol`) for how many requests to keep in flight and
-how to talk to its client library in as few round trips as possible.
+straight between files and array memory), never through a symbolic link below the
+path given (`_local`); every other protocol goes through fsspec, with per-protocol
+settings (`_Protocol`) for how many requests to keep in flight and how to talk to its
+client library in as few round trips as possible. Every request goes through
+`Location._call`: retries, the abort check, the error's shape.
 
 Every failure of the store surfaces as an OSError (FileNotFoundError, PermissionError
-or OSError) whose message names the object's URL and leaves out every credential
-passed in `storage_options`.
+or OSError; `_local.SymlinkError` for a link met on a local disk) whose message names
+the object's URL and leaves out every credential passed in `storage_options`.
 """
 
 from __future__ import annotations
@@ -22,19 +24,14 @@ import posixpath
 import random
 import re
 import time
-import uuid
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import fsspec
 import numpy as np
-import zarr
-import zarr.storage
 
-from . import _concurrency, _naming, _stats
-from .errors import CheckpointCorruptError
+from . import _concurrency, _local, _naming, _stats
+from ._local import Entry
 
-# Keys that hold metadata; any other key zarr asks for is a chunk.
-_METADATA_KEYS = frozenset({"zarr.json", ".zgroup", ".zattrs", ".zarray", ".zmetadata"})
 _T = TypeVar("_T")
 log = logging.getLogger("zarrckpt")
 
@@ -121,7 +118,9 @@ class Location:
     """A directory-like place on some file system: a checkpoint or a checkpoint dir.
 
     `url` is what the user gave (used in messages); storage options, and the
-    credentials among them, are kept apart and never printed.
+    credentials among them, are kept apart and never printed. On a local disk, `root`
+    is the path the user gave: nothing below it is ever reached through a symbolic
+    link (see `_local`); `child` and `step` keep the root.
     """
 
     url: str
@@ -131,6 +130,7 @@ class Location:
     protocol: _Protocol = dataclasses.field(repr=False, compare=False, default=_OTHER)
     read_options: Mapping[str, Any] = dataclasses.field(repr=False, compare=False, default_factory=dict)
     secrets: tuple[str, ...] = dataclasses.field(repr=False, compare=False, default=())
+    root: str = dataclasses.field(repr=False, compare=False, default="")
 
     @property
     def is_local(self) -> bool:
@@ -150,73 +150,92 @@ class Location:
         """The directory of `step` in this checkpoint directory (ValueError for a bad step)."""
         return self.child(_naming.step_dir_name(step))
 
-    def zarr_store(self) -> zarr.abc.store.Store:
-        """A read-only zarr store rooted here that raises on a missing chunk (zarr
-        itself reads only seqax's layout; zarrckpt's own is read directly)."""
-        if self.is_local:
-            store: zarr.abc.store.Store = zarr.storage.LocalStore(self.path, read_only=True)
-        else:
-            store = zarr.storage.FsspecStore.from_url(
-                self.url, storage_options=dict(self.storage_options) or None, read_only=True
-            )
-        return _StrictStore(store, self.url)
+    def _below(self, key: str = "") -> str:
+        """`key` as a path below the local root."""
+        here = self.path[len(self.root):].strip("/")
+        return posixpath.join(here, key) if here else key
 
-    def list_dir(self) -> list[str]:
-        """Names of the entries directly below; empty if the directory does not exist.
+    def _full(self, key: str = "") -> str:
+        return posixpath.join(self.path, key) if key else self.path
+
+    def list_dir(self, key: str = "", *, missing_ok: bool = True) -> list[Entry]:
+        """The entries directly below `key`, by name: files, directories, and (on a local
+        disk) symbolic links, never followed; empty if the directory does not exist
+        (FileNotFoundError without `missing_ok`).
 
         One listing request on an object store. Never answered from fsspec's listing
         cache: other processes add and remove steps.
         """
-        self.fs.invalidate_cache(self.path)
         try:
-            entries = self._call("list", None, self.fs.ls, self.path, detail=False)
-        except FileNotFoundError:
+            if self.is_local:
+                return sorted(self._call("list", key or None, _local.list_dir, self.root, self._below(key)),
+                              key=lambda e: e.name)
+            path = self._full(key)
+            self.fs.invalidate_cache(path)
+            found = self._call("list", key or None, self.fs.ls, path, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            if missing_ok:
+                return []
+            raise
+        # An object store can list a name twice: an object `run/5` and the prefix `run/5/`.
+        entries = {}
+        for item in found:
+            name = posixpath.basename(item["name"].rstrip("/"))
+            kind = "dir" if item.get("type") == "directory" else "file"
+            if name not in entries or kind == "dir":
+                entries[name] = Entry(name, kind, int(item.get("size") or 0))
+            if kind == "file" and entries[name].kind == "dir":
+                log.warning("%s/%s is both an object and a directory: the object is ignored",
+                            self._full(key), name)
+        return sorted(entries.values(), key=lambda e: e.name)
+
+    def walk(self) -> list[Entry]:
+        """Every object below this location at any depth, by key relative to it (on a
+        local disk, symbolic links as `link` entries, never followed)."""
+        try:
+            if self.is_local:
+                return self._call("list", None, _local.walk, self.root, self._below())
+            self.fs.invalidate_cache(self.path)
+            found = self._call("list", None, self.fs.find, self.path, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
+        return sorted((Entry(posixpath.relpath(item["name"].rstrip("/"), self.path), "file",
+                             int(item.get("size") or 0)) for item in found.values()), key=lambda e: e.name)
 
-    def sizes(self, key: str = "", *, recursive: bool = False) -> dict[str, int]:
-        """The size of every object directly below `key` (at any depth with `recursive`),
-        by name relative to it: one listing request. FileNotFoundError if `key` is absent
-        (with `recursive`, an absent `key` has no objects)."""
-        path = posixpath.join(self.path, key) if key else self.path
-        self.fs.invalidate_cache(path)
-        if recursive:
-            entries = list(self._call("list", key or None, self.fs.find, path, detail=True).values())
-        else:
-            entries = [e for e in self._call("list", key or None, self.fs.ls, path, detail=True)
-                       if e.get("type") == "file"]
-        return {posixpath.relpath(e["name"].rstrip("/"), path): int(e.get("size") or 0) for e in entries}
-
-    def write(self, key: str, *parts: Any, atomic: bool = False) -> None:
+    def write(self, key: str, *parts: Any, atomic: bool = False, durable: bool = False) -> None:
         """Writes the object `key`, the concatenation of the bytes-like `parts`, below
         this location, creating directories as needed.
 
         With `atomic`, a reader sees either the old object or the whole new one: a
         local file is written aside and renamed over; an object store PUT already is
-        (see docs/pytree-zarr-checkpoint.md, Commit).
+        (see docs/pytree-zarr-checkpoint.md, Commit). With `durable`, the object is on
+        stable storage when this returns (on a local disk see `_local`; a store that
+        acknowledged a PUT has it).
         """
-        path = posixpath.join(self.path, key)
         _stats.add("store_bytes_written", sum(memoryview(p).nbytes for p in parts))
-        if not self.is_local:
-            data = parts[0] if len(parts) == 1 else b"".join(parts)
-            body = bytes(data) if self.protocol.bytes_body else data
-            self._call("write", key, self.fs.pipe_file, path, body)
+        if self.is_local:
+            self._call("write", key, _local.write, self.root, self._below(key), parts, atomic=atomic,
+                       durable=durable)
             return
-        _stats.add("store_write")
-        target = f"{path}.{uuid.uuid4().hex}.tmp" if atomic else path
-        try:
-            f = open(target, "wb")
-        except FileNotFoundError:  # first object in its directory; most writes skip this
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            f = open(target, "wb")
-        with f:
-            f.writelines(parts)  # parts go out as they are: a chunk is never copied to append to it
-        if atomic:
-            os.replace(target, path)
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        body = bytes(data) if self.protocol.bytes_body else data
+        self._call("write", key, self.fs.pipe_file, self._full(key), body)
 
-    def read(self, key: str) -> bytes:
-        """The whole object `key` below this location (one request); FileNotFoundError if absent."""
-        data = self._call("read", key, self.fs.cat_file, posixpath.join(self.path, key), **self.read_options)
+    def sync_dirs(self, keys: Sequence[str]) -> None:
+        """Puts the entries of the directories `keys` (the files and directories made in
+        them) on stable storage: a local disk needs it, an object store has no directories."""
+        if self.is_local:
+            self._call("sync", None, _local.sync_dirs, self.root, [self._below(key) for key in keys])
+
+    def read(self, key: str, *, limit: int | None = None) -> bytes:
+        """The whole object `key` below this location (its first `limit` bytes with a
+        limit), in one request; FileNotFoundError if absent."""
+        if self.is_local:
+            data = self._call("read", key, _local.read, self.root, self._below(key), limit)
+        elif limit is not None:
+            data = self._call("read", key, self.fs.cat_file, self._full(key), start=0, end=limit)
+        else:
+            data = self._call("read", key, self.fs.cat_file, self._full(key), **self.read_options)
         _stats.add("store_bytes_read", len(data))
         return data
 
@@ -238,44 +257,49 @@ class Location:
         Local files are read straight into the buffers, with no intermediate copy: on
         restore the first buffer is the new array's memory.
         """
-        if not self.is_local:
-            data = np.frombuffer(self.read(key), np.uint8)
-            offset = 0
-            for buffer in buffers:
-                piece = data[offset: offset + len(buffer)]
-                # numpy copies without holding the GIL (a memoryview copy holds it),
-                # so many chunks arriving together are copied side by side.
-                np.frombuffer(buffer, np.uint8)[: len(piece)] = piece
-                offset += len(piece)
-            return len(data)
-        _stats.add("store_read")
-        with open(posixpath.join(self.path, key), "rb", buffering=0) as f:
-            for buffer in buffers:
-                done = 0
-                while done < len(buffer) and (n := f.readinto(buffer[done:])):
-                    done += n
-                _stats.add("store_bytes_read", done)
-            return os.fstat(f.fileno()).st_size
+        if self.is_local:
+            size, done = self._call("read", key, _local.read_into, self.root, self._below(key), buffers)
+            _stats.add("store_bytes_read", done)
+            return size
+        data = np.frombuffer(self.read(key), np.uint8)
+        offset = 0
+        for buffer in buffers:
+            piece = data[offset: offset + len(buffer)]
+            # numpy copies without holding the GIL (a memoryview copy holds it),
+            # so many chunks arriving together are copied side by side.
+            np.frombuffer(buffer, np.uint8)[: len(piece)] = piece
+            offset += len(piece)
+        return len(data)
 
     def exists(self) -> bool:
         """Whether anything is here. Never answered from fsspec's listing cache."""
+        if self.is_local:
+            return bool(self._call("check", None, _local.exists, self.root, self._below()))
         self.fs.invalidate_cache(self.path)
         return bool(self._call("check", None, self.fs.exists, self.path))
 
     def remove_file(self, name: str) -> None:
         """Deletes one object if it is there (one request)."""
         try:
-            self._call("delete", name, self.fs.rm_file, posixpath.join(self.path, name))
+            if self.is_local:
+                self._call("delete", name, _local.remove_file, self.root, self._below(name))
+            else:
+                self._call("delete", name, self.fs.rm_file, self._full(name))
         except FileNotFoundError:
             pass
 
     def remove_tree(self) -> None:
-        """Deletes everything below this location, if anything."""
+        """Deletes everything below this location, if anything (on a local disk, a link
+        inside is deleted itself, never followed)."""
         try:
-            self._call("delete", None, self.fs.rm, self.path, recursive=True)
+            if self.is_local:
+                self._call("delete", None, _local.remove_tree, self.root, self._below())
+            else:
+                self._call("delete", None, self.fs.rm, self.path, recursive=True)
         except FileNotFoundError:
             pass
-        self.fs.invalidate_cache(self.path)
+        if not self.is_local:
+            self.fs.invalidate_cache(self.path)
 
     def _call(self, action: str, key: str | None, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """Runs one store operation, retrying transient failures with exponential
@@ -312,12 +336,18 @@ class Location:
 
     def _store_error(self, e: Exception, action: str, key: str | None, retries: int = 0) -> OSError:
         where = self.url if key is None else f"{self.url.rstrip('/')}/{key}"
+        if isinstance(e, _local.SymlinkError):
+            return e  # it names the link; a local path holds no credential
         if isinstance(e, FileNotFoundError):
             kind: type[OSError] = FileNotFoundError
             # A write creates any missing "directory", so only the bucket can be missing.
             why = "the bucket does not exist" if action == "write" else "not found"
         elif isinstance(e, PermissionError):
             kind, why = PermissionError, "access denied (do the credentials in storage_options allow this?)"
+        elif isinstance(e, IsADirectoryError):
+            kind, why = IsADirectoryError, "a directory is where an object should be"
+        elif isinstance(e, NotADirectoryError):
+            kind, why = NotADirectoryError, "a file is where a directory should be"
         else:
             kind, why = OSError, "the store failed"
         detail = f"{type(e).__name__}: {e}"
@@ -349,6 +379,11 @@ def _chain_texts(e: BaseException) -> list[str]:
     return texts
 
 
+def protocol_of(loc: Location) -> str:
+    """The name of `loc`'s store's protocol ("file", "s3", "gs", "memory"...)."""
+    return _protocols(loc.fs)[0]
+
+
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     proto = fs.protocol
     return (proto,) if isinstance(proto, str) else tuple(proto)
@@ -364,9 +399,10 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None) -> Location
     protocol = _PROTOCOLS.get(scheme, _OTHER)
     options = _merged(protocol.option_defaults, storage_options or {})
     fs, path = _url_to_fs(url, tuple(sorted(options.items(), key=lambda kv: kv[0])))
-    return Location(url=url.rstrip("/") or url, fs=fs, path=path.rstrip("/") or path,
-                    storage_options=options, protocol=protocol,
-                    read_options=_taken(fs, protocol.read_options), secrets=_secrets(storage_options or {}))
+    path = path.rstrip("/") or path
+    return Location(url=url.rstrip("/") or url, fs=fs, path=path, storage_options=options, protocol=protocol,
+                    read_options=_taken(fs, protocol.read_options), secrets=_secrets(storage_options or {}),
+                    root=path)
 
 
 def _taken(fs: fsspec.AbstractFileSystem, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -416,27 +452,3 @@ def _url_to_fs(url: str, options: tuple[tuple[str, Any], ...]) -> tuple[fsspec.A
 @functools.lru_cache(maxsize=64)
 def _cached_url_to_fs(url: str, options: tuple[tuple[str, Any], ...]) -> tuple[fsspec.AbstractFileSystem, str]:
     return fsspec.core.url_to_fs(url, **dict(options))
-
-
-class MissingObject(CheckpointCorruptError):
-    """An object a checkpoint declares is absent: damage, or a checkpoint deleted while
-    it was read (the reader tells which by reading the commit marker again)."""
-
-
-class _StrictStore(zarr.storage.WrapperStore):
-    """Raises on a missing chunk instead of letting zarr return fill values.
-
-    zarrckpt writes every chunk, so in a committed checkpoint an absent chunk is
-    damage, never "all zeros". One wrapper does this for every zarr version (zarr
-    3.1 has no setting for it).
-    """
-
-    def __init__(self, store: zarr.abc.store.Store, url: str) -> None:
-        super().__init__(store)
-        self._url = url
-
-    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
-        value = await super().get(key, prototype, byte_range)
-        if value is None and posixpath.basename(key) not in _METADATA_KEYS:
-            raise MissingObject(f"chunk {key!r} is missing from checkpoint {self._url}")
-        return value

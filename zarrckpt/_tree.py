@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from . import _dtypes, _naming
+from . import _dtypes, _naming, _zarrjson
 from .errors import UnsupportedLeafError
 
 KeyPath = tuple[Any, ...]
@@ -146,7 +146,7 @@ class Encoded:
         if encoding == "str":
             return data.decode("utf-8")
         if encoding == "json":
-            return json.loads(data)
+            return _zarrjson.decode(data)
         raise ValueError(f"unknown per-process encoding {encoding!r}")
 
 

@@ -19,13 +19,11 @@ read every chunk once, concurrently, with a bound on the bytes held in memory.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import posixpath
 from typing import Any
 
-
-from . import _commit, _concurrency, _naming, _planning, _reader, _storage, _tree
+from . import _commit, _concurrency, _local, _naming, _planning, _reader, _storage, _tree, _zarrjson
 from ._chunks import DamagedChunk
 from ._planning import Region
 from ._storage import Location
@@ -35,6 +33,7 @@ from .errors import CheckpointCorruptError
 # No array zarrckpt writes has a chunk grid this large (64 MiB chunks of a 4 PiB
 # array); checking a larger one chunk by chunk would never end.
 _MAX_CHUNKS = 2**26
+_SYMLINK = "symlink: a symbolic link, never followed (zarrckpt writes none)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +86,7 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None, checksums
         ckpt = _reader.open_checkpoint(loc, require_committed=False)
     except CheckpointCorruptError as e:
         # Without readable metadata nothing else can be checked.
-        committed = _commit.state(loc) is _commit.State.COMMITTED
+        committed = _commit.head(loc).state is _commit.State.COMMITTED
         return VerifyReport(loc.url, "unknown", committed, 0, 0, 0,
                             (*_marker_problems(committed), Problem("zarr.json", str(e))))
     problems = _marker_problems(ckpt.committed)
@@ -143,11 +142,13 @@ def _per_process_arrays(loc: Location, leaf: _reader.StoredLeaf) -> tuple[list[_
     for process in range(leaf.processes or 0):
         key = _naming.object_key(_naming.per_process_name(leaf.name, process), "zarr.json")
         try:
-            arrays.append(_reader.own_array(leaf, process, json.loads(loc.read(key))))
-        except FileNotFoundError:
+            arrays.append(_reader.read_own_array(loc, leaf, process)[0])
+        except _reader.MissingObject:
             problems.append(Problem(key, f"missing (process {process}'s value)", leaf.where))
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        except CheckpointCorruptError as e:
             problems.append(Problem(key, f"malformed: {e}", leaf.where))
+        except _local.SymlinkError:
+            problems.append(Problem(key, _SYMLINK, leaf.where))
     return arrays, problems
 
 
@@ -161,19 +162,24 @@ def _check_chunks(loc: Location, leaf: _reader.StoredLeaf) -> tuple[list[Problem
                                    "than zarrckpt ever writes: damaged metadata", leaf.where)], 0, []
     full = tuple((0, n) for n in leaf.shape)
     expected = list(_planning.chunks_touching(full, leaf.chunks, leaf.shape))  # none if no elements
-    sizes = _listed_sizes(loc, leaf.name)
-    if sizes is None:
+    try:
+        listed = {entry.name: entry for entry in loc.list_dir(_naming.object_key(leaf.name), missing_ok=False)}
+    except FileNotFoundError:
         if expected:
             problems.append(Problem(f"{leaf.name}/", f"the array's directory is missing (all {len(expected)} "
                                                      "chunks)", leaf.where))
         return problems, len(expected), []
+    except _local.SymlinkError:
+        return problems + [Problem(f"{leaf.name}/", _SYMLINK, leaf.where)], len(expected), []
     sized = []
     for chunk in expected:
         key = leaf.codec.key(chunk)
-        size = sizes.get(posixpath.basename(key))
-        if size is None:
+        entry = listed.get(posixpath.basename(key))
+        if entry is None:
             problems.append(Problem(key, "missing", leaf.where))
-        elif (damage := leaf.codec.size_damage(size)) is not None:
+        elif entry.kind != "file":
+            problems.append(Problem(key, _SYMLINK if entry.kind == "link" else "not a file", leaf.where))
+        elif (damage := leaf.codec.size_damage(entry.size)) is not None:
             problems.append(Problem(key, damage, leaf.where))
         else:
             sized.append(chunk)
@@ -186,24 +192,17 @@ def _check_array_document(loc: Location, leaf: _reader.StoredLeaf, path: _tree.K
     consolidated metadata describe."""
     key = _naming.object_key(leaf.name, "zarr.json")
     try:
-        own = _reader.stored_leaf(path, record, json.loads(loc.read(key)))
+        own = _reader.stored_leaf(path, record, _zarrjson.decode(loc.read(key)))
     except FileNotFoundError:
         return [Problem(key, "missing", leaf.where)]
+    except _local.SymlinkError:
+        return [Problem(key, _SYMLINK, leaf.where)]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return [Problem(key, f"does not match the tree record: {e}", leaf.where)]
     differing = [f.name for f in dataclasses.fields(leaf) if getattr(own, f.name) != getattr(leaf, f.name)]
     if differing:
         return [Problem(key, f"differs from the consolidated metadata in {', '.join(differing)}", leaf.where)]
     return []
-
-
-def _listed_sizes(loc: Location, name: str) -> dict[str, int] | None:
-    """Size of every object in the array's directory by name, from one listing; None
-    if the directory does not exist."""
-    try:
-        return loc.sizes(_naming.object_key(name))
-    except FileNotFoundError:
-        return None
 
 
 def _checksum_problem(loc: Location, leaf: _reader.StoredLeaf, chunk: Region) -> Problem | None:

@@ -1,4 +1,5 @@
-"""The zarr v3 metadata documents zarrckpt writes: the group's and each array's `zarr.json`.
+"""JSON: the zarr v3 metadata documents zarrckpt writes (the group's and each array's
+`zarr.json`), and reading any JSON safely.
 
 zarrckpt writes its few, fixed kinds of zarr object itself rather than through
 zarr's array machinery: the metadata of every array is known in advance on every
@@ -53,6 +54,29 @@ def group_document(attributes: dict[str, Any], arrays: dict[str, dict[str, Any]]
     if arrays is not None:
         doc["consolidated_metadata"] = {"kind": "inline", "must_understand": False, "metadata": arrays}
     return doc
+
+
+class TooDeep(ValueError):
+    """JSON nested deeper than the parser goes."""
+
+
+def decode(raw: bytes | str) -> Any:
+    """JSON text as Python values. Every JSON zarrckpt reads comes through here (metadata,
+    leases, options), so anything that is not JSON is one ValueError with a one-line
+    reason, nesting deeper than the parser goes (TooDeep) included."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise TooDeep("JSON nested too deeply") from None
+
+
+def object_or_none(raw: bytes | str) -> dict[str, Any] | None:
+    """A JSON object, or None for anything else."""
+    try:
+        doc = decode(raw)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def encode_document(doc: dict[str, Any]) -> bytes:

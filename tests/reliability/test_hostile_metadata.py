@@ -90,7 +90,7 @@ def sandbox(tmp_path_factory):
 def reads(monkeypatch):
     """Every path zarrckpt asks the store for."""
     seen = []
-    for name in ("read", "read_into", "sizes", "list_dir", "exists"):
+    for name in ("read", "read_into", "walk", "list_dir", "exists"):
         original = getattr(_storage.Location, name)
 
         def recording(self, *args, _original=original, **kwargs):

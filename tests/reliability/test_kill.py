@@ -98,8 +98,8 @@ def test_sigkill_during_retention(tmp_path):
         # (and its retention ran) before the kill cut the "committed" line short.
         assert max(committed, default=0) >= newest_reported, (newest_reported, committed)
         # Anything left that is not committed must not look committed to a reader.
-        for name in _storage.resolve(directory).list_dir():
-            step = _naming.parse_step_dir_name(name)
+        for entry in _storage.resolve(directory).list_dir():
+            step = _naming.parse_step_dir_name(entry.name)
             if step is not None and step not in committed:
-                assert _commit.state(_storage.resolve(directory).step(step)) is not _commit.State.COMMITTED
+                assert _commit.head(_storage.resolve(directory).step(step)).state is not _commit.State.COMMITTED
     assert newest_reported

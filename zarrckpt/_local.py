@@ -1,0 +1,249 @@
+"""The local disk as a store: never through a symbolic link, and durable when asked.
+
+A local `Location` has a root: the path the user gave (a checkpoint, or a directory of
+steps), followed as the operating system resolves it. Everything below the root is
+reached one path component at a time from the root's directory, each opened with
+O_NOFOLLOW: a symbolic link planted anywhere inside (a chunk, an array directory, a
+step directory, a marker) is never followed by a read, a write or a deletion, so no
+call reads, writes or deletes outside the root. Meeting one raises `SymlinkError`.
+
+A durable write reaches stable storage before it returns: the file's data is synced
+(`fdatasync`) before it is closed, and an atomic write (a temporary file renamed over
+the old one) syncs its directory after the rename. New directories are synced into
+their parents by `sync_dirs`, which a save calls once its writes are done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import os
+import shutil
+import stat
+import uuid
+from typing import Iterator, Sequence
+
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+_KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "link"}
+
+
+class SymlinkError(OSError):
+    """A symbolic link where zarrckpt expected a file or directory of a checkpoint."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(errno.ELOOP, f"{path} is a symbolic link (zarrckpt never follows one inside a "
+                                      "checkpoint)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One entry of a listing, on any store: its name relative to what was listed, its
+    kind ("file", "dir", "link": a symbolic link, never followed; "other") and size."""
+
+    name: str
+    kind: str
+    size: int = 0
+
+
+def _parts(key: str) -> list[str]:
+    return [part for part in key.split("/") if part]
+
+
+def _open_root(root: str, create: bool, durable: bool) -> int:
+    try:
+        return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if not create:
+            raise
+        os.makedirs(root, exist_ok=True)
+        if durable:
+            sync_dirs(os.path.dirname(os.path.abspath(root)), [""])
+        return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def _open_below(fd: int, name: str, flags: int, path: str, mode: int = 0o666) -> int:
+    """Opens `name` in the directory `fd`, never through a symbolic link."""
+    try:
+        return os.open(name, flags, mode, dir_fd=fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK) and _is_link(fd, name):
+            raise SymlinkError(path) from None
+        raise
+
+
+def _is_link(fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def directory(root: str, key: str, *, create: bool = False, durable: bool = False) -> Iterator[int]:
+    """The directory `root/key`, opened component by component (creating missing ones
+    with `create`; syncing each new one into its parent with `durable`)."""
+    fd = _open_root(root, create, durable)
+    try:
+        path = root
+        for name in _parts(key):
+            path = os.path.join(path, name)
+            try:
+                child = _open_below(fd, name, _DIRECTORY, path)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, dir_fd=fd)
+                if durable:
+                    os.fsync(fd)
+                child = _open_below(fd, name, _DIRECTORY, path)
+            os.close(fd)
+            fd = child
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _split(key: str) -> tuple[str, str]:
+    parent, _, name = key.rstrip("/").rpartition("/")
+    if not name:
+        raise IsADirectoryError(errno.EISDIR, f"{key!r} names no file")
+    return parent, name
+
+
+@contextlib.contextmanager
+def _opened(root: str, key: str) -> Iterator[int]:
+    parent, name = _split(key)
+    with directory(root, parent) as fd:
+        f = _open_below(fd, name, _READ, os.path.join(root, key))
+    try:
+        if stat.S_ISDIR(os.fstat(f).st_mode):
+            raise IsADirectoryError(errno.EISDIR, f"{os.path.join(root, key)} is a directory")
+        yield f
+    finally:
+        os.close(f)
+
+
+def read(root: str, key: str, limit: int | None = None) -> bytes:
+    """The file `root/key` (its first `limit` bytes with a limit)."""
+    with _opened(root, key) as f, open(f, "rb", closefd=False) as stream:
+        return stream.read() if limit is None else stream.read(limit)
+
+
+def read_into(root: str, key: str, buffers: Sequence[memoryview]) -> tuple[int, int]:
+    """Reads `root/key` into `buffers`, filling each in turn as far as the file goes;
+    returns (the file's size, bytes read)."""
+    with _opened(root, key) as f, open(f, "rb", buffering=0, closefd=False) as stream:
+        done = 0
+        for buffer in buffers:
+            filled = 0
+            while filled < len(buffer) and (n := stream.readinto(buffer[filled:])):
+                filled += n
+            done += filled
+        return os.fstat(f).st_size, done
+
+
+def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable: bool) -> None:
+    """Writes `root/key`, the concatenation of `parts`, creating directories as needed.
+    `atomic`: written aside and renamed over, so a reader sees the old file or the new
+    one whole. `durable`: on stable storage (data, and with `atomic` the rename) before
+    returning."""
+    parent, name = _split(key)
+    with directory(root, parent, create=True, durable=durable) as fd:
+        target = f"{name}.{uuid.uuid4().hex}.tmp" if atomic else name
+        f = _open_below(fd, target, _WRITE, os.path.join(root, key))
+        try:
+            with open(f, "wb", closefd=False) as out:
+                out.writelines(parts)  # type: ignore[arg-type]  # parts go out as they are: no copy to join them
+            if durable:
+                os.fdatasync(f)
+        finally:
+            os.close(f)
+        if atomic:
+            try:
+                os.replace(target, name, src_dir_fd=fd, dst_dir_fd=fd)  # replaces a link itself, never its target
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(target, dir_fd=fd)
+                raise
+            if durable:
+                os.fsync(fd)
+
+
+def sync_dirs(root: str, keys: Sequence[str]) -> None:
+    """Syncs each directory `root/key` (its entries: the files and directories made in it)."""
+    for key in keys:
+        with directory(root, key) as fd:
+            os.fsync(fd)
+
+
+def remove_file(root: str, key: str) -> None:
+    """Deletes the file (or symbolic link, itself) `root/key`."""
+    parent, name = _split(key)
+    with directory(root, parent) as fd:
+        os.unlink(name, dir_fd=fd)
+
+
+def remove_tree(root: str, key: str) -> None:
+    """Deletes the directory `root/key` and everything in it, following no link (a link
+    is deleted itself). With `key` "", the root's contents, then the root if it is empty."""
+    if _parts(key):
+        parent, name = _split(key)
+        with directory(root, parent) as fd:
+            _remove_entry(fd, name)
+        return
+    with directory(root, "") as fd:
+        for name in os.listdir(fd):
+            _remove_entry(fd, name)
+    with contextlib.suppress(OSError):
+        os.rmdir(root)
+
+
+def _remove_entry(fd: int, name: str) -> None:
+    if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+        shutil.rmtree(name, dir_fd=fd)  # fd by fd: a link inside is unlinked, never followed
+    else:
+        os.unlink(name, dir_fd=fd)
+
+
+def list_dir(root: str, key: str) -> list[Entry]:
+    """The entries of the directory `root/key`, links reported as links."""
+    with directory(root, key) as fd:
+        entries = []
+        with os.scandir(fd) as found:
+            for item in found:
+                info = item.stat(follow_symlinks=False)
+                entries.append(Entry(item.name, _KINDS.get(stat.S_IFMT(info.st_mode), "other"), info.st_size))
+    return entries
+
+
+def walk(root: str, key: str) -> list[Entry]:
+    """Every entry below the directory `root/key` at any depth except directories, by
+    path relative to it; links are reported, never followed."""
+    out: list[Entry] = []
+    todo = [""]
+    while todo:
+        below = todo.pop()
+        for entry in list_dir(root, os.path.join(key, below) if below else key):
+            name = f"{below}/{entry.name}" if below else entry.name
+            if entry.kind == "dir":
+                todo.append(name)
+            else:
+                out.append(Entry(name, entry.kind, entry.size))
+    return sorted(out, key=lambda e: e.name)
+
+
+def exists(root: str, key: str) -> bool:
+    """Whether anything (a link included) is at `root/key`."""
+    if not _parts(key):
+        return os.path.lexists(root)
+    parent, name = _split(key)
+    try:
+        with directory(root, parent) as fd:
+            os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
