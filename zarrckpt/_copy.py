@@ -100,7 +100,6 @@ def copy_checkpoint(
             raise CheckpointWriteError(f"copying {source.url} to {target.url} failed; {target.url} holds an "
                                        f"uncommitted partial copy: {e}") from e
         _check_unchanged(ckpt, marker_key, marker, target)
-        target.sync_dirs(sorted({posixpath.dirname(o.key) for o in objects} - {""}))
         target.write(marker_key, marker, atomic=True, durable=True)
         advance(len(marker))
     return CopyResult(source.url, target.url, len(objects) + len({first_key, marker_key}), total,

@@ -7,10 +7,10 @@ O_NOFOLLOW: a symbolic link planted anywhere inside (a chunk, an array directory
 step directory, a marker) is never followed by a read, a write or a deletion, so no
 call reads, writes or deletes outside the root. Meeting one raises `SymlinkError`.
 
-A durable write reaches stable storage before it returns: the file's data is synced
-(`fdatasync`) before it is closed, and an atomic write (a temporary file renamed over
-the old one) syncs its directory after the rename. New directories are synced into
-their parents by `sync_dirs`, which a save calls once its writes are done.
+A durable write reaches stable storage before it returns, with every directory entry
+leading to it: the file's data is synced (`fdatasync`) before it is closed, its
+directory after it is created or renamed into place (an atomic write: a temporary
+file renamed over the old one), and each directory it had to create, in its parent.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import os
 import shutil
 import stat
@@ -60,7 +61,11 @@ def _open_root(root: str, create: bool, durable: bool) -> int:
             raise
         os.makedirs(root, exist_ok=True)
         if durable:
-            sync_dirs(os.path.dirname(os.path.abspath(root)), [""])
+            parent = os.open(os.path.dirname(os.path.abspath(root)), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(parent)
+            finally:
+                os.close(parent)
         return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
@@ -83,12 +88,47 @@ def _is_link(fd: int, name: str) -> bool:
 
 @contextlib.contextmanager
 def directory(root: str, key: str, *, create: bool = False, durable: bool = False) -> Iterator[int]:
-    """The directory `root/key`, opened component by component (creating missing ones
-    with `create`; syncing each new one into its parent with `durable`)."""
+    """The directory `root/key`, reached through no symbolic link below `root`
+    (creating missing ones with `create`; syncing each new one into its parent with
+    `durable`)."""
+    fd = _open_directory(root, key, create, durable)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+_PROC_FD = "/proc/self/fd"
+_HAS_PROC_FD = os.path.isdir(_PROC_FD)  # Linux: where an open descriptor leads
+
+
+@functools.lru_cache(maxsize=256)
+def _real(root: str) -> str:
+    return os.path.realpath(root)
+
+
+def _open_directory(root: str, key: str, create: bool, durable: bool) -> int:
+    parts = _parts(key)
+    if parts and _HAS_PROC_FD:
+        # The common case in two calls: open the whole path, then ask the kernel where
+        # it led; only a path that went through a link (or is missing) is walked.
+        try:
+            fd = os.open(os.path.join(root, *parts), _DIRECTORY)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            if os.readlink(f"{_PROC_FD}/{fd}") == os.path.join(_real(root), *parts):
+                return fd
+            os.close(fd)
+    return _walk(root, parts, create, durable)
+
+
+def _walk(root: str, parts: list[str], create: bool, durable: bool) -> int:
+    """Opens root/parts one component at a time from the root, each with O_NOFOLLOW."""
     fd = _open_root(root, create, durable)
     try:
         path = root
-        for name in _parts(key):
+        for name in parts:
             path = os.path.join(path, name)
             try:
                 child = _open_below(fd, name, _DIRECTORY, path)
@@ -102,9 +142,10 @@ def directory(root: str, key: str, *, create: bool = False, durable: bool = Fals
                 child = _open_below(fd, name, _DIRECTORY, path)
             os.close(fd)
             fd = child
-        yield fd
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
 
 
 def _split(key: str) -> tuple[str, str]:
@@ -115,35 +156,54 @@ def _split(key: str) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def _opened(root: str, key: str) -> Iterator[int]:
-    parent, name = _split(key)
-    with directory(root, parent) as fd:
-        f = _open_below(fd, name, _READ, os.path.join(root, key))
+def _opened(root: str, key: str) -> Iterator[tuple[int, int]]:
+    """The file `root/key`, opened for reading through no link below `root`, and its size."""
+    f = _open_file(root, key)
     try:
-        if stat.S_ISDIR(os.fstat(f).st_mode):
+        info = os.fstat(f)
+        if stat.S_ISDIR(info.st_mode):
             raise IsADirectoryError(errno.EISDIR, f"{os.path.join(root, key)} is a directory")
-        yield f
+        yield f, info.st_size
     finally:
         os.close(f)
 
 
+def _open_file(root: str, key: str) -> int:
+    if _HAS_PROC_FD:  # as `_open_directory`: open, then ask the kernel where it led
+        try:
+            f = os.open(os.path.join(root, key), _READ)
+        except OSError:
+            f = -1
+        if f >= 0:
+            if os.readlink(f"{_PROC_FD}/{f}") == os.path.join(_real(root), *_parts(key)):
+                return f
+            os.close(f)
+    parent, name = _split(key)
+    with directory(root, parent) as fd:
+        return _open_below(fd, name, _READ, os.path.join(root, key))
+
+
 def read(root: str, key: str, limit: int | None = None) -> bytes:
     """The file `root/key` (its first `limit` bytes with a limit)."""
-    with _opened(root, key) as f, open(f, "rb", closefd=False) as stream:
-        return stream.read() if limit is None else stream.read(limit)
+    with _opened(root, key) as (f, size):
+        wanted = size if limit is None else limit
+        data = os.read(f, wanted)
+        if limit is None and len(data) < size:  # a short read: take the rest
+            data += b"".join(iter(lambda: os.read(f, 1 << 20), b""))
+        return data
 
 
 def read_into(root: str, key: str, buffers: Sequence[memoryview]) -> tuple[int, int]:
     """Reads `root/key` into `buffers`, filling each in turn as far as the file goes;
     returns (the file's size, bytes read)."""
-    with _opened(root, key) as f, open(f, "rb", buffering=0, closefd=False) as stream:
+    with _opened(root, key) as (f, size):
         done = 0
         for buffer in buffers:
             filled = 0
-            while filled < len(buffer) and (n := stream.readinto(buffer[filled:])):
+            while filled < len(buffer) and (n := os.readv(f, [buffer[filled:]])):
                 filled += n
             done += filled
-        return os.fstat(f).st_size, done
+        return size, done
 
 
 def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable: bool) -> None:
@@ -156,8 +216,10 @@ def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable
         target = f"{name}.{uuid.uuid4().hex}.tmp" if atomic else name
         f = _open_below(fd, target, _WRITE, os.path.join(root, key))
         try:
-            with open(f, "wb", closefd=False) as out:
-                out.writelines(parts)  # type: ignore[arg-type]  # parts go out as they are: no copy to join them
+            for part in parts:  # as they are: no copy to join them
+                view = memoryview(part).cast("B")  # type: ignore[arg-type]
+                while view:
+                    view = view[os.write(f, view):]
             if durable:
                 os.fdatasync(f)
         finally:
@@ -169,15 +231,8 @@ def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable
                 with contextlib.suppress(OSError):
                     os.unlink(target, dir_fd=fd)
                 raise
-            if durable:
-                os.fsync(fd)
-
-
-def sync_dirs(root: str, keys: Sequence[str]) -> None:
-    """Syncs each directory `root/key` (its entries: the files and directories made in it)."""
-    for key in keys:
-        with directory(root, key) as fd:
-            os.fsync(fd)
+        if durable:
+            os.fsync(fd)  # the file's entry in its directory
 
 
 def remove_file(root: str, key: str) -> None:

@@ -244,8 +244,6 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
     follows must never find a chunk only in the page cache. Array metadata is only read
     once committed, so it goes out alongside the chunks. Stops at the first failure
     (see `_concurrency`)."""
-    arrays: set[str] = set()  # the directories written into, synced at the end
-
     def write(item: tuple[ArrayPlan, WriteUnit | dict[str, Any]]) -> None:
         plan, what = item
         if isinstance(what, dict):
@@ -253,11 +251,9 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
         else:
             _write_one(loc, plan, what)
             advance(what.nbytes)
-        arrays.add(plan.codec.array)
 
     with _concurrency.Operation(workers, "write") as op:
         op.fan_out(itertools.chain(metadata, work), write)
-    loc.sync_dirs(sorted(arrays))
 
 
 def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str, Any]) -> None:

@@ -209,8 +209,8 @@ class Location:
         With `atomic`, a reader sees either the old object or the whole new one: a
         local file is written aside and renamed over; an object store PUT already is
         (see docs/pytree-zarr-checkpoint.md, Commit). With `durable`, the object is on
-        stable storage when this returns (on a local disk see `_local`; a store that
-        acknowledged a PUT has it).
+        stable storage when this returns, and so is every directory entry leading to it
+        (on a local disk see `_local`; a store that acknowledged a PUT has it).
         """
         _stats.add("store_bytes_written", sum(memoryview(p).nbytes for p in parts))
         if self.is_local:
@@ -220,12 +220,6 @@ class Location:
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         body = bytes(data) if self.protocol.bytes_body else data
         self._call("write", key, self.fs.pipe_file, self._full(key), body)
-
-    def sync_dirs(self, keys: Sequence[str]) -> None:
-        """Puts the entries of the directories `keys` (the files and directories made in
-        them) on stable storage: a local disk needs it, an object store has no directories."""
-        if self.is_local:
-            self._call("sync", None, _local.sync_dirs, self.root, [self._below(key) for key in keys])
 
     def read(self, key: str, *, limit: int | None = None) -> bytes:
         """The whole object `key` below this location (its first `limit` bytes with a
