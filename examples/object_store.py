@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("url", help="checkpoint directory, e.g. s3://bucket/run or gs://bucket/run")
     parser.add_argument("-o", "--storage-option", metavar="KEY=VALUE", action="append", type=storage_option,
                         default=[], help="fsspec storage option (repeatable)")
-    parser.add_argument("--steps", type=int, default=30, help="train until this step")
+    parser.add_argument("--steps", type=int, default=30, help="steps to train in this run")
     parser.add_argument("--save-every", type=int, default=10)
     args = parser.parse_args()
     options = dict(args.storage_option) or None

@@ -1,10 +1,11 @@
 """A tiny plain-JAX training loop that checkpoints with zarrckpt and resumes where it left off.
 
-    python examples/train_minimal.py                # trains, saving every 10 steps
-    python examples/train_minimal.py --steps 60     # run again: resumes from the newest committed step
+    python examples/train_minimal.py     # trains 30 steps, saving every 10
+    python examples/train_minimal.py     # run again: resumes at step 30, trains to step 60
 
-Saves are asynchronous: `mgr.save` returns once the state is copied to host memory,
-so the next (buffer-donating) training step can run while the checkpoint is written.
+Saves are asynchronous: `mgr.save` returns once the copies of the state to host memory
+are dispatched, so the next (buffer-donating) training step can run while the
+checkpoint is written.
 
 The state (parameters, optimizer moments, step, RNG key) is sharded over the host's
 devices; on a CPU-only machine the example asks XLA for 8 fake devices.
@@ -63,15 +64,18 @@ def train_step(state: dict) -> tuple[dict, jax.Array]:
 
 def train(url: str, steps: int, save_every: int, *, keep_last: int = 3,
           storage_options: dict | None = None) -> int:
-    """Trains until `steps`, resuming from the newest committed step; returns the last step."""
+    """Trains `steps` steps from the newest committed step (or from scratch); returns
+    the last step."""
     mesh = Mesh(np.array(jax.devices()).reshape(-1, 2 if len(jax.devices()) % 2 == 0 else 1), ("data", "model"))
     # The template fixes structure, shapes, dtypes and shardings; its values are replaced on resume.
     template = init_state(jax.random.PRNGKey(0), mesh)
     with zarrckpt.CheckpointManager(url, save_interval_steps=save_every, keep_last=keep_last,
                                     storage_options=storage_options) as mgr:
         state, step = mgr.restore(template)
-        print(f"resumed from step {step}" if step else "no checkpoint yet: starting from scratch", flush=True)
-        while step < steps:
+        last = step + steps
+        print(f"resumed from step {step}: training to step {last}" if mgr.restored_step is not None
+              else f"no checkpoint yet: starting from scratch, training to step {last}", flush=True)
+        while step < last:
             state, loss = train_step(state)
             step += 1
             if mgr.save(step, state):
@@ -83,7 +87,7 @@ def train(url: str, steps: int, save_every: int, *, keep_last: int = 3,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint-dir", default="checkpoints/train_minimal", help="local path or fsspec URL")
-    parser.add_argument("--steps", type=int, default=30, help="train until this step")
+    parser.add_argument("--steps", type=int, default=30, help="steps to train in this run")
     parser.add_argument("--save-every", type=int, default=10)
     args = parser.parse_args()
     step = train(args.checkpoint_dir, args.steps, args.save_every)

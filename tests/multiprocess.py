@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 WORKERS = Path(__file__).parent / "workers"
@@ -25,45 +27,65 @@ def free_port() -> int:
 def launch(worker: str, *args: str, processes: int = 2, devices: int = 4,
            storage_options: dict | None = None) -> list[subprocess.Popen]:
     """Starts tests/workers/<worker>.py in `processes` processes of one JAX job, each with
-    `devices` CPU devices; their stdout and stderr come merged, as text, on `stdout`.
-    `storage_options` reach the worker's zarrckpt calls (workers/common.py)."""
+    `devices` CPU devices; their stdout and stderr go, merged, to the file `proc.output`
+    (no pipe that could fill while nobody reads it). `storage_options` reach the
+    worker's zarrckpt calls (workers/common.py).
+
+    What a worker tells the test does not go through its output, which JAX and XLA
+    also write to (a C++ log line once landed in the middle of a result): each
+    process has files of its own, `proc.said` (lines, see `common.say`) and
+    `proc.result` (see `common.report`)."""
     port = free_port()
+    channel = tempfile.mkdtemp(prefix="zarrckpt-worker-")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               ZARRCKPT_TEST_STORAGE_OPTIONS=json.dumps(storage_options))
+               ZARRCKPT_TEST_STORAGE_OPTIONS=json.dumps(storage_options), ZARRCKPT_TEST_CHANNEL=channel)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")])
-    return [
-        subprocess.Popen(
-            [sys.executable, str(WORKERS / f"{worker}.py"), f"127.0.0.1:{port}", str(processes), str(pid), *args],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for pid in range(processes)
-    ]
+    procs = []
+    for pid in range(processes):
+        output = Path(channel) / f"{pid}.out"
+        with open(output, "w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, str(WORKERS / f"{worker}.py"), f"127.0.0.1:{port}", str(processes), str(pid), *args],
+                env=env, stdout=out, stderr=subprocess.STDOUT,
+            )
+        proc.output = output  # type: ignore[attr-defined]
+        proc.said = Path(channel) / f"{pid}.said"  # type: ignore[attr-defined]
+        proc.result = Path(channel) / f"{pid}.json"  # type: ignore[attr-defined]
+        procs.append(proc)
+    return procs
+
+
+def said(proc: subprocess.Popen) -> list[str]:
+    """The whole lines a launched worker has said so far (a line cut short by a kill is
+    left out)."""
+    try:
+        text = proc.said.read_text()  # type: ignore[attr-defined]
+    except FileNotFoundError:
+        return []
+    return text.split("\n")[:-1]
 
 
 def run(worker: str, *args: str, processes: int = 2, devices: int = 4, timeout: float = 180,
         expect_ok: bool = True, storage_options: dict | None = None) -> list[dict]:
-    """Runs `launch`'s processes to the end; returns each one's JSON result.
-
-    A worker prints its result as a last line `RESULT <json>`. With `expect_ok` a
-    non-zero exit fails the test with that process's output.
-    """
+    """Runs `launch`'s processes to the end; returns each one's result (`common.report`),
+    with its exit code and output. With `expect_ok` a non-zero exit fails the test
+    with that process's output."""
     procs = launch(worker, *args, processes=processes, devices=devices, storage_options=storage_options)
-    outputs = []
     try:
         for proc in procs:
-            out, _ = proc.communicate(timeout=timeout)
-            outputs.append(out)
+            proc.wait(timeout=timeout)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
     results = []
-    for pid, (proc, out) in enumerate(zip(procs, outputs)):
+    for pid, proc in enumerate(procs):
+        out = proc.output.read_text(errors="replace")  # type: ignore[attr-defined]
         if expect_ok and proc.returncode != 0:
             raise AssertionError(f"{worker} process {pid} exited {proc.returncode}:\n{out}")
-        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-        results.append({"returncode": proc.returncode, "output": out,
-                        **(json.loads(lines[-1][len("RESULT "):]) if lines else {})})
+        reported = json.loads(proc.result.read_text()) if proc.result.exists() else {}  # type: ignore[attr-defined]
+        results.append({"returncode": proc.returncode, "output": out, **reported})
+    shutil.rmtree(procs[0].said.parent, ignore_errors=True)  # type: ignore[attr-defined]
     return results

@@ -90,8 +90,10 @@ def test_ls_info_verify(run_dir):
     assert described["committed"] and described["nbytes"] == 96
     leaves = {leaf["name"]: leaf for leaf in described["leaves"]}
     assert leaves["params.w"] == {"name": "params.w", "key_path": "['params']['w']", "shape": [8, 4],
-                                  "dtype": "bfloat16", "chunks": [8, 4], "kind": "jax", "nbytes": 64}
-    assert leaves["rng"]["kind"] == "prng_key" and leaves["step"]["shape"] == []
+                                  "dtype": "bfloat16", "chunks": [8, 4], "kind": "jax", "prng_impl": None,
+                                  "nbytes": 64}
+    assert leaves["rng"]["kind"] == "prng_key" and leaves["rng"]["prng_impl"] == "threefry2x32"
+    assert leaves["step"]["shape"] == []
 
     assert table.returncode == 0, table.stderr
     assert "committed, zarrckpt format 2" in table.stdout  # arrays only: format 2, as before str leaves
@@ -317,3 +319,44 @@ def test_ls_counts_a_seqax_step(tmp_path):
     assert listed.returncode == 0, listed.stderr
     rows = [line.split() for line in listed.stdout.splitlines()]
     assert rows[1][:5] == ["5", "committed", "32", "B", "2"]  # 24 + 8 bytes of data, 2 leaves
+
+
+def test_errors_speak_the_command_lines_words(run_dir, tmp_path):
+    """Advice names flags, not Python keywords; nothing shows a temporary name."""
+    src = f"{run_dir}/0000000030"
+    taken, directory, folder, extension, absent, uncommitted = run_together([
+        ["cp", src, f"{run_dir}/0000000020"], ["info", run_dir], ["export", src, str(tmp_path / "no" / "x.npz")],
+        ["export", src, str(tmp_path / "x.pt")], ["ls", str(tmp_path / "nothing")],
+        ["cp", f"{run_dir}/0000000040", str(tmp_path / "copy")]])
+    assert taken.returncode == 1 and "pass --overwrite to replace it" in taken.stderr
+    assert directory.returncode == 1 and f"give one step's URL, the newest {run_dir}/0000000040" in directory.stderr
+    assert folder.returncode == 1 and f"the folder {tmp_path / 'no'} does not exist" in folder.stderr
+    assert ".partial" not in folder.stderr
+    assert extension.returncode == 1 and "--format npz or --format safetensors" in extension.stderr
+    assert absent.returncode == 1 and absent.stderr == f"zarrckpt: error: {tmp_path / 'nothing'} does not exist\n"
+    assert uncommitted.returncode == 1 and "pass --allow-uncommitted to copy it as it is" in uncommitted.stderr
+    for result in (taken, directory, folder, extension, absent, uncommitted):
+        assert "=True" not in result.stderr and "load_checkpoint" not in result.stderr, result.stderr
+
+
+def test_cp_of_a_damaged_checkpoint_commits_nothing_and_names_the_damage(run_dir, tmp_path):
+    src = f"{run_dir}/0000000030"
+    chunk = next(p for p in Path(src).rglob("c.*") if "params.w" in str(p))
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 1
+    chunk.write_bytes(bytes(data))
+    flipped = run("cp", src, str(tmp_path / "a"))
+    assert flipped.returncode == 1 and f"{chunk.relative_to(src)}' of checkpoint {src} fails its CRC-32C" in \
+        flipped.stderr
+    chunk.unlink()
+    missing = run("cp", src, str(tmp_path / "b"))
+    assert missing.returncode == 1 and f"{chunk.relative_to(src)}' is missing" in missing.stderr
+    for copy in ("a", "b"):
+        assert not zarrckpt.metadata(str(tmp_path / copy)).committed
+
+
+def test_info_says_a_typed_key_is_a_key(run_dir):
+    table = run("info", f"{run_dir}/0000000030")
+    assert table.returncode == 0
+    row = next(line for line in table.stdout.splitlines() if line.startswith("rng"))
+    assert "key<threefry2x32> data (uint32)" in row

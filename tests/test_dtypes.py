@@ -405,3 +405,62 @@ def test_zarr_reads_tensorstore_v2_bfloat16(tmp_path: Path) -> None:
     back = zarr.open_array(zarr.storage.LocalStore(tmp_path), mode="r", zarr_format=2)
     assert back.dtype == np_dtype("bfloat16")
     assert_same_bits(back[: data.size], data)  # blosc-compressed by TensorStore
+
+
+# --- other readers of a real zarrckpt checkpoint --------------------------------
+
+
+def _saved_checkpoint(path: Path) -> dict[str, np.ndarray]:
+    """A zarrckpt checkpoint (CRC-32C on every chunk; small shards merged side by side,
+    large ones split) of the dtypes other readers should read; returns its values."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import zarrckpt
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    values = {"bf16": np.arange(64 * 64).reshape(64, 64).astype(ml_dtypes.bfloat16),
+              "f8": (np.arange(256) % 17).astype(ml_dtypes.float8_e4m3fn),
+              "i4": (np.arange(96) % 16 - 8).astype(ml_dtypes.int4),
+              "f32": np.arange(2**19, dtype=np.float32).reshape(1024, 512)}
+    specs = {"bf16": P("a", "b"), "f8": P("b"), "i4": P(), "f32": P("a")}
+    zarrckpt.save_pytree(str(path), {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in values.items()},
+                         max_chunk_bytes=2**19)
+    return values
+
+
+def test_tensorstore_reads_a_zarrckpt_checkpoint(tmp_path: Path) -> None:
+    ts = pytest.importorskip("tensorstore")
+    values = _saved_checkpoint(tmp_path)
+    for name, expected in values.items():
+        document = json.loads((tmp_path / name / "zarr.json").read_text())
+        assert {"name": "crc32c"} in document["codecs"]
+        got = ts.open(ts_spec("zarr3", tmp_path / name), open=True).result().read().result()
+        assert_same_bits(got, expected)
+    assert len(list((tmp_path / "f32").glob("c.*"))) > 2  # split chunks
+    assert len(list((tmp_path / "bf16").glob("c.*"))) < 8  # merged shards
+
+
+def test_plain_zarr_reads_zarrckpt_dtypes_without_importing_zarrckpt(tmp_path: Path) -> None:
+    """Installed zarrckpt registers its dtypes through zarr's entry points (zarr loads
+    them, and so zarrckpt, when it meets `bfloat16`); zarr 3.1 never loads data types
+    from entry points, so there a reader imports zarrckpt first (as
+    docs/pytree-zarr-checkpoint.md says)."""
+    import subprocess
+    import sys
+
+    values = _saved_checkpoint(tmp_path)
+    read = ("import sys, numpy as np, zarr; {first}g = zarr.open_group(sys.argv[1], mode='r'); "
+            "np.save(sys.stdout.buffer, np.concatenate([np.ascontiguousarray(g[k][...]).view(np.uint8).ravel() "
+            "for k in sys.argv[2:]]))")
+    names = list(values)
+    expected = np.concatenate([np.ascontiguousarray(values[k]).view(np.uint8).ravel() for k in names])
+    plain = subprocess.run([sys.executable, "-c", read.format(first=""), str(tmp_path), *names],
+                           capture_output=True)
+    if zarr.__version__.startswith("3.1."):
+        assert b"No Zarr data type found that matches 'bfloat16'" in plain.stderr
+        plain = subprocess.run([sys.executable, "-c", read.format(first="import zarrckpt; "),
+                                str(tmp_path), *names], capture_output=True)
+    assert plain.returncode == 0, plain.stderr.decode()[-2000:]
+    import io
+    np.testing.assert_array_equal(np.load(io.BytesIO(plain.stdout)), expected)

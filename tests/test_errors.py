@@ -83,8 +83,8 @@ def test_loading_what_is_not_there_or_not_committed(tmp_path):
 def test_loading_a_checkpoint_directory_says_what_to_do(tmp_path):
     zarrckpt.save_checkpoint(str(tmp_path), 3, {"a": 1})
     with pytest.raises(zarrckpt.CheckpointNotFoundError,
-                       match=f"no checkpoint at {tmp_path} \\(it holds step directories: use "
-                             f"load_checkpoint_if_it_exists, or one step's URL such as {tmp_path}/0000000003\\)"):
+                       match=f"no checkpoint at {tmp_path} \\(it is a directory of steps: give one step's "
+                             f"URL, the newest {tmp_path}/0000000003\\)"):
         zarrckpt.load_pytree(str(tmp_path))
 
 
@@ -138,3 +138,24 @@ def test_newer_format_is_refused(tmp_path):
     edit_group_attributes(url, lambda attrs: attrs["zarrckpt"].update(format_version=99))
     with pytest.raises(zarrckpt.CheckpointCorruptError, match=f"format_version 99; this zarrckpt reads up to {zarrckpt.FORMAT_VERSION}"):
         zarrckpt.load_pytree(str(url))
+
+
+def test_errors_say_what_went_wrong_in_the_users_words(tmp_path, s3_server):
+    (tmp_path / "a_file").write_text("not a directory")
+    with pytest.raises(zarrckpt.CheckpointWriteError, match=f"{tmp_path}/a_file is a file, not a directory"):
+        zarrckpt.save_pytree(str(tmp_path / "a_file" / "ckpt"), {"w": np.ones(2)})
+    url = f"s3://zarrckpt-no-such-bucket-{tmp_path.name.lower()[-20:]}/run"
+    with pytest.raises(zarrckpt.CheckpointWriteError, match=f"cannot write {url}/zarrckpt.lease: the bucket does "
+                                                            "not exist"):
+        zarrckpt.CheckpointManager(url, storage_options=s3_server.options())
+
+
+def test_saving_an_unfiltered_equinox_model_says_how_to_filter(tmp_path):
+    import equinox as eqx
+    import jax
+
+    model = eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0))
+    with pytest.raises(zarrckpt.UnsupportedLeafError, match=r"\.activation is a .*eqx\.filter\(model, "
+                                                            r"eqx\.is_array\)"):
+        zarrckpt.save_pytree(str(tmp_path), model)
+    zarrckpt.save_pytree(str(tmp_path), eqx.filter(model, eqx.is_array))

@@ -214,3 +214,20 @@ def test_progress_bars_can_be_turned_on_and_off(tmp_path, monkeypatch, capsys):
     with zarrckpt.CheckpointManager(str(tmp_path), progress=False) as mgr:
         mgr.save(2, small_state(), force=True)
     assert capsys.readouterr().err == ""
+
+
+def test_metrics_of_a_step_and_the_best_step_read_back(tmp_path):
+    with zarrckpt.CheckpointManager(str(tmp_path), keep_last=5, best_metric="loss", best_mode="min") as mgr:
+        for step, loss in ((1, 0.5), (2, 0.25), (3, float("nan")), (4, 0.4)):
+            mgr.save(step, small_state(step), metrics={"loss": loss, "acc": 1 - loss})
+        mgr.save(5, small_state(5))  # no metrics
+        mgr.wait()
+        assert mgr.metrics(2) == {"loss": 0.25, "acc": 0.75}
+        assert mgr.metrics(3)["loss"] == "NaN" and mgr.metrics(5) is None
+        assert mgr.best_step() == 2
+        with pytest.raises(zarrckpt.CheckpointNotFoundError):
+            mgr.metrics(9)
+    with zarrckpt.CheckpointManager(str(tmp_path), best_metric="loss", best_mode="max") as again:
+        assert again.best_step() == 1  # from storage, in a new process's manager
+    with zarrckpt.CheckpointManager(str(tmp_path)) as plain, pytest.raises(ValueError, match="needs best_metric"):
+        plain.best_step()

@@ -57,3 +57,49 @@ def test_committed_step_is_not_overwritten_unless_asked(tmp_path):
 def test_step_dir_names():
     assert _storage.resolve("/x").step(12).url == "/x/0000000012"
     assert _storage.resolve("memory://b/run/").step(10**11).url == "memory://b/run/100000000000"
+
+
+def test_a_run_pointed_at_a_step_is_an_error_saying_what_to_pass(tmp_path):
+    run = tmp_path / "run"
+    zarrckpt.save_checkpoint(str(run), 60, {"w": np.ones(2)})
+    step_url = str(run / "0000000060")
+    calls = [lambda: zarrckpt.load_checkpoint_if_it_exists(step_url, {"w": np.zeros(2)}),
+             lambda: zarrckpt.latest_step(step_url), lambda: zarrckpt.all_steps(step_url),
+             lambda: zarrckpt.CheckpointManager(step_url)]
+    for call in calls:
+        with pytest.raises(zarrckpt.CheckpointLocationError,
+                           match=f"{step_url} is a checkpoint itself \\(step 60 of {run}\\): pass the directory "
+                                 f"that holds step directories \\({run}\\)"):
+            call()
+
+
+def test_a_run_pointed_at_orbax_checkpoints_is_an_error(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    import jax.numpy as jnp
+
+    with ocp.CheckpointManager(str(tmp_path / "run")) as mgr:
+        mgr.save(60, args=ocp.args.StandardSave({"w": jnp.ones(2)}))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(str(tmp_path / "single"), {"w": jnp.ones(2)})
+    checkpointer.wait_until_finished()
+    with pytest.raises(zarrckpt.CheckpointLocationError, match="holds Orbax's checkpoints \\(steps 60\\), not "
+                                                              "zarrckpt's .*0000000060"):
+        zarrckpt.load_checkpoint_if_it_exists(str(tmp_path / "run"), {"w": np.zeros(2)})
+    with pytest.raises(zarrckpt.CheckpointLocationError, match="is a checkpoint of Orbax, not a directory of zarrckpt steps"):
+        zarrckpt.CheckpointManager(str(tmp_path / "single"))
+
+
+def test_starting_fresh_is_logged_and_visible(tmp_path, caplog):
+    target = {"w": np.zeros(2), "step": 0}
+    with caplog.at_level("WARNING", logger="zarrckpt"):
+        state, step = zarrckpt.load_checkpoint_if_it_exists(str(tmp_path / "misspelled"), target)
+        assert state is target and step == 0
+        with zarrckpt.CheckpointManager(str(tmp_path / "run")) as mgr:
+            assert mgr.restored_step is None
+            assert mgr.restore(target) == (target, 0) and mgr.restored_step is None
+            mgr.save(0, target)  # step 0 saved: restoring it now is told apart from starting fresh
+            mgr.wait()
+            assert mgr.restore(target)[1] == 0 and mgr.restored_step == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert f"nothing to restore: {tmp_path}/misspelled does not exist; starting from the state given" in messages
+    assert f"no committed checkpoint under {tmp_path}/run: starting from the state given" in messages

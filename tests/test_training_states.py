@@ -125,3 +125,33 @@ def test_dataclass_train_state_round_trips_onto_another_mesh(tmp_path):
     assert set(plain) == {"step", "params", "opt_state", "rng", "dropout_rng"}
     assert jax.dtypes.issubdtype(plain["rng"].dtype, jax.dtypes.prng_key)
     assert plain["dropout_rng"].dtype == np.uint32
+
+
+def test_python_scalars_restore_into_abstract_targets_from_eval_shape(tmp_path):
+    """flax's TrainState.create sets step=0 and optax's inject_hyperparams holds Python
+    floats: saved as int64/float64, they restore into the int32/float32 target that
+    `jax.eval_shape` makes of them, when the value fits (an int exactly; a float rounded
+    as JAX rounds it, never to infinity or zero)."""
+    from flax.training import train_state
+
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    state = train_state.TrainState.create(apply_fn=None, params=init_params(), tx=tx)
+    saved = {"step": state.step, "params": state.params, "opt_state": state.opt_state, "lr": 3e-4, "epoch": 7}
+    assert isinstance(saved["step"], int)
+    zarrckpt.save_pytree(str(tmp_path / "a"), saved)
+    abstract = jax.eval_shape(lambda: saved)
+    assert abstract["step"].dtype == jnp.int32 and abstract["lr"].dtype == jnp.float32
+    restored = zarrckpt.load_pytree(str(tmp_path / "a"), abstract)
+    assert restored["step"].dtype == jnp.int32 and int(restored["step"]) == 0 and int(restored["epoch"]) == 7
+    assert restored["lr"].dtype == jnp.float32 and float(restored["lr"]) == np.float32(3e-4)
+
+    zarrckpt.save_pytree(str(tmp_path / "b"), {"step": 2**40, "lr": 1e300, "tiny": 1e-300})
+    with pytest.raises(zarrckpt.CheckpointMismatchError) as raised:
+        zarrckpt.load_pytree(str(tmp_path / "b"), jax.eval_shape(lambda: {"step": 0, "lr": 0.0, "tiny": 0.0}))
+    message = str(raised.value)
+    assert "['step']: saved Python int 1099511627776 is not representable as int32" in message
+    assert "['lr']: saved Python float 1e+300 is not representable as float32" in message
+    assert "['tiny']: saved Python float 1e-300 is not representable as float32" in message
+    with pytest.raises(zarrckpt.CheckpointMismatchError, match="dtype int64 in the checkpoint, float32"):
+        zarrckpt.load_pytree(str(tmp_path / "b"), {"step": jax.ShapeDtypeStruct((), jnp.float32), "lr": 0.0,
+                                                  "tiny": 0.0})

@@ -70,10 +70,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+# The library's messages name its keyword arguments; the command line's flags instead.
+_FLAGS = (("overwrite=True", "--overwrite"), ("allow_uncommitted=True", "--allow-uncommitted"),
+          ("format='npz' or format='safetensors'", "--format npz or --format safetensors"))
+
+
 def _describe(e: BaseException) -> str:
     text = str(e) or type(e).__name__
     notes = getattr(e, "__notes__", None)
-    return f"{text} ({'; '.join(notes)})" if notes else text
+    text = f"{text} ({'; '.join(notes)})" if notes else text
+    for keyword, flag in _FLAGS:
+        text = text.replace(keyword, flag)
+    return text
 
 
 # -- the command line ----------------------------------------------------------
@@ -174,6 +182,8 @@ def _options(*lists: list[tuple[str, Any]]) -> dict[str, Any] | None:
 
 def _ls(args: argparse.Namespace) -> int:
     root = _storage.resolve(args.dir, _options(args.storage_option))
+    if not root.exists():
+        raise FileNotFoundError(f"{root.url} does not exist")
     steps = _steps.candidate_steps(root)
     rows = _concurrency.run_all(lambda step: _describe_step(root, step), steps, root.concurrency)
     if args.json:
@@ -209,7 +219,7 @@ def _info(args: argparse.Namespace) -> int:
             "nbytes": described.nbytes,
             "leaves": [{"name": leaf.name, "key_path": leaf.key_path, "shape": list(leaf.shape),
                         "dtype": leaf.dtype.name, "chunks": list(leaf.chunks), "kind": leaf.kind,
-                        "nbytes": leaf.nbytes} for leaf in described.leaves],
+                        "prng_impl": leaf.prng_impl, "nbytes": leaf.nbytes} for leaf in described.leaves],
         })
         return 0
     state = "committed" if described.committed else "NOT COMMITTED"
@@ -325,6 +335,8 @@ def _size(nbytes: int | None) -> str:
 
 def _type_of(leaf: Any) -> str:
     """A leaf's dtype, or what it is when not an array: str, bytes, per-process."""
+    if leaf.kind == "prng_key":
+        return f"key<{leaf.prng_impl}> data ({leaf.dtype.name})"
     return {"str": "str (utf-8)", "bytes": "bytes", "per_process": "per-process"}.get(leaf.kind, leaf.dtype.name)
 
 

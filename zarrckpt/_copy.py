@@ -82,7 +82,12 @@ def copy_checkpoint(
     marker_key, marker = next(((key, raw) for key, raw in zip(_MARKERS, source.read_if_present(_MARKERS))
                                if raw is not None), (_MARKERS[0], None))
     group = None if marker is None else _commit.parse_group(marker_key, marker)
-    ckpt = _reader.open_checkpoint(source, require_committed=not allow_uncommitted, group=group)
+    try:
+        ckpt = _reader.open_checkpoint(source, require_committed=not allow_uncommitted, group=group)
+    except CheckpointNotFoundError as e:
+        if group is not None and group.state is _commit.State.UNCOMMITTED:
+            raise CheckpointNotFoundError(f"{e}; pass allow_uncommitted=True to copy it as it is") from None
+        raise
     marker = marker if marker is not None else source.read(marker_key)
     first_key, first = _uncommitted_group(source, marker_key, marker)
     objects = [o for o in _objects.owned(ckpt) if o.key not in (marker_key, first_key)]

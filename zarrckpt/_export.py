@@ -52,7 +52,7 @@ def format_of(path: str) -> str:
     extension = os.path.splitext(path)[1].lstrip(".").lower()
     if extension not in FORMATS:
         raise ValueError(f"cannot tell the export format of {path!r} from its extension: "
-                         f"name it *.npz or *.safetensors, or give the format")
+                         f"name it *.npz or *.safetensors, or pass format='npz' or format='safetensors'")
     return extension
 
 
@@ -75,6 +75,9 @@ def export_checkpoint(url: str, path: str, *, format: str | None = None,
     format = format or format_of(path)
     if format not in FORMATS:
         raise ValueError(f"export format must be one of {', '.join(FORMATS)}, got {format!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"cannot write {path}: the folder {folder} does not exist")
     writer = _write_npz if format == "npz" else _write_safetensors
     ckpt = _reader.open_checkpoint(_storage.resolve(url, storage_options))
     leaves = [leaf for leaf in ckpt.leaves.values() if leaf.processes is None]

@@ -56,6 +56,11 @@ def _parts(key: str) -> list[str]:
 def _open_root(root: str, create: bool, durable: bool) -> int:
     try:
         return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except NotADirectoryError:
+        path = root
+        while os.path.dirname(path) != path and not os.path.isfile(path):
+            path = os.path.dirname(path)
+        raise NotADirectoryError(f"{path} is a file, not a directory") from None
     except FileNotFoundError:
         if not create:
             raise

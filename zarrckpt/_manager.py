@@ -15,6 +15,7 @@ from jax.experimental import multihost_utils
 
 from . import (_commit, _concurrency, _lease, _multihost, _naming, _options, _planning, _retention, _save,
                _steps, _storage)
+from . import errors
 from .errors import CheckpointError
 
 log = logging.getLogger("zarrckpt")
@@ -100,10 +101,6 @@ class CheckpointManager:
                                                   max_workers=max_workers, timeout_s=timeout_s, progress=progress,
                                                   checksums=checksums)
         self._root = _storage.resolve(checkpoint_dir, storage_options)
-        if _commit.head(self._root).state is _commit.State.COMMITTED:
-            raise ValueError(f"{self._root.url} is a checkpoint itself, not a directory of steps: a manager saves "
-                             "each step in a directory of its own below the one it is given; give it another "
-                             "directory")
         self._interval_steps = save_interval_steps
         self._interval_seconds = save_interval_seconds
         self._async = async_save
@@ -112,7 +109,10 @@ class CheckpointManager:
         self._timeout_s = timeout_s
         self._last_save = time.monotonic()
         self._committed = set(_steps.scan(self._root)[1])
-        self._metrics = self._load_metrics() if keep_best is not None else {}
+        # A checkpoint itself (even one a manager saved steps into), or Orbax's: refused.
+        _steps.check_directory_of_steps(self._root, has_steps=bool(self._committed))
+        self._restored_step: int | None = None
+        self._metrics = self._load_metrics() if best_metric is not None else {}
         self._lock = threading.Lock()
         self._in_flight: tuple[threading.Thread, int] | None = None
         self._errors: list[BaseException] = []
@@ -244,18 +244,10 @@ class CheckpointManager:
             self._committed.difference_update(deleted)
 
     def _load_metrics(self) -> dict[int, dict[str, Any]]:
-        def metrics_of(step: int) -> dict[str, Any]:
-            group = _commit.read_group(self._root.step(step))
-            meta = group.attributes.get(_naming.META_ATTR, {}) if group else {}
-            found = meta.get("metrics", {}) if isinstance(meta, dict) else {}
-            if not isinstance(found, dict) or not all(isinstance(k, str) for k in found):
-                log.warning("step %d under %s has metrics %.100r, not a dict of named numbers: not ranked by "
-                            "keep_best", step, self._root.url, found)
-                return {}
-            return found
-
         steps = sorted(self._committed)
-        return dict(zip(steps, _concurrency.run_all(metrics_of, steps, self._root.concurrency)))
+        found = _concurrency.run_all(lambda step: _metrics_of(self._root, self._root.step(step)), steps,
+                                     self._root.concurrency)
+        return {step: metrics or {} for step, metrics in zip(steps, found)}
 
     # -- waiting, restoring, listing --------------------------------------------
 
@@ -272,7 +264,8 @@ class CheckpointManager:
         """Restores the newest committed step (or `step`) onto `target`.
 
         Returns (state, step); (target, 0) when nothing is committed and no `step`
-        was asked for. Waits for a save in flight first. Takes `load_pytree`'s
+        was asked for, which is logged as a warning naming the directory and leaves
+        `restored_step` None. Waits for a save in flight first. Takes `load_pytree`'s
         keyword options. Raises CheckpointNotFoundError if `step` is not a committed
         step, TypeError for an unknown option, and what `load_pytree` raises.
         """
@@ -286,12 +279,36 @@ class CheckpointManager:
         self.wait()
         started = time.perf_counter()
         if step is None:
-            state, step = _steps.restore_latest(self._root, target, options, self._timeout_s)
+            state, restored = _steps.restore_latest(self._root, target, options, self._timeout_s)
         else:
-            state = _steps.load_step(self._root, step, target, options)
-        if step and _multihost.process_index() == 0:
-            log.info("restored step %d from %s in %.2fs", step, self._root.url, time.perf_counter() - started)
-        return state, step
+            state, restored = _steps.load_step(self._root, step, target, options), step
+        self._restored_step = restored
+        if restored is not None and _multihost.process_index() == 0:
+            log.info("restored step %d from %s in %.2fs", restored, self._root.url, time.perf_counter() - started)
+        return state, restored or 0
+
+    @property
+    def restored_step(self) -> int | None:
+        """The step the last `restore` restored, or None if it restored nothing (nothing
+        was committed: it returned the target and step 0) or none was called."""
+        return self._restored_step
+
+    def metrics(self, step: int) -> dict[str, Any] | None:
+        """The metrics saved with committed `step` (as `save` stored them: numbers, and
+        "NaN", "Infinity", "-Infinity"), or None if it was saved without. Reads the
+        step's metadata; CheckpointNotFoundError if `step` is not committed. Not
+        collective."""
+        return _metrics_of(self._root, _steps.committed_step(self._root, step))
+
+    def best_step(self) -> int | None:
+        """The committed step with the best `best_metric` (by `best_mode`), among those
+        saved with it, or None. Needs `best_metric`. Not collective."""
+        if self._policy.best_metric is None:
+            raise ValueError("best_step needs best_metric (and best_mode) given to the CheckpointManager")
+        with self._lock:
+            metrics = {step: self._metrics.get(step, {}) for step in self._committed}
+        ranked = _retention.ranked(self._policy, metrics)
+        return ranked[0] if ranked else None
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending (read from storage). Not collective."""
@@ -327,7 +344,8 @@ class CheckpointManager:
 
     def _claim_lease(self) -> None:
         """Process 0 claims the directory; a refusal is raised on every process. Collective."""
-        op = _multihost.Collective("manager-open", self._timeout_s, what=f"opening {self._root.url}")
+        op = _multihost.Collective("manager-open", self._timeout_s, what=f"claiming {self._root.url} for this job",
+                                   error=errors.CheckpointWriteError)
         try:
             op.decide("claim", lambda: self._lease.claim() if self._lease is not None else None)
         finally:
@@ -342,6 +360,19 @@ class CheckpointManager:
             pending, self._errors = self._errors, []
         if pending:
             raise pending[0]
+
+
+def _metrics_of(root: _storage.Location, step: _storage.Location) -> dict[str, Any] | None:
+    """The metrics saved in the step at `step`, or None; metrics that are not a dict of
+    named values are ignored with a warning naming the step."""
+    group = _commit.read_group(step)
+    meta = group.attributes.get(_naming.META_ATTR, {}) if group else {}
+    found = meta.get("metrics") if isinstance(meta, dict) else None
+    if found is not None and (not isinstance(found, dict) or not all(isinstance(k, str) for k in found)):
+        log.warning("step %s under %s has metrics %.100r, not a dict of named numbers: ignored",
+                    step.url.rsplit("/", 1)[-1].lstrip("0") or "0", root.url, found)
+        return None
+    return found
 
 
 def _metric_values(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import _commit, _dtypes, _naming, _reader, _storage, _tree
@@ -22,7 +23,9 @@ class LeafMetadata:
     chunks: tuple[int, ...]
     kind: str  # "jax", "numpy", "numpy_scalar", "prng_key", "str", "bytes", "per_process", or a Python scalar type
     # A str or bytes leaf is stored as its bytes (uint8, UTF-8 for a str); a
-    # per-process leaf as one array per process, not described here (shape ()).
+    # per-process leaf as one array per process, not described here (shape ()); typed
+    # PRNG keys as their key data (shape and dtype of that data).
+    prng_impl: str | None = None  # typed PRNG keys: their implementation ("threefry2x32"...)
 
     @property
     def nbytes(self) -> int:
@@ -33,8 +36,8 @@ class LeafMetadata:
 class CheckpointMetadata:
     """A checkpoint's description. `tree` mirrors the saved tree with a
     jax.ShapeDtypeStruct per array leaf (add shardings to it to build a restore
-    target), "" and b"" for str and bytes leaves, and PerProcess(None) for per-process
-    ones."""
+    target; typed PRNG keys as keys of their implementation), "" and b"" for str and
+    bytes leaves, and PerProcess(None) for per-process ones."""
 
     url: str
     layout: str  # "zarrckpt" or "seqax"
@@ -57,6 +60,9 @@ def _placeholder(leaf: LeafMetadata) -> Any:
         return b""
     if leaf.kind == "per_process":
         return _tree.PerProcess(None)
+    if leaf.kind == "prng_key":  # keys of the saved implementation, not their raw data
+        return jax.eval_shape(lambda: jax.random.wrap_key_data(jnp.zeros(leaf.shape, leaf.dtype),
+                                                               impl=leaf.prng_impl))
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
 
 
@@ -69,7 +75,7 @@ def metadata(url: str, *, storage_options: dict[str, Any] | None = None) -> Chec
     """
     ckpt = _reader.open_checkpoint(_storage.resolve(url, storage_options), require_committed=False)
     leaves = {
-        name: LeafMetadata(_tree.describe_path(s.path), name, s.shape, s.dtype, s.chunks, s.kind)
+        name: LeafMetadata(_tree.describe_path(s.path), name, s.shape, s.dtype, s.chunks, s.kind, s.prng_impl)
         for name, s in ckpt.leaves.items()
     }
     tree = _tree.rebuild(ckpt.spec, lambda rec: _placeholder(leaves[rec["name"]]))

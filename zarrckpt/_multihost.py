@@ -80,7 +80,8 @@ class Collective:
     never interleave with the foreground's. A failure is raised on every process:
     with its own type and message when it is a single zarrckpt error (a refusal such
     as CheckpointExistsError), else as `error` with the message
-    "<what> failed at '<tag>' on K of N process(es)<; note>:" and one line per process.
+    "<what> failed on K of N processes<; note>:" and one line per process ("<what>
+    failed<; note>: <message>" with a single process).
     """
 
     def __init__(self, channel: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, what: str = "",
@@ -111,7 +112,7 @@ class Collective:
             else:
                 outcome = json.loads(self._wait(tag, lambda c, ms: c.blocking_key_value_get(key, ms), [0]))
         if "failure" in outcome:
-            self._raise(tag, {0: outcome["failure"]}, mine)
+            self._raise({0: outcome["failure"]}, mine)
         return outcome["value"]
 
     def check(self, tag: str, step: Callable[[], None]) -> None:
@@ -135,7 +136,7 @@ class Collective:
             failures = {int(key.rsplit("/", 1)[1]): json.loads(value)
                         for key, value in client.key_value_dir_get(f"{base}/failed/")}
         if failures:
-            self._raise(tag, failures, mine)
+            self._raise(failures, mine)
 
     def close(self) -> None:
         """Counts this process out of the operation; the last one out deletes its keys.
@@ -167,7 +168,7 @@ class Collective:
                 f"but processes {expected} never arrived ({str(e).splitlines()[0]})"
             ) from None
 
-    def _raise(self, tag: str, failures: dict[int, dict[str, str]], mine: BaseException | None) -> None:
+    def _raise(self, failures: dict[int, dict[str, str]], mine: BaseException | None) -> None:
         if len(failures) == 1:
             ((_, only),) = failures.items()
             kind = getattr(errors, only["type"], None)
@@ -176,10 +177,13 @@ class Collective:
                 if mine is not None:
                     raise mine
                 raise kind(only["message"])
-        lines = "\n".join(f"  process {pid}: {failure['message']}" for pid, failure in sorted(failures.items()))
         note = f"; {self._note}" if self._note else ""
-        raise self._error(f"{self._what} failed at '{tag}' on {len(failures)} of {process_count()} "
-                          f"process(es){note}:\n{lines}") from mine
+        if process_count() == 1:
+            ((_, only),) = failures.items()
+            raise self._error(f"{self._what} failed{note}: {only['message']}") from mine
+        lines = "\n".join(f"  process {pid}: {failure['message']}" for pid, failure in sorted(failures.items()))
+        raise self._error(f"{self._what} failed on {len(failures)} of {process_count()} processes{note}:\n"
+                          f"{lines}") from mine
 
 
 def _report(e: BaseException) -> dict[str, str]:

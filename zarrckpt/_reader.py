@@ -169,8 +169,8 @@ def open_checkpoint(loc: Location, *, require_committed: bool = True, group: _co
     group = group or _commit.read_group(loc)
     if group is None:
         steps = [s for e in loc.list_dir() if (s := _naming.parse_step_dir_name(e.name)) is not None]
-        hint = (f" (it holds step directories: use load_checkpoint_if_it_exists, or one step's URL "
-                f"such as {loc.step(steps[-1]).url})") if steps else ""
+        hint = (f" (it is a directory of steps: give one step's URL, the newest {loc.step(steps[-1]).url})"
+                if steps else "")
         raise CheckpointNotFoundError(f"no checkpoint at {loc.url}{hint}")
     if group.problem is not None:
         name = "zarr.json" if group.zarr_format == 3 else _seqax.MARKER

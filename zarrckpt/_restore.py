@@ -36,6 +36,7 @@ log = logging.getLogger("zarrckpt")
 _READER_PLACEMENT_BYTES = 2**20
 _PY_SCALARS = {"bool": bool, "int": int, "float": float, "complex": complex}
 _SCALAR_KINDS = {"bool": "b", "int": "iub", "float": "f", "complex": "c"}
+_TARGET_KINDS = {"bool": "b", "int": "iu", "float": "f", "complex": "c"}  # of 0-d arrays a Python scalar fits
 
 # Where each region read goes: the devices that need it, or none (the host).
 Placement = dict[Region, list[jax.Device]]
@@ -50,7 +51,11 @@ class _Form:
     dtype: np.dtype  # the values' dtype once read (converted from the stored one)
 
     def mismatch(self, stored: _reader.StoredLeaf, allow_dtype_cast: bool) -> str | None:
-        if self.dtype != stored.dtype and not allow_dtype_cast:
+        if stored.kind == "prng_key":
+            return (f"typed PRNG keys ({stored.prng_impl}) in the checkpoint, {self.dtype} data in the target: "
+                    "restore them as keys (a key array, a ShapeDtypeStruct of a key dtype, or a Sharding as the "
+                    "target leaf), then take jax.random.key_data of them if raw data is wanted")
+        if self.dtype != stored.dtype and not allow_dtype_cast and not _scalar_fits(stored, self.dtype):
             return (f"dtype {stored.dtype} in the checkpoint, {self.dtype} in the target "
                     "(pass allow_dtype_cast=True to convert)")
         return None
@@ -120,7 +125,8 @@ class _PrngKeys(_Form):
 
     def mismatch(self, stored: _reader.StoredLeaf, allow_dtype_cast: bool) -> str | None:
         if stored.kind != "prng_key":
-            return f"a typed PRNG key array in the target, saved as plain {stored.dtype} data"
+            return (f"a typed PRNG key array in the target, saved as plain {stored.dtype} data: restore that data "
+                    "into a target of its dtype, then make keys of it with jax.random.wrap_key_data")
         return None
 
     def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
@@ -515,6 +521,9 @@ def _match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partia
             problems.append(f"{where}: shape {stored.shape} in the checkpoint, {shape} in the target")
         elif (mismatch := request.form.mismatch(stored, allow_dtype_cast)) is not None:
             problems.append(f"{where}: {mismatch}")
+        elif not allow_dtype_cast and request.form.dtype != stored.dtype and _scalar_fits(stored, request.form.dtype):
+            if (inexact := _inexact_scalar(ckpt, stored, request.form.dtype)) is not None:
+                problems.append(f"{where}: {inexact}")
     extra = [stored.where for name, stored in ckpt.leaves.items() if name not in seen]
     if not partial:
         problems += [f"{where}: in the checkpoint but not in the target" for where in extra]
@@ -526,6 +535,32 @@ def _match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partia
             + "\n  ".join(problems) + hint
         )
     return requests, treedef
+
+
+def _scalar_fits(stored: _reader.StoredLeaf, dtype: np.dtype) -> bool:
+    """Whether a saved Python scalar may restore into a 0-d target of `dtype`: one of its
+    kind (an int into any integer dtype, a float into any float dtype...), as
+    `jax.eval_shape` makes int32 and float32 targets of Python 0 and 0.0. Its value
+    must then fit (`_inexact_scalar`)."""
+    return stored.kind in _PY_SCALARS and stored.shape == () and _dtypes.kind(dtype) in _TARGET_KINDS[stored.kind]
+
+
+def _inexact_scalar(ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, dtype: np.dtype) -> str | None:
+    """Reads a saved Python scalar (one small read); says why it does not fit `dtype`:
+    an int or bool must be exactly representable; a float or complex rounds to the
+    nearest value, as JAX rounds a Python float into float32, but must not overflow
+    to infinity or vanish to zero."""
+    saved = ckpt.read(stored, ())
+    with np.errstate(all="ignore"):
+        converted = saved.astype(dtype)
+        back = converted.astype(stored.dtype)
+    if stored.kind in ("float", "complex"):
+        parts = [(saved.real, back.real), (saved.imag, back.imag)] if stored.kind == "complex" else [(saved, back)]
+        if all(np.isfinite(a) == np.isfinite(b) and (a == 0) == (b == 0) for a, b in parts if not np.isnan(a)):
+            return None
+    elif np.array_equal(back, saved):
+        return None
+    return f"saved Python {stored.kind} {saved.item()!r} is not representable as {dtype}"
 
 
 def _saved_form(stored: _reader.StoredLeaf) -> _Form:
@@ -547,6 +582,10 @@ def _saved_form(stored: _reader.StoredLeaf) -> _Form:
 def _request_for(leaf: Any, stored: _reader.StoredLeaf, where: str,
                  broadcast: bool) -> tuple[_Request, tuple[int, ...]]:
     """How a target leaf asks to be restored, and the shape it expects."""
+    if stored.kind == "prng_key" and isinstance(leaf, jax.sharding.Sharding):
+        # The saved kind decides: typed keys come back typed on a target that only
+        # says where they go.
+        return _Request(stored, _PrngKeys(stored.dtype, leaf)), stored.shape
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and _dtypes.is_prng_key(leaf.dtype):
         # Typed keys are stored as their key data: compare that shape, and rebuild keys.
         data_shape = tuple(jax.eval_shape(jax.random.key_data, leaf).shape)

@@ -60,11 +60,16 @@ def steps_to_keep(policy: Policy, committed: Collection[int], metrics: Mapping[i
     if policy.keep_every is not None:
         keep.update(s for s in steps if s % policy.keep_every == 0)
     if policy.keep_best is not None:
-        ranked = [s for s in steps if isinstance(metrics.get(s, {}).get(policy.best_metric), (int, float))
-                  and not isinstance(metrics[s][policy.best_metric], bool)]
-        ranked.sort(key=lambda s: metrics[s][policy.best_metric], reverse=policy.best_mode == "max")
-        keep.update(ranked[: policy.keep_best])
+        keep.update(ranked(policy, metrics)[: policy.keep_best])
     return keep
+
+
+def ranked(policy: Policy, metrics: Mapping[int, Mapping[str, Any]]) -> list[int]:
+    """The steps of `metrics` with a finite `best_metric`, best first (ties: newest first)."""
+    scored = [s for s in metrics if isinstance(metrics[s].get(policy.best_metric), (int, float))
+              and not isinstance(metrics[s][policy.best_metric], bool)]
+    scored.sort(key=lambda s: (metrics[s][policy.best_metric] * (-1 if policy.best_mode == "max" else 1), -s))
+    return scored
 
 
 def is_pinned(step_loc: Location) -> bool:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Iterator
 
 from . import _commit, _concurrency, _multihost, _naming, _options, _reader, _restore, _save, _storage
 from ._storage import Location
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointLocationError, CheckpointNotFoundError
+
+log = logging.getLogger("zarrckpt")
 
 
 def save_checkpoint(checkpoint_dir: str, step: int, state: Any, *,
@@ -23,22 +26,34 @@ def save_checkpoint(checkpoint_dir: str, step: int, state: Any, *,
 
 
 def all_steps(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
-    """Every committed step under `checkpoint_dir`, ascending. Not collective."""
-    return scan(_storage.resolve(checkpoint_dir, storage_options))[1]
+    """Every committed step under `checkpoint_dir`, ascending. Not collective. Raises
+    CheckpointLocationError if `checkpoint_dir` is a checkpoint itself or holds another
+    library's checkpoints."""
+    root = _storage.resolve(checkpoint_dir, storage_options)
+    committed = scan(root)[1]
+    if not committed:
+        check_directory_of_steps(root)
+    return committed
 
 
 def latest_step(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> int | None:
     """The newest committed step under `checkpoint_dir`, or None. Not collective.
 
     Reads the commit marker of candidates newest first and stops at the first
-    committed one, so uncommitted leftovers (a crashed save) are skipped.
+    committed one, so uncommitted leftovers (a crashed save) are skipped. Raises
+    CheckpointLocationError if `checkpoint_dir` is a checkpoint itself or holds another
+    library's checkpoints.
     """
     return latest(_storage.resolve(checkpoint_dir, storage_options))
 
 
 def latest(root: Location) -> int | None:
-    """`latest_step` of the checkpoint directory `root`."""
-    return next((s for s in reversed(candidate_steps(root)) if is_committed(root.step(s))), None)
+    """`latest_step` of the checkpoint directory `root`; CheckpointLocationError if it
+    is no directory of steps (see `check_directory_of_steps`)."""
+    step = next((s for s in reversed(candidate_steps(root)) if is_committed(root.step(s))), None)
+    if step is None:
+        check_directory_of_steps(root)
+    return step
 
 
 def candidate_steps(root: Location) -> list[int]:
@@ -56,6 +71,41 @@ def candidate_steps(root: Location) -> list[int]:
             what = "a symbolic link (never followed)" if entry.kind == "link" else "not a directory"
             _commit.warn_once(f"{root.url}/{entry.name} is named like a step but is {what}: skipped")
     return sorted(steps)
+
+
+# What another library's checkpoint holds at its top (Orbax's, of any version).
+_FOREIGN_MARKERS = {"_CHECKPOINT_METADATA": "Orbax", "commit_success.txt": "Orbax", "_METADATA": "Orbax",
+                    "manifest.ocdbt": "Orbax"}
+
+
+def check_directory_of_steps(root: Location, *, has_steps: bool = False) -> None:
+    """Raises CheckpointLocationError if `root` is not what a directory of steps can be:
+    a checkpoint itself, or (unless it `has_steps` of zarrckpt's) a directory of another
+    library's checkpoints. Called where no committed step was found, so that a run
+    pointed at the wrong place fails instead of training from scratch."""
+    if _commit.head(root).state is not _commit.State.ABSENT:
+        parent, name = root.url.rstrip("/").rsplit("/", 1) if "/" in root.url.rstrip("/") else ("", root.url)
+        step = _naming.parse_step_dir_name(name)
+        what = f"step {step} of {parent}" if step is not None else "not a directory of steps"
+        raise CheckpointLocationError(
+            f"{root.url} is a checkpoint itself ({what}): pass the directory that holds step directories"
+            f"{f' ({parent})' if step is not None else ''}, or load this one with load_pytree")
+    if has_steps:
+        return
+    entries = root.list_dir()
+    names = {e.name for e in entries}
+    for marker, library in _FOREIGN_MARKERS.items():
+        if marker in names:
+            raise CheckpointLocationError(f"{root.url} is a checkpoint of {library}, not a directory of zarrckpt "
+                                          "steps: restore it with Orbax (and save it again with zarrckpt to move)")
+    numbered = sorted((e.name for e in entries if e.kind == "dir" and e.name.isascii() and e.name.isdigit()
+                       and e.name == str(int(e.name)) and _naming.parse_step_dir_name(e.name) is None), key=int)
+    if numbered:
+        inside = {e.name for e in root.list_dir(numbered[-1])}
+        library = next((lib for marker, lib in _FOREIGN_MARKERS.items() if marker in inside), "another library")
+        raise CheckpointLocationError(
+            f"{root.url} holds {library}'s checkpoints (steps {', '.join(numbered[-3:])}), not zarrckpt's "
+            f"(whose step directories have 10 digits: {_naming.step_dir_name(int(numbered[-1]))})")
 
 
 def scan(root: Location) -> tuple[list[int], list[int]]:
@@ -77,7 +127,10 @@ def load_checkpoint_if_it_exists(checkpoint_dir: str, target: Any, *,
     """Restores the newest committed step under `checkpoint_dir` onto `target`.
 
     Returns (state, step), or (target, 0) unchanged when nothing is committed yet, so
-    a training loop can call it unconditionally at start-up.
+    a training loop can call it unconditionally at start-up; that case is logged as a
+    warning naming the URL (a manager's `restored_step` tells the two apart).
+    Raises CheckpointLocationError, on every process, if `checkpoint_dir` is a
+    checkpoint itself or holds another library's checkpoints.
 
     Collective: process 0 chooses the step and every process restores that one, even
     if a save commits another step in between. Takes `load_pytree`'s keyword options
@@ -85,7 +138,8 @@ def load_checkpoint_if_it_exists(checkpoint_dir: str, target: Any, *,
     """
     load_options = _options.gather(_options.LoadOptions, "load_checkpoint_if_it_exists", options)
     _options.check_settings(timeout_s=(timeout_s, float))
-    return restore_latest(_storage.resolve(checkpoint_dir, storage_options), target, load_options, timeout_s)
+    state, step = restore_latest(_storage.resolve(checkpoint_dir, storage_options), target, load_options, timeout_s)
+    return state, step or 0
 
 
 def load_checkpoint(checkpoint_dir: str, step: int, target: Any = None, *,
@@ -152,8 +206,9 @@ def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None,
 
 
 def restore_latest(root: Location, target: Any, options: _options.LoadOptions,
-                   timeout_s: float) -> tuple[Any, int]:
-    """`load_checkpoint_if_it_exists` under `root`. Collective."""
+                   timeout_s: float) -> tuple[Any, int | None]:
+    """`load_checkpoint_if_it_exists` under `root`, but None for the step when nothing
+    was restored (step 0 may have been saved). Collective."""
     chosen: dict[str, Any] = {}
     op = _multihost.Collective("restore", timeout_s, what=f"choosing the step to restore under {root.url}")
     try:
@@ -161,7 +216,7 @@ def restore_latest(root: Location, target: Any, options: _options.LoadOptions,
     finally:
         op.close()
     if step is None:
-        return target, 0
+        return target, None
     # Every process opens the save process 0 chose, or fails: never two saves of a step.
     ckpt = _reader.open_checkpoint(root.step(step), group=chosen.get("group"), save_id=save_id)
     return _restore.load_opened(ckpt, target, options), step
@@ -171,10 +226,17 @@ def _newest(root: Location, chosen: dict[str, Any]) -> tuple[int | None, str | N
     """The newest committed step under `root` whose group metadata can be read, and its
     save identity; that metadata goes into `chosen`, so that opening it reads it no
     more. Damaged steps are skipped, with a warning."""
-    for step in reversed(candidate_steps(root)):
+    candidates = candidate_steps(root)
+    for step in reversed(candidates):
         loc = root.step(step)
         group = _commit.read_group(loc)
         if _commit.state(loc, group) is _commit.State.COMMITTED:
             chosen["group"] = group
             return step, group.save_id  # type: ignore[union-attr]
+    check_directory_of_steps(root)
+    if not root.exists():
+        log.warning("nothing to restore: %s does not exist; starting from the state given", root.url)
+    else:
+        log.warning("no committed checkpoint under %s%s: starting from the state given", root.url,
+                    f" ({len(candidates)} uncommitted step directories)" if candidates else "")
     return None, None

@@ -341,7 +341,7 @@ class Location:
         elif isinstance(e, IsADirectoryError):
             kind, why = IsADirectoryError, "a directory is where an object should be"
         elif isinstance(e, NotADirectoryError):
-            kind, why = NotADirectoryError, "a file is where a directory should be"
+            kind, why = NotADirectoryError, "a file is in the way"
         else:
             kind, why = OSError, "the store failed"
         detail = f"{type(e).__name__}: {e}"

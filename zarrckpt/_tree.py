@@ -166,10 +166,15 @@ def leaf_record(leaf: Leaf) -> dict[str, Any]:
     elif isinstance(value, (bool, int, float, complex)):
         kind = type(value).__name__
     else:
+        hint = ""
+        if callable(value) or type(value).__module__.split(".")[0] == "equinox":
+            hint = ("; a model's tree holds functions and settings beside its arrays: save its arrays alone, "
+                    "e.g. eqx.filter(model, eqx.is_array) with equinox (nnx.state(model) with flax NNX), and "
+                    "restore into the same filter of a fresh model")
         raise UnsupportedLeafError(
             f"leaf {leaf.where} is a {type(value).__module__}.{type(value).__qualname__}; "
             "only jax.Array, numpy arrays and scalars, Python bool/int/float/complex, str, bytes and "
-            "zarrckpt.PerProcess can be saved"
+            f"zarrckpt.PerProcess can be saved{hint}"
         )
     if kind == "int" and not -(2**63) <= value < 2**63:
         raise UnsupportedLeafError(f"leaf {leaf.where}: Python int {value} does not fit in int64")

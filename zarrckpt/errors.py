@@ -38,5 +38,11 @@ class CoordinationTimeoutError(CheckpointError, TimeoutError):
     """Processes did not all reach a synchronisation point in time; names the missing ones."""
 
 
+class CheckpointLocationError(CheckpointError, ValueError):
+    """A URL is the wrong kind of place for the call: a checkpoint where a directory of
+    steps was expected, or a directory of another library's checkpoints. Says what it
+    is and what to pass instead."""
+
+
 class DirectoryInUseError(CheckpointError):
     """Another live CheckpointManager holds the checkpoint directory."""

@@ -2,7 +2,7 @@
 restores bit-exactly, nothing that was committed is lost, and saving goes on."""
 
 import random
-import threading
+import shutil
 import time
 
 import numpy as np
@@ -17,19 +17,22 @@ RETENTION_KILLS = 5
 
 
 class Watched:
-    """A launched worker's output, read on a thread so the test can wait for lines."""
+    """A launched worker, and what it says (through its own file, see multiprocess.said)."""
 
     def __init__(self, proc):
         self.proc = proc
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
 
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append(line.strip())
-            if line.strip() == "ready":
-                self.ready.set()
+    @property
+    def lines(self) -> list[str]:
+        return multiprocess.said(self.proc)
+
+    def wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while "ready" not in self.lines:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                return False
+            time.sleep(0.05)
+        return True
 
     def committed(self) -> list[int]:
         return [int(line.split()[1]) for line in self.lines if line.startswith("committed ")]
@@ -40,7 +43,7 @@ def run_and_kill(mode, directory, *args, processes=1, delay, victim=0):
                                                        processes=processes, devices=4)]
     try:
         for w in workers:
-            assert w.ready.wait(120), "\n".join(w.lines)
+            assert w.wait_ready(120), "\n".join(w.lines)
         time.sleep(delay)
         workers[victim].proc.kill()  # SIGKILL: no cleanup of any kind
         time.sleep(0.2)
@@ -48,7 +51,9 @@ def run_and_kill(mode, directory, *args, processes=1, delay, victim=0):
         for w in workers:
             w.proc.kill()
             w.proc.wait()
-    return sorted({s for w in workers for s in w.committed()})
+    committed = sorted({s for w in workers for s in w.committed()})
+    shutil.rmtree(workers[0].proc.said.parent, ignore_errors=True)
+    return committed
 
 
 def assert_committed_steps_are_whole(directory, must_have):

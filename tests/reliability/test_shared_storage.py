@@ -281,7 +281,7 @@ def test_overwrite_deletes_only_what_a_checkpoint_owns(tmp_path):
         zarrckpt.copy_checkpoint(str(tmp_path / "other"), str(url), overwrite=True)
     assert (url / "NOTES.md").read_text() == "three weeks of notes"
     assert zarrckpt.verify(str(url)).ok and zarrckpt.verify(str(url / "0000000005")).ok
-    with pytest.raises(ValueError, match="is a checkpoint itself, not a directory of steps"):
+    with pytest.raises(zarrckpt.CheckpointLocationError, match="is a checkpoint itself"):
         zarrckpt.CheckpointManager(str(url))
     zarrckpt.save_pytree(str(tmp_path / "other"), tree(4.0), overwrite=True)  # one that owns all it holds
     np.testing.assert_array_equal(zarrckpt.load_pytree(str(tmp_path / "other"))["b"], tree(4.0)["b"])

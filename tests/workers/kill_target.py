@@ -1,14 +1,14 @@
 """A process to SIGKILL at a random moment: `saves DIR START` or `manager DIR`.
 
 Each step's state is filled with the step number, so a restore shows which step it is.
-Prints `ready` once imports are done, then `committed N` after each commit.
+Says `ready` once imports are done, then `committed N` after each commit (see common.say).
 """
 
 from __future__ import annotations
 
 import sys
 
-from common import init
+from common import init, say
 
 args = init()
 
@@ -29,22 +29,22 @@ def state(step: int) -> dict:
 
 
 def saves(directory: str, start: str) -> None:
-    print("ready", flush=True)
+    say("ready")
     for step in range(int(start), 10**6):
         # Small chunks: many writes per save, so a kill lands mid-write most of the time.
         zarrckpt.save_checkpoint(directory, step, state(step), max_chunk_bytes=64 * 1024, timeout_s=10)
-        print(f"committed {step}", flush=True)
+        say(f"committed {step}")
 
 
 def manager(directory: str) -> None:
     with zarrckpt.CheckpointManager(directory, keep_last=1, heartbeat_s=0.2, timeout_s=10) as mgr:
         _, step = mgr.restore(state(0))
-        print("ready", flush=True)
+        say("ready")
         while True:
             step += 1
             mgr.save(step, state(step), force=True)
             mgr.wait()
-            print(f"committed {step}", flush=True)
+            say(f"committed {step}")
 
 
 {"saves": saves, "manager": manager}[args[0]](*args[1:])
