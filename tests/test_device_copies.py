@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import zarrckpt
-from zarrckpt import _transfer
+from zarrckpt._save import transfer as _transfer
 
 
 def mesh():

@@ -1,4 +1,4 @@
-"""Tests for zarrckpt._dtypes: ml_dtypes data types in zarr, and TensorStore interop."""
+"""Tests for zarrckpt._format.dtypes: ml_dtypes data types in zarr, and TensorStore interop."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import zarr
 import zarr.storage
 from zarr.dtype import data_type_registry
 
-from zarrckpt import _dtypes
+from zarrckpt._format import dtypes as _dtypes
 
 try:
     from zarr.errors import DataTypeValidationError

@@ -12,7 +12,8 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import zarrckpt
-from zarrckpt import _naming, _planning, _tree
+from zarrckpt._save import plan as _planning
+from zarrckpt._format import naming as _naming, tree as _tree
 
 
 def names(tree) -> list[str]:
@@ -92,7 +93,7 @@ def test_split_chunk():
 
 
 def plan(x, **kw):
-    return _planning.plan_array(_tree.Leaf((), "x", x), 0, **kw)
+    return _planning.plan_array(_tree.Leaf((), "x", x), 0, process=0, processes=1, **kw)
 
 
 def test_chunks_follow_shards():
@@ -167,7 +168,8 @@ def test_plain_zarr_reads_what_zarrckpt_writes(tmp_path):
 
 def test_edge_chunks_are_padded_as_zarr_expects(tmp_path):
     import zarr
-    from zarrckpt import _chunks, _storage, _zarrjson
+    from zarrckpt import _storage
+    from zarrckpt._format import chunks as _chunks, zarrjson as _zarrjson
 
     loc = _storage.resolve(str(tmp_path))
     codec = _chunks.ChunkCodec("a", np.dtype("f4"), (2, 2))

@@ -10,14 +10,16 @@
     verify / copy_checkpoint             is a checkpoint whole; copy one anywhere, commit last
     CheckpointManager                    save policies, async saves, retention
 
-The on-disk format is specified in docs/pytree-zarr-checkpoint.md.
+The on-disk format is specified in docs/pytree-zarr-checkpoint.md; docs/architecture.md
+draws the modules: the write path in `_save/`, the read path in `_restore/`, the
+format's pure pieces in `_format/`, storage at the bottom.
 """
 
-from . import _dtypes
+from ._format import dtypes as _dtypes
 from ._copy import CopyResult, copy_checkpoint
 from ._manager import CheckpointManager
 from ._metadata import CheckpointMetadata, LeafMetadata, metadata
-from ._naming import FORMAT_VERSION
+from ._format.naming import FORMAT_VERSION
 from ._restore import load_pytree
 from ._save import save_pytree
 from ._steps import (
@@ -28,7 +30,7 @@ from ._steps import (
     load_checkpoint_if_it_exists,
     save_checkpoint,
 )
-from ._tree import PerProcess
+from ._format.tree import PerProcess
 from ._verify import Problem, VerifyReport, verify
 from .errors import (
     CheckpointCorruptError,

@@ -23,8 +23,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from . import (__version__, _commit, _concurrency, _copy, _export, _metadata, _retention, _steps, _storage,
-               _verify, _zarrjson)
+from . import __version__, _commit, _concurrency, _copy, _export, _metadata, _retention, _steps, _storage, _verify
+from ._format import zarrjson as _zarrjson
 from ._metadata import metadata
 from .errors import CheckpointError
 

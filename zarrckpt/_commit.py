@@ -24,7 +24,7 @@ import re
 import uuid
 from typing import Any
 
-from . import _naming, _zarrjson
+from ._format import naming as _naming, zarrjson as _zarrjson
 from ._storage import Location
 
 log = logging.getLogger("zarrckpt")

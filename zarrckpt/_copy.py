@@ -19,8 +19,10 @@ import posixpath
 import time
 from typing import Any, Callable
 
-from . import _commit, _concurrency, _local, _naming, _objects, _progress, _reader, _seqax, _storage, _zarrjson
-from ._chunks import DamagedChunk
+from . import _commit, _concurrency, _local, _objects, _progress, _seqax, _storage
+from ._restore import checkpoint as _reader
+from ._format import naming as _naming, zarrjson as _zarrjson
+from ._format.chunks import DamagedChunk
 from ._storage import Location
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
 

@@ -22,7 +22,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from . import _concurrency, _dtypes, _progress, _reader, _storage
+from . import _concurrency, _progress, _storage
+from ._restore import checkpoint as _reader
+from ._format import dtypes as _dtypes
 
 FORMATS = ("npz", "safetensors")
 # What every safetensors release since 0.4 writes from NumPy arrays (later ones add a few).

@@ -25,7 +25,7 @@ import time
 import uuid
 from typing import Any
 
-from . import _zarrjson
+from ._format import zarrjson as _zarrjson
 from ._storage import Location
 from .errors import DirectoryInUseError
 

@@ -13,8 +13,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from . import (_commit, _concurrency, _lease, _multihost, _naming, _options, _planning, _retention, _save,
-               _steps, _storage)
+from . import _commit, _concurrency, _lease, _multihost, _options, _retention, _save, _steps, _storage
+from ._format import naming as _naming
 from . import errors
 from .errors import CheckpointError
 
@@ -86,8 +86,8 @@ class CheckpointManager:
         progress: bool | None = None,
         storage_options: dict[str, Any] | None = None,
         timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
-        max_chunk_bytes: int = _planning.DEFAULT_MAX_CHUNK_BYTES,
-        min_chunk_bytes: int = _planning.DEFAULT_MIN_CHUNK_BYTES,
+        max_chunk_bytes: int = _options.DEFAULT_MAX_CHUNK_BYTES,
+        min_chunk_bytes: int = _options.DEFAULT_MIN_CHUNK_BYTES,
         max_workers: int | None = None,
         checksums: bool = True,
     ) -> None:

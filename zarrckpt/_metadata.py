@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _commit, _dtypes, _naming, _reader, _storage, _tree
+from . import _commit, _storage
+from ._restore import checkpoint as _reader
+from ._format import dtypes as _dtypes, naming as _naming, tree as _tree
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,10 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from . import _chunks, _commit, _planning, _reader, _seqax
+from . import _commit, _seqax
+from ._restore import checkpoint as _reader
+from ._format import chunks as _chunks
+from ._regions import chunks_touching
 from ._storage import Location
 from .errors import CheckpointError, CheckpointExistsError
 
@@ -57,7 +60,7 @@ def owned(ckpt: _reader.Checkpoint) -> list[Owned]:
             full = tuple((0, n) for n in array.shape)
             codec = array.codec
             out += [Owned(codec.key(chunk), codec.stored_bytes, codec)  # type: ignore[union-attr, arg-type]
-                    for chunk in _planning.chunks_touching(full, array.chunks, array.shape)]
+                    for chunk in chunks_touching(full, array.chunks, array.shape)]
     return out + [Owned("zarr.json")]
 
 

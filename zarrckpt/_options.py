@@ -12,7 +12,11 @@ from typing import Any, TypeVar
 
 from ._concurrency import DEFAULT_MAX_INFLIGHT_BYTES
 from ._multihost import DEFAULT_TIMEOUT_S
-from ._planning import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MIN_CHUNK_BYTES
+
+DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
+# Shards smaller than this are merged, side by side, into chunks of at least this size
+# where one process holds them all: fewer, larger objects (each is a request on S3/GCS).
+DEFAULT_MIN_CHUNK_BYTES = 2**20
 
 _O = TypeVar("_O")
 

@@ -24,8 +24,9 @@ import jax
 import numcodecs.blosc
 import numpy as np
 
-from . import _concurrency, _dtypes, _zarrjson
-from ._chunks import DamagedChunk
+from . import _concurrency
+from ._format import dtypes as _dtypes, zarrjson as _zarrjson
+from ._format.chunks import DamagedChunk
 from ._storage import Location
 
 GROUP = ".zgroup"

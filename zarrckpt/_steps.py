@@ -6,7 +6,9 @@ import logging
 import time
 from typing import Any, Iterator
 
-from . import _commit, _concurrency, _multihost, _naming, _options, _reader, _restore, _save, _storage
+from . import _commit, _concurrency, _multihost, _options, _restore, _save, _storage
+from ._restore import checkpoint as _reader
+from ._format import naming as _naming
 from ._storage import Location
 from .errors import CheckpointLocationError, CheckpointNotFoundError
 

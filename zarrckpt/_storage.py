@@ -29,7 +29,8 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import fsspec
 import numpy as np
 
-from . import _concurrency, _local, _naming, _stats
+from . import _concurrency, _local, _stats
+from ._format import naming as _naming
 from ._local import Entry
 
 _T = TypeVar("_T")

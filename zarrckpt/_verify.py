@@ -23,9 +23,11 @@ import math
 import posixpath
 from typing import Any
 
-from . import _commit, _concurrency, _local, _naming, _planning, _reader, _storage, _tree, _zarrjson
-from ._chunks import DamagedChunk
-from ._planning import Region
+from . import _commit, _concurrency, _local, _storage
+from ._restore import checkpoint as _reader
+from ._format import naming as _naming, tree as _tree, zarrjson as _zarrjson
+from ._format.chunks import DamagedChunk
+from ._regions import Region, chunks_touching
 from ._storage import Location
 from .errors import CheckpointCorruptError
 
@@ -161,7 +163,7 @@ def _check_chunks(loc: Location, leaf: _reader.StoredLeaf) -> tuple[list[Problem
         return problems + [Problem(_naming.object_key(leaf.name, "zarr.json"), f"a grid of {grid:,} chunks, more "
                                    "than zarrckpt ever writes: damaged metadata", leaf.where)], 0, []
     full = tuple((0, n) for n in leaf.shape)
-    expected = list(_planning.chunks_touching(full, leaf.chunks, leaf.shape))  # none if no elements
+    expected = list(chunks_touching(full, leaf.chunks, leaf.shape))  # none if no elements
     try:
         listed = {entry.name: entry for entry in loc.list_dir(_naming.object_key(leaf.name), missing_ok=False)}
     except FileNotFoundError:

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import zarrckpt
-from zarrckpt import _chunks, _storage
+from zarrckpt import _storage
+from zarrckpt._format import chunks as _chunks
 
 W = np.arange(12, dtype=np.float32).reshape(3, 4)
 ESCAPES = ["../secret", "..", ".", "/tmp", "secret/../../x", "w/../../secret", "../secret/w", "%2E%2E", "w/..",

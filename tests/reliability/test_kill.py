@@ -8,7 +8,8 @@ import time
 import numpy as np
 import multiprocess
 import zarrckpt
-from zarrckpt import _commit, _naming, _storage
+from zarrckpt import _commit, _storage
+from zarrckpt._format import naming as _naming
 
 # Recorded in docs/reliability.md; keep them in step with the figures there.
 SINGLE_PROCESS_KILLS = 8

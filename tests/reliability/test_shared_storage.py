@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import zarrckpt
-from zarrckpt import _cli, _lease, _reader, _storage
+from zarrckpt import _cli, _lease, _storage
+from zarrckpt._restore import checkpoint as _reader
 
 SECRET = b"AWS_SECRET=wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY\n"
 

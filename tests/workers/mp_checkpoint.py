@@ -13,7 +13,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zarrckpt  # noqa: E402
-from zarrckpt import _planning, _tree  # noqa: E402
+from zarrckpt._format import tree as _tree  # noqa: E402
+from zarrckpt._save import plan as _planning
 
 SHAPES = {"rows": (16, 8), "cols": (8, 16), "both": (16, 16), "replicated": (1024, 512), "host": (5, 3)}
 SAVE_SPECS = {"rows": P("data"), "cols": P(None, "model"), "both": P("data", "model"), "replicated": P()}
@@ -42,7 +43,9 @@ def state_tree() -> dict:
 def save(directory: str, step: str) -> None:
     tree = state_tree()
     _, leaves = _tree.record(tree)
-    writers = {leaf.name: len(_planning.plan_array(leaf, i).writes) for i, leaf in enumerate(leaves)}
+    writers = {leaf.name: len(_planning.plan_array(leaf, i, process=jax.process_index(),
+                                                   processes=jax.process_count()).writes)
+               for i, leaf in enumerate(leaves)}
     zarrckpt.save_checkpoint(directory, int(step), tree, storage_options=STORAGE_OPTIONS)
     report(writes=writers, latest=zarrckpt.latest_step(directory, storage_options=STORAGE_OPTIONS))
 

@@ -19,8 +19,8 @@ from typing import Any, Sequence
 import numpy as np
 from zarr.dtype import parse_data_type
 
-from . import _chunks, _dtypes
-from ._chunks import ChunkCodec
+from . import chunks as _chunks, dtypes as _dtypes
+from .chunks import ChunkCodec
 
 
 def array_document(shape: Sequence[int], codec: ChunkCodec,

@@ -23,44 +23,16 @@ from typing import Any, Iterator, Sequence
 import jax
 import numpy as np
 
-from . import _dtypes, _multihost
-from ._chunks import ChunkCodec
-from ._concurrency import ByteBudget
-from ._tree import Leaf
+from .._concurrency import ByteBudget
+from .._options import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MIN_CHUNK_BYTES
+from .._format import dtypes as _dtypes
+from .._format.chunks import ChunkCodec
+from .._format.tree import Leaf
+from .._regions import (HostOf, Region, Slices, chunks_in, intersect, process_of, region_shape, region_size,
+                        relative, replicas_of)
 
-DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
-# Shards smaller than this are merged, side by side, into chunks of at least this size
-# where one process holds them all: fewer, larger objects (each is a request on S3/GCS).
-DEFAULT_MIN_CHUNK_BYTES = 2**20
 # A replicated shard smaller than this per replica is not worth splitting.
 _MIN_REPLICA_SPLIT_BYTES = 2**20
-
-Region = tuple[tuple[int, int], ...]  # (start, stop) per axis
-Slices = tuple[slice, ...]
-
-
-def region_slices(region: Region) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in region)
-
-
-def region_of(index: Sequence[slice], shape: Sequence[int]) -> Region:
-    """A device's index (a tuple of slices, as jax gives it) as (start, stop) pairs."""
-    out = []
-    for s, dim in zip(index, shape):
-        start, stop, step = s.indices(dim)
-        if step != 1:
-            raise ValueError(f"strided shard index {index} is not supported")
-        out.append((start, stop))
-    return tuple(out)
-
-
-def region_shape(region: Region) -> tuple[int, ...]:
-    return tuple(b - a for a, b in region)
-
-
-def region_size(region: Region) -> int:
-    return math.prod(region_shape(region))
-
 
 @dataclasses.dataclass
 class WriteUnit:
@@ -154,15 +126,6 @@ def _grid_chunk(shape: Sequence[int], regions: Sequence[Region]) -> list[int]:
     return chunk
 
 
-def _chunks_in(region: Region, chunks: Sequence[int]) -> Iterator[Region]:
-    """The chunks of the array grid inside `region`, in C order."""
-    ranges = [range(a, b, c) for (a, b), c in zip(region, chunks)]
-    for starts in np.ndindex(*(len(r) for r in ranges)):
-        yield tuple(
-            (r[i], min(r[i] + c, b)) for r, i, c, (_, b) in zip(ranges, starts, chunks, region)
-        )
-
-
 def _pieces_for(nbytes: int, replicas: int, max_chunk_bytes: int) -> int:
     by_size = math.ceil(nbytes / max_chunk_bytes)
     by_replicas = min(replicas, max(1, nbytes // _MIN_REPLICA_SPLIT_BYTES))
@@ -170,11 +133,12 @@ def _pieces_for(nbytes: int, replicas: int, max_chunk_bytes: int) -> int:
 
 
 def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-               checksum: bool = True, *, local: bool = False,
-               min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES) -> ArrayPlan:
-    """Plans one leaf. Every process computes the same chunks and the same writers;
-    `checksum` says whether its chunks carry a CRC-32C. A `local` array (a
-    per-process value) is this process's alone: it writes every chunk.
+               checksum: bool = True, *, process: int, processes: int, local: bool = False,
+               min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES, host_of: HostOf = process_of) -> ArrayPlan:
+    """Plans one leaf for `process` of `processes`, the device `host_of` says where each
+    device is. Every process computes the same chunks and the same writers; `checksum`
+    says whether its chunks carry a CRC-32C. A `local` array (a per-process value) is
+    this process's alone: it writes every chunk.
 
     `salt` (the leaf's position) rotates which replica writes a single-chunk shard,
     so that many small replicated leaves spread over devices and hosts too.
@@ -182,28 +146,27 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
     value = leaf.value
     dtype = np.dtype(value.dtype) if hasattr(value, "dtype") else np.result_type(value)
     shape = tuple(np.shape(value))
-    if isinstance(value, jax.Array) and (not value.is_fully_addressable or _multihost.process_count() == 1):
-        return _plan_sharded(leaf, value, shape, dtype, salt, checksum, max_chunk_bytes, min_chunk_bytes)
+    if isinstance(value, jax.Array) and (not value.is_fully_addressable or processes == 1):
+        lay = layout(value.sharding, shape, dtype.itemsize, max_chunk_bytes, min_chunk_bytes, host_of)
+        return _plan_sharded(leaf, value, shape, dtype, salt, checksum, lay, process)
     # Host data (numpy, scalars, process-local jax arrays) is the same on every process
     # by contract; process 0 alone writes it so that no chunk has two writers.
     chunks = split_chunk(shape, _pieces_for(_dtypes.nbytes(shape, dtype), 1, max_chunk_bytes))
     writes = []
-    if _multihost.process_index() == 0 or local:
+    if process == 0 or local:
         host = np.asarray(value, dtype=dtype)
         full: Region = tuple((0, d) for d in shape)
-        writes = [WriteUnit(r, _dtypes.nbytes(region_shape(r), dtype), host=host) for r in _chunks_in(full, chunks)
+        writes = [WriteUnit(r, _dtypes.nbytes(region_shape(r), dtype), host=host) for r in chunks_in(full, chunks)
                   if region_size(r)]
     return ArrayPlan(leaf, shape, dtype, chunks, writes, checksum)
 
 
 def _plan_sharded(leaf: Leaf, value: jax.Array, shape: tuple[int, ...], dtype: np.dtype, salt: int,
-                  checksum: bool, max_chunk_bytes: int, min_chunk_bytes: int) -> ArrayPlan:
-    layout = _layout(value.sharding, shape, dtype.itemsize, max_chunk_bytes, min_chunk_bytes)
-    me = _multihost.process_index()
+                  checksum: bool, layout: Layout, process: int) -> ArrayPlan:
     shards: dict[jax.Device, jax.Array] | None = None
     writes = []
     for chunk, writer, parts in layout.assignments(salt):
-        if writer == me and region_size(chunk):
+        if writer == process and region_size(chunk):
             if shards is None:  # only a writing process asks for its shards
                 shards = {s.device: s.data for s in value.addressable_shards}
             sources = tuple((shards[device], take, put) for device, take, put in parts)
@@ -212,7 +175,7 @@ def _plan_sharded(leaf: Leaf, value: jax.Array, shape: tuple[int, ...], dtype: n
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class Layout:
     """The chunk grid of arrays of one shape and sharding, and who may write each chunk.
 
     `replicas` maps each distinct shard region to the devices holding it (sorted by id,
@@ -223,6 +186,7 @@ class _Layout:
 
     chunks: tuple[int, ...]
     replicas: dict[Region, tuple[jax.Device, ...]]
+    host_of: HostOf
     merged: _Shards | None = None
 
     def assignments(self, salt: int) -> Iterator[tuple[Region, int, list[tuple[jax.Device, Slices | None,
@@ -231,13 +195,13 @@ class _Layout:
         to copy from, the part of its shard to take and where it goes in the chunk."""
         if self.merged is None:
             for region, devices in self.replicas.items():
-                inside = list(_chunks_in(region, self.chunks))
+                inside = list(chunks_in(region, self.chunks))
                 for k, chunk in enumerate(inside):
                     # Contiguous runs of chunks per replica, replicas spaced evenly over the
                     # (id-sorted, so host-grouped) devices: few chunks still reach every host.
                     writer = devices[(salt + k * len(devices) // len(inside)) % len(devices)]
-                    yield chunk, writer.process_index, [(writer, None if chunk == region else
-                                                         _relative(chunk, region), None)]
+                    yield chunk, self.host_of(writer), [(writer, None if chunk == region else
+                                                         relative(chunk, region), None)]
             return
         for k, (chunk, holders, parts) in enumerate(self._merged_cells):
             writer = holders[(salt + k) % len(holders)]
@@ -251,22 +215,17 @@ class _Layout:
         the part of the shard to take and where it goes in the chunk."""
         assert self.merged is not None
         cells = []
-        for chunk in _chunks_in(self.merged.full, self.chunks):
+        for chunk in chunks_in(self.merged.full, self.chunks):
             inside = self.merged.inside(chunk)
             parts = []
             for region in inside:
                 first: dict[int, jax.Device] = {}
                 for device in self.replicas[region]:
-                    first.setdefault(device.process_index, device)
+                    first.setdefault(self.host_of(device), device)
                 part = intersect(chunk, region)
-                parts.append((first, None if part == region else _relative(part, region), _relative(part, chunk)))
+                parts.append((first, None if part == region else relative(part, region), relative(part, chunk)))
             cells.append((chunk, sorted(self.merged.holders(inside)), parts))
         return cells
-
-
-def _relative(part: Region, within: Region) -> Slices:
-    """`part` as slices of an array holding `within`."""
-    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(part, within))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,15 +239,15 @@ class _Shards:
     processes: dict[Region, frozenset[int]]
 
     @classmethod
-    def of(cls, shape: Sequence[int], base: Sequence[int],
-           replicas: dict[Region, tuple[jax.Device, ...]]) -> "_Shards":
-        shard_of = {tuple(a for a, _ in c): region for region in replicas for c in _chunks_in(region, base)}
-        processes = {r: frozenset(d.process_index for d in devices) for r, devices in replicas.items()}
+    def of(cls, shape: Sequence[int], base: Sequence[int], replicas: dict[Region, tuple[jax.Device, ...]],
+           host_of: HostOf) -> "_Shards":
+        shard_of = {tuple(a for a, _ in c): region for region in replicas for c in chunks_in(region, base)}
+        processes = {r: frozenset(host_of(d) for d in devices) for r, devices in replicas.items()}
         return cls(tuple((0, d) for d in shape), tuple(base), shard_of, processes)
 
     def inside(self, chunk: Region) -> list[Region]:
         """The shards a chunk made of whole base chunks covers."""
-        return list(dict.fromkeys(self.shard_of[tuple(a for a, _ in c)] for c in _chunks_in(chunk, self.base)))
+        return list(dict.fromkeys(self.shard_of[tuple(a for a, _ in c)] for c in chunks_in(chunk, self.base)))
 
     def holders(self, shards: Sequence[Region]) -> frozenset[int]:
         """The processes holding every one of `shards`."""
@@ -296,30 +255,21 @@ class _Shards:
 
 
 @functools.lru_cache(maxsize=256)
-def replicas_of(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[Region, tuple[jax.Device, ...]]:
-    """Each distinct shard region of an array of `shape` on `sharding`, with every device
-    (of every process) holding it, sorted by id, so grouped by host. Cached: many
-    leaves share a shape and sharding; callers must not change what it returns."""
-    replicas: dict[Region, list[jax.Device]] = {}
-    for device, index in sharding.devices_indices_map(shape).items():
-        replicas.setdefault(region_of(index, shape), []).append(device)
-    return {region: tuple(sorted(devices, key=lambda d: d.id)) for region, devices in replicas.items()}
-
-
-@functools.lru_cache(maxsize=256)
-def _layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsize: int, max_chunk_bytes: int,
-            min_chunk_bytes: int) -> _Layout:
-    """The layout of every array of this shape and sharding (many leaves share one)."""
+def layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsize: int, max_chunk_bytes: int,
+           min_chunk_bytes: int, host_of: HostOf = process_of) -> Layout:
+    """The layout of every array of this shape and sharding (many leaves share one),
+    with each device on the process `host_of` says. Pure: a layout over many hosts can
+    be planned in one process."""
     replicas = replicas_of(sharding, shape)
     base = _grid_chunk(shape, list(replicas))
     if len(replicas) > 1 and math.prod(base) * itemsize < min_chunk_bytes:
-        shards = _Shards.of(shape, base, replicas)
+        shards = _Shards.of(shape, base, replicas, host_of)
         merged = _merged_chunk(shards, itemsize, min_chunk_bytes, max_chunk_bytes)
         if merged != shards.base:
-            return _Layout(merged, replicas, shards)
+            return Layout(merged, replicas, host_of, shards)
     largest = max(region_size(r) for r in replicas) * itemsize
     count = max(len(d) for d in replicas.values())
-    return _Layout(split_chunk(base, _pieces_for(largest, count, max_chunk_bytes)), replicas)
+    return Layout(split_chunk(base, _pieces_for(largest, count, max_chunk_bytes)), replicas, host_of)
 
 
 def _merged_chunk(shards: _Shards, itemsize: int, min_chunk_bytes: int, max_chunk_bytes: int) -> tuple[int, ...]:
@@ -336,49 +286,6 @@ def _merged_chunk(shards: _Shards, itemsize: int, min_chunk_bytes: int, max_chun
             candidate = chunk[:axis] + [min(multiple * step, dim)] + chunk[axis + 1:]
             if math.prod(candidate) * itemsize > max_chunk_bytes:
                 break
-            if all(shards.holders(shards.inside(c)) for c in _chunks_in(shards.full, candidate)):
+            if all(shards.holders(shards.inside(c)) for c in chunks_in(shards.full, candidate)):
                 chunk = candidate
     return tuple(chunk)
-
-
-def intersect(x: Region, y: Region) -> Region:
-    return tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(x, y))
-
-
-def chunks_touching(box: Region, chunks: Sequence[int], shape: Sequence[int]) -> Iterator[Region]:
-    """The chunks of the array grid that overlap `box`, in C order."""
-    yield from _chunks_in(_aligned(box, chunks, shape), chunks)
-
-
-def _aligned(region: Region, chunks: Sequence[int], shape: Sequence[int]) -> Region:
-    return tuple((a // c * c, min(-(-b // c) * c, d)) for (a, b), c, d in zip(region, chunks, shape))
-
-
-def _overlap(x: Region, y: Region) -> bool:
-    return all(a < d and c < b for (a, b), (c, d) in zip(x, y))
-
-
-def bounding_box(regions: Sequence[Region]) -> Region:
-    """The bounding box of `regions`."""
-    return tuple((min(r[i][0] for r in regions), max(r[i][1] for r in regions)) for i in range(len(regions[0])))
-
-
-def plan_reads(regions: Sequence[Region], chunks: Sequence[int], shape: Sequence[int]) -> list[tuple[Region, list[Region]]]:
-    """Groups the regions one process needs so that each chunk is read only once.
-
-    Regions that share a chunk (directly or through a chain) are read together as
-    their bounding box; each group is (box to read, regions cut from it).
-    """
-    groups = [[r] for r in dict.fromkeys(regions)]
-    merged = True
-    while merged:
-        merged = False
-        for i in range(len(groups)):
-            for j in range(i + 1, len(groups)):
-                if _overlap(_aligned(bounding_box(groups[i]), chunks, shape), _aligned(bounding_box(groups[j]), chunks, shape)):
-                    groups[i] += groups.pop(j)
-                    merged = True
-                    break
-            if merged:
-                break
-    return [(bounding_box(g), g) for g in groups]

@@ -10,7 +10,7 @@ import hashlib
 import re
 from typing import Sequence
 
-from .errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError
 
 FORMAT_VERSION = 3  # the newest version this zarrckpt reads and writes (see `format_version`)
 # 3: str, bytes and per-process leaves; 2: chunks carry a CRC-32C (version 1, without, still loads).

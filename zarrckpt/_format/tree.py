@@ -14,8 +14,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from . import _dtypes, _naming, _zarrjson
-from .errors import UnsupportedLeafError
+from . import dtypes as _dtypes, naming as _naming, zarrjson as _zarrjson
+from ..errors import UnsupportedLeafError
 
 KeyPath = tuple[Any, ...]
 _PYTHON_DTYPES = {"bool": np.dtype(bool), "int": np.dtype(np.int64), "float": np.dtype(np.float64),

@@ -17,11 +17,12 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
-from . import _chunks, _commit, _concurrency, _dtypes, _local, _multihost, _naming, _planning, _seqax, _tree, _zarrjson
-from ._chunks import ChunkCodec, DamagedChunk
-from ._planning import Region
-from ._storage import Location
-from .errors import CheckpointCorruptError, CheckpointNotFoundError
+from .. import _commit, _concurrency, _local, _multihost, _seqax
+from .._format import chunks as _chunks, dtypes as _dtypes, naming as _naming, tree as _tree, zarrjson as _zarrjson
+from .._format.chunks import ChunkCodec, DamagedChunk
+from .._regions import Region, chunks_touching, intersect, region_shape, relative
+from .._storage import Location
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 
 _MEMORY_BYTES = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -134,17 +135,17 @@ class Checkpoint:
 
 
 def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
-    nbytes = _dtypes.nbytes(_planning.region_shape(box), leaf.dtype)
+    nbytes = _dtypes.nbytes(region_shape(box), leaf.dtype)
     if nbytes > _MEMORY_BYTES:
         # A hostile or damaged checkpoint must not make us try to allocate it.
         raise CheckpointCorruptError(
             f"leaf {leaf.where} of {loc.url} needs {nbytes:,} bytes for {box}, more than this machine's "
             f"{_MEMORY_BYTES:,} bytes of memory")
     out = np.empty([b - a for a, b in box], leaf.dtype)
-    for chunk in _planning.chunks_touching(box, leaf.chunks, leaf.shape):
-        inside = _planning.intersect(chunk, box)
+    for chunk in chunks_touching(box, leaf.chunks, leaf.shape):
+        inside = intersect(chunk, box)
         # The trailing Ellipsis keeps a 0-d result a view, not a scalar copy.
-        dest = out[(*(slice(a - o, b - o) for (a, b), (o, _) in zip(inside, box)), ...)]
+        dest = out[(*relative(inside, box), ...)]
         # The common case: the chunk's bytes land in the result with no copy.
         whole = inside == chunk and all(b - a == c for (a, b), c in zip(chunk, leaf.chunks)) \
             and dest.flags.c_contiguous
@@ -153,7 +154,7 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
         except FileNotFoundError:
             raise MissingObject(f"chunk {leaf.codec.key(chunk)!r} is missing from checkpoint {loc.url}") from None
         if not whole:
-            dest[...] = values[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inside, chunk))]
+            dest[...] = values[relative(inside, chunk)]
     return out
 
 

@@ -19,9 +19,9 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from . import _dtypes, _naming
-from ._storage import Location
-from .errors import CheckpointCorruptError
+from . import dtypes as _dtypes, naming as _naming
+from .._storage import Location
+from ..errors import CheckpointCorruptError
 
 SEPARATOR = "."
 CRC32C_CODEC = {"name": "crc32c"}

@@ -29,7 +29,8 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from ._planning import Slices, WriteUnit, region_slices
+from .._regions import Slices, region_slices
+from .plan import WriteUnit
 
 log = logging.getLogger("zarrckpt")
 

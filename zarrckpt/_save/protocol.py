@@ -25,11 +25,11 @@ from typing import Any, Callable, Iterable, Iterator
 import jax
 import zarr
 
-from . import (_commit, _concurrency, _multihost, _naming, _objects, _planning, _progress, _storage, _transfer,
-               _tree, _zarrjson)
-from . import errors
-from ._options import SaveOptions
-from ._planning import ArrayPlan, WriteUnit
+from .. import _commit, _concurrency, _multihost, _objects, _options, _progress, _storage, errors
+from .._format import naming as _naming, tree as _tree, zarrjson as _zarrjson
+from .._options import SaveOptions
+from . import plan as _planning, transfer as _transfer
+from .plan import ArrayPlan, WriteUnit
 
 log = logging.getLogger("zarrckpt")
 
@@ -39,8 +39,8 @@ def save_pytree(
     *,
     storage_options: dict[str, Any] | None = None,
     overwrite: bool = False,
-    max_chunk_bytes: int = _planning.DEFAULT_MAX_CHUNK_BYTES,
-    min_chunk_bytes: int = _planning.DEFAULT_MIN_CHUNK_BYTES,
+    max_chunk_bytes: int = _options.DEFAULT_MAX_CHUNK_BYTES,
+    min_chunk_bytes: int = _options.DEFAULT_MIN_CHUNK_BYTES,
     max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
     max_workers: int | None = None,
     timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
@@ -123,18 +123,19 @@ class SaveJob:
                before_prepare: Callable[[], None] | None = None) -> "SaveJob":
         """Plans a save; raises UnsupportedLeafError before anything is written."""
         spec, leaves = _tree.record(tree)
+        process, processes = _multihost.process_index(), _multihost.process_count()
         plans, arrays, own = [], {}, {}
         for i, leaf in enumerate(leaves):
             if isinstance(leaf.value, _tree.Encoded):  # a PerProcess leaf: this process's value, its own array
-                mine = _tree.Leaf(leaf.path, _naming.per_process_name(leaf.name, _multihost.process_index()),
+                mine = _tree.Leaf(leaf.path, _naming.per_process_name(leaf.name, process),
                                   leaf.value.data)
-                plan = _planning.plan_array(mine, i, options.max_chunk_bytes, options.checksums, local=True,
-                                            min_chunk_bytes=options.min_chunk_bytes)
+                plan = _planning.plan_array(mine, i, options.max_chunk_bytes, options.checksums, process=process,
+                                            processes=processes, local=True, min_chunk_bytes=options.min_chunk_bytes)
                 own[mine.name] = _zarrjson.array_document(
                     plan.shape, plan.codec, {_naming.META_ATTR: {"encoding": leaf.value.encoding}})
             else:
-                plan = _planning.plan_array(leaf, i, options.max_chunk_bytes, options.checksums,
-                                            min_chunk_bytes=options.min_chunk_bytes)
+                plan = _planning.plan_array(leaf, i, options.max_chunk_bytes, options.checksums, process=process,
+                                            processes=processes, min_chunk_bytes=options.min_chunk_bytes)
                 # Every process knows every shared array's metadata without asking the store.
                 arrays[leaf.name] = _zarrjson.array_document(plan.shape, plan.codec)
             plans.append(plan)

@@ -1,0 +1,66 @@
+"""Load and broadcast's second half: leaves read once for several processes (staged on
+the devices of the processes that read them) are moved onto their targets by one
+compiled program per group of leaves, over the device network (gloo on CPU, NCCL or
+ICI on accelerators)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from . import plan as _plan
+from .match import Request, Share
+
+
+def share(requests: list[Request], done: dict[str, Any]) -> None:
+    """Load and broadcast's second half for `requests`, whose staged arrays are in
+    `done` and are replaced there by the target's arrays, in one compiled program
+    (collective: every process calls it with the same leaves, as they complete in the
+    same order everywhere): a staged leaf is resharded onto its target, a leaf read by
+    one replica is summed over the replicas. XLA's collectives (gloo on CPU, NCCL or
+    ICI on accelerators) carry the bytes between hosts."""
+    staged = [done[r.stored.name] for r in requests]
+    moved = _program(tuple(r.share for r in requests))(*staged)  # type: ignore[misc]
+    for request, array, old in zip(requests, moved, staged):
+        done[request.stored.name] = array
+        old.delete()
+
+
+@functools.lru_cache(maxsize=16)
+def _program(shares: tuple[Share, ...]) -> Callable[..., Any]:
+    """One jitted program per set of leaves (restoring the same state again, as an
+    evaluator does, compiles nothing new)."""
+    shardings = tuple(s.sharding for s in shares)
+    return jax.jit(lambda *xs: tuple(_shared(x, s) for x, s in zip(xs, shares)), out_shardings=shardings)
+
+
+def _shared(x: jax.Array, share: Share) -> jax.Array:
+    """Inside the program: one leaf as its target holds it."""
+    if not share.summed:
+        return x  # out_shardings reshards it
+    same = np.dtype(f"uint{x.dtype.itemsize * 8}")
+    wide = np.dtype(np.int64) if x.dtype.itemsize == 8 else np.dtype(np.int32)
+    axes = tuple(_plan.replica_axes(share.sharding))
+
+    def total(block: jax.Array) -> jax.Array:
+        # A sum with zeros is exact on the bits (as integers): -0.0 and NaN payloads survive.
+        boolean = block.dtype == np.bool_
+        bits = block.astype(same) if boolean else jax.lax.bitcast_convert_type(block, same)
+        summed = jax.lax.convert_element_type(jax.lax.psum(jax.lax.convert_element_type(bits, wide), axes), same)
+        return summed.astype(np.bool_) if boolean else jax.lax.bitcast_convert_type(summed, block.dtype)
+
+    spec = share.sharding.spec
+    return jax.shard_map(total, mesh=share.sharding.mesh, in_specs=spec, out_specs=spec)(x)
+
+
+def groups(requests: list[Request], max_bytes: int) -> list[list[Request]]:
+    """`requests` cut, in order, into runs of at least `max_bytes` (the last: what is left)."""
+    groups: list[list[Request]] = [[]]
+    for request in requests:
+        if sum(r.nbytes for r in groups[-1]) >= max_bytes:
+            groups.append([])
+        groups[-1].append(request)
+    return [group for group in groups if group]

@@ -1,0 +1,196 @@
+"""Restoring one checkpoint onto a target: open it, match the target, read, share.
+
+    checkpoint  open the checkpoint: commit check, leaf records (one metadata read)
+    match       each target leaf against its saved leaf: every mismatch before any read
+    plan        which boxes each process reads (pure: sharding, chunks, process index)
+    load        here: read every box on a pool, leaf by leaf in order, under a byte
+                budget, and build each leaf on the target's devices
+    broadcast   leaves several processes need, read once for all, moved onto their
+                targets over the device network
+
+A jax.Array is read region by region, only the regions this process's devices of the
+target sharding hold, and built from pieces on those devices, which is what makes
+restoring onto another mesh, device count or process count work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+import jax
+
+from .. import _concurrency, _multihost, _progress, _storage
+from .._format import dtypes as _dtypes, tree as _tree
+from .._options import LoadOptions
+from .._regions import Region, region_shape
+from . import broadcast as _broadcast, checkpoint as _reader
+from .match import Request, match, saved_form
+from .plan import Placement
+
+log = logging.getLogger("zarrckpt")
+
+
+def load_pytree(
+    url: str,
+    target: Any = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    partial: bool = False,
+    allow_dtype_cast: bool = False,
+    donate_target: bool = False,
+    load_and_broadcast: bool = True,
+    max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
+    max_workers: int | None = None,
+    progress: bool | None = None,
+) -> Any:
+    """Restores the committed checkpoint at `url`.
+
+    Each process reads only what its own devices need, so it works whatever the
+    process count; under `jax.distributed` every process calls it with the same
+    target to get one consistent global state. Collective when a leaf of the target
+    is held by several processes (data-parallel replicas) and `load_and_broadcast`
+    is on: that leaf is read once in total and shared over device collectives.
+
+    Args:
+      url: a local path or fsspec URL of one checkpoint (not a step directory parent).
+      target: what to restore into, a pytree with the saved structure whose leaves are
+        jax.Array (shape, dtype and sharding are taken from it), jax.ShapeDtypeStruct
+        (with a sharding, or none for the default device), jax.sharding.Sharding (shape
+        and dtype from the checkpoint), numpy arrays or scalars, Python scalars, a str
+        or bytes (any: the saved one comes back), or `zarrckpt.PerProcess(None)` (this
+        process's saved value comes back). None restores the saved tree as nested
+        dicts/lists of numpy arrays and scalars, str, bytes and PerProcess values.
+      partial: restore only the leaves the target has; the checkpoint's other leaves
+        are skipped and never read. The target's leaves must all be in the checkpoint.
+      allow_dtype_cast: convert leaves whose saved dtype differs from the target's;
+        without it such a leaf is a mismatch.
+      donate_target: free each jax.Array of the target just before its replacement is
+        read, so that peak device memory stays near one copy of the state; any other
+        reference to those arrays dies with them (an `eqx.filter` of a model, say).
+        Off by default: nothing the caller holds is freed. Nothing is freed if
+        validation fails; if reading fails after it began, the arrays already freed
+        are gone (the target is unusable, the checkpoint unchanged): restore again.
+      load_and_broadcast: where several processes need the same part of a leaf (its
+        target sharding replicates it across hosts), each process reads a distinct
+        part of it (the replica axes of the target's NamedSharding cut the leaf at
+        chunk boundaries, or else each chunk is read by one replica) and a compiled
+        program sends the parts to the replicas over the device network, so the store
+        serves each byte once, not once per host. Leaves
+        wait on the devices, staged, until shared in groups of about
+        `max_inflight_bytes` (one leaf more at most): that is the extra device memory
+        it costs. Off: every process reads all it needs itself.
+      max_inflight_bytes: bound on host bytes read and not yet placed on devices.
+      max_workers: concurrent reads (default: one per core, 8 to 32, on a local disk;
+        128 on an object store; 100 on GCS).
+      progress: show a progress bar on process 0 (default: when stderr is a terminal).
+
+    Raises:
+      TypeError, ValueError: an option of the wrong type or value (named).
+      CheckpointNotFoundError: nothing committed at `url`, or it was deleted while
+        being read (by retention, say).
+      CheckpointMismatchError: the target does not match; lists every missing and
+        unexpected key path and every shape and dtype difference. Nothing was read.
+      CheckpointCorruptError: a chunk or metadata the checkpoint declares is missing
+        or damaged.
+    """
+    options = LoadOptions(allow_dtype_cast, donate_target, partial, load_and_broadcast, max_inflight_bytes,
+                          max_workers, progress)
+    return load(_storage.resolve(url, storage_options), target, options)
+
+
+def load(loc: _storage.Location, target: Any, options: LoadOptions) -> Any:
+    """`load_pytree` of the checkpoint at `loc`."""
+    return load_opened(_reader.open_checkpoint(loc), target, options)
+
+
+def load_opened(ckpt: _reader.Checkpoint, target: Any, options: LoadOptions) -> Any:
+    """`load_pytree` of the opened checkpoint `ckpt`. Raises CheckpointNotFoundError if
+    it was deleted or replaced before its last read was checked (see `_commit`)."""
+    started = time.perf_counter()
+    if target is None:
+        requests = [Request(s, saved_form(s)) for s in ckpt.leaves.values()]
+        treedef = None
+    else:
+        requests, treedef = match(ckpt, target, options.allow_dtype_cast, options.partial,
+                                  options.load_and_broadcast)
+    total = sum(r.nbytes for r in requests)
+    with _progress.bar(f"restoring {ckpt.loc.url}", total, options.progress) as advance:
+        values = _read_all(ckpt, requests, options, advance)
+    ckpt.check_unchanged()  # one small read: these values are all of one save
+    if treedef is None:
+        result = _tree.rebuild(ckpt.spec, lambda rec: values[rec["name"]])
+    else:
+        result = jax.tree_util.tree_unflatten(treedef, [values[r.stored.name] for r in requests])
+    seconds = time.perf_counter() - started
+    log.info("restored %s: %d leaves, %.3f GB in %.2fs (%.2f GB/s)", ckpt.loc.url, len(requests),
+             total / 1e9, seconds, total / 1e9 / max(seconds, 1e-9))
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """One box of one leaf to read, the regions to cut from it, and where they go."""
+
+    request: Request
+    box: Region
+    places: Placement
+    last: bool  # the leaf's last read: once it is in, the leaf can be built
+
+    @property
+    def nbytes(self) -> int:
+        return _dtypes.nbytes(region_shape(self.box), self.request.form.dtype)
+
+    def fetch(self, ckpt: _reader.Checkpoint) -> list[Any]:
+        return self.request.form.fetch(ckpt, self.request.stored, self.box, self.places)
+
+
+def _read_all(ckpt: _reader.Checkpoint, requests: list[Request], options: LoadOptions,
+              advance: Callable[[int], None]) -> dict[str, Any]:
+    """Reads every request, leaf by leaf in order, with bounded host memory.
+
+    Pool threads read (and, for large leaves, put each piece on its devices); this
+    thread builds the leaves in order as their last read comes in.
+    """
+    done: dict[str, Any] = {}
+    reads: list[_Read] = []
+    process = _multihost.process_index()
+    for request in requests:
+        groups = request.form.reads(request.stored, process)
+        if not groups:  # no device of this process holds any of it
+            done[request.stored.name] = request.form.build(request.stored, [])
+        reads += [_Read(request, box, places, i == len(groups) - 1) for i, (box, places) in enumerate(groups)]
+    donated: set[int] = set()
+
+    def donate(read: _Read) -> None:
+        old = read.request.old
+        if options.donate_target and old is not None and id(old) not in donated and not old.is_deleted():
+            donated.add(id(old))
+            old.delete()
+
+    budget = _concurrency.ByteBudget(options.max_inflight_bytes)
+    pieces: list[Any] = []
+    # Leaves read for load and broadcast wait on the devices (staged) until shared, in
+    # groups of about max_inflight_bytes (that bounds the extra memory), the same
+    # groups in the same order on every process, as sharing is collective.
+    sharing = _broadcast.groups([r for r in requests if r.share is not None], options.max_inflight_bytes)
+
+    def share_ready() -> None:
+        while sharing and all(r.stored.name in done for r in sharing[0]):
+            _broadcast.share(sharing.pop(0), done)
+
+    share_ready()
+    with _concurrency.Operation(options.max_workers or ckpt.loc.concurrency, "read") as op:
+        for read, result in op.window(reads, lambda r: r.fetch(ckpt), budget=budget, nbytes=lambda r: r.nbytes,
+                                      admit=donate):
+            budget.release(read.nbytes)
+            pieces += result
+            if read.last:
+                request = read.request
+                done[request.stored.name] = request.form.build(request.stored, pieces)
+                advance(request.nbytes)
+                pieces = []
+                share_ready()
+    return done

@@ -1,0 +1,399 @@
+"""Matching a target to a checkpoint: for each target leaf, the saved leaf it restores,
+and the form it comes back in (`Form`: what to read, and how to build the value).
+
+Nothing is read here but the few saved Python scalars whose value decides whether they
+fit their target: the whole target is checked, and every mismatch reported at once,
+before any array is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _multihost
+from .._format import dtypes as _dtypes, tree as _tree
+from .._format.tree import PerProcess
+from .._regions import Region, region_of, region_shape, relative
+from ..errors import CheckpointMismatchError, UnsupportedLeafError
+from . import checkpoint as _reader, plan as _plan
+from .plan import Placement
+
+# Leaves at least this large are put on their devices by the reader threads (transfers
+# overlap); smaller ones by the main thread from host pieces (per-call cost dominates,
+# and threads contending for the GIL made a 1000-leaf restore 3x slower).
+_READER_PLACEMENT_BYTES = 2**20
+_PY_SCALARS = {"bool": bool, "int": int, "float": float, "complex": complex}
+_SCALAR_KINDS = {"bool": "b", "int": "iub", "float": "f", "complex": "c"}
+_TARGET_KINDS = {"bool": "b", "int": "iu", "float": "f", "complex": "c"}  # of 0-d arrays a Python scalar fits
+
+
+class Form:
+    """How a target leaf wants its value: what to read, and how to build the value.
+
+    This base reads the whole array to the host and returns it as a numpy array.
+    """
+
+    dtype: np.dtype  # the values' dtype once read (converted from the stored one)
+
+    def mismatch(self, stored: _reader.StoredLeaf, allow_dtype_cast: bool) -> str | None:
+        if stored.kind == "prng_key":
+            return (f"typed PRNG keys ({stored.prng_impl}) in the checkpoint, {self.dtype} data in the target: "
+                    "restore them as keys (a key array, a ShapeDtypeStruct of a key dtype, or a Sharding as the "
+                    "target leaf), then take jax.random.key_data of them if raw data is wanted")
+        if self.dtype != stored.dtype and not allow_dtype_cast and not _scalar_fits(stored, self.dtype):
+            return (f"dtype {stored.dtype} in the checkpoint, {self.dtype} in the target "
+                    "(pass allow_dtype_cast=True to convert)")
+        return None
+
+    def reads(self, stored: _reader.StoredLeaf, process: int) -> list[tuple[Region, Placement]]:
+        """The boxes `process` reads, each with the regions cut from it and where they go."""
+        full: Region = tuple((0, d) for d in stored.shape)
+        return [(full, {full: []})]
+
+    def fetch(self, ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, box: Region,
+              places: Placement) -> list[Any]:
+        """On a reader thread: reads `box` and cuts out each region, as (region, host array)."""
+        data = ckpt.read(stored, box)
+        data = data if data.dtype == self.dtype else data.astype(self.dtype)
+        return [(region, data[relative(region, box)]) for region in places]
+
+    def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
+        """On the main thread: the value, from every piece `fetch` returned."""
+        ((_, data),) = pieces
+        return self.convert(data)
+
+    def convert(self, data: np.ndarray) -> Any:
+        return data
+
+
+@dataclasses.dataclass(frozen=True)
+class Numpy(Form):
+    dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class NumpyScalar(Form):
+    dtype: np.dtype
+
+    def convert(self, data: np.ndarray) -> Any:
+        return data[()]
+
+
+@dataclasses.dataclass(frozen=True)
+class PythonScalar(Form):
+    dtype: np.dtype  # the stored dtype: a Python scalar has none of its own
+    type_name: str
+
+    def mismatch(self, stored: _reader.StoredLeaf, allow_dtype_cast: bool) -> str | None:
+        if stored.dtype.kind not in _SCALAR_KINDS[self.type_name]:
+            return f"dtype {stored.dtype} in the checkpoint, Python {self.type_name} in the target"
+        return None
+
+    def convert(self, data: np.ndarray) -> Any:
+        return _PY_SCALARS[self.type_name](data.item())
+
+
+@dataclasses.dataclass(frozen=True)
+class DefaultDevice(Form):
+    dtype: np.dtype
+
+    def convert(self, data: np.ndarray) -> Any:
+        return jax.device_put(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrngKeys(Form):
+    """Typed PRNG keys, stored as their key data: read it, then wrap it as keys."""
+
+    dtype: np.dtype
+    sharding: jax.sharding.Sharding | None
+
+    def mismatch(self, stored: _reader.StoredLeaf, allow_dtype_cast: bool) -> str | None:
+        if stored.kind != "prng_key":
+            return (f"a typed PRNG key array in the target, saved as plain {stored.dtype} data: restore that data "
+                    "into a target of its dtype, then make keys of it with jax.random.wrap_key_data")
+        return None
+
+    def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
+        ((_, data),) = pieces
+        keys = jax.random.wrap_key_data(data, impl=stored.prng_impl)
+        return keys if self.sharding is None else jax.device_put(keys, self.sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class Text(Form):
+    """A str or bytes leaf, stored as its bytes (UTF-8 for a str)."""
+
+    dtype: np.dtype
+    kind: str  # "str" or "bytes"
+
+    def mismatch(self, stored: _reader.StoredLeaf, allow_dtype_cast: bool) -> str | None:
+        if stored.kind != self.kind:
+            return f"a {self.kind} in the target, saved as {_saved_as(stored)}"
+        return None
+
+    def convert(self, data: np.ndarray) -> Any:
+        raw = data.tobytes()
+        return raw.decode("utf-8") if self.kind == "str" else raw
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnValue(Form):
+    """A per-process leaf: this process reads its own value (see `_tree.PerProcess`)."""
+
+    dtype: np.dtype
+    target: PerProcess
+
+    def mismatch(self, stored: _reader.StoredLeaf, allow_dtype_cast: bool) -> str | None:
+        if stored.kind != "per_process":
+            return f"a zarrckpt.PerProcess in the target, saved as {_saved_as(stored)}"
+        return self._count_mismatch(stored) if self.target.strict else None
+
+    def _count_mismatch(self, stored: _reader.StoredLeaf) -> str | None:
+        if stored.processes == _multihost.process_count():
+            return None
+        return (f"saved by {stored.processes} process(es), restored by {_multihost.process_count()}: each "
+                "process's value belongs to its part of the data; a target leaf "
+                "zarrckpt.PerProcess(None, strict=False) gets itself back instead")
+
+    def reads(self, stored: _reader.StoredLeaf, process: int) -> list[tuple[Region, Placement]]:
+        return [((), {(): []})]
+
+    def fetch(self, ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, box: Region,
+              places: Placement) -> list[Any]:
+        if (mismatch := self._count_mismatch(stored)) is None:
+            return [((), PerProcess(ckpt.read_own(stored), self.target.strict))]
+        if self.target.strict:
+            raise CheckpointMismatchError(f"leaf {stored.where} of {ckpt.loc.url}: {mismatch}")
+        return [((), self.target)]
+
+
+def _saved_as(stored: _reader.StoredLeaf) -> str:
+    return {"str": "a str", "bytes": "bytes", "per_process": "a zarrckpt.PerProcess"}.get(
+        stored.kind, f"{stored.dtype} data")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharded(Form):
+    """A jax.Array on `sharding`: each process reads what its own devices hold, and the
+    main thread assembles host pieces (small leaves)."""
+
+    dtype: np.dtype
+    sharding: jax.sharding.Sharding
+
+    def reads(self, stored: _reader.StoredLeaf, process: int) -> list[tuple[Region, Placement]]:
+        return _plan.sharded_reads(self.sharding, stored.shape, stored.chunks, process)
+
+    def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
+        by_region = dict(pieces)
+        return jax.make_array_from_callback(stored.shape, self.sharding,
+                                            lambda index: by_region[region_of(index, stored.shape)])
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedByReaders(Sharded):
+    """A large jax.Array: the reader threads put each piece on its devices (one batched
+    call per read, so jax overlaps the transfers)."""
+
+    def fetch(self, ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, box: Region,
+              places: Placement) -> list[Any]:
+        pieces = super().fetch(ckpt, stored, box, places)
+        return jax.device_put([piece for region, piece in pieces for _ in places[region]],
+                              [device for region in places for device in places[region]])
+
+    def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
+        return jax.make_array_from_single_device_arrays(stored.shape, self.sharding, pieces)
+
+
+def sharded(dtype: np.dtype, sharding: jax.sharding.Sharding, stored: _reader.StoredLeaf,
+            broadcast: bool = False) -> tuple[Form, Share | None]:
+    """How to read a jax.Array on `sharding`, and how to share it after. With `broadcast`,
+    a leaf that several processes need is read once in total: on a staging sharding cut
+    at chunk boundaries (then resharded), or else by one reader per part (then summed
+    over the replicas), and shared by device collectives (see `broadcast`)."""
+    if broadcast and _plan.held_by_several_processes(sharding, stored.shape):
+        staged = _plan.staging_sharding(sharding, stored.shape, stored.chunks)
+        if staged is not None:
+            return sharded(dtype, staged, stored)[0], Share(sharding, summed=False)
+        if _plan.summable(dtype):
+            readers = _plan.one_readers(sharding, stored.shape, stored.chunks, stored.name)
+            return OneReader(dtype, sharding, readers), Share(sharding, summed=True)
+    large = _dtypes.nbytes(stored.shape, dtype) >= _READER_PLACEMENT_BYTES
+    return (ShardedByReaders if large else Sharded)(dtype, sharding), None
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """Load and broadcast's second half for one leaf: onto the target's `sharding`, by a
+    reshard of the staged slices, or (`summed`) by a sum over the replicas of what one
+    replica read of each part, the others holding zeros there."""
+
+    sharding: jax.sharding.NamedSharding
+    summed: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class OneReader(Sharded):
+    """Load and broadcast, whole: each chunk of each shard of the target is read by one
+    device, of one of the processes holding that shard (dealt out chunk by chunk);
+    every other replica holds zeros there, and a sum over the replicas (exact: on the
+    bits, as integers) fills them in (see `broadcast`). For leaves the staging sharding
+    cannot cut at chunk boundaries: small ones, whole in one chunk, and others."""
+
+    readers: tuple[tuple[Region, jax.Device], ...] = ()  # the one device reading each part (`plan.one_readers`)
+
+    def reads(self, stored: _reader.StoredLeaf, process: int) -> list[tuple[Region, Placement]]:
+        return _plan.one_reader_reads(self.readers, stored.shape, stored.chunks, process)
+
+    def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
+        readers = dict(self.readers)
+        arrays = []
+        for device, index in self.sharding.addressable_devices_indices_map(stored.shape).items():
+            region = region_of(index, stored.shape)
+            mine = [(part, piece) for part, piece in pieces if readers[part] == device]
+            if not mine:  # made on the device: nothing to copy from the host
+                arrays.append(jnp.zeros(region_shape(region), self.dtype, device=device))
+                continue
+            data = np.zeros(region_shape(region), self.dtype)
+            for part, piece in mine:
+                data[relative(part, region)] = piece
+            arrays.append(jax.device_put(data, device))
+        return jax.make_array_from_single_device_arrays(stored.shape, self.sharding, arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One leaf to restore: the form it must come back in, how it is shared after it is
+    read (load and broadcast), and the target array it replaces."""
+
+    stored: _reader.StoredLeaf
+    form: Form
+    share: Share | None = None
+    old: jax.Array | None = None  # freed just before the leaf is read, with donation
+
+    @property
+    def nbytes(self) -> int:
+        return _dtypes.nbytes(self.stored.shape, self.form.dtype)
+
+
+def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial: bool,
+           load_and_broadcast: bool) -> tuple[list[Request], Any]:
+    """One request per target leaf; raises listing every mismatch before any read. With
+    `partial`, the checkpoint's leaves that the target lacks are skipped, never read."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    problems: list[str] = []
+    requests: list[Request] = []
+    seen: set[str] = set()
+    for path, leaf in flat:
+        where = _tree.describe_path(path)
+        name = ckpt.name_of(tuple(path))
+        stored = ckpt.leaves.get(name)
+        if stored is None:
+            problems.append(f"{where}: in the target but not in the checkpoint")
+            continue
+        seen.add(name)
+        request, shape = _request_for(leaf, stored, where, load_and_broadcast)
+        requests.append(request)
+        if shape != stored.shape:
+            problems.append(f"{where}: shape {stored.shape} in the checkpoint, {shape} in the target")
+        elif (mismatch := request.form.mismatch(stored, allow_dtype_cast)) is not None:
+            problems.append(f"{where}: {mismatch}")
+        elif not allow_dtype_cast and request.form.dtype != stored.dtype and _scalar_fits(stored, request.form.dtype):
+            if (inexact := _inexact_scalar(ckpt, stored, request.form.dtype)) is not None:
+                problems.append(f"{where}: {inexact}")
+    extra = [stored.where for name, stored in ckpt.leaves.items() if name not in seen]
+    if not partial:
+        problems += [f"{where}: in the checkpoint but not in the target" for where in extra]
+    if problems:
+        hint = ("\n(pass partial=True to restore only the target's leaves and skip the checkpoint's others)"
+                if extra and not partial else "")
+        raise CheckpointMismatchError(
+            f"checkpoint {ckpt.loc.url} does not match the target ({len(problems)} problem(s)):\n  "
+            + "\n  ".join(problems) + hint
+        )
+    return requests, treedef
+
+
+def _scalar_fits(stored: _reader.StoredLeaf, dtype: np.dtype) -> bool:
+    """Whether a saved Python scalar may restore into a 0-d target of `dtype`: one of its
+    kind (an int into any integer dtype, a float into any float dtype...), as
+    `jax.eval_shape` makes int32 and float32 targets of Python 0 and 0.0. Its value
+    must then fit (`_inexact_scalar`)."""
+    return stored.kind in _PY_SCALARS and stored.shape == () and _dtypes.kind(dtype) in _TARGET_KINDS[stored.kind]
+
+
+def _inexact_scalar(ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, dtype: np.dtype) -> str | None:
+    """Reads a saved Python scalar (one small read); says why it does not fit `dtype`:
+    an int or bool must be exactly representable; a float or complex rounds to the
+    nearest value, as JAX rounds a Python float into float32, but must not overflow
+    to infinity or vanish to zero."""
+    saved = ckpt.read(stored, ())
+    with np.errstate(all="ignore"):
+        converted = saved.astype(dtype)
+        back = converted.astype(stored.dtype)
+    if stored.kind in ("float", "complex"):
+        parts = [(saved.real, back.real), (saved.imag, back.imag)] if stored.kind == "complex" else [(saved, back)]
+        if all(np.isfinite(a) == np.isfinite(b) and (a == 0) == (b == 0) for a, b in parts if not np.isnan(a)):
+            return None
+    elif np.array_equal(back, saved):
+        return None
+    return f"saved Python {stored.kind} {saved.item()!r} is not representable as {dtype}"
+
+
+def saved_form(stored: _reader.StoredLeaf) -> Form:
+    """The form a leaf comes back in without a target: numpy arrays and scalars, Python
+    scalars, and typed PRNG keys as keys on the default device."""
+    if stored.kind in _PY_SCALARS:
+        return PythonScalar(stored.dtype, stored.kind)
+    if stored.kind == "numpy_scalar":
+        return NumpyScalar(stored.dtype)
+    if stored.kind == "prng_key":
+        return PrngKeys(stored.dtype, None)
+    if stored.kind in ("str", "bytes"):
+        return Text(stored.dtype, stored.kind)
+    if stored.kind == "per_process":
+        return OwnValue(stored.dtype, PerProcess(None))
+    return Numpy(stored.dtype)
+
+
+def _request_for(leaf: Any, stored: _reader.StoredLeaf, where: str,
+                 broadcast: bool) -> tuple[Request, tuple[int, ...]]:
+    """How a target leaf asks to be restored, and the shape it expects."""
+    if stored.kind == "prng_key" and isinstance(leaf, jax.sharding.Sharding):
+        # The saved kind decides: typed keys come back typed on a target that only
+        # says where they go.
+        return Request(stored, PrngKeys(stored.dtype, leaf)), stored.shape
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and _dtypes.is_prng_key(leaf.dtype):
+        # Typed keys are stored as their key data: compare that shape, and rebuild keys.
+        data_shape = tuple(jax.eval_shape(jax.random.key_data, leaf).shape)
+        old = leaf if isinstance(leaf, jax.Array) else None
+        return Request(stored, PrngKeys(stored.dtype, leaf.sharding), old=old), data_shape
+    if isinstance(leaf, jax.Array):
+        return Request(stored, *sharded(np.dtype(leaf.dtype), leaf.sharding, stored, broadcast), old=leaf), \
+            tuple(leaf.shape)
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        dtype = np.dtype(leaf.dtype)
+        if leaf.sharding is None:
+            return Request(stored, DefaultDevice(dtype)), tuple(leaf.shape)
+        return Request(stored, *sharded(dtype, leaf.sharding, stored, broadcast)), tuple(leaf.shape)
+    if isinstance(leaf, jax.sharding.Sharding):
+        return Request(stored, *sharded(stored.dtype, leaf, stored, broadcast)), stored.shape
+    if isinstance(leaf, np.ndarray):
+        return Request(stored, Numpy(leaf.dtype)), leaf.shape
+    if isinstance(leaf, np.generic):
+        return Request(stored, NumpyScalar(leaf.dtype)), ()
+    if isinstance(leaf, (bool, int, float, complex)):
+        return Request(stored, PythonScalar(stored.dtype, type(leaf).__name__)), ()
+    if isinstance(leaf, (str, bytes)):  # any text of that kind: the stored length is taken
+        return Request(stored, Text(stored.dtype, type(leaf).__name__)), stored.shape
+    if isinstance(leaf, PerProcess):
+        return Request(stored, OwnValue(stored.dtype, leaf)), stored.shape
+    raise UnsupportedLeafError(
+        f"target leaf {where} is a {type(leaf).__qualname__}; expected jax.Array, jax.ShapeDtypeStruct, "
+        "a Sharding, a numpy array or scalar, a Python scalar, a str, bytes or a zarrckpt.PerProcess"
+    )
