@@ -130,17 +130,6 @@ def test_logs_each_save_and_restore(tmp_path, caplog):
     assert "restored step 3" in text
 
 
-def test_bad_settings():
-    with pytest.raises(ValueError, match="keep_best needs best_metric"):
-        zarrckpt.CheckpointManager("/tmp/x", keep_best=2)
-    with pytest.raises(ValueError, match="best_mode must be 'min' or 'max'"):
-        zarrckpt.CheckpointManager("/tmp/x", keep_best=2, best_metric="loss", best_mode="lowest")
-    with pytest.raises(ValueError, match="keep_last must be a positive int"):
-        zarrckpt.CheckpointManager("/tmp/x", keep_last=0)
-    with pytest.raises(ValueError, match="save_interval_steps must be positive"):
-        zarrckpt.CheckpointManager("/tmp/x", save_interval_steps=0)
-
-
 # -- retention -------------------------------------------------------------------------
 
 

@@ -85,17 +85,21 @@ class CheckpointManager:
         heartbeat_s: float = _lease.DEFAULT_HEARTBEAT_S,
         progress: bool | None = None,
         storage_options: dict[str, Any] | None = None,
-        timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
+        timeout_s: float = _options.DEFAULT_TIMEOUT_S,
         max_chunk_bytes: int = _options.DEFAULT_MAX_CHUNK_BYTES,
         min_chunk_bytes: int = _options.DEFAULT_MIN_CHUNK_BYTES,
         max_workers: int | None = None,
         checksums: bool = True,
     ) -> None:
-        _options.check_settings(save_interval_steps=(save_interval_steps, int | None),
-                                save_interval_seconds=(save_interval_seconds, float | None),
-                                async_save=(async_save, bool), save_on_preemption=(save_on_preemption, bool),
-                                heartbeat_s=(heartbeat_s, float))
-        self._policy = _retention.Policy(keep_last, keep_every, keep_best, best_metric, best_mode)
+        for name, value, kind in (("save_interval_steps", save_interval_steps, _options.COUNT + "?"),
+                                  ("save_interval_seconds", save_interval_seconds, _options.NUMBER + "?"),
+                                  ("async_save", async_save, _options.FLAG),
+                                  ("max_staged_bytes", max_staged_bytes, _options.COUNT),
+                                  ("save_on_preemption", save_on_preemption, _options.FLAG),
+                                  ("heartbeat_s", heartbeat_s, _options.NUMBER)):
+            _options.check(name, value, kind)
+        self._policy = _retention.Policy(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
+                                         best_metric=best_metric, best_mode=best_mode)
         self._save_options = _options.SaveOptions(max_chunk_bytes=max_chunk_bytes, min_chunk_bytes=min_chunk_bytes,
                                                   max_inflight_bytes=max_staged_bytes,
                                                   max_workers=max_workers, timeout_s=timeout_s, progress=progress,
@@ -260,21 +264,28 @@ class CheckpointManager:
             in_flight[0].join()
         self._raise_errors()
 
-    def restore(self, target: Any, *, step: int | None = None, **load_options: Any) -> tuple[Any, int]:
-        """Restores the newest committed step (or `step`) onto `target`.
+    def restore(self, target: Any, *, step: int | None = None, partial: bool = False, allow_dtype_cast: bool = False,
+                donate_target: bool = False, load_and_broadcast: bool = True,
+                max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
+                max_workers: int | None = None) -> tuple[Any, int]:
+        """Restores the newest committed step (or `step`) onto `target`. Collective.
 
         Returns (state, step); (target, 0) when nothing is committed and no `step`
         was asked for, which is logged as a warning naming the directory and leaves
         `restored_step` None. Waits for a save in flight first. Takes `load_pytree`'s
-        keyword options. Raises CheckpointNotFoundError if `step` is not a committed
-        step, TypeError for an unknown option, and what `load_pytree` raises.
+        options (see there; the manager's `max_workers` and `progress` unless given).
+        Raises CheckpointNotFoundError if `step` is not a committed step, and what
+        `load_pytree` raises.
         """
         if isinstance(target, (int, np.integer)) and not isinstance(target, bool):
             raise TypeError(f"CheckpointManager.restore takes the restore target first (the state to restore "
                             f"into, or None for numpy arrays); to restore step {target}, call "
                             f"mgr.restore(state, step={target})")
-        options = _options.gather(_options.LoadOptions, "CheckpointManager.restore",
-                                  {"progress": self._progress, **load_options})
+        options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast,
+                                       donate_target=donate_target, load_and_broadcast=load_and_broadcast,
+                                       max_inflight_bytes=max_inflight_bytes,
+                                       max_workers=max_workers or self._save_options.max_workers,
+                                       progress=self._progress)
         self._check_open()
         self.wait()
         started = time.perf_counter()

@@ -1,14 +1,15 @@
-"""The options of a save and of a restore, checked where the caller gives them.
+"""Every option's default and its check, stated once.
 
-Public functions take their options as keyword arguments and gather them here at
-once, so that a wrong type or value is a TypeError or ValueError raised by the call
-that got it, naming the option, never later on a background thread.
+Public calls spell their options out as keyword arguments (what `help()` and an IDE
+show), with the defaults here, and build `SaveOptions` / `LoadOptions` by keyword at
+once: a wrong type or value is a TypeError or ValueError raised by the call that got
+it, naming the option, never later on a background thread. `check` is the one check.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import Any
 
 from ._concurrency import DEFAULT_MAX_INFLIGHT_BYTES
 from ._multihost import DEFAULT_TIMEOUT_S
@@ -18,78 +19,65 @@ DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
 # where one process holds them all: fewer, larger objects (each is a request on S3/GCS).
 DEFAULT_MIN_CHUNK_BYTES = 2**20
 
-_O = TypeVar("_O")
+# What each check accepts; `?` also accepts None.
+FLAG = "flag"  # True or False
+COUNT = "count"  # a positive int
+NUMBER = "number"  # a positive int or float (seconds, bytes per second...)
 
 
-def check_settings(**settings: tuple[Any, Any]) -> None:
-    """Checks each `name=(value, kind)`: kind is bool, int or float (a positive
-    number), optionally `| None`. Raises TypeError or ValueError naming the setting."""
-    for name, (value, kind) in settings.items():
-        _check_one(name, value, str(kind))
-
-
-def _check(options: Any) -> None:
-    """Checks every field of a dataclass of options against its annotation."""
-    for field in dataclasses.fields(options):
-        _check_one(field.name, getattr(options, field.name), str(field.type))
-
-
-def _check_one(name: str, value: Any, kind: str) -> None:
-    # `kind` is an annotation as text: "bool", "int | None", "float"...
-    kind = kind.replace("<class '", "").replace("'>", "")
-    if value is None and kind.endswith("None"):
+def check(name: str, value: Any, kind: str) -> None:
+    """The one check of an option: raises TypeError (a value of the wrong type) or
+    ValueError (of the right type, out of range), naming the option as the caller
+    spelled it. `kind` is FLAG, COUNT or NUMBER, with `?` if None is allowed."""
+    if value is None and kind.endswith("?"):
         return
-    if kind.startswith("bool"):
+    kind = kind.rstrip("?")
+    if kind == FLAG:
         if not isinstance(value, bool):
             raise TypeError(f"option {name} must be True or False, got {value!r}")
         return
-    number = int if kind.startswith("int") else (int, float)
+    number = int if kind == COUNT else (int, float)
     if isinstance(value, bool) or not isinstance(value, number):
-        expected = "an int" if number is int else "a number"
+        expected = "an int" if kind == COUNT else "a number"
         raise TypeError(f"option {name} must be {expected}, got {value!r}")
     if not value > 0:
         raise ValueError(f"option {name} must be positive, got {value!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class SaveOptions:
-    """How a save writes (see `save_pytree` for what each does)."""
+def _option(default: Any, kind: str) -> Any:
+    return dataclasses.field(default=default, metadata={"check": kind})
 
-    overwrite: bool = False
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
-    min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
-    max_workers: int | None = None
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    progress: bool | None = None
-    checksums: bool = True
+
+class _Checked:
+    """Options checked field by field, each by the kind its field declares."""
 
     def __post_init__(self) -> None:
-        _check(self)
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+            check(field.name, getattr(self, field.name), field.metadata["check"])
 
 
-@dataclasses.dataclass(frozen=True)
-class LoadOptions:
-    """How a restore reads (see `load_pytree` for what each does)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SaveOptions(_Checked):
+    """How a save writes (`save_pytree` says what each does)."""
 
-    allow_dtype_cast: bool = False
-    donate_target: bool = False
-    partial: bool = False
-    load_and_broadcast: bool = True
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
-    max_workers: int | None = None
-    progress: bool | None = None
-
-    def __post_init__(self) -> None:
-        _check(self)
+    overwrite: bool = _option(False, FLAG)
+    max_chunk_bytes: int = _option(DEFAULT_MAX_CHUNK_BYTES, COUNT)
+    min_chunk_bytes: int = _option(DEFAULT_MIN_CHUNK_BYTES, COUNT)
+    max_inflight_bytes: int = _option(DEFAULT_MAX_INFLIGHT_BYTES, COUNT)
+    max_workers: int | None = _option(None, COUNT + "?")
+    timeout_s: float = _option(DEFAULT_TIMEOUT_S, NUMBER)
+    progress: bool | None = _option(None, FLAG + "?")
+    checksums: bool = _option(True, FLAG)
 
 
-def gather(kind: type[_O], call: str, given: dict[str, Any]) -> _O:
-    """`kind(**given)`, with an unknown option reported as the TypeError of `call`,
-    naming it and the options there are."""
-    names = [field.name for field in dataclasses.fields(kind)]  # type: ignore[arg-type]
-    unknown = sorted(set(given) - set(names))
-    if unknown:
-        raise TypeError(f"{call}() got unknown option(s) {', '.join(map(repr, unknown))}; "
-                        f"its options are: {', '.join(names)}")
-    return kind(**given)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoadOptions(_Checked):
+    """How a restore reads (`load_pytree` says what each does)."""
+
+    allow_dtype_cast: bool = _option(False, FLAG)
+    donate_target: bool = _option(False, FLAG)
+    partial: bool = _option(False, FLAG)
+    load_and_broadcast: bool = _option(True, FLAG)
+    max_inflight_bytes: int = _option(DEFAULT_MAX_INFLIGHT_BYTES, COUNT)
+    max_workers: int | None = _option(None, COUNT + "?")
+    progress: bool | None = _option(None, FLAG + "?")

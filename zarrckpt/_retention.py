@@ -16,7 +16,7 @@ import dataclasses
 import logging
 from typing import Any, Collection, Mapping
 
-from . import _commit, _steps
+from . import _commit, _options, _steps
 from ._storage import Location
 
 log = logging.getLogger("zarrckpt")
@@ -24,9 +24,10 @@ log = logging.getLogger("zarrckpt")
 PIN_FILE = "PINNED"  # a step directory holding this file is never deleted (T5X's convention)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Policy:
-    """What to keep. Raises ValueError on settings that contradict each other."""
+    """What to keep. Raises TypeError or ValueError (see `_options.check`) on a bad
+    setting, and ValueError on settings that contradict each other."""
 
     keep_last: int | None = None
     keep_every: int | None = None
@@ -36,9 +37,9 @@ class Policy:
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_every", "keep_best"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+            _options.check(name, getattr(self, name), _options.COUNT + "?")
+        if self.best_metric is not None and not isinstance(self.best_metric, str):
+            raise TypeError(f"option best_metric must be a metric's name, got {self.best_metric!r}")
         if self.keep_best is not None and not self.best_metric:
             raise ValueError("keep_best needs best_metric: the name of the metric to rank steps by")
         if self.best_mode not in ("min", "max"):

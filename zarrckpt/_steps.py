@@ -15,16 +15,32 @@ from .errors import CheckpointLocationError, CheckpointNotFoundError
 log = logging.getLogger("zarrckpt")
 
 
-def save_checkpoint(checkpoint_dir: str, step: int, state: Any, *,
-                    storage_options: dict[str, Any] | None = None, **options: Any) -> None:
+def save_checkpoint(
+    checkpoint_dir: str,
+    step: int,
+    state: Any,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    max_chunk_bytes: int = _options.DEFAULT_MAX_CHUNK_BYTES,
+    min_chunk_bytes: int = _options.DEFAULT_MIN_CHUNK_BYTES,
+    max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
+    max_workers: int | None = None,
+    timeout_s: float = _options.DEFAULT_TIMEOUT_S,
+    progress: bool | None = None,
+    checksums: bool = True,
+) -> None:
     """Saves `state` as step `step` under `checkpoint_dir` and commits it.
 
-    Collective, like `save_pytree`, whose keyword options it takes (`overwrite`,
-    `max_chunk_bytes`, ...). Raises what `save_pytree` raises (TypeError for an
-    unknown option); CheckpointExistsError if the step is committed.
+    Collective, like `save_pytree`, whose options it takes (see there). Raises what
+    `save_pytree` raises; CheckpointExistsError if the step is committed and
+    `overwrite` is False, ValueError for a bad step.
     """
-    save_options = _options.gather(_options.SaveOptions, "save_checkpoint", options)
-    _save.save(_storage.resolve(checkpoint_dir, storage_options).step(step), state, save_options)
+    options = _options.SaveOptions(overwrite=overwrite, max_chunk_bytes=max_chunk_bytes,
+                                   min_chunk_bytes=min_chunk_bytes, max_inflight_bytes=max_inflight_bytes,
+                                   max_workers=max_workers, timeout_s=timeout_s, progress=progress,
+                                   checksums=checksums)
+    _save.save(_storage.resolve(checkpoint_dir, storage_options).step(step), state, options)
 
 
 def all_steps(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
@@ -122,39 +138,66 @@ def is_committed(loc: Location) -> bool:
     return _commit.head(loc).state is _commit.State.COMMITTED
 
 
-def load_checkpoint_if_it_exists(checkpoint_dir: str, target: Any, *,
-                                 storage_options: dict[str, Any] | None = None,
-                                 timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
-                                 **options: Any) -> tuple[Any, int]:
+def load_checkpoint_if_it_exists(
+    checkpoint_dir: str,
+    target: Any,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    partial: bool = False,
+    allow_dtype_cast: bool = False,
+    donate_target: bool = False,
+    load_and_broadcast: bool = True,
+    max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
+    max_workers: int | None = None,
+    progress: bool | None = None,
+    timeout_s: float = _options.DEFAULT_TIMEOUT_S,
+) -> tuple[Any, int]:
     """Restores the newest committed step under `checkpoint_dir` onto `target`.
 
     Returns (state, step), or (target, 0) unchanged when nothing is committed yet, so
     a training loop can call it unconditionally at start-up; that case is logged as a
     warning naming the URL (a manager's `restored_step` tells the two apart).
-    Raises CheckpointLocationError, on every process, if `checkpoint_dir` is a
-    checkpoint itself or holds another library's checkpoints.
 
     Collective: process 0 chooses the step and every process restores that one, even
-    if a save commits another step in between. Takes `load_pytree`'s keyword options
-    and raises what it raises (TypeError for an unknown option).
+    if a save commits another step in between (`timeout_s`: how long a process waits
+    for that choice). Takes `load_pytree`'s options (see there) and raises what it
+    raises; CheckpointLocationError, on every process, if `checkpoint_dir` is a
+    checkpoint itself or holds another library's checkpoints.
     """
-    load_options = _options.gather(_options.LoadOptions, "load_checkpoint_if_it_exists", options)
-    _options.check_settings(timeout_s=(timeout_s, float))
-    state, step = restore_latest(_storage.resolve(checkpoint_dir, storage_options), target, load_options, timeout_s)
+    options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast, donate_target=donate_target,
+                                   load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
+                                   max_workers=max_workers, progress=progress)
+    _options.check("timeout_s", timeout_s, _options.NUMBER)
+    state, step = restore_latest(_storage.resolve(checkpoint_dir, storage_options), target, options, timeout_s)
     return state, step or 0
 
 
-def load_checkpoint(checkpoint_dir: str, step: int, target: Any = None, *,
-                    storage_options: dict[str, Any] | None = None, **options: Any) -> Any:
+def load_checkpoint(
+    checkpoint_dir: str,
+    step: int,
+    target: Any = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    partial: bool = False,
+    allow_dtype_cast: bool = False,
+    donate_target: bool = False,
+    load_and_broadcast: bool = True,
+    max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
+    max_workers: int | None = None,
+    progress: bool | None = None,
+) -> Any:
     """Restores committed step `step` under `checkpoint_dir` onto `target`: what an
-    evaluator calls for each step `checkpoints_iterator` yields. Not collective.
+    evaluator calls for each step `checkpoints_iterator` yields. Not collective (but
+    see `load_pytree`'s `load_and_broadcast`).
 
-    Takes `load_pytree`'s keyword options and raises what it raises (TypeError for an
-    unknown option); CheckpointNotFoundError if `step` is not committed, or was
-    deleted (by the training job's retention) while it was being read.
+    Takes `load_pytree`'s options (see there) and raises what it raises;
+    CheckpointNotFoundError if `step` is not committed, or was deleted (by the
+    training job's retention) while it was being read.
     """
-    load_options = _options.gather(_options.LoadOptions, "load_checkpoint", options)
-    return load_step(_storage.resolve(checkpoint_dir, storage_options), step, target, load_options)
+    options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast, donate_target=donate_target,
+                                   load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
+                                   max_workers=max_workers, progress=progress)
+    return load_step(_storage.resolve(checkpoint_dir, storage_options), step, target, options)
 
 
 def load_step(root: Location, step: int, target: Any, options: _options.LoadOptions) -> Any:
@@ -188,7 +231,8 @@ def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None,
     `poll_interval_s`; returns once `timeout_s` (None: never) has passed without a
     new step.
     """
-    _options.check_settings(timeout_s=(timeout_s, float | None), poll_interval_s=(poll_interval_s, float))
+    _options.check("timeout_s", timeout_s, _options.NUMBER + "?")
+    _options.check("poll_interval_s", poll_interval_s, _options.NUMBER)
     if start_after is not None:
         _naming.step_dir_name(start_after)  # a bad step is refused here
     root = _storage.resolve(checkpoint_dir, storage_options)

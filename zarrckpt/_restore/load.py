@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import jax
 
-from .. import _concurrency, _multihost, _progress, _storage
+from .. import _concurrency, _multihost, _options, _progress, _storage
 from .._format import dtypes as _dtypes, tree as _tree
 from .._options import LoadOptions
 from .._regions import Region, region_shape
@@ -42,7 +42,7 @@ def load_pytree(
     allow_dtype_cast: bool = False,
     donate_target: bool = False,
     load_and_broadcast: bool = True,
-    max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
+    max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
     max_workers: int | None = None,
     progress: bool | None = None,
 ) -> Any:
@@ -96,8 +96,9 @@ def load_pytree(
       CheckpointCorruptError: a chunk or metadata the checkpoint declares is missing
         or damaged.
     """
-    options = LoadOptions(allow_dtype_cast, donate_target, partial, load_and_broadcast, max_inflight_bytes,
-                          max_workers, progress)
+    options = LoadOptions(allow_dtype_cast=allow_dtype_cast, donate_target=donate_target, partial=partial,
+                          load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
+                          max_workers=max_workers, progress=progress)
     return load(_storage.resolve(url, storage_options), target, options)
 
 

@@ -41,9 +41,9 @@ def save_pytree(
     overwrite: bool = False,
     max_chunk_bytes: int = _options.DEFAULT_MAX_CHUNK_BYTES,
     min_chunk_bytes: int = _options.DEFAULT_MIN_CHUNK_BYTES,
-    max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
+    max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
     max_workers: int | None = None,
-    timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
+    timeout_s: float = _options.DEFAULT_TIMEOUT_S,
     progress: bool | None = None,
     checksums: bool = True,
 ) -> None:
@@ -54,8 +54,10 @@ def save_pytree(
 
     Args:
       url: a local path or fsspec URL (file://, memory://, s3://, gs://...).
-      tree: a pytree whose leaves are jax.Array (any sharding), numpy arrays or scalars,
-        or Python bool/int/float/complex. None and empty containers are kept.
+      tree: a pytree whose leaves are jax.Array (any sharding; typed PRNG keys
+        included), numpy arrays or scalars, Python bool/int/float/complex, str, bytes,
+        or `zarrckpt.PerProcess` (each process saves its own value). None and empty
+        containers are kept.
       storage_options: passed to fsspec (credentials, endpoint_url...). Never logged.
       overwrite: replace a committed checkpoint at `url`. Without it that is an error.
       max_chunk_bytes: shards larger than this are split into several chunks.
@@ -64,7 +66,8 @@ def save_pytree(
       max_inflight_bytes: bound on host bytes copied off devices and not yet written.
       max_workers: concurrent writes per process (default: one per core, 8 to 32, on a local
         disk; 128 on an object store; 100 on GCS).
-      timeout_s: how long a process waits for the others at each agreement.
+      timeout_s: how long a process may wait for the others, in all, during the save
+        (its own work not counted).
       progress: show a progress bar on process 0 (default: when stderr is a terminal).
       checksums: store a CRC-32C after every chunk (zarr's crc32c codec), verified on
         every read. Turning it off is for measuring its cost.
@@ -77,8 +80,9 @@ def save_pytree(
         nothing was committed.
       CoordinationTimeoutError: a process did not arrive at an agreement in time.
     """
-    options = SaveOptions(overwrite, max_chunk_bytes, min_chunk_bytes, max_inflight_bytes, max_workers, timeout_s,
-                          progress, checksums)
+    options = SaveOptions(overwrite=overwrite, max_chunk_bytes=max_chunk_bytes, min_chunk_bytes=min_chunk_bytes,
+                          max_inflight_bytes=max_inflight_bytes, max_workers=max_workers, timeout_s=timeout_s,
+                          progress=progress, checksums=checksums)
     save(_storage.resolve(url, storage_options), tree, options)
 
 
