@@ -103,3 +103,30 @@ def test_starting_fresh_is_logged_and_visible(tmp_path, caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert f"nothing to restore: {tmp_path}/misspelled does not exist; starting from the state given" in messages
     assert f"no committed checkpoint under {tmp_path}/run: starting from the state given" in messages
+
+
+def test_a_restore_reads_the_group_metadata_once(tmp_path, monkeypatch):
+    """At 10,000 leaves the group's zarr.json is about 5 MB: choosing the step, opening
+    it and the final identity check read it whole once, and only its first bytes
+    otherwise; so do listing and following the steps."""
+    run = str(tmp_path / "run")
+    leaves = {f"layer{i:04d}": np.full(4, float(i), np.float32) for i in range(1000)}
+    for step in (1, 2):
+        zarrckpt.save_checkpoint(run, step, leaves)
+    reads = []
+    original = _storage.Location.read
+
+    def reading(loc, key, **options):
+        if key == "zarr.json" and loc.path.endswith("0000000002"):
+            reads.append(options.get("limit"))
+        return original(loc, key, **options)
+
+    monkeypatch.setattr(_storage.Location, "read", reading)
+    restored, step = zarrckpt.load_checkpoint_if_it_exists(run, leaves)
+    assert step == 2 and reads.count(None) == 1 and reads[-1] is not None  # the identity check: first bytes
+    reads.clear()
+    zarrckpt.load_checkpoint(run, 2, leaves)
+    assert reads.count(None) == 1
+    reads.clear()
+    assert zarrckpt.all_steps(run) == [1, 2] and next(zarrckpt.checkpoints_iterator(run, timeout_s=0.01)) == 2
+    assert reads and None not in reads  # listing and following read first bytes only
