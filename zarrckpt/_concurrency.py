@@ -2,7 +2,7 @@
 
 Three shapes, all on an `Operation` (a thread pool and the fate of one job):
 - `Operation.fan_out`: run a function on many items at once; optionally each item
-  holds bytes of a `ByteBudget` until it ends (writes, copies, checksum reads);
+  holds bytes of a `ByteBudget` (a `Hold`) until it ends (copies, checksum reads);
 - `Operation.window`: the same, but results come back in the items' order and items
   are admitted only while a budget has room (restore and export reads, staging);
 - `run_all`: `fan_out` for a few small requests (listings, metadata reads).
@@ -45,8 +45,10 @@ def aborted() -> bool:
 class ByteBudget:
     """Bounds bytes held at once (staged for writing, read and not yet consumed).
 
-    A single item larger than the whole budget is still let through alone. `abort`
-    wakes every waiter with an error, so a failed writer never leaves a stager stuck.
+    The one rule: bytes are taken as a `Hold`, and whoever holds the data they stand
+    for when it is done with it releases the hold, once. A single item larger than the
+    whole budget is still let through alone. `abort` wakes every waiter with an error,
+    so a failed writer never leaves a stager stuck.
     """
 
     def __init__(self, limit: int) -> None:
@@ -57,21 +59,21 @@ class ByteBudget:
         self._error: BaseException | None = None
         self._cv = threading.Condition()
 
-    def acquire(self, nbytes: int, *, block: bool = True) -> bool:
-        """Takes `nbytes`, waiting for room (or returning False without `block`);
-        raises `Aborted` once the budget has been aborted."""
+    def take(self, nbytes: int, *, block: bool = True) -> "Hold | None":
+        """Takes `nbytes`, waiting for room (or returning None without `block`); raises
+        `Aborted` once the budget has been aborted."""
         with self._cv:
             while True:
                 if self._error is not None:
                     raise Aborted(f"aborted: {self._error}") from self._error
                 if self._used == 0 or self._used + nbytes <= self._limit:
                     self._used += nbytes
-                    return True
+                    return Hold(self, nbytes)
                 if not block:
-                    return False
+                    return None
                 self._cv.wait()
 
-    def release(self, nbytes: int) -> None:
+    def _give_back(self, nbytes: int) -> None:
         with self._cv:
             self._used -= nbytes
             self._cv.notify_all()
@@ -80,6 +82,19 @@ class ByteBudget:
         with self._cv:
             self._error = error
             self._cv.notify_all()
+
+
+class Hold:
+    """Bytes taken from a `ByteBudget`; `release` gives them back (once, whoever calls)."""
+
+    def __init__(self, budget: ByteBudget, nbytes: int) -> None:
+        self._budget: ByteBudget | None = budget
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        budget, self._budget = self._budget, None
+        if budget is not None:
+            budget._give_back(self.nbytes)
 
 
 class Operation:
@@ -158,14 +173,13 @@ class Operation:
                     item = next(source, _DONE)
                     if item is _DONE:
                         return
-                    index, size = next(count), nbytes(item) if budget is not None else 0
-                    if budget is not None:
-                        budget.acquire(size)
+                    index = next(count)
+                    hold = budget.take(nbytes(item)) if budget is not None else None
                 try:
                     results[index] = fn(item)
                 finally:
-                    if budget is not None:
-                        budget.release(size)
+                    if hold is not None:
+                        hold.release()
                 if on_done is not None:
                     on_done(item, results[index])
 
@@ -175,25 +189,26 @@ class Operation:
 
     def window(self, items: Iterable[_T], fn: Callable[[_T], _R], *, budget: ByteBudget,
                nbytes: Callable[[_T], int],
-               admit: Callable[[_T], None] | None = None) -> Iterator[tuple[_T, _R]]:
-        """`fn(item)` for every item, concurrently, yielded as (item, result) in order.
+               admit: Callable[[_T], None] | None = None) -> Iterator[tuple[_T, _R, Hold]]:
+        """`fn(item)` for every item, concurrently, yielded as (item, result, hold) in
+        order.
 
-        Each item takes `nbytes(item)` of `budget` before it starts; while the budget
-        is full, finished items are handed back first, so that the consumer (which
-        gives the bytes back when it is done with them, or hands them on to whoever
-        does) can make room. `admit(item)` runs on the calling thread once the
+        Each item takes `nbytes(item)` of `budget` before it starts, as `hold`; while
+        the budget is full, finished items are handed back first, so that the consumer
+        (which releases each hold when it is done with the bytes, or hands it on to
+        whoever is) can make room. `admit(item)` runs on the calling thread once the
         item's bytes are taken, just before it starts.
         """
         self._watch(budget)
-        pending: collections.deque[tuple[_T, concurrent.futures.Future[_R]]] = collections.deque()
+        pending: collections.deque[tuple[_T, concurrent.futures.Future[_R], Hold]] = collections.deque()
         try:
             for item in items:
                 size = nbytes(item)
-                while not budget.acquire(size, block=not pending):
+                while (hold := budget.take(size, block=not pending)) is None:
                     yield self._settle(pending.popleft())
                 if admit is not None:
                     admit(item)
-                pending.append((item, self.submit(fn, item)))
+                pending.append((item, self.submit(fn, item), hold))
             while pending:
                 yield self._settle(pending.popleft())
         except BaseException as e:
@@ -201,10 +216,10 @@ class Operation:
             self._raise_if_failed()  # the first failure, not the `Aborted` it caused here
             raise
 
-    def _settle(self, entry: tuple[_T, concurrent.futures.Future[_R]]) -> tuple[_T, _R]:
-        item, future = entry
+    def _settle(self, entry: tuple[_T, concurrent.futures.Future[_R], Hold]) -> tuple[_T, _R, Hold]:
+        item, future, hold = entry
         try:
-            return item, future.result()
+            return item, future.result(), hold
         except BaseException:
             self._raise_if_failed()  # the first failure, not a later `Aborted`
             raise

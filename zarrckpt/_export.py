@@ -118,10 +118,10 @@ def _read_leaves(ckpt: _reader.Checkpoint, leaves: list[_reader.StoredLeaf], max
     about `max_inflight_bytes` read and not yet consumed."""
     budget = _concurrency.ByteBudget(max_inflight_bytes)
     with _concurrency.Operation(ckpt.loc.concurrency, "export") as op:
-        for leaf, array in op.window(leaves, lambda leaf: ckpt.read(leaf, tuple((0, n) for n in leaf.shape)),
-                                     budget=budget, nbytes=lambda leaf: leaf.nbytes):
+        for leaf, array, hold in op.window(leaves, lambda leaf: ckpt.read(leaf, tuple((0, n) for n in leaf.shape)),
+                                           budget=budget, nbytes=lambda leaf: leaf.nbytes):
             yield leaf, array
-            budget.release(leaf.nbytes)
+            hold.release()  # written to the file
             advance(leaf.nbytes)
 
 

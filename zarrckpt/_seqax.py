@@ -18,7 +18,7 @@ import math
 import re
 import struct
 import zlib
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import numcodecs.blosc
@@ -26,7 +26,8 @@ import numpy as np
 
 from . import _concurrency
 from ._format import dtypes as _dtypes, zarrjson as _zarrjson
-from ._format.chunks import DamagedChunk
+from ._format.chunks import Damage
+from ._regions import Region
 from ._storage import Location
 
 GROUP = ".zgroup"
@@ -38,7 +39,6 @@ _BLOSC_HEADER = struct.Struct("<4B3I")  # version, versionlz, flags, typesize; n
 # One key entry of jax.tree_util.keystr: ['str'] / ["str"], [int], or .attr
 _KEYSTR_TOKEN = re.compile(r"""\['((?:[^'\\]|\\.)*)'\]|\["((?:[^"\\]|\\.)*)"\]|\[(-?\d+)\]|\.([A-Za-z_]\w*)""")
 
-Region = tuple[tuple[int, int], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,7 @@ class Codec:
     compressor: str | None
     separator: str  # between chunk coordinates: "." or "/"
     checksum: bool = False  # seqax stores none
+    reads_into: ClassVar[bool] = False  # compressed: decoded from the whole object
 
     @property
     def data_bytes(self) -> int:
@@ -63,21 +64,14 @@ class Codec:
         coords = self.separator.join(map(str, self.coords(chunk))) or "0"
         return f"{self.array}/{coords}"
 
-    def load(self, loc: Location, chunk: Region, out: np.ndarray | None = None) -> np.ndarray:
-        """Reads and decodes the chunk covering `chunk`; its values in the chunk shape
-        (copied into `out` if given). FileNotFoundError if absent; DamagedChunk if it
-        does not decode to exactly one chunk."""
-        key = self.key(chunk)
-        raw = loc.read(key)
+    def decode(self, raw: bytes) -> np.ndarray:
+        """The chunk's values in the chunk shape, from its stored bytes; Damage (naming
+        the codec) if they do not decode to exactly one chunk."""
         try:
             data = self._decode(raw)
         except ValueError as e:
-            raise DamagedChunk(key, loc.url, f"cannot be decoded ({self.compressor or 'no compressor'}): {e}") from None
-        values = np.frombuffer(data, self.dtype).reshape(self.shape)
-        if out is None:
-            return values
-        out[...] = values
-        return out
+            raise Damage(f"cannot be decoded ({self.compressor or 'no compressor'}): {e}") from None
+        return np.frombuffer(data, self.dtype).reshape(self.shape)
 
     def _decode(self, raw: bytes) -> bytes | np.ndarray:
         expected = self.data_bytes

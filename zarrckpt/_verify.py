@@ -210,8 +210,8 @@ def _check_array_document(loc: Location, leaf: _reader.StoredLeaf, path: _tree.K
 def _checksum_problem(loc: Location, leaf: _reader.StoredLeaf, chunk: Region) -> Problem | None:
     """Reads one chunk and compares its bytes with the CRC-32C stored after them."""
     try:
-        leaf.codec.load(loc, chunk)
-    except FileNotFoundError:
+        _reader.read_chunk(loc, leaf.codec, chunk)
+    except _reader.MissingObject:
         return Problem(leaf.codec.key(chunk), "missing (deleted while being verified)", leaf.where)
     except DamagedChunk as e:
         return Problem(e.key, e.why, leaf.where)

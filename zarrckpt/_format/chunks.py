@@ -6,21 +6,22 @@ version 2 by zarr's `crc32c` codec (the CRC-32C of those bytes, 4 bytes,
 little-endian). Its key is `<array name>/c.<i>.<j>...` (zarr's "default" chunk key
 encoding with "." as separator, so all of an array's chunks share one directory).
 
-Save, restore, verify, copy and the commit's list of checkpoint objects all go
-through this module: it is the one place that knows how a chunk is stored.
+Save, restore, verify and copy all go through this module: it is the one place that
+knows how a chunk is stored. It is bytes in, bytes out: the reader (`_restore.checkpoint`)
+does the I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 import crc32c
 import numpy as np
 
 from . import dtypes as _dtypes, naming as _naming
-from .._storage import Location
+from .._regions import Region
 from ..errors import CheckpointCorruptError
 
 SEPARATOR = "."
@@ -31,7 +32,6 @@ KEY_ENCODING = {"name": "default", "configuration": {"separator": SEPARATOR}}
 NAME = re.compile(r"c(\.\d+)*")
 _CRC_DAMAGE = "fails its CRC-32C checksum: its bytes are damaged"
 
-Region = tuple[tuple[int, int], ...]  # (start, stop) per axis
 
 
 class DamagedChunk(CheckpointCorruptError):
@@ -45,6 +45,8 @@ class DamagedChunk(CheckpointCorruptError):
 @dataclasses.dataclass(frozen=True)
 class ChunkCodec:
     """How the chunks of one array are named, encoded, sized and checked."""
+
+    reads_into: ClassVar[bool] = True  # stored as the values and a trailer: read straight into an array
 
     array: str  # the array's name in the group: its chunks live in "<array>/"
     dtype: np.dtype
@@ -103,28 +105,24 @@ class ChunkCodec:
                 return _CRC_DAMAGE
         return None
 
-    def load(self, loc: Location, chunk: Region, out: np.ndarray | None = None) -> np.ndarray:
-        """Reads the chunk covering `chunk` from `loc` and checks it; returns its values
-        in the chunk shape. With `out` (a C-contiguous array of the chunk shape), the
-        bytes are read straight into it, with no copy.
+    def decode(self, stored: bytes | memoryview) -> np.ndarray:
+        """The chunk's values, in the chunk shape, from its stored bytes (a view of
+        them); Damage if their size or checksum is wrong."""
+        if (damage := self.damage(stored)) is not None:
+            raise Damage(damage)
+        return np.frombuffer(stored, np.uint8, count=self.data_bytes).view(self.dtype).reshape(self.shape)
 
-        Raises FileNotFoundError if the object is absent, and DamagedChunk if its size
-        or checksum is wrong.
-        """
-        key = self.key(chunk)
-        if out is None:
-            stored = loc.read(key)
-            if (damage := self.damage(stored)) is not None:
-                raise DamagedChunk(key, loc.url, damage)
-            return np.frombuffer(stored, np.uint8, count=self.data_bytes).view(self.dtype).reshape(self.shape)
-        payload = out.reshape(-1).view(np.uint8)
-        trailer = bytearray(self.stored_bytes - self.data_bytes)
-        size = loc.read_into(key, memoryview(payload), memoryview(trailer))
+    def check(self, size: int, payload: np.ndarray, trailer: bytes | bytearray) -> None:
+        """Checks a chunk read in two parts (its `size` bytes went into `payload`, a view of
+        the chunk's values, then `trailer`): Damage if the size or checksum is wrong."""
         if (wrong_size := self.size_damage(size)) is not None:
-            raise DamagedChunk(key, loc.url, wrong_size)
+            raise Damage(wrong_size)
         if self.checksum and _crc(payload) != bytes(trailer):
-            raise DamagedChunk(key, loc.url, _CRC_DAMAGE)
-        return out
+            raise Damage(_CRC_DAMAGE)
+
+
+class Damage(ValueError):
+    """What is wrong with a chunk's bytes (its message); the reader names the chunk."""
 
 
 def _crc(payload: np.ndarray) -> bytes:

@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import _commit, _concurrency, _local, _multihost, _seqax
 from .._format import chunks as _chunks, dtypes as _dtypes, naming as _naming, tree as _tree, zarrjson as _zarrjson
-from .._format.chunks import ChunkCodec, DamagedChunk
+from .._format.chunks import ChunkCodec, Damage, DamagedChunk
 from .._regions import Region, chunks_touching, intersect, region_shape, relative
 from .._storage import Location
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
@@ -149,12 +149,34 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
         # The common case: the chunk's bytes land in the result with no copy.
         whole = inside == chunk and all(b - a == c for (a, b), c in zip(chunk, leaf.chunks)) \
             and dest.flags.c_contiguous
-        try:
-            values = leaf.codec.load(loc, chunk, out=dest if whole else None)
-        except FileNotFoundError:
-            raise MissingObject(f"chunk {leaf.codec.key(chunk)!r} is missing from checkpoint {loc.url}") from None
+        values = read_chunk(loc, leaf.codec, chunk, out=dest if whole else None)
         if not whole:
             dest[...] = values[relative(inside, chunk)]
+    return out
+
+
+def read_chunk(loc: Location, codec: ChunkCodec | _seqax.Codec, chunk: Region,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """Reads the chunk covering `chunk` with `codec` and checks it; its values in the
+    chunk shape. With `out` (a C-contiguous array of the chunk shape), a zarrckpt chunk
+    is read straight into it, with no copy. MissingObject if it is absent, DamagedChunk
+    naming it if its bytes are wrong."""
+    key = codec.key(chunk)
+    try:
+        if out is not None and codec.reads_into:
+            trailer = bytearray(codec.stored_bytes - codec.data_bytes)  # type: ignore[union-attr]
+            payload = out.reshape(-1).view(np.uint8)
+            codec.check(loc.read_into(key, memoryview(payload), memoryview(trailer)), payload,  # type: ignore[union-attr]
+                        trailer)
+            return out
+        values = codec.decode(loc.read(key))
+    except FileNotFoundError:
+        raise MissingObject(f"chunk {key!r} is missing from checkpoint {loc.url}") from None
+    except Damage as e:
+        raise DamagedChunk(key, loc.url, str(e)) from None
+    if out is None:
+        return values
+    out[...] = values
     return out
 
 

@@ -184,9 +184,9 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[Request], options: LoadOp
 
     share_ready()
     with _concurrency.Operation(options.max_workers or ckpt.loc.concurrency, "read") as op:
-        for read, result in op.window(reads, lambda r: r.fetch(ckpt), budget=budget, nbytes=lambda r: r.nbytes,
-                                      admit=donate):
-            budget.release(read.nbytes)
+        for read, result, hold in op.window(reads, lambda r: r.fetch(ckpt), budget=budget,
+                                            nbytes=lambda r: r.nbytes, admit=donate):
+            hold.release()  # the pieces are on their devices, or small
             pieces += result
             if read.last:
                 request = read.request

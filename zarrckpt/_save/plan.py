@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 import jax
 import numpy as np
 
-from .._concurrency import ByteBudget
+from .._concurrency import Hold
 from .._options import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MIN_CHUNK_BYTES
 from .._format import dtypes as _dtypes
 from .._format.chunks import ChunkCodec
@@ -49,11 +49,7 @@ class WriteUnit:
     # Each part on the host, with where it goes in the chunk: a numpy array, or a
     # jax.Array in host memory or being copied there (see `_transfer`).
     copies: list[tuple[Slices | None, Any]] | None = None
-    _budget: ByteBudget | None = None  # holds `nbytes` of it until released
-
-    def hold(self, budget: ByteBudget) -> None:
-        """Records that this unit holds `nbytes` of `budget`, given back by `release`."""
-        self._budget = budget
+    hold: Hold | None = None  # its bytes of the save's budget, from its copy until it is written
 
     def host_array(self) -> np.ndarray:
         """The chunk's values on the host; waits for its copies to arrive."""
@@ -71,9 +67,8 @@ class WriteUnit:
         and gives back its budget."""
         self.host = self.copies = None
         self.sources = ()
-        budget, self._budget = self._budget, None
-        if budget is not None:
-            budget.release(self.nbytes)
+        if self.hold is not None:
+            self.hold.release()
 
 
 @dataclasses.dataclass

@@ -165,14 +165,14 @@ class SaveJob:
         item = next(units, None)
         while item is not None:
             batch = []
-            self.budget.acquire(item[1].nbytes)  # the first of a batch waits for room
-            while item is not None:
-                item[1].hold(self.budget)
+            hold = self.budget.take(item[1].nbytes)  # the first of a batch waits for room
+            while item is not None and hold is not None:
+                item[1].hold = hold
                 batch.append(item)
                 item = next(units, None)
-                if item is not None and ((len(batch) == _BATCH_UNITS and not snapshot)
-                                         or not self.budget.acquire(item[1].nbytes, block=False)):
+                if item is None or (len(batch) == _BATCH_UNITS and not snapshot):
                     break
+                hold = self.budget.take(item[1].nbytes, block=False)
             _transfer.start([unit for _, unit in batch], snapshot=snapshot)
             yield from batch
 
