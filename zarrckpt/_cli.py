@@ -23,7 +23,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from . import __version__, _commit, _concurrency, _copy, _export, _metadata, _retention, _steps, _storage, _verify
+from . import (__version__, _commit, _concurrency, _copy, _export, _metadata, _retention, _seqax, _steps,
+               _storage, _verify)
 from ._format import zarrjson as _zarrjson
 from ._metadata import metadata
 from .errors import CheckpointError
@@ -254,7 +255,7 @@ def _verify_command(args: argparse.Namespace) -> int:
 
 
 def _chunks_checked(report: _verify.VerifyReport, quick: bool) -> str:
-    if report.layout != "zarrckpt":
+    if report.layout == _seqax.LAYOUT:
         return "chunks not checked in seqax's layout"
     present = f"{report.chunks_checked} chunks present with their exact sizes"
     unsummed = report.chunks_checked - report.checksums_checked

@@ -24,12 +24,13 @@ import re
 import uuid
 from typing import Any
 
+from . import _seqax
 from ._format import naming as _naming, zarrjson as _zarrjson
 from ._storage import Location
 
 log = logging.getLogger("zarrckpt")
 
-GROUP_METADATA_FILES = ("zarr.json", ".zattrs", ".zgroup")  # v3, then seqax's v2 layout
+GROUP_METADATA_FILES = ("zarr.json", _seqax.MARKER, _seqax.GROUP)  # v3, then seqax's v2 layout
 SAVE_ID = "save_id"  # in the `zarrckpt` attribute, first
 _HEAD_BYTES = 512
 _HEAD = re.compile(rb'\{"zarr_format":3,"node_type":"group","attributes":\{("write_completed":true,)?'
@@ -89,10 +90,10 @@ def read_group(loc: Location) -> Group | None:
         pass
     except IsADirectoryError:
         return Group(3, {}, {}, "is a directory")
-    zattrs, zgroup = loc.read_if_present([".zattrs", ".zgroup"])
-    if zattrs is not None:
-        return parse_group(".zattrs", zattrs)
-    return Group(2, {}, {}) if zgroup is not None else None
+    attributes, there = _seqax.read_group(loc)
+    if attributes is not None:
+        return parse_group(_seqax.MARKER, attributes)
+    return Group(2, {}, {}) if there else None
 
 
 def parse_group(key: str, raw: bytes) -> Group:

@@ -24,10 +24,8 @@ from .errors import CheckpointError, CheckpointExistsError
 # interrupted atomic write: anything else at a URL means it is not a checkpoint.
 _TEMPORARY = r"(\.[0-9a-f]{32}\.tmp)?"
 _CHECKPOINT_OBJECT = re.compile(
-    rf"(zarr\.json|\.zattrs|\.zgroup|\.zmetadata|PINNED){_TEMPORARY}"
-    rf"|[^/]+/((zarr\.json|\.zarray|\.zattrs){_TEMPORARY}"
-    rf"|{_chunks.NAME.pattern}"  # zarrckpt's chunks
-    r"|c(/\d+)+|\d+(\.\d+)*)")  # zarr's other chunk key encodings: seqax's and other writers' arrays
+    rf"((zarr\.json|PINNED|[^/]+/zarr\.json|{_seqax.OBJECT_NAMES}){_TEMPORARY})"
+    rf"|[^/]+/{_chunks.NAME.pattern}")
 # Beside what a committed checkpoint records: its pin, and temporary files of atomic writes.
 _BESIDE_RECORDED = re.compile(r"PINNED|.*\.[0-9a-f]{32}\.tmp")
 
@@ -46,7 +44,7 @@ class Owned:
 def owned(ckpt: _reader.Checkpoint) -> list[Owned]:
     """Every object `ckpt` records, its group metadata (with the commit marker) last.
     Raises CheckpointCorruptError (or MissingObject) if metadata it needs is damaged."""
-    if ckpt.layout == "seqax":
+    if ckpt.layout == _seqax.LAYOUT:
         arrays = [(leaf.path, leaf.codec, leaf.shape) for leaf in ckpt.leaves.values()]
         return [Owned(key, nbytes) for key, nbytes in _seqax.objects(ckpt.loc, arrays)]  # type: ignore[arg-type]
     out = []

@@ -30,9 +30,13 @@ from ._format.chunks import Damage
 from ._regions import Region
 from ._storage import Location
 
+LAYOUT = "seqax"  # a Checkpoint's `layout` when it is this one
 GROUP = ".zgroup"
 MARKER = ".zattrs"  # the group's attributes: where the commit marker lives
 ARRAY = ".zarray"
+# Every name an object of this layout has, relative to the checkpoint (beside zarr's
+# v2 chunk keys of other writers): for telling a leftover from someone's files.
+OBJECT_NAMES = r"\.zattrs|\.zgroup|\.zmetadata|[^/]+/(\.zarray|\.zattrs|\d+(\.\d+)*|c(/\d+)+|\d+(/\d+)*)"
 COMPRESSORS = ("blosc", "zlib", "gzip")  # and none
 _tu = jax.tree_util
 _BLOSC_HEADER = struct.Struct("<4B3I")  # version, versionlz, flags, typesize; nbytes, blocksize, cbytes
@@ -97,6 +101,13 @@ class Codec:
         if len(data) < expected or not stream.eof or stream.unused_data:
             raise ValueError(f"it inflates to {len(data)} bytes (complete: {stream.eof}), expected {expected}")
         return data
+
+
+def read_group(loc: Location) -> tuple[bytes | None, bool]:
+    """The group's attributes (the commit marker's object) as stored, or None, and
+    whether the group is there at all: the two objects asked for together."""
+    attributes, group = loc.read_if_present([MARKER, GROUP])
+    return attributes, attributes is not None or group is not None
 
 
 def read_arrays(loc: Location) -> list[tuple[_tu.KeyPath, Codec, tuple[int, ...]]]:

@@ -359,4 +359,4 @@ def _open_seqax(loc: Location, committed: bool) -> Checkpoint:
     leaves = {codec.array: StoredLeaf(path, codec.array, shape, codec.dtype, "numpy", codec)
               for path, codec, shape in arrays}
     spec = _seqax.spec_from_paths([(leaf.path, leaf.name) for leaf in leaves.values()])
-    return Checkpoint(loc, "seqax", committed, spec, leaves, _seqax.name_of, {})
+    return Checkpoint(loc, _seqax.LAYOUT, committed, spec, leaves, _seqax.name_of, {})
