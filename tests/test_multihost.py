@@ -68,3 +68,12 @@ def test_manager_background_barrier_times_out_naming_the_missing_process(tmp_pat
     error = results[0]["error"]
     assert "manager-save" in error and "processes [1] never arrived" in error, results[0]["output"]
     assert results[0]["waited"] < 8 and results[0]["steps"] == []
+
+
+def test_an_operations_waits_share_one_timeout(tmp_path):
+    """Waits of 2 s at two agreements of one save with timeout_s=3: the second times
+    out, so a save cannot take several times its timeout to fail."""
+    results = multiprocess.run("mp_manager", "late", str(tmp_path / "run"))
+    error = results[1]["error"]
+    assert error is not None and "in all for 'save' (at 'commit')" in error, results[1]["output"]
+    assert results[1]["waited"] < 5.5

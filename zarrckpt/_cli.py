@@ -30,7 +30,6 @@ from ._metadata import metadata
 from .errors import CheckpointError
 
 EXIT_ERROR = 1  # the command could not do its job (message on stderr)
-EXIT_USAGE = 2  # argparse's own code for a bad command line
 EXIT_DAMAGED = 3  # verify: the checkpoint was read and is not whole
 _SHOWN_PROBLEMS = 100  # verify lists at most this many; --json lists all
 

@@ -105,7 +105,7 @@ def _exported_dtype(leaf: _reader.StoredLeaf, format: str) -> np.dtype:
     native = leaf.dtype.kind in "biufc" if format == "npz" else leaf.dtype.name in _SAFETENSORS_DTYPES
     if native:
         return leaf.dtype
-    kind = _dtypes.kind(leaf.dtype)
+    kind = _dtypes.number_kind(leaf.dtype)
     if kind not in _WIDER:
         raise ValueError(f"leaf {leaf.where} (array {leaf.name!r}) has dtype {leaf.dtype}, which {format} "
                          "cannot hold; export to .npz instead")

@@ -42,10 +42,10 @@ class SymlinkError(OSError):
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One entry of a listing, on any store: its name relative to what was listed, its
-    kind ("file", "dir", "link": a symbolic link, never followed; "other") and size."""
+    type ("file", "dir", "link": a symbolic link, never followed; "other") and size."""
 
     name: str
-    kind: str
+    type: str
     size: int = 0
 
 
@@ -289,10 +289,10 @@ def walk(root: str, key: str) -> list[Entry]:
         below = todo.pop()
         for entry in list_dir(root, os.path.join(key, below) if below else key):
             name = f"{below}/{entry.name}" if below else entry.name
-            if entry.kind == "dir":
+            if entry.type == "dir":
                 todo.append(name)
             else:
-                out.append(Entry(name, entry.kind, entry.size))
+                out.append(Entry(name, entry.type, entry.size))
     return sorted(out, key=lambda e: e.name)
 
 

@@ -34,7 +34,7 @@ class CheckpointManager:
                 state = train_step(state)
                 mgr.save(step, state)                  # saves when a policy says so
 
-    Collective: under `jax.distributed` every process must make the same calls
+    Agreement: under `jax.distributed` every process must make the same calls
     (`save`, `restore`, `wait`, `close`) with the same arguments; process 0 takes the
     decisions that depend on its clock and broadcasts them. `all_steps`,
     `latest_step` and `pin` are not collective.
@@ -194,7 +194,7 @@ class CheckpointManager:
             due = True
         if not due and self._interval_seconds is not None:
             # Clocks differ across hosts: process 0 decides for everyone.
-            op = _multihost.Collective("manager-decide", self._timeout_s)
+            op = _multihost.Agreement("manager-decide", self._timeout_s)
             try:
                 due = bool(op.decide("due", lambda: time.monotonic() - self._last_save >= self._interval_seconds))
             finally:
@@ -236,10 +236,10 @@ class CheckpointManager:
     def _retain(self) -> None:
         """Applies retention after a commit, on the thread that committed: process 0
         deletes, every process waits for it (so `wait` covers it) and learns what
-        went. Collective."""
+        went. Agreement."""
         with self._lock:
             metrics = dict(self._metrics)
-        op = _multihost.Collective("manager-retain", self._timeout_s, what=f"retention under {self._root.url}")
+        op = _multihost.Agreement("manager-retain", self._timeout_s, what=f"retention under {self._root.url}")
         try:
             deleted = op.decide("retain", lambda: _retention.apply(self._root, self._policy, metrics))
         finally:
@@ -257,7 +257,7 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Blocks until the save in flight has committed and the retention its commit
-        triggered has run; raises its error if it failed. Collective."""
+        triggered has run; raises its error if it failed. Agreement."""
         with self._lock:
             in_flight = self._in_flight
         if in_flight is not None:
@@ -268,7 +268,7 @@ class CheckpointManager:
                 donate_target: bool = False, load_and_broadcast: bool = True,
                 max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
                 max_workers: int | None = None) -> tuple[Any, int]:
-        """Restores the newest committed step (or `step`) onto `target`. Collective.
+        """Restores the newest committed step (or `step`) onto `target`. Agreement.
 
         Returns (state, step); (target, 0) when nothing is committed and no `step`
         was asked for, which is logged as a warning naming the directory and leaves
@@ -354,8 +354,8 @@ class CheckpointManager:
         self.close()
 
     def _claim_lease(self) -> None:
-        """Process 0 claims the directory; a refusal is raised on every process. Collective."""
-        op = _multihost.Collective("manager-open", self._timeout_s, what=f"claiming {self._root.url} for this job",
+        """Process 0 claims the directory; a refusal is raised on every process. Agreement."""
+        op = _multihost.Agreement("manager-open", self._timeout_s, what=f"claiming {self._root.url} for this job",
                                    error=errors.CheckpointWriteError)
         try:
             op.decide("claim", lambda: self._lease.claim() if self._lease is not None else None)

@@ -6,16 +6,16 @@ which processes never arrived, where a hung collective cannot.
 
 Two agreements, each costing every process a constant number of calls to the
 service whatever the process count (none with a single process):
-- `Collective.decide`: process 0 runs a step (choose a step, clear the way, commit)
+- `Agreement.decide`: process 0 runs a step (choose a step, clear the way, commit)
   and publishes its outcome under one key; every other process reads that key
   (one blocking read). Its result, or its error, comes out on every process.
-- `Collective.check`: every process runs its part (write its chunks); a process
+- `Agreement.check`: every process runs its part (write its chunks); a process
   whose part failed publishes the failure under a key of its own; all meet at a
   barrier with a timeout, then read the (normally empty) directory of failures.
   Every failure is raised on every process. Each process also marks its arrival
   before the barrier, so that a timeout names the processes that never came.
 
-Each `Collective` is one operation with its own key namespace; when it is closed,
+Each `Agreement` is one operation with its own key namespace; when it is closed,
 every process counts itself out, and the last one deletes the namespace.
 
 Contract: every process makes the same sequence of calls with the same channel,
@@ -73,7 +73,7 @@ class _Counted:
         return getattr(self._client, name)
 
 
-class Collective:
+class Agreement:
     """One multi-process operation (a save, a step choice) with its own key namespace.
 
     `channel` names it; a background thread uses its own channel so that its keys
@@ -91,12 +91,13 @@ class Collective:
         self._channel = channel
         self._prefix = f"zarrckpt/{channel}/{number}"
         self._timeout_s = timeout_s
+        self._waited = 0.0  # seconds this process has spent waiting in this operation
         self._what, self._error, self._note = what or channel, error, note
         self._used = False
 
     def decide(self, tag: str, step: Callable[[], _T]) -> _T:
         """Runs `step` on process 0 and returns its JSON-able result on every process;
-        if it raised, raises on every process. Collective."""
+        if it raised, raises on every process. Agreement."""
         mine: BaseException | None = None
         outcome: dict[str, Any] = {}
         if process_index() == 0:
@@ -117,7 +118,7 @@ class Collective:
 
     def check(self, tag: str, step: Callable[[], None]) -> None:
         """Runs `step` on every process; if it raised anywhere, raises on every process.
-        Collective."""
+        Agreement."""
         mine: BaseException | None = None
         failures: dict[int, dict[str, str]] = {}
         try:
@@ -151,22 +152,26 @@ class Collective:
             pass  # a leftover key costs a few bytes; never fail a save for it
 
     def _wait(self, tag: str, call: Callable[[Any, int], Any], expected: list[int] | None) -> Any:
-        """Runs a blocking coordination `call` with what is left of the timeout; on
-        timeout, raises naming the processes that never arrived (`expected`, or those
-        that did not mark their arrival at `tag`)."""
+        """Runs a blocking coordination `call` with what is left of the operation's
+        timeout (the time this process has already waited in it counts; its own work
+        does not); on timeout, raises naming the processes that never arrived
+        (`expected`, or those that did not mark their arrival at `tag`)."""
         client = _client()
-        deadline = time.monotonic() + self._timeout_s
+        left = self._timeout_s - self._waited
+        started = time.monotonic()
         try:
-            return call(client, max(1, int((deadline - time.monotonic()) * 1000)))
+            return call(client, max(1, int(left * 1000)))
         except Exception as e:  # the client raises a runtime error on deadline
             if expected is None:
                 arrived = {int(key.rsplit("/", 1)[1])
                            for key, _ in client.key_value_dir_get(f"{self._prefix}/{tag}/arrived/")}
                 expected = [p for p in range(process_count()) if p not in arrived]
             raise CoordinationTimeoutError(
-                f"process {process_index()} waited {self._timeout_s:.0f}s at '{self._channel}/{tag}' "
-                f"but processes {expected} never arrived ({str(e).splitlines()[0]})"
+                f"process {process_index()} waited {self._timeout_s:.0f}s in all for '{self._channel}' (at "
+                f"'{tag}') but processes {expected} never arrived ({str(e).splitlines()[0]})"
             ) from None
+        finally:
+            self._waited += time.monotonic() - started
 
     def _raise(self, failures: dict[int, dict[str, str]], mine: BaseException | None) -> None:
         if len(failures) == 1:

@@ -114,7 +114,7 @@ def read_arrays(loc: Location) -> list[tuple[_tu.KeyPath, Codec, tuple[int, ...]
     """Every array of the seqax checkpoint at `loc`: its key path, codec and shape.
     Raises ValueError (naming the array) for metadata seqax's zarr does not write, and
     an OSError for a link or an unreadable object."""
-    names = [e.name for e in loc.list_dir() if e.kind in ("dir", "link")]
+    names = [e.name for e in loc.list_dir() if e.type in ("dir", "link")]
     found = _concurrency.run_all(lambda name: _read_if_present(loc, f"{name}/{ARRAY}"), names, loc.concurrency)
     arrays = []
     for name, raw in zip(names, found):

@@ -32,7 +32,7 @@ def save_checkpoint(
 ) -> None:
     """Saves `state` as step `step` under `checkpoint_dir` and commits it.
 
-    Collective, like `save_pytree`, whose options it takes (see there). Raises what
+    Agreement, like `save_pytree`, whose options it takes (see there). Raises what
     `save_pytree` raises; CheckpointExistsError if the step is committed and
     `overwrite` is False, ValueError for a bad step.
     """
@@ -83,10 +83,10 @@ def candidate_steps(root: Location) -> list[int]:
         step = _naming.parse_step_dir_name(entry.name)
         if step is None:
             continue
-        if entry.kind == "dir":
+        if entry.type == "dir":
             steps.append(step)
         else:
-            what = "a symbolic link (never followed)" if entry.kind == "link" else "not a directory"
+            what = "a symbolic link (never followed)" if entry.type == "link" else "not a directory"
             _commit.warn_once(f"{root.url}/{entry.name} is named like a step but is {what}: skipped")
     return sorted(steps)
 
@@ -116,7 +116,7 @@ def check_directory_of_steps(root: Location, *, has_steps: bool = False) -> None
         if marker in names:
             raise CheckpointLocationError(f"{root.url} is a checkpoint of {library}, not a directory of zarrckpt "
                                           "steps: restore it with Orbax (and save it again with zarrckpt to move)")
-    numbered = sorted((e.name for e in entries if e.kind == "dir" and e.name.isascii() and e.name.isdigit()
+    numbered = sorted((e.name for e in entries if e.type == "dir" and e.name.isascii() and e.name.isdigit()
                        and e.name == str(int(e.name)) and _naming.parse_step_dir_name(e.name) is None), key=int)
     if numbered:
         inside = {e.name for e in root.list_dir(numbered[-1])}
@@ -158,7 +158,7 @@ def load_checkpoint_if_it_exists(
     a training loop can call it unconditionally at start-up; that case is logged as a
     warning naming the URL (a manager's `restored_step` tells the two apart).
 
-    Collective: process 0 chooses the step and every process restores that one, even
+    Agreement: process 0 chooses the step and every process restores that one, even
     if a save commits another step in between (`timeout_s`: how long a process waits
     for that choice). Takes `load_pytree`'s options (see there) and raises what it
     raises; CheckpointLocationError, on every process, if `checkpoint_dir` is a
@@ -254,9 +254,9 @@ def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None,
 def restore_latest(root: Location, target: Any, options: _options.LoadOptions,
                    timeout_s: float) -> tuple[Any, int | None]:
     """`load_checkpoint_if_it_exists` under `root`, but None for the step when nothing
-    was restored (step 0 may have been saved). Collective."""
+    was restored (step 0 may have been saved). Agreement."""
     chosen: dict[str, Any] = {}
-    op = _multihost.Collective("restore", timeout_s, what=f"choosing the step to restore under {root.url}")
+    op = _multihost.Agreement("restore", timeout_s, what=f"choosing the step to restore under {root.url}")
     try:
         step, save_id = op.decide("step", lambda: _newest(root, chosen))
     finally:

@@ -182,10 +182,10 @@ class Location:
         entries = {}
         for item in found:
             name = posixpath.basename(item["name"].rstrip("/"))
-            kind = "dir" if item.get("type") == "directory" else "file"
-            if name not in entries or kind == "dir":
-                entries[name] = Entry(name, kind, int(item.get("size") or 0))
-            if kind == "file" and entries[name].kind == "dir":
+            found_type = "dir" if item.get("type") == "directory" else "file"
+            if name not in entries or found_type == "dir":
+                entries[name] = Entry(name, found_type, int(item.get("size") or 0))
+            if found_type == "file" and entries[name].type == "dir":
                 log.warning("%s/%s is both an object and a directory: the object is ignored",
                             self._full(key), name)
         return sorted(entries.values(), key=lambda e: e.name)

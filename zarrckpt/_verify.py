@@ -179,8 +179,8 @@ def _check_chunks(loc: Location, leaf: _reader.StoredLeaf) -> tuple[list[Problem
         entry = listed.get(posixpath.basename(key))
         if entry is None:
             problems.append(Problem(key, "missing", leaf.where))
-        elif entry.kind != "file":
-            problems.append(Problem(key, _SYMLINK if entry.kind == "link" else "not a file", leaf.where))
+        elif entry.type != "file":
+            problems.append(Problem(key, _SYMLINK if entry.type == "link" else "not a file", leaf.where))
         elif (damage := leaf.codec.size_damage(entry.size)) is not None:
             problems.append(Problem(key, damage, leaf.where))
         else:

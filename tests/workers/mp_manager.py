@@ -59,4 +59,21 @@ def timeout(directory: str) -> None:
     report(error="no timeout")
 
 
-{"train": train, "timeout": timeout}[args[0]](*args[1:])
+def late(directory: str) -> None:
+    """Process 0's store is slow twice in one save (2 s before clearing the way, 2 s
+    before the commit): process 1 waits 4 s in all for a save whose timeout is 3 s."""
+    from zarrckpt import _commit, _objects
+
+    if jax.process_index() == 0:
+        for module, name in ((_objects, "make_way"), (_commit, "commit")):
+            slow = getattr(module, name)
+            setattr(module, name, lambda *a, _slow=slow, **k: (time.sleep(2), _slow(*a, **k))[1])
+    started = time.monotonic()
+    try:
+        zarrckpt.save_checkpoint(directory, 1, {"w": np.ones(4)}, timeout_s=3)
+        report(error=None, waited=time.monotonic() - started)
+    except zarrckpt.CoordinationTimeoutError as e:
+        report(error=str(e), waited=time.monotonic() - started)
+
+
+{"train": train, "timeout": timeout, "late": late}[args[0]](*args[1:])

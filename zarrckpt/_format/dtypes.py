@@ -395,7 +395,7 @@ _ML_FLOATS = frozenset(np.dtype(z.scalar_type) for z in ZDTYPES if issubclass(z,
 _ML_INTS = frozenset(np.dtype(z.scalar_type) for z in ZDTYPES if issubclass(z, _MLInt))
 
 
-def kind(dtype: np.dtype) -> str:
+def number_kind(dtype: np.dtype) -> str:
     """NumPy's kind letter, but "f" for ml_dtypes floats and "i"/"u" for 4-bit ints (NumPy says "V")."""
     dtype = np.dtype(dtype)
     if dtype in _ML_FLOATS:
@@ -408,7 +408,7 @@ def kind(dtype: np.dtype) -> str:
 def check_savable(dtype: np.dtype) -> np.dtype:
     """`dtype` if zarrckpt can store it bit-exactly, else TypeError saying why not."""
     dtype = np.dtype(dtype)
-    if kind(dtype) in "biufc":
+    if number_kind(dtype) in "biufc":
         return dtype
     raise TypeError(f"dtype {dtype} cannot be saved (bool, integer, float, complex and ml_dtypes types can)")
 

@@ -76,7 +76,7 @@ def _check_unique(leaves: Sequence[Leaf]) -> None:
             )
 
 
-def stored_form(leaf: Leaf) -> tuple[Leaf, dict[str, Any]]:
+def as_stored(leaf: Leaf) -> tuple[Leaf, dict[str, Any]]:
     """The leaf as it is stored, and what the tree record says of it.
 
     A typed PRNG key array is stored as its key data (uint32, one more axis) with
@@ -209,7 +209,7 @@ def _record_node(node: Any, path: KeyPath, leaves: list[Leaf]) -> dict[str, Any]
     except ValueError as e:  # e.g. dict keys of mixed types, which jax cannot sort
         raise UnsupportedLeafError(f"cannot flatten the tree at {describe_path(path)}: {e}") from None
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:
-        leaf, leaf_spec = stored_form(Leaf(path, name_of(path), node))
+        leaf, leaf_spec = as_stored(Leaf(path, name_of(path), node))
         leaves.append(leaf)
         return leaf_spec
     # Flatten one level only: every child counts as a leaf here.

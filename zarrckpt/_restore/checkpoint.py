@@ -35,7 +35,9 @@ class StoredLeaf:
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype
-    kind: str  # "jax", "numpy", "numpy_scalar", "prng_key", or the Python scalar type's name
+    # What was saved: "jax", "numpy", "numpy_scalar", "prng_key", "str", "bytes",
+    # "per_process", or a Python scalar type's name ("bool", "int", "float", "complex").
+    kind: str
     codec: ChunkCodec | _seqax.Codec
     prng_impl: str | None = None  # for typed PRNG keys: the implementation's name
     processes: int | None = None  # for per-process leaves: how many processes saved one

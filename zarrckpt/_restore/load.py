@@ -50,7 +50,7 @@ def load_pytree(
 
     Each process reads only what its own devices need, so it works whatever the
     process count; under `jax.distributed` every process calls it with the same
-    target to get one consistent global state. Collective when a leaf of the target
+    target to get one consistent global state. Agreement when a leaf of the target
     is held by several processes (data-parallel replicas) and `load_and_broadcast`
     is on: that leaf is read once in total and shared over device collectives.
 

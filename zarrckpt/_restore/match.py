@@ -130,16 +130,16 @@ class Text(Form):
     """A str or bytes leaf, stored as its bytes (UTF-8 for a str)."""
 
     dtype: np.dtype
-    kind: str  # "str" or "bytes"
+    type_name: str  # "str" or "bytes"
 
     def mismatch(self, stored: _reader.StoredLeaf, allow_dtype_cast: bool) -> str | None:
-        if stored.kind != self.kind:
-            return f"a {self.kind} in the target, saved as {_saved_as(stored)}"
+        if stored.kind != self.type_name:
+            return f"a {self.type_name} in the target, saved as {_saved_as(stored)}"
         return None
 
     def convert(self, data: np.ndarray) -> Any:
         raw = data.tobytes()
-        return raw.decode("utf-8") if self.kind == "str" else raw
+        return raw.decode("utf-8") if self.type_name == "str" else raw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,7 +324,7 @@ def _scalar_fits(stored: _reader.StoredLeaf, dtype: np.dtype) -> bool:
     kind (an int into any integer dtype, a float into any float dtype...), as
     `jax.eval_shape` makes int32 and float32 targets of Python 0 and 0.0. Its value
     must then fit (`_inexact_scalar`)."""
-    return stored.kind in _PY_SCALARS and stored.shape == () and _dtypes.kind(dtype) in _TARGET_KINDS[stored.kind]
+    return stored.kind in _PY_SCALARS and stored.shape == () and _dtypes.number_kind(dtype) in _TARGET_KINDS[stored.kind]
 
 
 def _inexact_scalar(ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, dtype: np.dtype) -> str | None:

@@ -49,7 +49,7 @@ def save_pytree(
 ) -> None:
     """Saves `tree` as a checkpoint at `url` and commits it.
 
-    Collective: under `jax.distributed` every process must call it with the same tree
+    Agreement: under `jax.distributed` every process must call it with the same tree
     structure (each passes its own shards). Returns once the checkpoint is committed.
 
     Args:
@@ -87,7 +87,7 @@ def save_pytree(
 
 
 def save(loc: _storage.Location, tree: Any, options: SaveOptions) -> None:
-    """`save_pytree` at `loc`: plan, then write as the budget lets each unit in. Collective."""
+    """`save_pytree` at `loc`: plan, then write as the budget lets each unit in. Agreement."""
     job = SaveJob.create(loc, tree, options)
     job.run(job.admitted())
 
@@ -178,10 +178,10 @@ class SaveJob:
 
     def run(self, work: Work) -> float:
         """Runs the write protocol over `work` (`admitted()`, or what `stage` staged);
-        returns the seconds it took. Collective."""
+        returns the seconds it took. Agreement."""
         is_primary = _multihost.process_index() == 0
         started = time.perf_counter()
-        op = _multihost.Collective(self.channel, self.options.timeout_s, what=f"saving {self.loc.url}",
+        op = _multihost.Agreement(self.channel, self.options.timeout_s, what=f"saving {self.loc.url}",
                                    error=errors.CheckpointWriteError, note="nothing was committed")
         loc = self.loc
         with _progress.bar(f"saving {loc.url}", self.nbytes, self.options.progress) as advance:
@@ -262,21 +262,21 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
 
 
 def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str, Any]) -> None:
-    with _naming_leaf(plan, "metadata"):
+    with _as_write_error(plan, "metadata"):
         loc.write(_naming.object_key(plan.codec.array, "zarr.json"), _zarrjson.encode_document(document),
                   durable=True)
 
 
 def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit) -> None:
     try:
-        with _naming_leaf(plan, f"chunk {plan.codec.coords(unit.region)}"):
+        with _as_write_error(plan, f"chunk {plan.codec.coords(unit.region)}"):
             loc.write(plan.codec.key(unit.region), *plan.codec.encode(unit.host_array()), durable=True)
     finally:
         unit.release()
 
 
 @contextlib.contextmanager
-def _naming_leaf(plan: ArrayPlan, what: str) -> Iterator[None]:
+def _as_write_error(plan: ArrayPlan, what: str) -> Iterator[None]:
     """Turns a failure inside into a CheckpointWriteError naming the leaf and `what`."""
     try:
         yield
