@@ -255,7 +255,7 @@ class PeakMemory:
     def above(self) -> int:
         return max(0, self.peak - self.baseline)
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         import gc
         import subprocess
         import sys

@@ -50,7 +50,10 @@ common.setup_platform(None, None)
 import fsspec  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import (
+    NamedSharding,  # noqa: E402
+    PartitionSpec as P,
+)
 
 import zarrckpt  # noqa: E402
 from zarrckpt import _storage  # noqa: E402

@@ -100,7 +100,7 @@ def zarrckpt_contender(tree, checksums=True):
         import zarrckpt
         save_pytree, load_pytree = zarrckpt.save_pytree, zarrckpt.load_pytree
     except Exception as exc:  # a half-written package fails in many ways
-        raise Unavailable(f"not importable ({type(exc).__name__}: {exc})")
+        raise Unavailable(f"not importable ({type(exc).__name__}: {exc})") from exc
 
     def save(path, tree):
         save_pytree(path, tree, checksums=checksums)
@@ -121,7 +121,7 @@ def orbax_contender(tree):
     try:
         import orbax.checkpoint as ocp
     except Exception as exc:
-        raise Unavailable(f"n/a ({type(exc).__name__}: {exc})")
+        raise Unavailable(f"n/a ({type(exc).__name__}: {exc})") from exc
 
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),

@@ -23,8 +23,9 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import zarrckpt  # noqa: E402
 from train_minimal import train  # noqa: E402  (this directory is on sys.path)
+
+import zarrckpt  # noqa: E402
 
 
 def storage_option(text: str) -> tuple[str, object]:

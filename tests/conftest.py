@@ -16,7 +16,6 @@ from typing import Any  # noqa: E402
 
 import fsspec  # noqa: E402
 import pytest  # noqa: E402
-
 from object_store_servers import GCSServer, S3Server  # noqa: E402
 
 STORES = ["local", "file", "memory", "s3", "gcs"]

@@ -25,7 +25,8 @@ import threading
 import time
 import urllib.request
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 # gcsfs otherwise asks a Google control-plane API about every bucket (unreachable
 # here: each lookup hangs for a minute). Read when gcsfs is imported, so set first.

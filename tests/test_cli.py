@@ -18,10 +18,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors
+from object_store_servers import TEST_KEY, TEST_SECRET
 
 import zarrckpt
 from zarrckpt import _cli, _commit, _retention, _storage
-from object_store_servers import TEST_KEY, TEST_SECRET
 
 ROOT = Path(__file__).parent.parent
 

@@ -17,14 +17,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from builders import mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zarrckpt
 from zarrckpt._save import transfer as _transfer
-
-
-def mesh():
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
 
 
 def varied_state():

@@ -136,7 +136,8 @@ def test_newer_format_is_refused(tmp_path):
     url = tmp_path / "c"
     zarrckpt.save_pytree(str(url), {"a": np.ones(2)})
     edit_group_attributes(url, lambda attrs: attrs["zarrckpt"].update(format_version=99))
-    with pytest.raises(zarrckpt.CheckpointCorruptError, match=f"format_version 99; this zarrckpt reads up to {zarrckpt.FORMAT_VERSION}"):
+    with pytest.raises(zarrckpt.CheckpointCorruptError,
+                       match=f"format_version 99; this zarrckpt reads up to {zarrckpt.FORMAT_VERSION}"):
         zarrckpt.load_pytree(str(url))
 
 

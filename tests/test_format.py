@@ -12,8 +12,8 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import zarrckpt
-from zarrckpt._save import plan as _planning
 from zarrckpt._format import naming as _naming, tree as _tree
+from zarrckpt._save import plan as _planning
 
 
 def names(tree) -> list[str]:
@@ -168,6 +168,7 @@ def test_plain_zarr_reads_what_zarrckpt_writes(tmp_path):
 
 def test_edge_chunks_are_padded_as_zarr_expects(tmp_path):
     import zarr
+
     from zarrckpt import _storage
     from zarrckpt._format import chunks as _chunks, zarrjson as _zarrjson
 

@@ -1,13 +1,15 @@
 """CheckpointManager: save policies, async snapshots, background errors, retention."""
 
 import functools
+import json
 import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from builders import mesh, train_state
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zarrckpt
 from zarrckpt import _commit, _manager, _retention, _storage
@@ -15,8 +17,7 @@ from zarrckpt import _commit, _manager, _retention, _storage
 
 def small_state(value=0.0):
     value = float(value)
-    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
-    return {"w": jax.device_put(jnp.full((8, 16), value), NamedSharding(mesh, P("a", "b"))),
+    return {"w": jax.device_put(jnp.full((8, 16), value), NamedSharding(mesh(names=("a", "b")), P("a", "b"))),
             "step": jnp.array(int(value), jnp.int32), "host": np.full(3, value)}
 
 
@@ -220,3 +221,55 @@ def test_metrics_of_a_step_and_the_best_step_read_back(tmp_path):
         assert again.best_step() == 1  # from storage, in a new process's manager
     with zarrckpt.CheckpointManager(str(tmp_path)) as plain, pytest.raises(ValueError, match="needs best_metric"):
         plain.best_step()
+
+
+# -- everyday use -----------------------------------------------------------------------
+
+
+def test_metrics_straight_from_a_jitted_step(tmp_path):
+    loss = jax.jit(lambda x: (x ** 2).mean())(jnp.arange(3.0))  # a jax scalar, as every loop has
+    with zarrckpt.CheckpointManager(str(tmp_path), keep_best=1, best_metric="loss") as mgr:
+        assert mgr.save(1, train_state(), metrics={"loss": loss, "acc": np.float32(0.5), "n": 3, "lr": np.array(1e-3),
+                                             "nan": float("nan")})
+        mgr.wait()
+    meta = json.loads((tmp_path / "0000000001" / "zarr.json").read_text())["attributes"]["zarrckpt"]["metrics"]
+    assert meta == {"loss": pytest.approx(5 / 3), "acc": 0.5, "n": 3, "lr": pytest.approx(1e-3), "nan": "NaN"}
+
+
+@pytest.mark.parametrize("metric, message", [
+    (jnp.ones(3), "metric 'loss' must be a real number"),
+    ("0.5", "metric 'loss' must be a real number .* got str '0.5'"),
+    (1 + 2j, "got complex"),
+    (True, "got bool"),
+])
+def test_a_bad_metric_is_refused_by_save_and_the_next_save_works(tmp_path, metric, message):
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(TypeError, match=message):
+            mgr.save(1, train_state(), metrics={"loss": metric})
+        assert mgr.save(2, train_state(), metrics={"loss": 0.25})
+    assert zarrckpt.all_steps(str(tmp_path)) == [2]
+
+
+def test_no_policy_saves_at_every_call(tmp_path):
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        assert all(mgr.save(step, train_state(step)) for step in (1, 2, 3))
+    assert zarrckpt.all_steps(str(tmp_path)) == [1, 2, 3]
+
+
+def test_restore_with_a_step_where_the_target_goes_says_how(tmp_path):
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(5, train_state())
+        with pytest.raises(TypeError, match=r"to restore step 5, call mgr.restore\(state, step=5\)"):
+            mgr.restore(5)
+        assert mgr.restore(train_state(0.0), step=5)[1] == 5
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_wait_and_sync_saves_cover_retention(tmp_path, async_save):
+    with zarrckpt.CheckpointManager(str(tmp_path), keep_last=2, async_save=async_save) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, train_state(step))
+            if not async_save:
+                assert mgr.all_steps() == list(range(max(1, step - 1), step + 1))
+        mgr.wait()
+        assert mgr.all_steps() == [4, 5]

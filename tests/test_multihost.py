@@ -1,9 +1,9 @@
 """Real multi-process JAX: 2 processes x 4 CPU devices on localhost, on a local disk and
 on the S3 and GCS servers."""
 
+import multiprocess
 import pytest
 
-import multiprocess
 import zarrckpt
 from zarrckpt import _commit, _storage
 

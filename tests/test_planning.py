@@ -5,10 +5,10 @@ replicated data, and every part a host needs is read once, by someone."""
 
 import collections
 
-import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from builders import mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zarrckpt._regions import region_size, replicas_of
 from zarrckpt._restore import plan as read_plan
@@ -20,10 +20,6 @@ def host_of(devices_per_host: int):
 
 
 HOSTS = [pytest.param(2, id="4 hosts of 2 devices"), pytest.param(1, id="8 hosts of 1 device")]
-
-
-def mesh():
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
 
 
 @pytest.mark.parametrize("per_host", HOSTS)

@@ -17,9 +17,9 @@ def is_key(x) -> bool:
     return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def keys_over(devices: int, spec: P = P("x")) -> jax.Array:
+def keys_over(devices: int) -> jax.Array:
     mesh = Mesh(np.array(jax.devices()[:devices]), ("x",))
-    return jax.device_put(jax.random.split(jax.random.key(3), 8), NamedSharding(mesh, spec))
+    return jax.device_put(jax.random.split(jax.random.key(3), 8), NamedSharding(mesh, P("x")))
 
 
 class Model(nnx.Module):

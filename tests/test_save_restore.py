@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from builders import mesh, train_state
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import zarrckpt
 from zarrckpt import _storage
@@ -13,10 +14,6 @@ from zarrckpt import _storage
 DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
           np.float16, np.float32, np.float64, np.complex64, np.complex128, ml_dtypes.bfloat16,
           ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.int4]
-
-
-def mesh(shape, names=("a", "b")):
-    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names[: len(shape)])
 
 
 def values(dtype, shape):
@@ -35,7 +32,7 @@ def same_bits(a, b):
 
 
 def test_every_dtype_round_trips_bit_exactly(store):
-    m = mesh((2, 4))
+    m = mesh((2, 4), ("a", "b"))
     tree = {}
     for dt in DTYPES:
         name = np.dtype(dt).name
@@ -71,17 +68,17 @@ def test_scalars_and_host_leaves(store):
 
 
 SAVE_LAYOUTS = {
-    "rows": (mesh((2, 4)), P("a")),
-    "cols": (mesh((2, 4)), P(None, "b")),
-    "both": (mesh((2, 4)), P("a", "b")),
-    "replicated": (mesh((2, 4)), P()),
+    "rows": (mesh((2, 4), ("a", "b")), P("a")),
+    "cols": (mesh((2, 4), ("a", "b")), P(None, "b")),
+    "both": (mesh((2, 4), ("a", "b")), P("a", "b")),
+    "replicated": (mesh((2, 4), ("a", "b")), P()),
     "single_device": (None, None),
 }
 RESTORE_LAYOUTS = {
     "flat8": (mesh((8,), ("x",)), P("x")),
-    "4x2_transposed": (mesh((4, 2)), P("b", "a")),
-    "2x2_subset": (mesh((2, 2)), P(None, "a")),
-    "replicated": (mesh((4, 2)), P()),
+    "4x2_transposed": (mesh((4, 2), ("a", "b")), P("b", "a")),
+    "2x2_subset": (mesh((2, 2), ("a", "b")), P(None, "a")),
+    "replicated": (mesh((4, 2), ("a", "b")), P()),
     "single_device": (None, None),
 }
 
@@ -107,7 +104,7 @@ def test_restore_onto_another_mesh(store, saved_as, restore_as):
 
 def test_target_kinds(tmp_path):
     url = str(tmp_path / "c")
-    m = mesh((2, 4))
+    m = mesh((2, 4), ("a", "b"))
     x = np.arange(32, dtype=np.float32).reshape(4, 8)
     zarrckpt.save_pytree(url, {"a": x, "b": x, "c": x, "d": x})
     sharding = NamedSharding(m, P("a", "b"))
@@ -172,7 +169,8 @@ class CountingStore:
 def test_each_chunk_read_once_per_process(tmp_path, monkeypatch):
     url = str(tmp_path / "c")
     x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
-    zarrckpt.save_pytree(url, {"x": jax.device_put(x, NamedSharding(mesh((2, 4)), P("a", "b")))}, min_chunk_bytes=1)
+    sharded = jax.device_put(x, NamedSharding(mesh((2, 4), ("a", "b")), P("a", "b")))
+    zarrckpt.save_pytree(url, {"x": sharded}, min_chunk_bytes=1)
     counter = CountingStore(monkeypatch)
     # Replicated over 8 devices, and split more finely than the saved chunks (32 x 16).
     for spec in (P(), P("x"), P(None, "x")):
@@ -186,7 +184,7 @@ def test_each_chunk_read_once_per_process(tmp_path, monkeypatch):
 def test_metadata_reads_no_array_data(tmp_path, monkeypatch):
     url = str(tmp_path / "c")
     zarrckpt.save_pytree(url, {"w": jax.device_put(jnp.ones((8, 4), jnp.bfloat16),
-                                                   NamedSharding(mesh((2, 4)), P("a"))), "n": None, "s": 1},
+                                                   NamedSharding(mesh((2, 4), ("a", "b")), P("a"))), "n": None, "s": 1},
                          min_chunk_bytes=1)
     counter = CountingStore(monkeypatch)
     meta = zarrckpt.metadata(url)
@@ -199,7 +197,7 @@ def test_metadata_reads_no_array_data(tmp_path, monkeypatch):
 
 def test_small_host_memory_bound_still_works(tmp_path):
     url = str(tmp_path / "c")
-    tree = {f"l{i}": jax.device_put(jnp.full((64, 64), i, jnp.float32), NamedSharding(mesh((2, 4)), P("a")))
+    tree = {f"l{i}": jax.device_put(jnp.full((64, 64), i, jnp.float32), NamedSharding(mesh((2, 4), ("a", "b")), P("a")))
             for i in range(6)}
     zarrckpt.save_pytree(url, tree, max_inflight_bytes=1, max_workers=2)
     back = zarrckpt.load_pytree(url, jax.tree_util.tree_map(lambda x: x.sharding, tree), max_inflight_bytes=1)
@@ -209,7 +207,7 @@ def test_small_host_memory_bound_still_works(tmp_path):
 
 def test_typed_prng_keys_round_trip(tmp_path):
     url = str(tmp_path / "c")
-    m = mesh((2, 4))
+    m = mesh((2, 4), ("a", "b"))
     keys = jax.device_put(jax.random.split(jax.random.key(7), 8), NamedSharding(m, P("a")))
     rbg = jax.random.key(3, impl="rbg")
     zarrckpt.save_pytree(url, {"keys": keys, "rbg": rbg, "raw": jax.random.PRNGKey(1)})
@@ -224,3 +222,79 @@ def test_typed_prng_keys_round_trip(tmp_path):
     assert jax.dtypes.issubdtype(plain["keys"].dtype, jax.dtypes.prng_key)
     with pytest.raises(zarrckpt.CheckpointMismatchError, match="a typed PRNG key array in the target, saved as plain"):
         zarrckpt.load_pytree(url, {**target, "raw": jax.random.key(0)})
+
+
+# -- donation, partial restore -------------------------------------------------------
+
+
+def damage_one_chunk(url: str, name: str = "params.w") -> None:
+    loc = _storage.resolve(url)
+    key = next(k for k in (e.name for e in loc.walk()) if k.startswith(f"{name}/c"))
+    data = bytearray(loc.read(key))
+    data[0] ^= 0xFF
+    loc.write(key, bytes(data))
+
+
+def test_restoring_into_aliases_of_live_arrays_keeps_them_alive(tmp_path):
+    """eqx.filter(model, eqx.is_array) shares its arrays with the model: a restore into it
+    must not free them unless asked."""
+    url = str(tmp_path / "c")
+    zarrckpt.save_pytree(url, train_state(2.0))
+    model = train_state(1.0)
+    alias = jax.tree.map(lambda x: x, model)  # the same array objects
+    back = zarrckpt.load_pytree(url, alias)
+    assert float(back["params"]["w"][0, 0]) == 2.0
+    assert float(model["params"]["w"][0, 0]) == 1.0  # still usable
+
+
+def test_a_failed_restore_leaves_the_target_untouched_unless_donated(tmp_path):
+    url = str(tmp_path / "c")
+    zarrckpt.save_pytree(url, train_state(2.0))
+    damage_one_chunk(url)
+    target = train_state(1.0)
+    with pytest.raises(zarrckpt.CheckpointCorruptError, match="fails its CRC-32C checksum"):
+        zarrckpt.load_pytree(url, target)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(target))
+    np.testing.assert_array_equal(target["params"]["w"], np.ones((4, 3)))
+    # With donation the arrays read before the failure are gone, as documented.
+    donated = train_state(1.0)
+    with pytest.raises(zarrckpt.CheckpointCorruptError):
+        zarrckpt.load_pytree(url, donated, donate_target=True)
+    assert any(x.is_deleted() for x in jax.tree.leaves(donated))
+
+
+def test_partial_restore_of_the_params_of_a_train_train_state(tmp_path):
+    url = str(tmp_path)
+    zarrckpt.save_checkpoint(url, 10, train_state(3.0))
+    abstract = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), train_state()["params"])}
+    with pytest.raises(zarrckpt.CheckpointMismatchError) as info:
+        zarrckpt.load_checkpoint_if_it_exists(url, abstract)
+    assert "['opt_state']['mu']: in the checkpoint but not in the target" in str(info.value)
+    assert "['step']: in the checkpoint but not in the target" in str(info.value)
+    assert "pass partial=True" in str(info.value)
+    reads = []
+    original = _storage.Location.read_into
+    try:
+        _storage.Location.read_into = lambda self, key, *b: reads.append(key) or original(self, key, *b)
+        params, step = zarrckpt.load_checkpoint_if_it_exists(url, abstract, partial=True)
+    finally:
+        _storage.Location.read_into = original
+    assert step == 10 and set(params) == {"params"}
+    assert float(params["params"]["w"][0, 0]) == 3.0
+    assert all(key.startswith("params.") for key in reads), reads  # the rest is never read
+    with pytest.raises(zarrckpt.CheckpointMismatchError, match=r"\['params'\]\['extra'\]: in the target but not"):
+        zarrckpt.load_checkpoint_if_it_exists(url, {"params": {**abstract["params"], "extra": jnp.ones(2)}},
+                                              partial=True)
+
+
+def test_fine_tuning_with_a_new_head(tmp_path):
+    """Restore the backbone of a pretrained model, initialize a head of another shape."""
+    pretrained = {"backbone": {"w": jnp.full((8, 8), 0.5)}, "head": {"w": jnp.ones((8, 10))}}
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(100, pretrained)
+        fresh = {"backbone": {"w": jnp.zeros((8, 8))}, "head": {"w": jnp.zeros((8, 3))}}  # 3 classes now
+        with pytest.raises(zarrckpt.CheckpointMismatchError, match=r"shape \(8, 10\) in the checkpoint, \(8, 3\)"):
+            mgr.restore(fresh)
+        backbone, step = mgr.restore({"backbone": fresh["backbone"]}, partial=True)
+    model = {**backbone, "head": fresh["head"]}
+    assert step == 100 and float(model["backbone"]["w"][0, 0]) == 0.5 and model["head"]["w"].shape == (8, 3)

@@ -85,7 +85,8 @@ def test_a_run_pointed_at_orbax_checkpoints_is_an_error(tmp_path):
     with pytest.raises(zarrckpt.CheckpointLocationError, match="holds Orbax's checkpoints \\(steps 60\\), not "
                                                               "zarrckpt's .*0000000060"):
         zarrckpt.load_checkpoint_if_it_exists(str(tmp_path / "run"), {"w": np.zeros(2)})
-    with pytest.raises(zarrckpt.CheckpointLocationError, match="is a checkpoint of Orbax, not a directory of zarrckpt steps"):
+    with pytest.raises(zarrckpt.CheckpointLocationError,
+                       match="is a checkpoint of Orbax, not a directory of zarrckpt steps"):
         zarrckpt.CheckpointManager(str(tmp_path / "single"))
 
 

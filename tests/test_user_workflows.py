@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from multiprocess import run
 
 import zarrckpt
-from multiprocess import run
 
 REPO = Path(__file__).parent.parent
 WORKER = Path(__file__).parent / "workers" / "user_loops.py"

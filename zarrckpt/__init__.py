@@ -15,11 +15,12 @@ draws the modules: the write path in `_save/`, the read path in `_restore/`, the
 format's pure pieces in `_format/`, storage at the bottom.
 """
 
-from ._format import dtypes as _dtypes
 from ._copy import CopyResult, copy_checkpoint
+from ._format import dtypes as _dtypes
+from ._format.naming import FORMAT_VERSION
+from ._format.tree import PerProcess
 from ._manager import CheckpointManager
 from ._metadata import CheckpointMetadata, LeafMetadata, metadata
-from ._format.naming import FORMAT_VERSION
 from ._restore import load_pytree
 from ._save import save_pytree
 from ._steps import (
@@ -30,7 +31,6 @@ from ._steps import (
     load_checkpoint_if_it_exists,
     save_checkpoint,
 )
-from ._format.tree import PerProcess
 from ._verify import Problem, VerifyReport, verify
 from .errors import (
     CheckpointCorruptError,

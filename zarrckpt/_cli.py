@@ -8,8 +8,9 @@
     zarrckpt export URL OUT          to .npz or .safetensors
 
 Every command reads and writes through the library (nothing here knows the format:
-`_metadata`, `_verify`, `_copy`, `_export` and `_retention` do), and never touches an accelerator: JAX is held to the CPU unless JAX_PLATFORMS says
-otherwise, so the command works on a host whose devices a training job holds.
+`_metadata`, `_verify`, `_copy`, `_export` and `_retention` do), and never touches an
+accelerator: JAX is held to the CPU unless JAX_PLATFORMS says otherwise, so the
+command works on a host whose devices a training job holds.
 """
 
 from __future__ import annotations
@@ -19,12 +20,24 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 
-from . import (__version__, _commit, _concurrency, _copy, _export, _metadata, _retention, _seqax, _steps,
-               _storage, _verify)
+from . import (
+    __version__,
+    _commit,
+    _concurrency,
+    _copy,
+    _export,
+    _metadata,
+    _retention,
+    _seqax,
+    _steps,
+    _storage,
+    _verify,
+)
 from ._format import zarrjson as _zarrjson
 from ._metadata import metadata
 from .errors import CheckpointError

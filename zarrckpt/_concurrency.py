@@ -19,7 +19,8 @@ import collections
 import concurrent.futures
 import itertools
 import threading
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar, cast
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -59,7 +60,7 @@ class ByteBudget:
         self._error: BaseException | None = None
         self._cv = threading.Condition()
 
-    def take(self, nbytes: int, *, block: bool = True) -> "Hold | None":
+    def take(self, nbytes: int, *, block: bool = True) -> Hold | None:
         """Takes `nbytes`, waiting for room (or returning None without `block`); raises
         `Aborted` once the budget has been aborted."""
         with self._cv:
@@ -111,7 +112,7 @@ class Operation:
         self.error: BaseException | None = None
         self._budgets: list[ByteBudget] = []
 
-    def __enter__(self) -> "Operation":
+    def __enter__(self) -> Operation:
         return self
 
     def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> None:
@@ -170,9 +171,10 @@ class Operation:
                 with turn:
                     if self.error is not None:
                         return
-                    item = next(source, _DONE)
-                    if item is _DONE:
+                    following = next(source, _DONE)
+                    if following is _DONE:
                         return
+                    item = cast(_T, following)
                     index = next(count)
                     hold = budget.take(nbytes(item)) if budget is not None else None
                 try:

@@ -17,12 +17,13 @@ import dataclasses
 import os
 import posixpath
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import _commit, _concurrency, _local, _objects, _progress, _seqax, _storage
-from ._restore import checkpoint as _reader
 from ._format import naming as _naming, zarrjson as _zarrjson
 from ._format.chunks import DamagedChunk
+from ._restore import checkpoint as _reader
 from ._storage import Location
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import zipfile
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
 from . import _concurrency, _progress, _storage
-from ._restore import checkpoint as _reader
 from ._format import dtypes as _dtypes
+from ._restore import checkpoint as _reader
 
 FORMATS = ("npz", "safetensors")
 # What every safetensors release since 0.4 writes from NumPy arrays (later ones add a few).

@@ -23,7 +23,7 @@ import os
 import shutil
 import stat
 import uuid
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC

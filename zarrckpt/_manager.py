@@ -7,15 +7,15 @@ import math
 import queue
 import threading
 import time
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from . import _commit, _concurrency, _lease, _multihost, _options, _retention, _save, _steps, _storage
+from . import _commit, _concurrency, _lease, _multihost, _options, _retention, _save, _steps, _storage, errors
 from ._format import naming as _naming
-from . import errors
 from .errors import CheckpointError
 
 log = logging.getLogger("zarrckpt")
@@ -177,7 +177,7 @@ class CheckpointManager:
             with self._lock:
                 writer_errors, self._errors = self._errors, []  # raised here instead
             if isinstance(e, _concurrency.Aborted) and writer_errors:
-                raise writer_errors[0]  # the writer failed first, which stopped the staging
+                raise writer_errors[0] from e  # the writer failed first, which stopped the staging
             raise
         timing["blocked"] = time.perf_counter() - started  # before _END: the commit comes after it
         staged.put(_END)
@@ -192,16 +192,17 @@ class CheckpointManager:
         if self._save_on_preemption and multihost_utils.reached_preemption_sync_point(step):
             log.warning("preemption notice at step %d: saving", step)
             due = True
-        if not due and self._interval_seconds is not None:
+        if not due and (interval := self._interval_seconds) is not None:
             # Clocks differ across hosts: process 0 decides for everyone.
             op = _multihost.Agreement("manager-decide", self._timeout_s)
             try:
-                due = bool(op.decide("due", lambda: time.monotonic() - self._last_save >= self._interval_seconds))
+                due = bool(op.decide("due", lambda: time.monotonic() - self._last_save >= interval))
             finally:
                 op.close()
         return due
 
-    def _write_in_background(self, job: _save.SaveJob, staged: queue.Queue[Any], step: int, metrics: Mapping[str, float] | None, started: float,
+    def _write_in_background(self, job: _save.SaveJob, staged: queue.Queue[Any], step: int,
+                             metrics: Mapping[str, float] | None, started: float,
                              timing: dict[str, float]) -> None:
         def work() -> Iterator[Any]:
             while (item := staged.get()) is not _END:
@@ -347,7 +348,7 @@ class CheckpointManager:
                 self._lease.release()
         self._raise_errors()
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _commit, _storage
-from ._restore import checkpoint as _reader
 from ._format import dtypes as _dtypes, naming as _naming, tree as _tree
+from ._restore import checkpoint as _reader
 
 
 @dataclasses.dataclass(frozen=True)

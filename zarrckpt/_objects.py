@@ -14,9 +14,9 @@ import dataclasses
 import re
 
 from . import _commit, _seqax
-from ._restore import checkpoint as _reader
 from ._format import chunks as _chunks
 from ._regions import chunks_touching
+from ._restore import checkpoint as _reader
 from ._storage import Location
 from .errors import CheckpointError, CheckpointExistsError
 
@@ -45,8 +45,8 @@ def owned(ckpt: _reader.Checkpoint) -> list[Owned]:
     """Every object `ckpt` records, its group metadata (with the commit marker) last.
     Raises CheckpointCorruptError (or MissingObject) if metadata it needs is damaged."""
     if ckpt.layout == _seqax.LAYOUT:
-        arrays = [(leaf.path, leaf.codec, leaf.shape) for leaf in ckpt.leaves.values()]
-        return [Owned(key, nbytes) for key, nbytes in _seqax.objects(ckpt.loc, arrays)]  # type: ignore[arg-type]
+        grids = [(leaf.path, leaf.codec, leaf.shape) for leaf in ckpt.leaves.values()]
+        return [Owned(key, nbytes) for key, nbytes in _seqax.objects(ckpt.loc, grids)]  # type: ignore[arg-type]
     out = []
     for leaf in ckpt.leaves.values():
         if leaf.processes is None:
@@ -57,7 +57,8 @@ def owned(ckpt: _reader.Checkpoint) -> list[Owned]:
             out.append(Owned(f"{array.name}/zarr.json"))
             full = tuple((0, n) for n in array.shape)
             codec = array.codec
-            out += [Owned(codec.key(chunk), codec.stored_bytes, codec)  # type: ignore[union-attr, arg-type]
+            assert isinstance(codec, _chunks.ChunkCodec)  # zarrckpt's layout
+            out += [Owned(codec.key(chunk), codec.stored_bytes, codec)
                     for chunk in chunks_touching(full, array.chunks, array.shape)]
     return out + [Owned("zarr.json")]
 

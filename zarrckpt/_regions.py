@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Collection, Mapping
+from collections.abc import Collection, Mapping
+from typing import Any
 
 from . import _commit, _options, _steps
 from ._storage import Location
@@ -67,9 +68,10 @@ def steps_to_keep(policy: Policy, committed: Collection[int], metrics: Mapping[i
 
 def ranked(policy: Policy, metrics: Mapping[int, Mapping[str, Any]]) -> list[int]:
     """The steps of `metrics` with a finite `best_metric`, best first (ties: newest first)."""
-    scored = [s for s in metrics if isinstance(metrics[s].get(policy.best_metric), (int, float))
-              and not isinstance(metrics[s][policy.best_metric], bool)]
-    scored.sort(key=lambda s: (metrics[s][policy.best_metric] * (-1 if policy.best_mode == "max" else 1), -s))
+    metric, sign = policy.best_metric or "", -1 if policy.best_mode == "max" else 1
+    scored = [s for s in metrics if isinstance(metrics[s].get(metric), (int, float))
+              and not isinstance(metrics[s][metric], bool)]
+    scored.sort(key=lambda s: (metrics[s][metric] * sign, -s))
     return scored
 
 

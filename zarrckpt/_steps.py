@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from . import _commit, _concurrency, _multihost, _options, _restore, _save, _storage
-from ._restore import checkpoint as _reader
 from ._format import naming as _naming
+from ._restore import checkpoint as _reader
 from ._storage import Location
 from .errors import CheckpointLocationError, CheckpointNotFoundError
 

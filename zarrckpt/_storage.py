@@ -24,7 +24,8 @@ import posixpath
 import random
 import re
 import time
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import fsspec
 import numpy as np
@@ -142,12 +143,12 @@ class Location:
         """How many requests to keep in flight here by default."""
         return self.protocol.concurrency
 
-    def child(self, name: str) -> "Location":
+    def child(self, name: str) -> Location:
         return dataclasses.replace(
             self, url=posixpath.join(self.url.rstrip("/"), name), path=posixpath.join(self.path, name)
         )
 
-    def step(self, step: int) -> "Location":
+    def step(self, step: int) -> Location:
         """The directory of `step` in this checkpoint directory (ValueError for a bad step)."""
         return self.child(_naming.step_dir_name(step))
 
@@ -363,7 +364,9 @@ class Location:
 
 def _chain_texts(e: BaseException) -> list[str]:
     """The messages and arguments of `e` and every exception chained to it."""
-    texts, seen, todo = [], set(), [e]
+    texts: list[str] = []
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [e]
     while todo:
         current = todo.pop()
         if current is None or id(current) in seen:

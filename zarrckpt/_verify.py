@@ -24,13 +24,12 @@ import posixpath
 from typing import Any
 
 from . import _commit, _concurrency, _local, _storage
-from ._restore import checkpoint as _reader
 from ._format import naming as _naming, tree as _tree, zarrjson as _zarrjson
-from ._format.chunks import DamagedChunk
+from ._format.chunks import ChunkCodec, DamagedChunk
 from ._regions import Region, chunks_touching
+from ._restore import checkpoint as _reader
 from ._storage import Location
 from .errors import CheckpointCorruptError
-
 
 # No array zarrckpt writes has a chunk grid this large (64 MiB chunks of a 4 PiB
 # array); checking a larger one chunk by chunk would never end.
@@ -105,7 +104,7 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None, checksums
                 whole += [(array, chunk) for array, chunk in sized if checksums and array.checksum]
             sums = op.fan_out(whole, lambda item: _checksum_problem(loc, *item),
                               budget=_concurrency.ByteBudget(max_inflight_bytes),
-                              nbytes=lambda item: item[0].codec.stored_bytes)
+                              nbytes=lambda item: item[0].codec.stored_bytes)  # type: ignore[union-attr]
             problems += [problem for problem in sums if problem is not None]
             checksummed = len(whole)
     return VerifyReport(loc.url, ckpt.layout, ckpt.committed, len(ckpt.leaves), chunks, checksummed,
@@ -158,6 +157,8 @@ def _check_chunks(loc: Location, leaf: _reader.StoredLeaf) -> tuple[list[Problem
     """The chunk-size problems of one array, how many chunks its grid has, and those
     present with the right size."""
     problems: list[Problem] = []
+    codec = leaf.codec
+    assert isinstance(codec, ChunkCodec)  # verified: zarrckpt's layout only
     grid = math.prod(-(-n // c) for n, c in zip(leaf.shape, leaf.chunks))
     if grid > _MAX_CHUNKS:
         return problems + [Problem(_naming.object_key(leaf.name, "zarr.json"), f"a grid of {grid:,} chunks, more "
@@ -181,7 +182,7 @@ def _check_chunks(loc: Location, leaf: _reader.StoredLeaf) -> tuple[list[Problem
             problems.append(Problem(key, "missing", leaf.where))
         elif entry.type != "file":
             problems.append(Problem(key, _SYMLINK if entry.type == "link" else "not a file", leaf.where))
-        elif (damage := leaf.codec.size_damage(entry.size)) is not None:
+        elif (damage := codec.size_damage(entry.size)) is not None:
             problems.append(Problem(key, damage, leaf.where))
         else:
             sized.append(chunk)

@@ -13,7 +13,6 @@ import zarr
 import zarrckpt
 
 
-
 def saved(tmp_path) -> Path:
     for step in (1, 2):
         zarrckpt.save_checkpoint(str(tmp_path), step, {"w": np.arange(64, dtype=np.float32).reshape(8, 8) + step,

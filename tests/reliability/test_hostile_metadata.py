@@ -29,7 +29,8 @@ values = st.one_of(
     st.sampled_from(["float32", "int8", "bfloat16", "object", "bogus", "S4", "V4", ">f4", "jax", "numpy",
                      "prng_key", "leaf", "dict", "node", "none", "evil", "threefry2x32"]),
     st.sampled_from([{"kind": "leaf"}, {"kind": "dict", "keys": ["w", "w"], "children": []}, [], {},
-                     [{"name": "bytes"}], [{"name": "gzip"}], {"name": "default", "configuration": {"separator": "/"}}]),
+                     [{"name": "bytes"}], [{"name": "gzip"}],
+                     {"name": "default", "configuration": {"separator": "/"}}]),
 )
 # Where an edit lands: the leaf record of "w" or "s", the tree's root node, the
 # consolidated array metadata of a leaf, the zarrckpt attributes.

@@ -5,8 +5,9 @@ import random
 import shutil
 import time
 
-import numpy as np
 import multiprocess
+import numpy as np
+
 import zarrckpt
 from zarrckpt import _commit, _storage
 from zarrckpt._format import naming as _naming

@@ -217,10 +217,10 @@ def grain_loop(ckpt_dir: str, stop_at: int) -> dict:
 def shards(ckpt_dir: str) -> None:
     import grain
     import jax
+    from common import report
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import zarrckpt
-    from common import report
 
     me, count = jax.process_index(), jax.process_count()
     ds = grain.MapDataset.range(EXAMPLES)[me::count].shuffle(seed=7).map(lambda i: X[i]).batch(4)

@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 import crc32c
 import numpy as np
 
-from . import dtypes as _dtypes, naming as _naming
 from .._regions import Region
 from ..errors import CheckpointCorruptError
+from . import dtypes as _dtypes, naming as _naming
 
 SEPARATOR = "."
 CRC32C_CODEC = {"name": "crc32c"}
@@ -128,4 +128,4 @@ class Damage(ValueError):
 def _crc(payload: np.ndarray) -> bytes:
     # crc32c (hardware CRC instructions) lets go of the GIL, so chunk writers checksum
     # on every core at once; google_crc32c holds it and cost a third of a save.
-    return crc32c.crc32c(payload).to_bytes(CHECKSUM_BYTES, "little")
+    return crc32c.crc32c(payload).to_bytes(CHECKSUM_BYTES, "little")  # type: ignore[arg-type, unused-ignore]

@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, Sequence, SupportsFloat, SupportsIndex
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, SupportsFloat, SupportsIndex
 
 import ml_dtypes
 import numpy as np
@@ -54,9 +55,9 @@ from zarr.core.dtype.npy.common import (
 from zarr.dtype import ZDType, data_type_registry
 
 try:  # newer zarr moved the exception and warns on the old path
-    from zarr.errors import DataTypeValidationError
+    from zarr.errors import DataTypeValidationError  # type: ignore[attr-defined, unused-ignore]
 except ImportError:  # zarr 3.1
-    from zarr.core.dtype.common import DataTypeValidationError
+    from zarr.core.dtype.common import DataTypeValidationError  # type: ignore[no-redef, unused-ignore]
 
 if TYPE_CHECKING:
     from zarr.core.common import JSON, ZarrFormat

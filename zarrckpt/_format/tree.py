@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
-from . import dtypes as _dtypes, naming as _naming, zarrjson as _zarrjson
 from ..errors import UnsupportedLeafError
+from . import dtypes as _dtypes, naming as _naming, zarrjson as _zarrjson
 
 KeyPath = tuple[Any, ...]
 _PYTHON_DTYPES = {"bool": np.dtype(bool), "int": np.dtype(np.int64), "float": np.dtype(np.float64),
@@ -125,7 +126,7 @@ class Encoded:
     data: np.ndarray  # uint8
 
     @classmethod
-    def of(cls, value: Any, where: str) -> "Encoded":
+    def of(cls, value: Any, where: str) -> Encoded:
         """Raises UnsupportedLeafError, naming the leaf, for a value that is none of them."""
         if isinstance(value, bytes):
             return cls("bytes", _as_uint8(value))
@@ -208,7 +209,7 @@ def _record_node(node: Any, path: KeyPath, leaves: list[Leaf]) -> dict[str, Any]
         treedef = _tu.tree_structure(node)
     except ValueError as e:  # e.g. dict keys of mixed types, which jax cannot sort
         raise UnsupportedLeafError(f"cannot flatten the tree at {describe_path(path)}: {e}") from None
-    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # type: ignore[attr-defined]
         leaf, leaf_spec = as_stored(Leaf(path, name_of(path), node))
         leaves.append(leaf)
         return leaf_spec

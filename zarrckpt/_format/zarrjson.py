@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from zarr.dtype import parse_data_type
@@ -41,7 +42,7 @@ def array_document(shape: Sequence[int], codec: ChunkCodec,
     }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dtype_json(dtype: np.dtype) -> tuple[Any, Any]:
     """How zarr spells a dtype and its zero fill value (about 1 ms: worth caching)."""
     zdtype = parse_data_type(dtype, zarr_format=3)

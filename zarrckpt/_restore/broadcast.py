@@ -6,7 +6,8 @@ ICI on accelerators)."""
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -23,7 +24,7 @@ def share(requests: list[Request], done: dict[str, Any]) -> None:
     one replica is summed over the replicas. XLA's collectives (gloo on CPU, NCCL or
     ICI on accelerators) carry the bytes between hosts."""
     staged = [done[r.stored.name] for r in requests]
-    moved = _program(tuple(r.share for r in requests))(*staged)  # type: ignore[misc]
+    moved = _program(tuple(r.share for r in requests if r.share is not None))(*staged)
     for request, array, old in zip(requests, moved, staged):
         done[request.stored.name] = array
         old.delete()

@@ -12,7 +12,8 @@ import dataclasses
 import functools
 import math
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -147,7 +148,7 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
     for chunk in chunks_touching(box, leaf.chunks, leaf.shape):
         inside = intersect(chunk, box)
         # The trailing Ellipsis keeps a 0-d result a view, not a scalar copy.
-        dest = out[(*relative(inside, box), ...)]
+        dest = out[(*relative(inside, box), Ellipsis)]  # type: ignore[arg-type]
         # The common case: the chunk's bytes land in the result with no copy.
         whole = inside == chunk and all(b - a == c for (a, b), c in zip(chunk, leaf.chunks)) \
             and dest.flags.c_contiguous
@@ -168,8 +169,8 @@ def read_chunk(loc: Location, codec: ChunkCodec | _seqax.Codec, chunk: Region,
         if out is not None and codec.reads_into:
             trailer = bytearray(codec.stored_bytes - codec.data_bytes)  # type: ignore[union-attr]
             payload = out.reshape(-1).view(np.uint8)
-            codec.check(loc.read_into(key, memoryview(payload), memoryview(trailer)), payload,  # type: ignore[union-attr]
-                        trailer)
+            size = loc.read_into(key, memoryview(payload), memoryview(trailer))  # type: ignore[arg-type, unused-ignore]
+            codec.check(size, payload, trailer)  # type: ignore[union-attr]
             return out
         values = codec.decode(loc.read(key))
     except FileNotFoundError:
@@ -225,6 +226,8 @@ def _open_zarrckpt(loc: Location, committed: bool, meta: dict[str, Any], documen
             f"{_naming.FORMAT_VERSION} (upgrade zarrckpt to read it)"
         )
     spec = meta.get("tree")
+    if not isinstance(spec, dict):
+        raise CheckpointCorruptError(f"checkpoint {loc.url} has malformed metadata: no tree record")
     try:
         records = _checked_records(spec)  # before any read: names decide which objects are read
         shared = [rec["name"] for _, rec in records if rec.get("type") != "per_process"]
@@ -307,7 +310,7 @@ def stored_leaf(path: _tree.KeyPath, rec: dict[str, Any], array: dict[str, Any] 
     return StoredLeaf(path, rec["name"], shape, dtype, kind, ChunkCodec(rec["name"], dtype, chunks, checksum), impl)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _prng_impl_known(name: str) -> bool:
     try:
         jax.eval_shape(lambda: jax.random.key(0, impl=name))
@@ -342,7 +345,7 @@ def _ints(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dtype_fields(dtype: np.dtype, checksum: bool) -> dict[str, Any]:
     """The fields of an array's `zarr.json` that its dtype fixes. Cached: zarr's
     fill-value code makes a whole document cost ~50 us, 50 ms for 1000 leaves, while

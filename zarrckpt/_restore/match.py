@@ -192,7 +192,7 @@ class Sharded(Form):
     def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
         by_region = dict(pieces)
         return jax.make_array_from_callback(stored.shape, self.sharding,
-                                            lambda index: by_region[region_of(index, stored.shape)])
+                                            lambda index: by_region[region_of(index, stored.shape)])  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +216,8 @@ def sharded(dtype: np.dtype, sharding: jax.sharding.Sharding, stored: _reader.St
     a leaf that several processes need is read once in total: on a staging sharding cut
     at chunk boundaries (then resharded), or else by one reader per part (then summed
     over the replicas), and shared by device collectives (see `broadcast`)."""
-    if broadcast and _plan.held_by_several_processes(sharding, stored.shape):
+    if (broadcast and isinstance(sharding, jax.sharding.NamedSharding)
+            and _plan.held_by_several_processes(sharding, stored.shape)):
         staged = _plan.staging_sharding(sharding, stored.shape, stored.chunks)
         if staged is not None:
             return sharded(dtype, staged, stored)[0], Share(sharding, summed=False)
@@ -254,7 +255,7 @@ class OneReader(Sharded):
         readers = dict(self.readers)
         arrays = []
         for device, index in self.sharding.addressable_devices_indices_map(stored.shape).items():
-            region = region_of(index, stored.shape)
+            region = region_of(index, stored.shape)  # type: ignore[arg-type]  # never None: a device's own index
             mine = [(part, piece) for part, piece in pieces if readers[part] == device]
             if not mine:  # made on the device: nothing to copy from the host
                 arrays.append(jnp.zeros(region_shape(region), self.dtype, device=device))
@@ -324,7 +325,8 @@ def _scalar_fits(stored: _reader.StoredLeaf, dtype: np.dtype) -> bool:
     kind (an int into any integer dtype, a float into any float dtype...), as
     `jax.eval_shape` makes int32 and float32 targets of Python 0 and 0.0. Its value
     must then fit (`_inexact_scalar`)."""
-    return stored.kind in _PY_SCALARS and stored.shape == () and _dtypes.number_kind(dtype) in _TARGET_KINDS[stored.kind]
+    return (stored.kind in _PY_SCALARS and stored.shape == ()
+            and _dtypes.number_kind(dtype) in _TARGET_KINDS[stored.kind])
 
 
 def _inexact_scalar(ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, dtype: np.dtype) -> str | None:

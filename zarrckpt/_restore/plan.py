@@ -11,13 +11,22 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from .._regions import (HostOf, Region, aligned, bounding_box, chunks_touching, intersect, overlap, process_of,
-                        replicas_of)
+from .._regions import (
+    HostOf,
+    Region,
+    aligned,
+    bounding_box,
+    chunks_touching,
+    intersect,
+    overlap,
+    process_of,
+    replicas_of,
+)
 
 # Where each region read goes: the devices that need it, or none (the host).
 Placement = dict[Region, list[jax.Device]]

@@ -18,18 +18,29 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
 from .._concurrency import Hold
-from .._options import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MIN_CHUNK_BYTES
 from .._format import dtypes as _dtypes
 from .._format.chunks import ChunkCodec
 from .._format.tree import Leaf
-from .._regions import (HostOf, Region, Slices, chunks_in, intersect, process_of, region_shape, region_size,
-                        relative, replicas_of)
+from .._options import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MIN_CHUNK_BYTES
+from .._regions import (
+    HostOf,
+    Region,
+    Slices,
+    chunks_in,
+    intersect,
+    process_of,
+    region_shape,
+    region_size,
+    relative,
+    replicas_of,
+)
 
 # A replicated shard smaller than this per replica is not worth splitting.
 _MIN_REPLICA_SPLIT_BYTES = 2**20
@@ -235,7 +246,7 @@ class _Shards:
 
     @classmethod
     def of(cls, shape: Sequence[int], base: Sequence[int], replicas: dict[Region, tuple[jax.Device, ...]],
-           host_of: HostOf) -> "_Shards":
+           host_of: HostOf) -> _Shards:
         shard_of = {tuple(a for a, _ in c): region for region in replicas for c in chunks_in(region, base)}
         processes = {r: frozenset(host_of(d) for d in devices) for r, devices in replicas.items()}
         return cls(tuple((0, d) for d in shape), tuple(base), shard_of, processes)

@@ -20,7 +20,8 @@ import datetime
 import itertools
 import logging
 import time
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import jax
 import zarr
@@ -124,7 +125,7 @@ class SaveJob:
     @classmethod
     def create(cls, loc: _storage.Location, tree: Any, options: SaveOptions, *,
                extra_metadata: dict[str, Any] | None = None, channel: str = "save",
-               before_prepare: Callable[[], None] | None = None) -> "SaveJob":
+               before_prepare: Callable[[], None] | None = None) -> SaveJob:
         """Plans a save; raises UnsupportedLeafError before anything is written."""
         spec, leaves = _tree.record(tree)
         process, processes = _multihost.process_index(), _multihost.process_count()
@@ -236,7 +237,7 @@ def _tree_metadata(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "format_version": _naming.format_version({rec["type"] for _, rec in _tree.recorded_leaves(spec)}),
         "tree": spec,
-        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax_version": jax.__version__,
         "zarr_version": zarr.__version__,
     }
@@ -257,8 +258,9 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
             _write_one(loc, plan, what)
             advance(what.nbytes)
 
+    items: Iterable[tuple[ArrayPlan, WriteUnit | dict[str, Any]]] = itertools.chain(metadata, work)
     with _concurrency.Operation(workers, "write") as op:
-        op.fan_out(itertools.chain(metadata, work), write)
+        op.fan_out(items, write)
 
 
 def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str, Any]) -> None:

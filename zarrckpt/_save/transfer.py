@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -98,7 +99,7 @@ def _slicer(bounds: tuple[tuple[int, int], ...]) -> Any:
     return jax.jit(lambda x: x[take])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def has_pinned_memory(device: jax.Device) -> bool:
     """Whether `device` has a pinned host memory to copy into."""
     try:
@@ -107,12 +108,12 @@ def has_pinned_memory(device: jax.Device) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pinned_sharding(device: jax.Device) -> jax.sharding.SingleDeviceSharding:
     return jax.sharding.SingleDeviceSharding(device, memory_kind=PINNED)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_pageable(platform: str) -> None:
     log.info("%s devices have no pinned host memory: saves copy through pageable memory, which is slower",
              platform)

@@ -1,0 +1,60 @@
+"""Options: every public call spells its options out, and checks them where they are given."""
+
+
+import pytest
+from builders import train_state
+
+import zarrckpt
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"max_inflight_bytes": 2**20}, TypeError, "unexpected keyword argument 'max_inflight_bytes'"),
+    ({"keep_last": 0}, ValueError, "option keep_last must be positive"),
+    ({"keep_last": "3"}, TypeError, "option keep_last must be an int"),
+    ({"async_save": "yes"}, TypeError, "option async_save must be True or False"),
+    ({"max_staged_bytes": -1}, ValueError, "option max_staged_bytes must be positive"),
+    ({"timeout_s": "60"}, TypeError, "option timeout_s must be a number"),
+    ({"save_interval_steps": 2.5}, TypeError, "option save_interval_steps must be an int"),
+    ({"storage_options": "anon"}, TypeError, "storage_options must be a dict"),
+    ({"best_mode": "lowest"}, ValueError, "best_mode must be 'min' or 'max'"),
+    ({"keep_best": 2}, ValueError, "keep_best needs best_metric"),
+])
+def test_manager_options_are_checked_at_construction(tmp_path, options, error, message):
+    with pytest.raises(error, match=message):
+        zarrckpt.CheckpointManager(str(tmp_path), **options)
+    assert not any(tmp_path.iterdir())  # nothing was written, no lease left
+
+
+def test_function_options_are_checked_at_the_call(tmp_path):
+    url = str(tmp_path)
+    with pytest.raises(TypeError, match=r"save_checkpoint\(\) got an unexpected keyword argument 'max_inflight_byte'"):
+        zarrckpt.save_checkpoint(url, 1, train_state(), max_inflight_byte=10)
+    with pytest.raises(TypeError, match="option max_chunk_bytes must be an int"):
+        zarrckpt.save_checkpoint(url, 1, train_state(), max_chunk_bytes="64MiB")
+    zarrckpt.save_checkpoint(url, 1, train_state())
+    with pytest.raises(TypeError,
+                       match=r"load_checkpoint_if_it_exists\(\) got an unexpected keyword argument 'donate'"):
+        zarrckpt.load_checkpoint_if_it_exists(url, train_state(), donate=True)
+    with pytest.raises(TypeError, match="option partial must be True or False"):
+        zarrckpt.load_checkpoint_if_it_exists(url, train_state(), partial="yes")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'partial_restore'"):
+        zarrckpt.load_pytree(f"{url}/0000000001", train_state(), partial_restore=True)
+    with zarrckpt.CheckpointManager(url) as mgr:
+        with pytest.raises(TypeError, match=r"restore\(\) got an unexpected keyword argument 'strict'"):
+            mgr.restore(train_state(), strict=False)
+        with pytest.raises(ValueError, match="step must be a non-negative int, got -3"):
+            mgr.save(-3, train_state())
+
+
+def test_every_public_call_spells_out_its_options():
+    """What help() and an IDE show: no **options anywhere in the public API."""
+    import inspect
+
+    calls = [getattr(zarrckpt, name) for name in zarrckpt.__all__ if callable(getattr(zarrckpt, name))]
+    calls += [getattr(zarrckpt.CheckpointManager, name) for name in dir(zarrckpt.CheckpointManager)
+              if not name.startswith("_") and callable(getattr(zarrckpt.CheckpointManager, name))]
+    for call in calls:
+        if inspect.isclass(call) and issubclass(call, BaseException):
+            continue
+        kinds = {p.kind for p in inspect.signature(call).parameters.values()}
+        assert inspect.Parameter.VAR_KEYWORD not in kinds, call
