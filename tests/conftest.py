@@ -11,6 +11,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import dataclasses  # noqa: E402
+import subprocess  # noqa: E402
 import uuid  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -30,6 +31,19 @@ class Store:
     url: str
     options: dict[str, Any] | None = None
     server: S3Server | GCSServer | None = None
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 3 MiB filesystem (tmpfs), to fill."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount_point)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a 3 MiB tmpfs here: {mounted.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,7 @@ from . import (
     _seqax,
     _steps,
     _storage,
+    _tiers,
     _verify,
 )
 from ._format import zarrjson as _zarrjson
@@ -125,7 +126,8 @@ def _parser() -> argparse.ArgumentParser:
         sub.set_defaults(run=run)
         return sub
 
-    sub = command("ls", _ls, "list the step directories under a checkpoint directory, newest last", as_json)
+    sub = command("ls", _ls, "list the step directories under a checkpoint directory (or, in a local tier's "
+                  "directory, under each process's), newest last", as_json)
     sub.add_argument("dir", metavar="DIR", help="checkpoint directory: one subdirectory per step")
     sub = command("info", _info, "show one checkpoint's leaves: shape, dtype, chunk shape, size", as_json)
     sub.add_argument("url", metavar="URL", help="one checkpoint, e.g. DIR/0000001000")
@@ -197,8 +199,11 @@ def _ls(args: argparse.Namespace) -> int:
     root = _storage.resolve(args.dir, _options(args.storage_option))
     if not root.exists():
         raise FileNotFoundError(f"{root.url} does not exist")
-    steps = _steps.candidate_steps(root)
-    rows = _concurrency.run_all(lambda step: _describe_step(root, step), steps, root.concurrency)
+    steps: list[tuple[int | None, _storage.Location, int]] = [(None, root, s) for s in _steps.candidate_steps(root)]
+    tier = [] if steps else _tiers.process_directories(root)  # a local tier: every process's copies
+    steps += [(process, loc, step) for process, loc in tier for step in _steps.candidate_steps(loc)]
+    rows = _concurrency.run_all(lambda found: _describe_step(found[1], found[2], found[0]), steps,
+                                root.concurrency)
     if args.json:
         _print_json(rows)
     elif not rows:
@@ -206,19 +211,24 @@ def _ls(args: argparse.Namespace) -> int:
         print(f"no step directories under {root.url}"
               + (f" (it is a checkpoint itself: see `zarrckpt info {root.url}`)" if itself else ""))
     else:
-        _print_table(["step", "state", "pinned", "size", "leaves", "written"],
-                     [[r["step"], r["state"], "pinned" if r["pinned"] else "", _size(r["nbytes"]),
-                       _or_dash(r["leaves"]), _or_dash(r["created_at"])] for r in rows], right={0, 3, 4})
+        first = ["process"] if tier else []  # whose copy, in a local tier
+        table = [[r[name] for name in first] + [r["step"], r["state"], "pinned" if r["pinned"] else "",
+                                                _size(r["nbytes"]), _or_dash(r["leaves"]), _or_dash(r["created_at"])]
+                 for r in rows]
+        _print_table(first + ["step", "state", "pinned", "size", "leaves", "written"], table,
+                     right={*range(len(first)), *(i + len(first) for i in (0, 3, 4))})
     return 0
 
 
-def _describe_step(root: _storage.Location, step: int) -> dict[str, Any]:
-    """One `ls` row from the step's group metadata alone: one read for zarrckpt's layout."""
+def _describe_step(root: _storage.Location, step: int, process: int | None) -> dict[str, Any]:
+    """One `ls` row from the step's group metadata alone: one read for zarrckpt's layout.
+    `process`: whose local copy it is, in a local tier's directory."""
     loc = root.step(step)
     group = _commit.read_group(loc)
     state = _commit.state(loc, group)
     summary = _metadata.summarize(loc, group)
-    return {"step": step, "url": loc.url, "state": state.value, "committed": state is _commit.State.COMMITTED,
+    return {**({"process": process} if process is not None else {}),
+            "step": step, "url": loc.url, "state": state.value, "committed": state is _commit.State.COMMITTED,
             "pinned": _retention.is_pinned(loc), "nbytes": summary.nbytes, "leaves": summary.leaves,
             "created_at": summary.created_at}
 

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from . import _commit, _concurrency, _lease, _multihost, _options, _retention, _save, _steps, _storage, errors
+from . import _commit, _concurrency, _lease, _multihost, _options, _retention, _save, _steps, _storage, _tiers, errors
 from ._format import naming as _naming
 from .errors import CheckpointError
 
@@ -62,6 +62,14 @@ class CheckpointManager:
       heartbeat_s: how often process 0 renews its lease on the directory; a second
         manager on a directory whose lease is alive is refused (see `zarrckpt._lease`).
       progress: progress bars on process 0 (default: when stderr is a terminal).
+      local_directory: a path on each host's own disk (a RAM disk such as /dev/shm/run1,
+        or a local SSD) for the local tier: every `local_save_interval_steps` steps, each
+        process saves what its own devices hold there (under `process<i>`), beside the
+        persistent checkpoints; `restore` takes the newest step the surviving local
+        copies can rebuild when it is newer than the newest persistent step (see
+        README, "Two tiers"). A local save that would not fit is skipped with a warning.
+      local_save_interval_steps: the local tier's interval; needed with local_directory.
+      local_keep_last: local copies each process keeps.
       storage_options, timeout_s, max_chunk_bytes, min_chunk_bytes, max_workers,
         checksums: as for `save_pytree`.
     Raises TypeError or ValueError, naming the option, on an unknown, ill-typed or
@@ -90,8 +98,13 @@ class CheckpointManager:
         min_chunk_bytes: int = _options.DEFAULT_MIN_CHUNK_BYTES,
         max_workers: int | None = None,
         checksums: bool = True,
+        local_directory: str | None = None,
+        local_save_interval_steps: int | None = None,
+        local_keep_last: int = 1,
     ) -> None:
         for name, value, kind in (("save_interval_steps", save_interval_steps, _options.COUNT + "?"),
+                                  ("local_save_interval_steps", local_save_interval_steps, _options.COUNT + "?"),
+                                  ("local_keep_last", local_keep_last, _options.COUNT),
                                   ("save_interval_seconds", save_interval_seconds, _options.NUMBER + "?"),
                                   ("async_save", async_save, _options.FLAG),
                                   ("max_staged_bytes", max_staged_bytes, _options.COUNT),
@@ -105,6 +118,7 @@ class CheckpointManager:
                                                   max_workers=max_workers, timeout_s=timeout_s, progress=progress,
                                                   checksums=checksums)
         self._root = _storage.resolve(checkpoint_dir, storage_options)
+        self._local = self._local_tier(local_directory, local_save_interval_steps, local_keep_last)
         self._interval_steps = save_interval_steps
         self._interval_seconds = save_interval_seconds
         self._async = async_save
@@ -116,6 +130,7 @@ class CheckpointManager:
         # A checkpoint itself (even one a manager saved steps into), or Orbax's: refused.
         _steps.check_directory_of_steps(self._root, has_steps=bool(self._committed))
         self._restored_step: int | None = None
+        self._restored_tier: str | None = None
         self._metrics = self._load_metrics() if best_metric is not None else {}
         self._lock = threading.Lock()
         self._in_flight: tuple[threading.Thread, int] | None = None
@@ -149,28 +164,41 @@ class CheckpointManager:
         location = self._root.step(step)  # a bad step is refused here
         values = _metric_values(metrics)
         self._raise_errors()
-        if not self._should_save(step, force):
+        persistent = self._should_save(step, force)
+        local = self._local is not None and self._local.due(step)
+        if not (persistent or local):
             return False
         self.wait()
         started = time.perf_counter()
-        self._last_save = time.monotonic()
-        extra = {"metrics": values} if values is not None else None
-        job = _save.SaveJob.create(location, state, self._save_options, extra_metadata=extra,
-                                   channel="manager-save",
-                                   before_prepare=self._lease.check if self._lease else None)
+        jobs = []
+        if local and self._local is not None:
+            job = self._local.job(step, state, self._save_options, self._timeout_s)
+            jobs += [job] if job is not None else []
+        if persistent:
+            self._last_save = time.monotonic()
+            extra = {"metrics": values} if values is not None else None
+            jobs.append(_save.SaveJob.create(location, state, self._save_options, extra_metadata=extra,
+                                             channel="manager-save",
+                                             before_prepare=self._lease.check if self._lease else None))
+        if not jobs:
+            return False
         if not self._async:
-            job.run(job.admitted())
-            self._on_commit(step, values, job, started, blocked=None)
+            for job in jobs:
+                job.run(job.admitted())
+                self._on_commit(step, values, job, started, blocked=None)
             return True
         staged: queue.Queue[Any] = queue.Queue()
         timing: dict[str, float] = {}
         thread = threading.Thread(target=self._write_in_background, name=f"zarrckpt-save-{step}",
-                                  args=(job, staged, step, values, started, timing), daemon=True)
+                                  args=(jobs, staged, step, values, started, timing), daemon=True)
         with self._lock:
             self._in_flight = (thread, step)
         thread.start()
         try:
-            _save.stage(job, staged.put)
+            for i, job in enumerate(jobs):  # each job's writes, then the end of them
+                _save.stage(job, staged.put)
+                if i < len(jobs) - 1:
+                    staged.put(_END)
         except BaseException as e:
             staged.put(e)  # the writer aborts: nothing is committed
             thread.join()
@@ -201,7 +229,7 @@ class CheckpointManager:
                 op.close()
         return due
 
-    def _write_in_background(self, job: _save.SaveJob, staged: queue.Queue[Any], step: int,
+    def _write_in_background(self, jobs: list[_save.SaveJob], staged: queue.Queue[Any], step: int,
                              metrics: Mapping[str, float] | None, started: float,
                              timing: dict[str, float]) -> None:
         def work() -> Iterator[Any]:
@@ -211,8 +239,9 @@ class CheckpointManager:
                 yield item
 
         try:
-            job.run(work())
-            self._on_commit(step, metrics, job, started, blocked=timing.get("blocked"))
+            for job in jobs:
+                job.run(work())
+                self._on_commit(step, metrics, job, started, blocked=timing.get("blocked"))
         except BaseException as e:  # raised on the training thread by the next call
             with self._lock:
                 self._errors.append(e)
@@ -222,6 +251,9 @@ class CheckpointManager:
 
     def _on_commit(self, step: int, metrics: Mapping[str, float] | None, job: _save.SaveJob,
                    started: float, blocked: float | None) -> None:
+        if job.local and self._local is not None:
+            self._local.committed(step)
+            return
         seconds = time.perf_counter() - started
         with self._lock:
             self._committed.add(step)
@@ -273,8 +305,11 @@ class CheckpointManager:
 
         Returns (state, step); (target, 0) when nothing is committed and no `step`
         was asked for, which is logged as a warning naming the directory and leaves
-        `restored_step` None. Waits for a save in flight first. Takes `load_pytree`'s
-        options (see there; the manager's `max_workers` and `progress` unless given).
+        `restored_step` None. With a local tier and no `step`, the newest step the
+        local copies rebuild is taken when newer than the newest persistent one
+        (`restored_tier` says which tier was read; each process logs its bytes by
+        source). Waits for a save in flight first. Takes `load_pytree`'s options
+        (see there; the manager's `max_workers` and `progress` unless given).
         Raises CheckpointNotFoundError if `step` is not a committed step, and what
         `load_pytree` raises.
         """
@@ -290,13 +325,19 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         started = time.perf_counter()
-        if step is None:
+        tier: str | None = "persistent"
+        if step is None and self._local is not None:
+            state, restored, found = _tiers.restore_latest(self._root, self._local, target, options, self._timeout_s)
+            tier = found.tier if found is not None else None
+        elif step is None:
             state, restored = _steps.restore_latest(self._root, target, options, self._timeout_s)
         else:
             state, restored = _steps.load_step(self._root, step, target, options), step
         self._restored_step = restored
+        self._restored_tier = tier if restored is not None else None
         if restored is not None and _multihost.process_index() == 0:
-            log.info("restored step %d from %s in %.2fs", restored, self._root.url, time.perf_counter() - started)
+            log.info("restored step %d from %s in %.2fs", restored,
+                     self._root.url if tier == "persistent" else "the local tier", time.perf_counter() - started)
         return state, restored or 0
 
     @property
@@ -304,6 +345,12 @@ class CheckpointManager:
         """The step the last `restore` restored, or None if it restored nothing (nothing
         was committed: it returned the target and step 0) or none was called."""
         return self._restored_step
+
+    @property
+    def restored_tier(self) -> str | None:
+        """The tier the last `restore` read: "local", "persistent", or None if it
+        restored nothing."""
+        return self._restored_tier
 
     def metrics(self, step: int) -> dict[str, Any] | None:
         """The metrics saved with committed `step` (as `save` stored them: numbers, and
@@ -362,6 +409,20 @@ class CheckpointManager:
             op.decide("claim", lambda: self._lease.claim() if self._lease is not None else None)
         finally:
             op.close()
+
+    def _local_tier(self, directory: str | None, interval: int | None, keep_last: int) -> _tiers.LocalTier | None:
+        if directory is None and interval is None:
+            return None
+        if directory is None or interval is None:
+            raise ValueError("local_directory and local_save_interval_steps go together: give both for a local "
+                             "tier, or neither")
+        if not isinstance(directory, str):
+            raise TypeError(f"local_directory must be a str path, got {type(directory).__name__}")
+        local = _storage.resolve(directory)
+        if not local.is_local:
+            raise ValueError(f"local_directory must be a path on this host's own disk (a RAM disk or a local SSD), "
+                             f"got {directory!r}; the persistent tier is checkpoint_dir")
+        return _tiers.LocalTier.open(local, interval, keep_last, self._root.url)
 
     def _check_open(self) -> None:
         if self._closed:

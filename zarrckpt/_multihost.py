@@ -14,6 +14,8 @@ service whatever the process count (none with a single process):
   barrier with a timeout, then read the (normally empty) directory of failures.
   Every failure is raised on every process. Each process also marks its arrival
   before the barrier, so that a timeout names the processes that never came.
+  `Agreement.gather` is the same, with every process's result published too and
+  read back by all (what each process's local tier holds, say).
 
 Each `Agreement` is one operation with its own key namespace; when it is closed,
 every process counts itself out, and the last one deletes the namespace.
@@ -96,12 +98,12 @@ class Agreement:
         self._what, self._error, self._note = what or channel, error, note
         self._used = False
 
-    def decide(self, tag: str, step: Callable[[], _T]) -> _T:
-        """Runs `step` on process 0 and returns its JSON-able result on every process;
-        if it raised, raises on every process. Agreement."""
+    def decide(self, tag: str, step: Callable[[], _T], *, source: int = 0) -> _T:
+        """Runs `step` on process `source` (0 unless said) and returns its JSON-able
+        result on every process; if it raised, raises on every process. Agreement."""
         mine: BaseException | None = None
         outcome: dict[str, Any] = {}
-        if process_index() == 0:
+        if process_index() == source:
             try:
                 outcome = {"value": step()}
             except Exception as e:  # every process must learn of it
@@ -109,36 +111,67 @@ class Agreement:
         if process_count() > 1:
             key = f"{self._prefix}/{tag}"
             self._used = True
-            if process_index() == 0:
+            if process_index() == source:
                 _client().key_value_set(key, json.dumps(outcome))
             else:
-                outcome = json.loads(self._wait(tag, lambda c, ms: c.blocking_key_value_get(key, ms), [0]))
+                outcome = json.loads(self._wait(tag, lambda c, ms: c.blocking_key_value_get(key, ms), [source]))
         if "failure" in outcome:
-            self._raise({0: outcome["failure"]}, mine)
+            self._raise({source: outcome["failure"]}, mine)
         return outcome["value"]
 
-    def check(self, tag: str, step: Callable[[], None]) -> None:
+    def check(self, tag: str, step: Callable[[], object]) -> None:
         """Runs `step` on every process; if it raised anywhere, raises on every process.
         Agreement."""
+        self._everyone(tag, step, gather=False)
+
+    def gather(self, tag: str, step: Callable[[], _T]) -> list[_T]:
+        """Runs `step` on every process and returns every process's JSON-able result, in
+        process order, on every process; if it raised anywhere, raises on every
+        process. Agreement."""
+        return self._everyone(tag, step, gather=True)
+
+    def _everyone(self, tag: str, step: Callable[[], _T], gather: bool) -> list[_T]:
         mine: BaseException | None = None
         failures: dict[int, dict[str, str]] = {}
+        result: Any = None
         try:
-            step()
+            result = step()
         except Exception as e:  # reported to every process, then raised below
             mine = e
             failures[process_index()] = _report(e)
+        results = [result]
         if process_count() > 1:
             client, me = _client(), process_index()
             base = f"{self._prefix}/{tag}"
             self._used = True
             if mine is not None:
                 client.key_value_set(f"{base}/failed/{me}", json.dumps(failures[me]))
+            elif gather:
+                client.key_value_set(f"{base}/value/{me}", json.dumps(result))
             client.key_value_set(f"{base}/arrived/{me}", "")
             self._wait(tag, lambda c, ms: c.wait_at_barrier(base, ms), None)
             failures = {int(key.rsplit("/", 1)[1]): json.loads(value)
                         for key, value in client.key_value_dir_get(f"{base}/failed/")}
+            if gather and not failures:
+                found = {int(key.rsplit("/", 1)[1]): json.loads(value)
+                         for key, value in client.key_value_dir_get(f"{base}/value/")}
+                results = [found[p] for p in range(process_count())]
         if failures:
             self._raise(failures, mine)
+        return results
+
+    def send(self, tag: str, value: str) -> None:
+        """Publishes `value` under `tag` for `receive` on other processes (not a
+        collective: only the processes that need it wait for it)."""
+        if process_count() > 1:
+            self._used = True
+            _client().key_value_set(f"{self._prefix}/sent/{tag}", value)
+
+    def receive(self, tag: str, sender: int) -> str:
+        """What `sender` published under `tag` with `send`, once it has."""
+        self._used = True
+        key = f"{self._prefix}/sent/{tag}"
+        return self._wait(tag, lambda c, ms: c.blocking_key_value_get(key, ms), [sender])
 
     def close(self) -> None:
         """Counts this process out of the operation; the last one out deletes its keys.

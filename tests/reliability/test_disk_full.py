@@ -1,24 +1,10 @@
 """A full disk fails the save cleanly: an error naming the leaf, nothing committed, the
 earlier checkpoints intact, and the same step saves once there is room."""
 
-import subprocess
-
 import numpy as np
 import pytest
 
 import zarrckpt
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount_point)],
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a 3 MiB tmpfs here: {mounted.stderr.decode().strip()}")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def state(mib: int, value: float) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import crc32c
@@ -75,7 +76,11 @@ class ChunkCodec:
 
     def key(self, chunk: Region) -> str:
         """The object key of the chunk covering `chunk`."""
-        return _naming.object_key(self.array, SEPARATOR.join(["c", *map(str, self.coords(chunk))]))
+        return self.key_at(self.coords(chunk))
+
+    def key_at(self, coords: Sequence[int]) -> str:
+        """The object key of the chunk at grid coordinates `coords`."""
+        return _naming.object_key(self.array, SEPARATOR.join(["c", *map(str, coords)]))
 
     def size_damage(self, size: int) -> str | None:
         """What is wrong with a chunk object of `size` bytes, or None. zarrckpt never

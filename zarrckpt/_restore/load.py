@@ -111,13 +111,16 @@ def load(loc: _storage.Location, target: Any, options: LoadOptions) -> Any:
 def load_opened(ckpt: _reader.Checkpoint, target: Any, options: LoadOptions) -> Any:
     """`load_pytree` of the opened checkpoint `ckpt`. Raises CheckpointNotFoundError if
     it was deleted or replaced before its last read was checked (see `_commit`)."""
-    started = time.perf_counter()
     if target is None:
-        requests = [Request(s, saved_form(s)) for s in ckpt.leaves.values()]
-        treedef = None
-    else:
-        requests, treedef = match(ckpt, target, options.allow_dtype_cast, options.partial,
-                                  options.load_and_broadcast)
+        return load_requests(ckpt, [Request(s, saved_form(s)) for s in ckpt.leaves.values()], None, options)
+    requests, treedef = match(ckpt, target, options.allow_dtype_cast, options.partial, options.load_and_broadcast)
+    return load_requests(ckpt, requests, treedef, options)
+
+
+def load_requests(ckpt: _reader.Checkpoint, requests: list[Request], treedef: Any, options: LoadOptions) -> Any:
+    """Reads `requests` (matched to a target of structure `treedef`, or None for the
+    saved tree) from `ckpt` and builds the result. Collective when a request is shared."""
+    started = time.perf_counter()
     total = sum(r.nbytes for r in requests)
     with _progress.bar(f"restoring {ckpt.loc.url}", total, options.progress) as advance:
         values = _read_all(ckpt, requests, options, advance)

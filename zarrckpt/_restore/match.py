@@ -58,9 +58,7 @@ class Form:
     def fetch(self, ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, box: Region,
               places: Placement) -> list[Any]:
         """On a reader thread: reads `box` and cuts out each region, as (region, host array)."""
-        data = ckpt.read(stored, box)
-        data = data if data.dtype == self.dtype else data.astype(self.dtype)
-        return [(region, data[relative(region, box)]) for region in places]
+        return cut(ckpt.read(stored, box), self.dtype, box, places)
 
     def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
         """On the main thread: the value, from every piece `fetch` returned."""
@@ -69,6 +67,12 @@ class Form:
 
     def convert(self, data: np.ndarray) -> Any:
         return data
+
+
+def cut(data: np.ndarray, dtype: np.dtype, box: Region, places: Placement) -> list[tuple[Region, np.ndarray]]:
+    """The values `data` read of `box`, in `dtype`, cut into the regions of `places`."""
+    data = data if data.dtype == dtype else data.astype(dtype)
+    return [(region, data[relative(region, box)]) for region in places]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +125,13 @@ class PrngKeys(Form):
 
     def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
         ((_, data),) = pieces
-        keys = jax.random.wrap_key_data(data, impl=stored.prng_impl)
-        return keys if self.sharding is None else jax.device_put(keys, self.sharding)
+        if self.sharding is None or self.sharding.is_fully_addressable:
+            keys = jax.random.wrap_key_data(data, impl=stored.prng_impl)
+            return keys if self.sharding is None else jax.device_put(keys, self.sharding)
+        # Across processes: each puts its own shards of the key data (device_put would
+        # ask the others), then wraps them where they are.
+        spread = jax.make_array_from_callback(data.shape, self.sharding, lambda index: data[index])
+        return jax.random.wrap_key_data(spread, impl=stored.prng_impl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,9 +292,11 @@ class Request:
 
 
 def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial: bool,
-           load_and_broadcast: bool) -> tuple[list[Request], Any]:
+           load_and_broadcast: bool, *, values: bool = True) -> tuple[list[Request], Any]:
     """One request per target leaf; raises listing every mismatch before any read. With
-    `partial`, the checkpoint's leaves that the target lacks are skipped, never read."""
+    `partial`, the checkpoint's leaves that the target lacks are skipped, never read.
+    Without `values`, saved Python scalars are not read to check that they fit their
+    target (a process with no copy of the local tier's step leaves that to others)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     problems: list[str] = []
     requests: list[Request] = []
@@ -304,7 +315,8 @@ def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial
             problems.append(f"{where}: shape {stored.shape} in the checkpoint, {shape} in the target")
         elif (mismatch := request.form.mismatch(stored, allow_dtype_cast)) is not None:
             problems.append(f"{where}: {mismatch}")
-        elif not allow_dtype_cast and request.form.dtype != stored.dtype and _scalar_fits(stored, request.form.dtype):
+        elif (values and not allow_dtype_cast and request.form.dtype != stored.dtype
+              and _scalar_fits(stored, request.form.dtype)):
             if (inexact := _inexact_scalar(ckpt, stored, request.form.dtype)) is not None:
                 problems.append(f"{where}: {inexact}")
     extra = [stored.where for name, stored in ckpt.leaves.items() if name not in seen]

@@ -11,6 +11,10 @@ The rules (docs/pytree-zarr-checkpoint.md, "Chunks"):
   shards side by side when one process holds them all (its local devices' shards, or
   a small array whole), so that a small leaf is one object per writing process, not
   one per device.
+
+A save to the local tier (`held`, see `_tiers`) uses the same chunk grid, but each
+process writes every chunk its own devices hold, replicas included: its copy must
+rebuild its part of the state without any other host.
 """
 
 from __future__ import annotations
@@ -140,11 +144,13 @@ def _pieces_for(nbytes: int, replicas: int, max_chunk_bytes: int) -> int:
 
 def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                checksum: bool = True, *, process: int, processes: int, local: bool = False,
-               min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES, host_of: HostOf = process_of) -> ArrayPlan:
+               held: bool = False, min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES,
+               host_of: HostOf = process_of) -> ArrayPlan:
     """Plans one leaf for `process` of `processes`, the device `host_of` says where each
     device is. Every process computes the same chunks and the same writers; `checksum`
     says whether its chunks carry a CRC-32C. A `local` array (a per-process value) is
-    this process's alone: it writes every chunk.
+    this process's alone: it writes every chunk. With `held` (a local-tier save), the
+    process writes every chunk its devices hold, and all of a host value.
 
     `salt` (the leaf's position) rotates which replica writes a single-chunk shard,
     so that many small replicated leaves spread over devices and hosts too.
@@ -154,12 +160,12 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
     shape = tuple(np.shape(value))
     if isinstance(value, jax.Array) and (not value.is_fully_addressable or processes == 1):
         lay = layout(value.sharding, shape, dtype.itemsize, max_chunk_bytes, min_chunk_bytes, host_of)
-        return _plan_sharded(leaf, value, shape, dtype, salt, checksum, lay, process)
+        return _plan_sharded(leaf, value, shape, dtype, salt, checksum, lay, process, held)
     # Host data (numpy, scalars, process-local jax arrays) is the same on every process
     # by contract; process 0 alone writes it so that no chunk has two writers.
     chunks = split_chunk(shape, _pieces_for(_dtypes.nbytes(shape, dtype), 1, max_chunk_bytes))
     writes = []
-    if process == 0 or local:
+    if process == 0 or local or held:
         host = np.asarray(value, dtype=dtype)
         full: Region = tuple((0, d) for d in shape)
         writes = [WriteUnit(r, _dtypes.nbytes(region_shape(r), dtype), host=host) for r in chunks_in(full, chunks)
@@ -168,11 +174,12 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
 
 
 def _plan_sharded(leaf: Leaf, value: jax.Array, shape: tuple[int, ...], dtype: np.dtype, salt: int,
-                  checksum: bool, layout: Layout, process: int) -> ArrayPlan:
+                  checksum: bool, layout: Layout, process: int, held: bool) -> ArrayPlan:
     shards: dict[jax.Device, jax.Array] | None = None
     writes = []
-    for chunk, writer, parts in layout.assignments(salt):
-        if writer == process and region_size(chunk):
+    mine = layout.held(process) if held else ((c, p) for c, w, p in layout.assignments(salt) if w == process)
+    for chunk, parts in mine:
+        if region_size(chunk):
             if shards is None:  # only a writing process asks for its shards
                 shards = {s.device: s.data for s in value.addressable_shards}
             sources = tuple((shards[device], take, put) for device, take, put in parts)
@@ -212,6 +219,21 @@ class Layout:
         for k, (chunk, holders, parts) in enumerate(self._merged_cells):
             writer = holders[(salt + k) % len(holders)]
             yield chunk, writer, [(first[writer], take, put) for first, take, put in parts]
+
+    def held(self, process: int) -> Iterator[tuple[Region, list[tuple[jax.Device, Slices | None,
+                                                                       Slices | None]]]]:
+        """Every chunk `process` holds whole, with the parts to copy as `assignments`
+        gives them (from its first device holding each shard)."""
+        if self.merged is None:
+            for region, devices in self.replicas.items():
+                device = next((d for d in devices if self.host_of(d) == process), None)
+                if device is not None:
+                    for chunk in chunks_in(region, self.chunks):
+                        yield chunk, [(device, None if chunk == region else relative(chunk, region), None)]
+            return
+        for chunk, holders, parts in self._merged_cells:
+            if process in holders:
+                yield chunk, [(first[process], take, put) for first, take, put in parts]
 
     @functools.cached_property
     def _merged_cells(self) -> list[tuple[Region, list[int], list[tuple[dict[int, jax.Device], Slices | None,

@@ -8,7 +8,14 @@
 
 A decision's outcome (or error) reaches every process before any goes on, and a
 check raises on every process if any process's part failed (see _multihost), so
-all of them raise and nothing is committed. Every object is on stable storage before
+all of them raise and nothing is committed.
+
+A local-tier save (`local`: each process its own group, on its own disk) runs the
+same steps with every process doing process 0's part for its own copy: process 0
+decides the save's identity (the same in every copy), every process prepares its
+group and writes every chunk its devices hold, and each commits its own copy only
+once every process has written all of its (so a process killed mid-save leaves no
+committed copy of that step anywhere). Every object is on stable storage before
 the commit marker is written, and the marker before the save returns.
 """
 
@@ -121,12 +128,15 @@ class SaveJob:
     channel: str = "save"
     before_prepare: Callable[[], None] | None = None  # run on process 0 first: a lease check
     save_id: str | None = None  # this save's identity, once prepared (see `_commit`)
+    local: bool = False  # a local-tier copy: this process's own group (see above)
 
     @classmethod
     def create(cls, loc: _storage.Location, tree: Any, options: SaveOptions, *,
                extra_metadata: dict[str, Any] | None = None, channel: str = "save",
-               before_prepare: Callable[[], None] | None = None) -> SaveJob:
-        """Plans a save; raises UnsupportedLeafError before anything is written."""
+               before_prepare: Callable[[], None] | None = None, local: bool = False) -> SaveJob:
+        """Plans a save; raises UnsupportedLeafError before anything is written. A
+        `local` save's group records, under `local` in its metadata, this process, the
+        process count and the chunks of each array it holds (see `_tiers`)."""
         spec, leaves = _tree.record(tree)
         process, processes = _multihost.process_index(), _multihost.process_count()
         plans, arrays, own = [], {}, {}
@@ -140,13 +150,23 @@ class SaveJob:
                     plan.shape, plan.codec, {_naming.META_ATTR: {"encoding": leaf.value.encoding}})
             else:
                 plan = _planning.plan_array(leaf, i, options.max_chunk_bytes, options.checksums, process=process,
-                                            processes=processes, min_chunk_bytes=options.min_chunk_bytes)
+                                            processes=processes, held=local,
+                                            min_chunk_bytes=options.min_chunk_bytes)
                 # Every process knows every shared array's metadata without asking the store.
                 arrays[leaf.name] = _zarrjson.array_document(plan.shape, plan.codec)
             plans.append(plan)
-        group = _zarrjson.group_document({_naming.META_ATTR: {**_tree_metadata(spec), **(extra_metadata or {})}})
+        extra = dict(extra_metadata or {})
+        if local:
+            held = {p.leaf.name: [p.codec.coords(u.region) for u in p.writes] for p in plans if p.leaf.name in arrays}
+            extra["local"] = {**extra.get("local", {}), "process": process, "processes": processes, "held": held}
+        group = _zarrjson.group_document({_naming.META_ATTR: {**_tree_metadata(spec), **extra}})
         return cls(loc, plans, arrays, own, group, options, _concurrency.ByteBudget(options.max_inflight_bytes),
-                   channel, before_prepare)
+                   channel, before_prepare, local=local)
+
+    @property
+    def written_bytes(self) -> int:
+        """The bytes of chunks this process writes."""
+        return sum(unit.nbytes for _, unit in self.units())
 
     @property
     def nbytes(self) -> int:
@@ -187,10 +207,15 @@ class SaveJob:
         loc = self.loc
         with _progress.bar(f"saving {loc.url}", self.nbytes, self.options.progress) as advance:
             try:
-                self.save_id = op.decide("prepare", self._prepare)
+                if self.local:  # one identity for every process's copy; each prepares its own
+                    save_id = self.save_id = op.decide("identity", _commit.new_save_id)
+                    op.check("prepare", lambda: self._prepare(save_id))
+                else:
+                    self.save_id = op.decide("prepare", lambda: self._prepare(_commit.new_save_id()))
                 op.check("write", lambda: _write_all(loc, work, self._array_metadata(),
                                                      self.options.max_workers or loc.concurrency, advance))
-                op.decide("commit", lambda: _commit.commit(loc, _zarrjson.group_document(
+                commit = (op.check if self.local else op.decide)
+                commit("commit", lambda: _commit.commit(loc, _zarrjson.group_document(
                     self.group["attributes"], self.arrays)))
             except BaseException as e:
                 self.budget.abort(e)  # a stager waiting for room must not wait forever
@@ -198,25 +223,26 @@ class SaveJob:
             finally:
                 op.close()
         seconds = time.perf_counter() - started
-        if is_primary:
+        if is_primary and not self.local:
             log.info("saved %s: %d leaves, %.3f GB in %.2fs (%.2f GB/s)", loc.url, len(self.plans),
                      self.nbytes / 1e9, seconds, self.nbytes / 1e9 / max(seconds, 1e-9))
         return seconds
 
     def _array_metadata(self) -> list[tuple[ArrayPlan, dict[str, Any]]]:
         """The `zarr.json` documents this process writes, each with its array's plan:
-        its own per-process arrays' and, on process 0, every shared array's."""
-        shared = self.arrays if _multihost.process_index() == 0 else {}
+        its own per-process arrays' and, on process 0 (every process, for its local
+        copy), every shared array's."""
+        shared = self.arrays if _multihost.process_index() == 0 or self.local else {}
         return [(plan, doc) for plan in self.plans
                 if (doc := self.own.get(plan.leaf.name) or shared.get(plan.leaf.name)) is not None]
 
-    def _prepare(self) -> str:
-        """Process 0: clears the way and writes the group metadata, uncommitted, with
-        this save's new identity first (see `_commit`); returns the identity."""
+    def _prepare(self, save_id: str) -> str:
+        """Process 0 (every process, for its local copy): clears the way and writes the
+        group metadata, uncommitted, with the save's identity first (see `_commit`);
+        returns the identity."""
         if self.before_prepare is not None:
             self.before_prepare()
         _objects.make_way(self.loc, overwrite=self.options.overwrite)
-        save_id = _commit.new_save_id()
         meta = self.group["attributes"][_naming.META_ATTR]
         self.group = _zarrjson.group_document({_naming.META_ATTR: {_commit.SAVE_ID: save_id, **meta}})
         self.loc.write("zarr.json", _zarrjson.encode_document(self.group), atomic=True, durable=True)

@@ -1,0 +1,170 @@
+"""Two tiers: local copies beside the persistent checkpoints, restored by 4 real JAX
+processes x 2 CPU devices (gloo), on a mesh of 2 data-parallel replicas: processes 0
+and 2 hold the same shards, as do 1 and 3 (tests/workers/mp_tiers.py). Every shard on
+every process is checked against the step restored."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import multiprocess
+import numpy as np
+import pytest
+
+import zarrckpt
+
+SCENARIOS = ("all", "replaced", "both_replicas", "other_run", "damaged", "other_count")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run per scenario, each saved by 4 processes: local copies of steps 50, 100 and
+    150 (keeping 1), persistent step 100."""
+    base = tmp_path_factory.mktemp("tiers")
+    multiprocess.run("mp_tiers", "save", *(f"{base}/{s}-p:{base}/{s}-l" for s in SCENARIOS),
+                     processes=4, devices=2, timeout=300)
+    return base
+
+
+def restore(base: Path, *scenarios: str, processes: int = 4, persistent: dict | None = None) -> dict:
+    """Restarts the job: `processes` processes restore each scenario in turn; returns,
+    per scenario, what each process restored."""
+    pairs = [f"{(persistent or {}).get(s, base / f'{s}-p')}:{base}/{s}-l" for s in scenarios]
+    results = multiprocess.run("mp_tiers", "restore", *pairs, processes=processes, devices=8 // processes,
+                               timeout=300)
+    return {s: [r["results"][i] for r in results] for i, s in enumerate(scenarios)}
+
+
+def without_chunks(step: Path) -> None:
+    """Leaves only the metadata of a persistent step: reading any of its chunks fails."""
+    for chunk in step.glob("*/c*"):
+        chunk.unlink()
+
+
+def test_local_tier_layout(saved: Path) -> None:
+    local = saved / "all-l"
+    assert sorted(p.name for p in local.iterdir()) == [f"process{i}" for i in range(4)]
+    for i in range(4):  # keep_last=1: only the newest copy
+        assert zarrckpt.all_steps(str(local / f"process{i}")) == [150]
+    assert zarrckpt.all_steps(str(saved / "all-p")) == [100]
+    # Replicas hold the same chunks, and each process only its devices' ones.
+    def chunks(i: int) -> set[str]:
+        return {str(p.relative_to(local / f"process{i}/0000000150")) for p in (local / f"process{i}").rglob("c*")}
+    assert chunks(0) == chunks(2) and chunks(1) == chunks(3) and chunks(0) != chunks(1)
+
+
+def test_restores_local_and_falls_back(saved: Path) -> None:
+    """The first five failure cases of the issue, each a restart of all processes."""
+    for scenario in ("all", "replaced"):
+        without_chunks(saved / f"{scenario}-p/0000000100")  # zero bytes may come from the persistent store
+    shutil.rmtree(saved / "replaced-l/process1")  # a replaced host
+    for lost in (1, 3):  # both replicas of the same shards
+        shutil.rmtree(saved / f"both_replicas-l/process{lost}")
+    other_run = saved / "other_run-p2"  # the same local copies, another persistent directory
+    shutil.copytree(saved / "other_run-p", other_run)
+    (saved / "damaged-l/process0/0000000150/w/c.0.0").write_bytes(b"cut short")
+    got = restore(saved, "all", "replaced", "both_replicas", "other_run", "damaged",
+                  persistent={"other_run": other_run})
+
+    for scenario in ("all", "replaced", "damaged"):
+        for pid, r in enumerate(got[scenario]):
+            assert (r["step"], r["tier"]) == (150, "local"), (scenario, pid, r)
+            assert r["checked"] == 11
+            assert any("0 from the persistent store" in line for line in r["said"])
+    assert all(_peer_mb(r) == 0 for r in got["all"])
+    assert _peer_mb(got["replaced"][1]) > 0  # its parts came from its replica, process 3
+    for scenario in ("both_replicas", "other_run"):
+        for r in got[scenario]:
+            assert (r["step"], r["tier"], r["checked"]) == (100, "persistent", 11), (scenario, r)
+    assert any("cannot be rebuilt" in line and "['v']" in line for line in got["both_replicas"][0]["said"])
+    for r in got["other_run"]:
+        assert any("not used: it belongs to another run" in line for line in r["said"]), r
+    assert any("0000000150 not used: chunk w/c.0.0 has 9 bytes" in line for line in got["damaged"][0]["said"])
+    assert _peer_mb(got["damaged"][0]) > 0  # its copy set aside: its parts came from process 2
+
+
+def test_other_process_count_restores_persistent(saved: Path) -> None:
+    got = restore(saved, "other_count", processes=8)["other_count"]
+    for r in got:
+        assert (r["step"], r["tier"], r["checked"]) == (100, "persistent", 7), r  # one device each
+
+
+def test_process_killed_mid_local_save_restores_previous_step(tmp_path: Path) -> None:
+    persistent, local = tmp_path / "p", tmp_path / "l"
+    multiprocess.run("mp_tiers", "save", f"{persistent}:{local}", processes=4, devices=2, timeout=300)
+    # Restored from local step 150, trains on; process 2 is killed after writing one
+    # chunk of its copy of step 200.
+    died = multiprocess.run("mp_tiers", "die", str(persistent), str(local), "200", "2", processes=4, devices=2,
+                            timeout=300, expect_ok=False)
+    assert died[2]["returncode"] == -9 and died[0]["restored"] == 150
+    for i in range(4):  # no process committed its copy of step 200
+        assert zarrckpt.all_steps(str(local / f"process{i}")) == [150]
+    results = multiprocess.run("mp_tiers", "restore", f"{persistent}:{local}", processes=4, devices=2, timeout=300)
+    for r in results:
+        (only,) = r["results"]
+        assert (only["step"], only["tier"], only["checked"]) == (150, "local", 11), only
+
+
+def _peer_mb(result: dict) -> float:
+    (line,) = [s for s in result["said"] if "from other processes" in s]
+    return float(line.split(" MB from its own copy, ")[1].split(" MB")[0])
+
+
+# -- one process ----------------------------------------------------------------
+
+def one_state(mib: int, step: int) -> dict:
+    return {"w": np.full((mib, 2**18), step, np.float32), "step": step}  # 1 MiB per row
+
+
+def test_one_process_restores_the_newer_tier(tmp_path: Path) -> None:
+    persistent, local = str(tmp_path / "run"), str(tmp_path / "local")
+    with zarrckpt.CheckpointManager(persistent, save_interval_steps=4, local_directory=local,
+                                    local_save_interval_steps=3, local_keep_last=2) as mgr:
+        saved = [step for step in range(1, 11) if mgr.save(step, one_state(1, step))]
+    assert saved == [3, 4, 6, 8, 9]
+    assert zarrckpt.all_steps(persistent) == [4, 8] and zarrckpt.all_steps(f"{local}/process0") == [6, 9]
+    with zarrckpt.CheckpointManager(persistent, local_directory=local, local_save_interval_steps=3) as mgr:
+        state, step = mgr.restore(one_state(1, 0))
+        assert (step, mgr.restored_tier, state["step"]) == (9, "local", 9)
+        np.testing.assert_array_equal(state["w"], one_state(1, 9)["w"])
+        saved_tree, step = mgr.restore(None)  # no target: numpy arrays and Python scalars
+        assert step == 9 and saved_tree["step"] == 9 and isinstance(saved_tree["w"], np.ndarray)
+    with zarrckpt.CheckpointManager(persistent) as mgr:  # no local tier: the persistent one
+        state, step = mgr.restore(one_state(1, 0))
+        assert (step, mgr.restored_tier, state["step"]) == (8, "persistent", 8)
+    listed = subprocess.run([sys.executable, "-m", "zarrckpt", "ls", local], capture_output=True, text=True,
+                            check=True).stdout.splitlines()
+    assert listed[0].split()[:3] == ["process", "step", "state"]
+    assert [line.split()[:3] for line in listed[1:]] == [["0", "6", "committed"], ["0", "9", "committed"]]
+
+
+def test_a_local_copy_that_does_not_fit_is_skipped(tmp_path: Path, small_disk: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    persistent, local = str(tmp_path / "run"), str(small_disk / "local")
+    with zarrckpt.CheckpointManager(persistent, save_interval_steps=2, local_directory=local,
+                                    local_save_interval_steps=1, async_save=False) as mgr:
+        assert mgr.save(1, one_state(1, 1))
+        with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+            assert mgr.save(2, one_state(4, 2))  # the persistent save still happens
+            assert not mgr.save(3, one_state(4, 3))  # nothing else was due
+    assert any("local checkpoint of step 2 skipped (training goes on)" in r.getMessage() and "GB free" in
+               r.getMessage() for r in caplog.records)
+    assert zarrckpt.all_steps(f"{local}/process0") == [1] and zarrckpt.all_steps(persistent) == [2]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"local_directory": "/dev/shm/x"}, ValueError, "local_directory and local_save_interval_steps go together"),
+    ({"local_save_interval_steps": 10}, ValueError, "local_directory and local_save_interval_steps go together"),
+    ({"local_directory": "memory://x", "local_save_interval_steps": 10}, ValueError,
+     "local_directory must be a path on this host's own disk"),
+    ({"local_directory": "/dev/shm/x", "local_save_interval_steps": 0}, ValueError, "local_save_interval_steps"),
+    ({"local_directory": "/dev/shm/x", "local_save_interval_steps": 5, "local_keep_last": 0}, ValueError,
+     "local_keep_last"),
+])
+def test_local_tier_options(tmp_path: Path, kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        zarrckpt.CheckpointManager(str(tmp_path / "run"), **kwargs)
