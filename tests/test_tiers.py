@@ -64,8 +64,8 @@ def test_restores_local_and_falls_back(saved: Path) -> None:
     shutil.rmtree(saved / "replaced-l/process1")  # a replaced host
     for lost in (1, 3):  # both replicas of the same shards
         shutil.rmtree(saved / f"both_replicas-l/process{lost}")
-    other_run = saved / "other_run-p2"  # the same local copies, another persistent directory
-    shutil.copytree(saved / "other_run-p", other_run)
+    other_run = saved / "other_run-p2"  # the same local copies, another run's persistent directory
+    shutil.copytree(saved / "other_run-p/0000000100", other_run / "0000000100")
     (saved / "damaged-l/process0/0000000150/w/c.0.0").write_bytes(b"cut short")
     got = restore(saved, "all", "replaced", "both_replicas", "other_run", "damaged",
                   persistent={"other_run": other_run})
@@ -96,17 +96,18 @@ def test_other_process_count_restores_persistent(saved: Path) -> None:
 def test_process_killed_mid_local_save_restores_previous_step(tmp_path: Path) -> None:
     persistent, local = tmp_path / "p", tmp_path / "l"
     multiprocess.run("mp_tiers", "save", f"{persistent}:{local}", processes=4, devices=2, timeout=300)
-    # Restored from local step 150, trains on; process 2 is killed after writing one
-    # chunk of its copy of step 200.
-    died = multiprocess.run("mp_tiers", "die", str(persistent), str(local), "200", "2", processes=4, devices=2,
+    # Restored from local step 150, trains on: step 200 is saved to both tiers, then
+    # process 2 is killed after writing one chunk of its local copy of step 250.
+    died = multiprocess.run("mp_tiers", "die", str(persistent), str(local), "250", "2", processes=4, devices=2,
                             timeout=300, expect_ok=False)
-    assert died[2]["returncode"] == -9 and died[0]["restored"] == 150
-    for i in range(4):  # no process committed its copy of step 200
-        assert zarrckpt.all_steps(str(local / f"process{i}")) == [150]
+    # The others' local save of step 250 fails (a warning): they go on, and exit cleanly.
+    assert [d["returncode"] for d in died] == [0, 0, -9, 0] and died[0]["restored"] == 150
+    for i in range(4):  # no process committed its copy of step 250
+        assert zarrckpt.all_steps(str(local / f"process{i}")) == [200]
     results = multiprocess.run("mp_tiers", "restore", f"{persistent}:{local}", processes=4, devices=2, timeout=300)
-    for r in results:
+    for r in results:  # the previous complete step (both tiers have it: the persistent one is read)
         (only,) = r["results"]
-        assert (only["step"], only["tier"], only["checked"]) == (150, "local", 11), only
+        assert (only["step"], only["tier"], only["checked"]) == (200, "persistent", 11), only
 
 
 def _peer_mb(result: dict) -> float:
@@ -168,3 +169,59 @@ def test_a_local_copy_that_does_not_fit_is_skipped(tmp_path: Path, small_disk: P
 def test_local_tier_options(tmp_path: Path, kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         zarrckpt.CheckpointManager(str(tmp_path / "run"), **kwargs)
+
+
+def test_copies_of_abandoned_training_are_never_restored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    persistent, local = str(tmp_path / "run"), str(tmp_path / "local")
+    tiers = {"local_directory": local, "local_save_interval_steps": 3, "local_keep_last": 3}
+
+    def train(last: int) -> None:
+        with zarrckpt.CheckpointManager(persistent, save_interval_steps=4, **tiers) as mgr:
+            for step in range(1, last + 1):
+                mgr.save(step, one_state(1, step))
+
+    def restore(**kwargs) -> tuple[int, str | None]:
+        with zarrckpt.CheckpointManager(persistent, **tiers) as mgr:
+            state, step = mgr.restore(one_state(1, 0), **kwargs)
+            assert state["step"] == step
+            return step, mgr.restored_tier
+
+    train(10)
+    assert zarrckpt.all_steps(f"{local}/process0") == [3, 6, 9] and zarrckpt.all_steps(persistent) == [4, 8]
+    shutil.rmtree(f"{persistent}/0000000008")  # rolled back by hand: copy 9 came after step 8
+    with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+        assert restore() == (6, "local")
+    assert any("0000000009 not used: it was saved after persistent step 8, which is gone" in r.getMessage()
+               for r in caplog.records)
+    assert zarrckpt.all_steps(f"{local}/process0") == [3, 6]  # the restore deleted the newer copy
+
+    shutil.rmtree(persistent)  # a new run in the same directory
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+        assert restore() == (0, None)
+    assert any("not used: it belongs to another run" in r.getMessage() for r in caplog.records)
+    assert zarrckpt.all_steps(f"{local}/process0") == []  # nothing restored: every copy was abandoned
+
+    train(9)
+    assert restore(step=4) == (4, "persistent")  # a rollback: copies after step 4 go
+    assert zarrckpt.all_steps(f"{local}/process0") == [3]
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_failing_local_copy_is_a_warning_and_the_persistent_save_goes_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, async_save: bool) -> None:
+    persistent, local = str(tmp_path / "run"), tmp_path / "local"
+    (local / "process0/0000000004").mkdir(parents=True)
+    (local / "process0/0000000004/NOTES.md").write_text("not a checkpoint")  # the local save of step 4 fails
+    with caplog.at_level(logging.WARNING, logger="zarrckpt"), \
+            zarrckpt.CheckpointManager(persistent, save_interval_steps=4, local_directory=str(local),
+                                       local_save_interval_steps=2, async_save=async_save) as mgr:
+        assert mgr.save(2, one_state(1, 2))  # local only
+        assert mgr.save(2, one_state(1, 2), force=True)  # the same step to the persistent tier too
+        assert mgr.save(4, one_state(1, 4))  # both tiers: the local one fails
+        mgr.wait()
+        assert mgr.save(6, one_state(1, 6))  # and the local tier goes on
+    assert any("local checkpoint of step 4 failed (training goes on)" in r.getMessage() for r in caplog.records)
+    assert zarrckpt.all_steps(persistent) == [2, 4]
+    assert zarrckpt.all_steps(str(local / "process0")) == [6]
+    assert (local / "process0/0000000004/NOTES.md").read_text() == "not a checkpoint"

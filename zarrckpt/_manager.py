@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -67,7 +68,9 @@ class CheckpointManager:
         process saves what its own devices hold there (under `process<i>`), beside the
         persistent checkpoints; `restore` takes the newest step the surviving local
         copies can rebuild when it is newer than the newest persistent step (see
-        README, "Two tiers"). A local save that would not fit is skipped with a warning.
+        README, "Two tiers"). A local save that would not fit, or that fails, is skipped
+        with a warning: training and the persistent tier go on. After a restore, each
+        process deletes its copies newer than the step restored (abandoned training).
       local_save_interval_steps: the local tier's interval; needed with local_directory.
       local_keep_last: local copies each process keeps.
       storage_options, timeout_s, max_chunk_bytes, min_chunk_bytes, max_workers,
@@ -133,7 +136,8 @@ class CheckpointManager:
         self._restored_tier: str | None = None
         self._metrics = self._load_metrics() if best_metric is not None else {}
         self._lock = threading.Lock()
-        self._in_flight: tuple[threading.Thread, int] | None = None
+        # The save in flight, and its step if it saves one to the persistent tier.
+        self._in_flight: tuple[threading.Thread, int | None] | None = None
         self._errors: list[BaseException] = []
         self._lease = _lease.Lease(self._root, heartbeat_s) if _multihost.process_index() == 0 else None
         self._closed = True  # until the lease is ours
@@ -170,33 +174,39 @@ class CheckpointManager:
             return False
         self.wait()
         started = time.perf_counter()
-        jobs = []
-        if local and self._local is not None:
-            job = self._local.job(step, state, self._save_options, self._timeout_s)
-            jobs += [job] if job is not None else []
+        jobs = []  # the persistent save first: the one that must not fail
         if persistent:
             self._last_save = time.monotonic()
             extra = {"metrics": values} if values is not None else None
             jobs.append(_save.SaveJob.create(location, state, self._save_options, extra_metadata=extra,
                                              channel="manager-save",
                                              before_prepare=self._lease.check if self._lease else None))
+        if local and self._local is not None:
+            job = self._local.job(step, state, self._save_options, self._committed_steps(), self._timeout_s)
+            jobs += [job] if job is not None else []
         if not jobs:
             return False
         if not self._async:
             for job in jobs:
-                job.run(job.admitted())
-                self._on_commit(step, values, job, started, blocked=None)
+                with self._local_failure(job, step, None):
+                    job.run(job.admitted())
+                    self._on_commit(step, values, job, started, blocked=None)
             return True
         staged: queue.Queue[Any] = queue.Queue()
         timing: dict[str, float] = {}
         thread = threading.Thread(target=self._write_in_background, name=f"zarrckpt-save-{step}",
                                   args=(jobs, staged, step, values, started, timing), daemon=True)
         with self._lock:
-            self._in_flight = (thread, step)
+            self._in_flight = (thread, step if persistent else None)
         thread.start()
         try:
             for i, job in enumerate(jobs):  # each job's writes, then the end of them
-                _save.stage(job, staged.put)
+                try:
+                    _save.stage(job, staged.put)
+                except _concurrency.Aborted:
+                    if not job.local:
+                        raise
+                    # The local copy's writer failed, and said so: the save goes on without it.
                 if i < len(jobs) - 1:
                     staged.put(_END)
         except BaseException as e:
@@ -232,22 +242,51 @@ class CheckpointManager:
     def _write_in_background(self, jobs: list[_save.SaveJob], staged: queue.Queue[Any], step: int,
                              metrics: Mapping[str, float] | None, started: float,
                              timing: dict[str, float]) -> None:
+        ended = False  # whether the job being written has taken all its writes from the queue
+
         def work() -> Iterator[Any]:
+            nonlocal ended
+            ended = False
             while (item := staged.get()) is not _END:
                 if isinstance(item, BaseException):
                     raise CheckpointError(f"staging step {step} failed; nothing was committed") from item
                 yield item
+            ended = True
+
+        def drop_rest() -> None:  # of a failed job's writes, up to its end
+            while not ended and isinstance(item := staged.get(), tuple):
+                item[1].release()
 
         try:
             for job in jobs:
-                job.run(work())
-                self._on_commit(step, metrics, job, started, blocked=timing.get("blocked"))
+                with self._local_failure(job, step, drop_rest):
+                    job.run(work())
+                    self._on_commit(step, metrics, job, started, blocked=timing.get("blocked"))
         except BaseException as e:  # raised on the training thread by the next call
             with self._lock:
                 self._errors.append(e)
         finally:
             with self._lock:
                 self._in_flight = None
+
+    @contextlib.contextmanager
+    def _local_failure(self, job: _save.SaveJob, step: int, drop_rest: Callable[[], None] | None) -> Iterator[None]:
+        """A local copy that fails (on every process: its agreement raises everywhere)
+        is a warning, not an error: training and the persistent tier go on. Its writes
+        still staged are dropped (`drop_rest`)."""
+        if not job.local:
+            yield
+            return
+        try:
+            yield
+        except Exception as e:
+            log.warning("local checkpoint of step %d failed (training goes on): %s", step, e)
+            if drop_rest is not None:
+                drop_rest()
+
+    def _committed_steps(self) -> set[int]:
+        with self._lock:
+            return set(self._committed)
 
     def _on_commit(self, step: int, metrics: Mapping[str, float] | None, job: _save.SaveJob,
                    started: float, blocked: float | None) -> None:
@@ -335,6 +374,8 @@ class CheckpointManager:
             state, restored = _steps.load_step(self._root, step, target, options), step
         self._restored_step = restored
         self._restored_tier = tier if restored is not None else None
+        if self._local is not None:  # copies newer than this are of abandoned training: never restore them
+            self._local.forget_newer(restored)
         if restored is not None and _multihost.process_index() == 0:
             log.info("restored step %d from %s in %.2fs", restored,
                      self._root.url if tier == "persistent" else "the local tier", time.perf_counter() - started)
@@ -402,13 +443,22 @@ class CheckpointManager:
         self.close()
 
     def _claim_lease(self) -> None:
-        """Process 0 claims the directory; a refusal is raised on every process. Agreement."""
+        """Process 0 claims the directory (and, with a local tier, reads or makes its run
+        identity, which every process learns); a refusal is raised on every process.
+        Agreement."""
+        def claim() -> str | None:
+            if self._lease is not None:
+                self._lease.claim()
+            return _tiers.run_identity(self._root) if self._local is not None else None
+
         op = _multihost.Agreement("manager-open", self._timeout_s, what=f"claiming {self._root.url} for this job",
                                    error=errors.CheckpointWriteError)
         try:
-            op.decide("claim", lambda: self._lease.claim() if self._lease is not None else None)
+            run = op.decide("claim", claim)
         finally:
             op.close()
+        if self._local is not None and run is not None:
+            self._local.run = run
 
     def _local_tier(self, directory: str | None, interval: int | None, keep_last: int) -> _tiers.LocalTier | None:
         if directory is None and interval is None:
@@ -422,7 +472,7 @@ class CheckpointManager:
         if not local.is_local:
             raise ValueError(f"local_directory must be a path on this host's own disk (a RAM disk or a local SSD), "
                              f"got {directory!r}; the persistent tier is checkpoint_dir")
-        return _tiers.LocalTier.open(local, interval, keep_last, self._root.url)
+        return _tiers.LocalTier.open(local, interval, keep_last)
 
     def _check_open(self) -> None:
         if self._closed:

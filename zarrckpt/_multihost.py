@@ -171,7 +171,9 @@ class Agreement:
         """What `sender` published under `tag` with `send`, once it has."""
         self._used = True
         key = f"{self._prefix}/sent/{tag}"
-        return self._wait(tag, lambda c, ms: c.blocking_key_value_get(key, ms), [sender])
+        # Many reader threads wait at once: their waits overlap, so none adds to the
+        # operation's total (each gets what is left of it).
+        return self._wait(tag, lambda c, ms: c.blocking_key_value_get(key, ms), [sender], counted=False)
 
     def close(self) -> None:
         """Counts this process out of the operation; the last one out deletes its keys.
@@ -185,7 +187,8 @@ class Agreement:
         except Exception:
             pass  # a leftover key costs a few bytes; never fail a save for it
 
-    def _wait(self, tag: str, call: Callable[[Any, int], Any], expected: list[int] | None) -> Any:
+    def _wait(self, tag: str, call: Callable[[Any, int], Any], expected: list[int] | None, *,
+              counted: bool = True) -> Any:
         """Runs a blocking coordination `call` with what is left of the operation's
         timeout (the time this process has already waited in it counts; its own work
         does not); on timeout, raises naming the processes that never arrived
@@ -205,7 +208,8 @@ class Agreement:
                 f"'{tag}') but processes {expected} never arrived ({str(e).splitlines()[0]})"
             ) from None
         finally:
-            self._waited += time.monotonic() - started
+            if counted:
+                self._waited += time.monotonic() - started
 
     def _raise(self, failures: dict[int, dict[str, str]], mine: BaseException | None) -> None:
         if len(failures) == 1:

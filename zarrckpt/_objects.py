@@ -88,11 +88,19 @@ def remove_leftover(loc: Location) -> None:
     Refuses, with CheckpointExistsError, when `loc` holds anything a checkpoint would
     not: a mistyped URL must never cost someone their files.
     """
-    foreign = [entry.name for entry in loc.walk() if not _CHECKPOINT_OBJECT.fullmatch(entry.name)]
+    foreign = not_ours(loc, committed=False)
     if foreign:
         raise CheckpointExistsError(f"{loc.url} is not empty and not a checkpoint (it holds {_some(foreign)}); "
                                     "refusing to delete it: save somewhere else")
     _commit.remove(loc)
+
+
+def not_ours(loc: Location, *, committed: bool) -> list[str]:
+    """What `loc` holds that a checkpoint would not: beside a committed checkpoint's own
+    objects, or in an uncommitted leftover, any name a checkpoint never has."""
+    if committed:
+        return _foreign_beside_committed(loc)
+    return [entry.name for entry in loc.walk() if not _CHECKPOINT_OBJECT.fullmatch(entry.name)]
 
 
 def _foreign_beside_committed(loc: Location) -> list[str]:

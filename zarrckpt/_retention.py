@@ -17,7 +17,7 @@ import logging
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from . import _commit, _options, _steps
+from . import _commit, _objects, _options, _steps
 from ._storage import Location
 
 log = logging.getLogger("zarrckpt")
@@ -94,9 +94,20 @@ def apply(root: Location, policy: Policy, metrics: Mapping[int, Mapping[str, Any
     keep = steps_to_keep(policy, committed, metrics)
     doomed = sorted(s for s in committed - keep if s not in busy and not is_pinned(root.step(s)))
     leftovers = sorted(s for s in set(candidates) - committed if s < newest and s not in busy)
-    for step in doomed + leftovers:
-        if not dry_run:
-            _commit.remove(root.step(step))
-        log.info("%s step %d under %s (%s)", "would delete" if dry_run else "deleted", step, root.url,
-                 "uncommitted leftover" if step in leftovers else "retention")
-    return doomed + leftovers
+    return [step for step in doomed + leftovers
+            if delete(root, step, committed=step in doomed, why="retention" if step in doomed else
+                      "uncommitted leftover", dry_run=dry_run)]
+
+
+def delete(root: Location, step: int, *, committed: bool, why: str, dry_run: bool = False) -> bool:
+    """Deletes step `step` under `root`, its commit marker first, and logs `why`; returns
+    whether it did. A step directory that also holds what is not the checkpoint's is
+    left alone, with a warning: nothing outside a checkpoint is ever deleted."""
+    if foreign := _objects.not_ours(root.step(step), committed=committed):
+        log.warning("step %d under %s not deleted: it also holds %s, which is not the checkpoint's", step,
+                    root.url, ", ".join(sorted(foreign)[:3]) + (" ..." if len(foreign) > 3 else ""))
+        return False
+    if not dry_run:
+        _commit.remove(root.step(step))
+    log.info("%s step %d under %s (%s)", "would delete" if dry_run else "deleted", step, root.url, why)
+    return True

@@ -13,7 +13,8 @@ identity; each commits its own only once every process has written all of its (s
 
 Restoring, one agreement:
     gather  each process lists its committed copies and what they hold; a copy of
-            another run, of another step, or with a chunk missing or cut short is set
+            another run (another persistent URL, or saved after a persistent step that
+            is gone), of another step, or with a chunk missing or cut short is set
             aside, with a warning
     choose  newest first, the local steps newer than the newest committed persistent
             step whose copies share one save identity and rebuild the whole target
@@ -28,7 +29,10 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
+import uuid
+from collections.abc import Collection
 from typing import Any
 
 from . import _commit, _multihost, _retention, _save, _steps
@@ -42,6 +46,8 @@ from .errors import CheckpointError, CheckpointMismatchError
 log = logging.getLogger("zarrckpt")
 
 _PROCESS_DIR = "process"  # each process's directory: process0, process1...
+RUN_FILE = "zarrckpt.run"  # in the persistent directory: its run identity
+_CRC_BYTES, _BLOCK_BYTES = 4, 4096
 # Room kept free beyond a step's chunks and metadata: the filesystem's own.
 _SPARE_BYTES = 2**16
 
@@ -57,28 +63,30 @@ class LocalTier:
     root: Location  # this process's directory: <local_directory>/process<i>
     interval: int
     keep_last: int
-    run: str  # the persistent directory's URL: copies of another run are never used
+    run: str = ""  # the persistent directory's run identity (`run_identity`), once the manager has it
     last: int | None = None  # the step this manager last saved here
 
     @classmethod
-    def open(cls, directory: Location, interval: int, keep_last: int, run: str) -> LocalTier:
-        return cls(directory.child(f"{_PROCESS_DIR}{_multihost.process_index()}"), interval, keep_last, run)
+    def open(cls, directory: Location, interval: int, keep_last: int) -> LocalTier:
+        return cls(directory.child(f"{_PROCESS_DIR}{_multihost.process_index()}"), interval, keep_last)
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0 and step != self.last
 
-    def job(self, step: int, state: Any, options: SaveOptions, timeout_s: float) -> _save.SaveJob | None:
+    def job(self, step: int, state: Any, options: SaveOptions, persistent: Collection[int],
+            timeout_s: float) -> _save.SaveJob | None:
         """The local save of `step`, or None, with a warning, if some process's copy
-        would not fit on its disk (then no process saves it). Agreement."""
+        would not fit on its disk (then no process saves it). `persistent`: the
+        committed persistent steps (the copy records the newest). Agreement."""
         self.last = step  # tried once: a failed local save is not retried for the same step
+        after = max(persistent, default=None)
         job = _save.SaveJob.create(self.root.step(step), state, dataclasses.replace(options, overwrite=True),
-                                   extra_metadata={"local": {"run": self.run, "step": step}},
+                                   extra_metadata={"local": {"run": self.run, "step": step, "after": after}},
                                    channel="manager-local", local=True)
         op = _multihost.Agreement("manager-local-room", timeout_s, what=f"the local copy of step {step}",
                                   error=_NoRoom)
         try:
-            # Every array's metadata is written twice: in its own zarr.json and the group's.
-            op.check("room", lambda: self._check_room(job.written_bytes + 2 * len(json.dumps(job.arrays))))
+            op.check("room", lambda: self._check_room(_footprint(job)))
         except _NoRoom as e:
             log.warning("local checkpoint of step %d skipped (training goes on): %s", step, e)
             return None
@@ -93,11 +101,46 @@ class LocalTier:
             raise _NoRoom(f"{self.root.url} has {free / 1e9:.3f} GB free, process "
                           f"{_multihost.process_index()}'s copy needs {(nbytes + _SPARE_BYTES) / 1e9:.3f} GB")
 
+    def forget_newer(self, step: int | None) -> None:
+        """Deletes this process's copies newer than `step` (every one, for None): after a
+        restore, they belong to training that was abandoned (not collective)."""
+        for found in _steps.candidate_steps(self.root):
+            if step is None or found > step:
+                _retention.delete(self.root, found, committed=_steps.is_committed(self.root.step(found)),
+                                  why="a local copy newer than the step restored")
+        if self.last is not None and (step is None or self.last > step):
+            self.last = None
+
     def committed(self, step: int) -> None:
         """After this process's copy of `step` committed: keeps the newest `keep_last`
         copies (not collective: each process its own)."""
         log.info("local checkpoint step %d committed under %s", step, self.root.url)
         _retention.apply(self.root, _retention.Policy(keep_last=self.keep_last), {})
+
+
+def run_identity(root: Location) -> str:
+    """The identity of the run in the persistent directory `root`, kept in its
+    `zarrckpt.run` file: read, or made and written there by the first manager with a
+    local tier. Copies of another run (another directory, or this one cleared) carry
+    another identity and are never used."""
+    try:
+        found = root.read(RUN_FILE, limit=64).decode("ascii", "replace").strip()
+    except FileNotFoundError:
+        found = ""
+    if re.fullmatch(r"[0-9a-f]{32}", found):
+        return found
+    made = uuid.uuid4().hex
+    root.write(RUN_FILE, made.encode(), atomic=True, durable=True)
+    return made
+
+
+def _footprint(job: _save.SaveJob) -> int:
+    """What a copy takes on disk, at most: its chunks with their checksums, every file
+    rounded up to a 4 KiB block, and every array's metadata twice (its own and the
+    group's)."""
+    units = [unit for _, unit in job.units()]
+    return (sum(u.nbytes + _CRC_BYTES for u in units) + (len(units) + 2 * len(job.arrays) + 1) * _BLOCK_BYTES
+            + 2 * len(json.dumps(job.arrays)))
 
 
 def process_directories(directory: Location) -> list[tuple[int, Location]]:
@@ -124,7 +167,10 @@ def restore_latest(root: Location, tier: LocalTier, target: Any, options: LoadOp
     op = _multihost.Agreement("restore-tiers", timeout_s, what=f"restoring from {tier.root.url} or {root.url}")
     try:
         copies = op.gather("inventory", lambda: _inventory(tier))
-        floor = op.decide("persistent", lambda: _steps.latest(root))
+        persistent = set(op.decide("persistent", lambda: _steps.scan(root)[1]))
+        floor = max(persistent, default=None)
+        copies = [_after_persistent(held, persistent, tier, p == _multihost.process_index())
+                  for p, held in enumerate(copies)]
         steps = sorted({int(s) for held in copies for s in held if floor is None or int(s) > floor}, reverse=True)
         for local in steps:
             loaded = _try_step(local, copies, tier, target, options, op, timeout_s)
@@ -137,6 +183,22 @@ def restore_latest(root: Location, tier: LocalTier, target: Any, options: LoadOp
         log.info("process %d restored step %d from the persistent tier %s", _multihost.process_index(), step,
                  root.url)
     return state, step, Restored("persistent") if step is not None else None
+
+
+def _after_persistent(copies: dict[str, Any], persistent: set[int], tier: LocalTier,
+                      mine: bool) -> dict[str, Any]:
+    """`copies` without those saved after a persistent step that is gone: the
+    persistent directory was cleared or rolled back since (a new run under the same
+    URL), so they are another line of training."""
+    kept = {}
+    for step, copy in copies.items():
+        if copy["after"] is not None and copy["after"] not in persistent:
+            if mine:
+                log.warning("local copy %s not used: it was saved after persistent step %d, which is gone",
+                            tier.root.step(int(step)).url, copy["after"])
+            continue
+        kept[step] = copy
+    return kept
 
 
 def _try_step(step: int, copies: list[dict[str, Any]], tier: LocalTier, target: Any, options: LoadOptions,
@@ -196,7 +258,8 @@ def _inventory(tier: LocalTier) -> dict[str, Any]:
         if problem is not None:
             log.warning("local copy %s not used: %s", loc.url, problem)
             continue
-        copies[str(step)] = {"save_id": group.save_id, "held": local["held"]}  # type: ignore[union-attr,index]
+        copies[str(step)] = {"save_id": group.save_id, "held": local["held"],  # type: ignore[union-attr,index]
+                             "after": local.get("after")}  # type: ignore[union-attr]
     return copies
 
 
@@ -206,9 +269,12 @@ def _problem(loc: Location, local: Any, tier: LocalTier, step: int) -> str | Non
     if not isinstance(local, dict) or not isinstance(local.get("held"), dict):
         return "it is not a local-tier copy (no record of what it holds)"
     if local.get("run") != tier.run:
-        return f"it belongs to another run ({local.get('run')!r}, not {tier.run!r})"
+        return (f"it belongs to another run (run {local.get('run')!r}; {tier.run!r} is the one in the persistent "
+                f"directory's {RUN_FILE})")
     if local.get("step") != step:
         return f"it holds step {local.get('step')!r}"
+    if local.get("after") is not None and not isinstance(local.get("after"), int):
+        return f"it records persistent step {local.get('after')!r}"
     try:
         ckpt = _reader.open_checkpoint(loc)
     except CheckpointError as e:

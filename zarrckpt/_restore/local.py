@@ -177,7 +177,7 @@ class Relay(Form):
             self.relay.send(stored.name, base64.b64encode(data.tobytes()).decode())
         else:
             raw = base64.b64decode(self.relay.receive(stored.name, self.source))
-            data = np.frombuffer(raw, stored.dtype).reshape(region_shape(box))
+            data = np.frombuffer(raw, stored.dtype).reshape(region_shape(box)).copy()  # writable, as read ones are
         return cut(data, self.dtype, box, places)
 
     def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:

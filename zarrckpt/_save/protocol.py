@@ -14,8 +14,8 @@ A local-tier save (`local`: each process its own group, on its own disk) runs th
 same steps with every process doing process 0's part for its own copy: process 0
 decides the save's identity (the same in every copy), every process prepares its
 group and writes every chunk its devices hold, and each commits its own copy only
-once every process has written all of its (so a process killed mid-save leaves no
-committed copy of that step anywhere). Every object is on stable storage before
+once every process has written all of its (so a process killed while the copies are
+written leaves no committed copy of that step anywhere). Every object is on stable storage before
 the commit marker is written, and the marker before the save returns.
 """
 
