@@ -77,12 +77,13 @@ def test_restores_local_and_falls_back(saved: Path) -> None:
             assert any("0 from the persistent store" in line for line in r["said"])
     assert all(_peer_mb(r) == 0 for r in got["all"])
     assert _peer_mb(got["replaced"][1]) > 0  # its parts came from its replica, process 3
-    for scenario in ("both_replicas", "other_run"):
-        for r in got[scenario]:
-            assert (r["step"], r["tier"], r["checked"]) == (100, "persistent", 11), (scenario, r)
+    for r in got["both_replicas"]:
+        assert (r["step"], r["tier"], r["checked"]) == (100, "persistent", 11), r
     assert any("cannot be rebuilt" in line and "['v']" in line for line in got["both_replicas"][0]["said"])
-    for r in got["other_run"]:
-        assert any("not used: it belongs to another run" in line for line in r["said"]), r
+    for r in got["other_run"]:  # refused on every process, and nothing deleted
+        assert "holds local copies of another run (steps 150" in r["refused"], r
+    for i in range(4):
+        assert zarrckpt.all_steps(str(saved / f"other_run-l/process{i}")) == [150]
     assert any("0000000150 not used: chunk w/c.0.0 has 9 bytes" in line for line in got["damaged"][0]["said"])
     assert _peer_mb(got["damaged"][0]) > 0  # its copy set aside: its parts came from process 2
 
@@ -195,12 +196,12 @@ def test_copies_of_abandoned_training_are_never_restored(tmp_path: Path, caplog:
                for r in caplog.records)
     assert zarrckpt.all_steps(f"{local}/process0") == [3, 6]  # the restore deleted the newer copy
 
-    shutil.rmtree(persistent)  # a new run in the same directory
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="zarrckpt"):
-        assert restore() == (0, None)
-    assert any("not used: it belongs to another run" in r.getMessage() for r in caplog.records)
-    assert zarrckpt.all_steps(f"{local}/process0") == []  # nothing restored: every copy was abandoned
+    shutil.rmtree(persistent)  # a new run in the same directory: the old run's copies are refused, not lost
+    with pytest.raises(zarrckpt.CheckpointLocationError, match=r"holds local copies of another run \(steps 3, 6\b"):
+        restore()
+    assert zarrckpt.all_steps(f"{local}/process0") == [3, 6]
+    shutil.rmtree(local)
+    assert restore() == (0, None)
 
     train(9)
     assert restore(step=4) == (4, "persistent")  # a rollback: copies after step 4 go

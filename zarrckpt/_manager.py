@@ -68,7 +68,8 @@ class CheckpointManager:
         process saves what its own devices hold there (under `process<i>`), beside the
         persistent checkpoints; `restore` takes the newest step the surviving local
         copies can rebuild when it is newer than the newest persistent step (see
-        README, "Two tiers"). A local save that would not fit, or that fails, is skipped
+        README, "Two tiers"). A local directory holding copies of another run is refused
+        (CheckpointLocationError). A local save that would not fit, or that fails, is skipped
         with a warning: training and the persistent tier go on. After a restore, each
         process deletes its copies newer than the step restored (abandoned training).
       local_save_interval_steps: the local tier's interval; needed with local_directory.
@@ -142,6 +143,13 @@ class CheckpointManager:
         self._lease = _lease.Lease(self._root, heartbeat_s) if _multihost.process_index() == 0 else None
         self._closed = True  # until the lease is ours
         self._claim_lease()
+        if self._local is not None:
+            try:
+                self._local.check_run(self._timeout_s)
+            except BaseException:
+                if self._lease is not None:
+                    self._lease.release()
+                raise
         self._closed = False
 
     # -- saving ----------------------------------------------------------------

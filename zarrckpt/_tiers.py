@@ -41,7 +41,7 @@ from ._options import LoadOptions, SaveOptions
 from ._restore import checkpoint as _reader, local as _local_read, match as _match
 from ._restore.load import load_requests
 from ._storage import Location
-from .errors import CheckpointError, CheckpointMismatchError
+from .errors import CheckpointError, CheckpointLocationError, CheckpointMismatchError
 
 log = logging.getLogger("zarrckpt")
 
@@ -101,6 +101,26 @@ class LocalTier:
             raise _NoRoom(f"{self.root.url} has {free / 1e9:.3f} GB free, process "
                           f"{_multihost.process_index()}'s copy needs {(nbytes + _SPARE_BYTES) / 1e9:.3f} GB")
 
+    def check_run(self, timeout_s: float) -> None:
+        """Raises CheckpointLocationError on every process if some process's directory
+        holds committed copies of another run: they are left alone, never used nor
+        deleted (a mistyped checkpoint_dir must not cost the real run its copies).
+        Agreement."""
+        def mine() -> None:
+            others = sorted(step for step in _steps.scan(self.root)[1] if _run_of(self.root.step(step)) != self.run)
+            if others:
+                raise CheckpointLocationError(
+                    f"local_directory {self.root.url} holds local copies of another run (steps "
+                    f"{', '.join(map(str, others[:5]))}{' ...' if len(others) > 5 else ''}; this checkpoint_dir's "
+                    f"run is {self.run}, in its {RUN_FILE}): delete them, or give another local_directory")
+
+        op = _multihost.Agreement("manager-local-run", timeout_s, what="checking the local directories",
+                                  error=CheckpointLocationError)
+        try:
+            op.check("run", mine)
+        finally:
+            op.close()
+
     def forget_newer(self, step: int | None) -> None:
         """Deletes this process's copies newer than `step` (every one, for None): after a
         restore, they belong to training that was abandoned (not collective)."""
@@ -116,6 +136,19 @@ class LocalTier:
         copies (not collective: each process its own)."""
         log.info("local checkpoint step %d committed under %s", step, self.root.url)
         _retention.apply(self.root, _retention.Policy(keep_last=self.keep_last), {})
+
+
+def _record(loc: Location) -> tuple[str | None, Any]:
+    """A copy's save identity and its `local` record (None where it has none)."""
+    group = _commit.read_group(loc)
+    meta = group.attributes.get(_naming.META_ATTR) if group is not None else None
+    return (group.save_id if group is not None else None), (meta.get("local") if isinstance(meta, dict) else None)
+
+
+def _run_of(loc: Location) -> Any:
+    """The run a committed copy records (None if it records none)."""
+    local = _record(loc)[1]
+    return local.get("run") if isinstance(local, dict) else None
 
 
 def run_identity(root: Location) -> str:
@@ -251,15 +284,12 @@ def _inventory(tier: LocalTier) -> dict[str, Any]:
     copies = {}
     for step in _steps.scan(tier.root)[1]:
         loc = tier.root.step(step)
-        group = _commit.read_group(loc)
-        meta = group.attributes.get(_naming.META_ATTR) if group is not None else None
-        local = meta.get("local") if isinstance(meta, dict) else None
+        save_id, local = _record(loc)
         problem = _problem(loc, local, tier, step)
         if problem is not None:
             log.warning("local copy %s not used: %s", loc.url, problem)
             continue
-        copies[str(step)] = {"save_id": group.save_id, "held": local["held"],  # type: ignore[union-attr,index]
-                             "after": local.get("after")}  # type: ignore[union-attr]
+        copies[str(step)] = {"save_id": save_id, "held": local["held"], "after": local.get("after")}
     return copies
 
 
