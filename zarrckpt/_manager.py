@@ -271,6 +271,8 @@ class CheckpointManager:
                     job.run(work())
                     self._on_commit(step, metrics, job, started, blocked=timing.get("blocked"))
         except BaseException as e:  # raised on the training thread by the next call
+            for job in jobs:  # a stager waiting for room in a job not yet written must not wait forever
+                job.budget.abort(e)
             with self._lock:
                 self._errors.append(e)
         finally:
