@@ -138,11 +138,11 @@ class LocalTier:
         _retention.apply(self.root, _retention.Policy(keep_last=self.keep_last), {})
 
 
-def _record(loc: Location) -> tuple[str | None, Any]:
-    """A copy's save identity and its `local` record (None where it has none)."""
+def _record(loc: Location) -> tuple[_commit.Group | None, Any]:
+    """A copy's group metadata and its `local` record (None where it has none)."""
     group = _commit.read_group(loc)
     meta = group.attributes.get(_naming.META_ATTR) if group is not None else None
-    return (group.save_id if group is not None else None), (meta.get("local") if isinstance(meta, dict) else None)
+    return group, (meta.get("local") if isinstance(meta, dict) else None)
 
 
 def _run_of(loc: Location) -> Any:
@@ -284,16 +284,17 @@ def _inventory(tier: LocalTier) -> dict[str, Any]:
     copies = {}
     for step in _steps.scan(tier.root)[1]:
         loc = tier.root.step(step)
-        save_id, local = _record(loc)
-        problem = _problem(loc, local, tier, step)
+        group, local = _record(loc)
+        problem = _problem(loc, group, local, tier, step)
         if problem is not None:
             log.warning("local copy %s not used: %s", loc.url, problem)
             continue
+        save_id = group.save_id if group is not None else None
         copies[str(step)] = {"save_id": save_id, "held": local["held"], "after": local.get("after")}
     return copies
 
 
-def _problem(loc: Location, local: Any, tier: LocalTier, step: int) -> str | None:
+def _problem(loc: Location, group: _commit.Group | None, local: Any, tier: LocalTier, step: int) -> str | None:
     """What makes a committed copy unusable: not a local copy of this run's `step`, or a
     chunk it says it holds missing, a link, or of the wrong size."""
     if not isinstance(local, dict) or not isinstance(local.get("held"), dict):
@@ -306,7 +307,7 @@ def _problem(loc: Location, local: Any, tier: LocalTier, step: int) -> str | Non
     if local.get("after") is not None and not isinstance(local.get("after"), int):
         return f"it records persistent step {local.get('after')!r}"
     try:
-        ckpt = _reader.open_checkpoint(loc)
+        ckpt = _reader.open_checkpoint(loc, group=group)  # the metadata already read
     except CheckpointError as e:
         return str(e)
     sizes = {e.name: (e.type, e.size) for e in loc.walk()}
