@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,3 +19,23 @@ def train_state(value: float = 1.0) -> dict:
     """Parameters, an optimizer moment and a step, on the default device."""
     return {"params": {"w": jnp.full((4, 3), value), "b": jnp.zeros(3)},
             "opt_state": {"mu": jnp.ones((4, 3))}, "step": jnp.array(int(value))}
+
+
+def one_state(mib: int, step: int) -> dict:
+    """A host state of `mib` MiB (1 MiB per row) whose values are its step."""
+    return {"w": np.full((mib, 2**18), step, np.float32), "step": step}
+
+
+def copies(persistent: str | Path, local: str | Path, process: int = 0) -> Path:
+    """Where `process` keeps its local-tier copies of the run saved in `persistent`
+    (`<local>/run-<run identity>/process<i>`, see zarrckpt._tiers)."""
+    run = (Path(persistent) / "zarrckpt.run").read_text().strip()
+    return Path(local) / f"run-{run}" / f"process{process}"
+
+
+def flip_bit(chunk: Path) -> None:
+    """Flips one bit of a chunk's data: its size and metadata stay right, its checksum
+    does not."""
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    chunk.write_bytes(bytes(data))

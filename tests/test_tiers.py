@@ -14,10 +14,11 @@ from pathlib import Path
 import multiprocess
 import numpy as np
 import pytest
+from builders import copies, flip_bit, one_state
 
 import zarrckpt
 
-SCENARIOS = ("all", "replaced", "both_replicas", "other_run", "damaged", "other_count")
+SCENARIOS = ("all", "replaced", "both_replicas", "other_run", "damaged", "flipped", "flipped_both", "other_count")
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +47,17 @@ def without_chunks(step: Path) -> None:
 
 
 def test_local_tier_layout(saved: Path) -> None:
-    local = saved / "all-l"
-    assert sorted(p.name for p in local.iterdir()) == [f"process{i}" for i in range(4)]
-    for i in range(4):  # keep_last=1: only the newest copy
-        assert zarrckpt.all_steps(str(local / f"process{i}")) == [150]
+    mine = copies(saved / "all-p", saved / "all-l").parent
+    assert [p.name for p in (saved / "all-l").iterdir()] == [mine.name]  # the run's own directory
+    assert sorted(p.name for p in mine.iterdir()) == [f"process{i}" for i in range(4)]
+    for i in range(4):  # keep_last=1: only the newest copy; private directories
+        assert zarrckpt.all_steps(str(mine / f"process{i}")) == [150]
+        assert (mine / f"process{i}").stat().st_mode & 0o777 == 0o700
+    assert (saved / "all-l").stat().st_mode & 0o777 == mine.stat().st_mode & 0o777 == 0o700
     assert zarrckpt.all_steps(str(saved / "all-p")) == [100]
     # Replicas hold the same chunks, and each process only its devices' ones.
     def chunks(i: int) -> set[str]:
-        return {str(p.relative_to(local / f"process{i}/0000000150")) for p in (local / f"process{i}").rglob("c*")}
+        return {str(p.relative_to(mine / f"process{i}/0000000150")) for p in (mine / f"process{i}").rglob("c*")}
     assert chunks(0) == chunks(2) and chunks(1) == chunks(3) and chunks(0) != chunks(1)
 
 
@@ -61,31 +65,46 @@ def test_restores_local_and_falls_back(saved: Path) -> None:
     """The first five failure cases of the issue, each a restart of all processes."""
     for scenario in ("all", "replaced"):
         without_chunks(saved / f"{scenario}-p/0000000100")  # zero bytes may come from the persistent store
-    shutil.rmtree(saved / "replaced-l/process1")  # a replaced host
+    def copy(scenario: str, process: int) -> Path:
+        return copies(saved / f"{scenario}-p", saved / f"{scenario}-l", process)
+
+    shutil.rmtree(copy("replaced", 1))  # a replaced host
     for lost in (1, 3):  # both replicas of the same shards
-        shutil.rmtree(saved / f"both_replicas-l/process{lost}")
+        shutil.rmtree(copy("both_replicas", lost))
     other_run = saved / "other_run-p2"  # the same local copies, another run's persistent directory
     shutil.copytree(saved / "other_run-p/0000000100", other_run / "0000000100")
-    (saved / "damaged-l/process0/0000000150/w/c.0.0").write_bytes(b"cut short")
-    got = restore(saved, "all", "replaced", "both_replicas", "other_run", "damaged",
+    (copy("damaged", 0) / "0000000150/w/c.0.0").write_bytes(b"cut short")
+    flip_bit(copy("flipped", 0) / "0000000150/w/c.0.0")  # found only by reading it: its checksum
+    for process in (0, 2):  # both replicas of a chunk
+        flip_bit(copy("flipped_both", process) / "0000000150/w/c.0.0")
+    got = restore(saved, "all", "replaced", "both_replicas", "other_run", "damaged", "flipped", "flipped_both",
                   persistent={"other_run": other_run})
 
-    for scenario in ("all", "replaced", "damaged"):
+    for scenario in ("all", "replaced", "damaged", "flipped"):
         for pid, r in enumerate(got[scenario]):
             assert (r["step"], r["tier"]) == (150, "local"), (scenario, pid, r)
             assert r["checked"] == 11
             assert any("0 from the persistent store" in line for line in r["said"])
+            assert r["seconds"] < 30, (scenario, pid, r["seconds"])  # nobody waited for a process that gave up
     assert all(_peer_mb(r) == 0 for r in got["all"])
     assert _peer_mb(got["replaced"][1]) > 0  # its parts came from its replica, process 3
-    for r in got["both_replicas"]:
-        assert (r["step"], r["tier"], r["checked"]) == (100, "persistent", 11), r
-    assert any("cannot be rebuilt" in line and "['v']" in line for line in got["both_replicas"][0]["said"])
-    for r in got["other_run"]:  # refused on every process, and nothing deleted
-        assert "holds local copies of another run (steps 150" in r["refused"], r
+    for scenario in ("both_replicas", "flipped_both"):
+        for r in got[scenario]:
+            assert (r["step"], r["tier"], r["checked"]) == (100, "persistent", 11), (scenario, r)
+            assert r["seconds"] < 30, (scenario, r["seconds"])
+    assert any("cannot rebuild it" in line and "['v']" in line for line in got["both_replicas"][0]["said"])
+    for r in got["other_run"]:  # another run's copies are not this run's: the persistent step, nothing deleted
+        assert (r["step"], r["tier"]) == (100, "persistent"), r
+        assert any("also holds the copies of 1 other run" in line for line in r["said"])
     for i in range(4):
-        assert zarrckpt.all_steps(str(saved / f"other_run-l/process{i}")) == [150]
+        assert zarrckpt.all_steps(str(copy("other_run", i))) == [150]
     assert any("0000000150 not used: chunk w/c.0.0 has 9 bytes" in line for line in got["damaged"][0]["said"])
     assert _peer_mb(got["damaged"][0]) > 0  # its copy set aside: its parts came from process 2
+    # A flipped bit is found while reading: every process falls back together, the copy
+    # is set aside (deleted), and process 0's parts come from its replica, process 2.
+    assert any("0000000150 set aside (deleted)" in line and "w/c.0.0" in line for line in got["flipped"][0]["said"])
+    assert _peer_mb(got["flipped"][0]) > 0
+    assert zarrckpt.all_steps(str(copy("flipped", 0))) == [] and zarrckpt.all_steps(str(copy("flipped", 2))) == [150]
 
 
 def test_other_process_count_restores_persistent(saved: Path) -> None:
@@ -104,7 +123,7 @@ def test_process_killed_mid_local_save_restores_previous_step(tmp_path: Path) ->
     # The others' local save of step 250 fails (a warning): they go on, and exit cleanly.
     assert [d["returncode"] for d in died] == [0, 0, -9, 0] and died[0]["restored"] == 150
     for i in range(4):  # no process committed its copy of step 250
-        assert zarrckpt.all_steps(str(local / f"process{i}")) == [200]
+        assert zarrckpt.all_steps(str(copies(persistent, local, i))) == [200]
     results = multiprocess.run("mp_tiers", "restore", f"{persistent}:{local}", processes=4, devices=2, timeout=300)
     for r in results:  # the previous complete step (both tiers have it: the persistent one is read)
         (only,) = r["results"]
@@ -118,17 +137,13 @@ def _peer_mb(result: dict) -> float:
 
 # -- one process ----------------------------------------------------------------
 
-def one_state(mib: int, step: int) -> dict:
-    return {"w": np.full((mib, 2**18), step, np.float32), "step": step}  # 1 MiB per row
-
-
 def test_one_process_restores_the_newer_tier(tmp_path: Path) -> None:
     persistent, local = str(tmp_path / "run"), str(tmp_path / "local")
     with zarrckpt.CheckpointManager(persistent, save_interval_steps=4, local_directory=local,
                                     local_save_interval_steps=3, local_keep_last=2) as mgr:
         saved = [step for step in range(1, 11) if mgr.save(step, one_state(1, step))]
     assert saved == [3, 4, 6, 8, 9]
-    assert zarrckpt.all_steps(persistent) == [4, 8] and zarrckpt.all_steps(f"{local}/process0") == [6, 9]
+    assert zarrckpt.all_steps(persistent) == [4, 8] and zarrckpt.all_steps(str(copies(persistent, local))) == [6, 9]
     with zarrckpt.CheckpointManager(persistent, local_directory=local, local_save_interval_steps=3) as mgr:
         state, step = mgr.restore(one_state(1, 0))
         assert (step, mgr.restored_tier, state["step"]) == (9, "local", 9)
@@ -140,8 +155,9 @@ def test_one_process_restores_the_newer_tier(tmp_path: Path) -> None:
         assert (step, mgr.restored_tier, state["step"]) == (8, "persistent", 8)
     listed = subprocess.run([sys.executable, "-m", "zarrckpt", "ls", local], capture_output=True, text=True,
                             check=True).stdout.splitlines()
-    assert listed[0].split()[:3] == ["process", "step", "state"]
-    assert [line.split()[:3] for line in listed[1:]] == [["0", "6", "committed"], ["0", "9", "committed"]]
+    run = copies(persistent, local).parent.name[len("run-"):][:8]
+    assert listed[0].split()[:4] == ["run", "process", "step", "state"]
+    assert [line.split()[:4] for line in listed[1:]] == [[run, "0", "6", "committed"], [run, "0", "9", "committed"]]
 
 
 def test_a_local_copy_that_does_not_fit_is_skipped(tmp_path: Path, small_disk: Path,
@@ -155,7 +171,7 @@ def test_a_local_copy_that_does_not_fit_is_skipped(tmp_path: Path, small_disk: P
             assert not mgr.save(3, one_state(4, 3))  # nothing else was due
     assert any("local checkpoint of step 2 skipped (training goes on)" in r.getMessage() and "GB free" in
                r.getMessage() for r in caplog.records)
-    assert zarrckpt.all_steps(f"{local}/process0") == [1] and zarrckpt.all_steps(persistent) == [2]
+    assert zarrckpt.all_steps(str(copies(persistent, local))) == [1] and zarrckpt.all_steps(persistent) == [2]
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
@@ -188,32 +204,37 @@ def test_copies_of_abandoned_training_are_never_restored(tmp_path: Path, caplog:
             return step, mgr.restored_tier
 
     train(10)
-    assert zarrckpt.all_steps(f"{local}/process0") == [3, 6, 9] and zarrckpt.all_steps(persistent) == [4, 8]
+    mine = copies(persistent, local)
+    assert zarrckpt.all_steps(str(mine)) == [3, 6, 9] and zarrckpt.all_steps(persistent) == [4, 8]
     shutil.rmtree(f"{persistent}/0000000008")  # rolled back by hand: copy 9 came after step 8
     with caplog.at_level(logging.WARNING, logger="zarrckpt"):
         assert restore() == (6, "local")
     assert any("0000000009 not used: it was saved after persistent step 8, which is gone" in r.getMessage()
                for r in caplog.records)
-    assert zarrckpt.all_steps(f"{local}/process0") == [3, 6]  # the restore deleted the newer copy
+    assert zarrckpt.all_steps(str(mine)) == [3, 6]  # the restore deleted the newer copy
 
-    shutil.rmtree(persistent)  # a new run in the same directory: the old run's copies are refused, not lost
-    with pytest.raises(zarrckpt.CheckpointLocationError, match=r"holds local copies of another run \(steps 3, 6\b"):
-        restore()
-    assert zarrckpt.all_steps(f"{local}/process0") == [3, 6]
+    shutil.rmtree(persistent)  # a new run in the same directory: the old run's copies are not its own, nor lost
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+        assert restore() == (0, None)
+    assert any("also holds the copies of 1 other run" in r.getMessage() for r in caplog.records)
+    assert zarrckpt.all_steps(str(mine)) == [3, 6]
     shutil.rmtree(local)
-    assert restore() == (0, None)
 
     train(9)
     assert restore(step=4) == (4, "persistent")  # a rollback: copies after step 4 go
-    assert zarrckpt.all_steps(f"{local}/process0") == [3]
+    assert zarrckpt.all_steps(str(copies(persistent, local))) == [3]
 
 
 @pytest.mark.parametrize("async_save", [True, False])
 def test_a_failing_local_copy_is_a_warning_and_the_persistent_save_goes_on(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, async_save: bool) -> None:
     persistent, local = str(tmp_path / "run"), tmp_path / "local"
-    (local / "process0/0000000004").mkdir(parents=True)
-    (local / "process0/0000000004/NOTES.md").write_text("not a checkpoint")  # the local save of step 4 fails
+    Path(persistent).mkdir()
+    (Path(persistent) / "zarrckpt.run").write_text("ab" * 16)  # the run's identity, made beforehand
+    mine = copies(persistent, local)
+    (mine / "0000000004").mkdir(parents=True)
+    (mine / "0000000004/NOTES.md").write_text("not a checkpoint")  # the local save of step 4 fails
     with caplog.at_level(logging.WARNING, logger="zarrckpt"), \
             zarrckpt.CheckpointManager(persistent, save_interval_steps=4, local_directory=str(local),
                                        local_save_interval_steps=2, async_save=async_save) as mgr:
@@ -224,5 +245,5 @@ def test_a_failing_local_copy_is_a_warning_and_the_persistent_save_goes_on(
         assert mgr.save(6, one_state(1, 6))  # and the local tier goes on
     assert any("local checkpoint of step 4 failed (training goes on)" in r.getMessage() for r in caplog.records)
     assert zarrckpt.all_steps(persistent) == [2, 4]
-    assert zarrckpt.all_steps(str(local / "process0")) == [6]
-    assert (local / "process0/0000000004/NOTES.md").read_text() == "not a checkpoint"
+    assert zarrckpt.all_steps(str(mine)) == [6]
+    assert (mine / "0000000004/NOTES.md").read_text() == "not a checkpoint"

@@ -199,9 +199,10 @@ def _ls(args: argparse.Namespace) -> int:
     root = _storage.resolve(args.dir, _options(args.storage_option))
     if not root.exists():
         raise FileNotFoundError(f"{root.url} does not exist")
-    steps: list[tuple[int | None, _storage.Location, int]] = [(None, root, s) for s in _steps.candidate_steps(root)]
-    tier = [] if steps else _tiers.process_directories(root)  # a local tier: every process's copies
-    steps += [(process, loc, step) for process, loc in tier for step in _steps.candidate_steps(loc)]
+    steps: list[tuple[tuple[str, int] | None, _storage.Location, int]] = [
+        (None, root, s) for s in _steps.candidate_steps(root)]
+    tier = [] if steps else _tiers.copy_directories(root)  # a local tier: every process's copies
+    steps += [((run, process), loc, step) for run, process, loc in tier for step in _steps.candidate_steps(loc)]
     rows = _concurrency.run_all(lambda found: _describe_step(found[1], found[2], found[0]), steps,
                                 root.concurrency)
     if args.json:
@@ -211,23 +212,25 @@ def _ls(args: argparse.Namespace) -> int:
         print(f"no step directories under {root.url}"
               + (f" (it is a checkpoint itself: see `zarrckpt info {root.url}`)" if itself else ""))
     else:
-        first = ["process"] if tier else []  # whose copy, in a local tier
-        table = [[r[name] for name in first] + [r["step"], r["state"], "pinned" if r["pinned"] else "",
-                                                _size(r["nbytes"]), _or_dash(r["leaves"]), _or_dash(r["created_at"])]
+        first = ["run", "process"] if tier else []  # whose copy, in a local tier
+        table = [[(r[name][:8] or "-") if name == "run" else r[name] for name in first]
+                 + [r["step"], r["state"], "pinned" if r["pinned"] else "", _size(r["nbytes"]),
+                    _or_dash(r["leaves"]), _or_dash(r["created_at"])]
                  for r in rows]
         _print_table(first + ["step", "state", "pinned", "size", "leaves", "written"], table,
-                     right={*range(len(first)), *(i + len(first) for i in (0, 3, 4))})
+                     right={*(i for i, name in enumerate(first) if name == "process"),
+                            *(i + len(first) for i in (0, 3, 4))})
     return 0
 
 
-def _describe_step(root: _storage.Location, step: int, process: int | None) -> dict[str, Any]:
+def _describe_step(root: _storage.Location, step: int, owner: tuple[str, int] | None) -> dict[str, Any]:
     """One `ls` row from the step's group metadata alone: one read for zarrckpt's layout.
-    `process`: whose local copy it is, in a local tier's directory."""
+    `owner`: whose local copy it is (run, process), in a local tier's directory."""
     loc = root.step(step)
     group = _commit.read_group(loc)
     state = _commit.state(loc, group)
     summary = _metadata.summarize(loc, group)
-    return {**({"process": process} if process is not None else {}),
+    return {**({"run": owner[0], "process": owner[1]} if owner is not None else {}),
             "step": step, "url": loc.url, "state": state.value, "committed": state is _commit.State.COMMITTED,
             "pinned": _retention.is_pinned(loc), "nbytes": summary.nbytes, "leaves": summary.leaves,
             "created_at": summary.created_at}

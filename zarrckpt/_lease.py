@@ -11,11 +11,14 @@ whose writer is provably gone is taken over at once, so a job restarted in place
 after a crash does not wait: written on this very machine (its boot id) in this PID
 namespace, by a process id that is gone or now names another process (its start
 time). A process in another container (another PID namespace, perhaps with the same
-host name) cannot be seen from here, so its lease is watched like any other.
+host name) cannot be seen from here, so its lease is watched like any other. A lease
+of this very process is another manager's here that was never closed: refused at once,
+saying so, unless that manager is garbage (its finalizer gives the lease back).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -52,6 +55,14 @@ class Lease:
         """Takes the lease and starts renewing it; raises DirectoryInUseError if a live
         manager holds it."""
         found = self._read()
+        if found is not None and found.get("owner") != self._owner and found.get("process") == _THIS_PROCESS:
+            gc.collect()  # a manager nobody holds (a notebook cell run again) gives its lease back
+            found = self._read()
+            if found is not None and found.get("process") == _THIS_PROCESS:
+                raise DirectoryInUseError(
+                    f"{self._root.url} is held by another CheckpointManager in this process (pid {os.getpid()}) "
+                    "that is still open: call its close() first, or use `with zarrckpt.CheckpointManager(...) as "
+                    "mgr:` so that it is closed for you")
         if found is not None and found.get("owner") != self._owner and not _dead_here(found):
             wait = self._heartbeat_s * _WATCH_BEATS
             log.warning("%s has a lease of another manager (host %s, pid %s): watching it for %.1fs",
@@ -86,8 +97,10 @@ class Lease:
                 f"(host {(found or {}).get('host')}, pid {(found or {}).get('pid')}); not saving")
 
     def release(self) -> None:
+        """Stops renewing the lease and removes it if it is still ours. Safe to call more
+        than once, and from any thread (a finalizer may run on the renewing one)."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         found = self._read()
         if found is not None and found.get("owner") == self._owner:

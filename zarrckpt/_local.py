@@ -307,3 +307,46 @@ def exists(root: str, key: str) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+class UnsafeDirectory(OSError):
+    """A directory that another user could change under us (see `private_directory`)."""
+
+
+def private_directory(path: str) -> None:
+    """Makes `path` a directory that only this user can change: `path` must be this
+    user's and writable by no one else, and every directory above it must be this
+    user's or root's and writable by no one else unless sticky (as /tmp and /dev/shm
+    are: others cannot rename or delete what is ours there). Missing components are
+    created with mode 0700, only once what exists has passed. Raises UnsafeDirectory
+    saying which directory fails and why: another user who can write there could
+    plant or swap copies that we would restore (the rule ssh applies to a key file's
+    directories)."""
+    real = os.path.realpath(os.path.abspath(path))
+    _check_private(real)  # before anything is made inside
+    walked = "/"
+    for name in _parts(real):
+        walked = os.path.join(walked, name)
+        if not os.path.lexists(walked):
+            with contextlib.suppress(FileExistsError):  # one made at the same moment is checked below
+                os.mkdir(walked, 0o700)
+    _check_private(real)
+
+
+def _check_private(real: str) -> None:
+    me, walked = os.geteuid(), "/"
+    for name in _parts(real):
+        walked = os.path.join(walked, name)
+        try:
+            found = os.stat(walked)
+        except FileNotFoundError:
+            return  # nothing below it exists yet
+        leaf = walked == real
+        if not stat.S_ISDIR(found.st_mode):
+            raise UnsafeDirectory(errno.ENOTDIR, f"{walked} is not a directory")
+        if found.st_uid != me and (leaf or found.st_uid != 0):
+            raise UnsafeDirectory(errno.EPERM, f"{walked} belongs to user id {found.st_uid}, not to this user "
+                                               f"({me})")
+        if found.st_mode & 0o022 and (leaf or not found.st_mode & stat.S_ISVTX):
+            raise UnsafeDirectory(errno.EPERM, f"{walked} is writable by other users (mode "
+                                               f"{stat.S_IMODE(found.st_mode):04o})")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -17,12 +16,10 @@ from jax.experimental import multihost_utils
 
 from . import _commit, _concurrency, _lease, _multihost, _options, _retention, _save, _steps, _storage, _tiers, errors
 from ._format import naming as _naming
-from .errors import CheckpointError
 
 log = logging.getLogger("zarrckpt")
 
 DEFAULT_MAX_STAGED_BYTES = 8 * 2**30
-_END = object()  # closes the queue of staged writes
 _NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}  # JSON has no such numbers
 
 
@@ -122,7 +119,7 @@ class CheckpointManager:
                                                   max_workers=max_workers, timeout_s=timeout_s, progress=progress,
                                                   checksums=checksums)
         self._root = _storage.resolve(checkpoint_dir, storage_options)
-        self._local = self._local_tier(local_directory, local_save_interval_steps, local_keep_last)
+        local = self._local_directory(local_directory, local_save_interval_steps, local_keep_last)
         self._interval_steps = save_interval_steps
         self._interval_seconds = save_interval_seconds
         self._async = async_save
@@ -138,18 +135,23 @@ class CheckpointManager:
         self._metrics = self._load_metrics() if best_metric is not None else {}
         self._lock = threading.Lock()
         # The save in flight, and its step if it saves one to the persistent tier.
-        self._in_flight: tuple[threading.Thread, int | None] | None = None
+        self._in_flight: list[_save.BackgroundSave] = []  # the saves of the last `save` call
         self._errors: list[BaseException] = []
         self._lease = _lease.Lease(self._root, heartbeat_s) if _multihost.process_index() == 0 else None
-        self._closed = True  # until the lease is ours
-        self._claim_lease()
-        if self._local is not None:
+        self._tier: _tiers.LocalTier | None = None
+        self._closed = True  # until the leases are ours
+        run = self._claim_lease(local is not None)
+        if local is not None and run is not None:
             try:
-                self._local.check_run(self._timeout_s)
+                self._tier = _tiers.LocalTier.open(local, run, local_save_interval_steps or 0, local_keep_last,
+                                                   heartbeat_s=heartbeat_s, timeout_s=timeout_s)
             except BaseException:
                 if self._lease is not None:
                     self._lease.release()
                 raise
+        # A manager nobody holds any more (a notebook cell run again) gives its leases
+        # back; the leases' threads never hold the manager.
+        self._release = weakref.finalize(self, _release, self._lease, self._tier)
         self._closed = False
 
     # -- saving ----------------------------------------------------------------
@@ -177,61 +179,64 @@ class CheckpointManager:
         values = _metric_values(metrics)
         self._raise_errors()
         persistent = self._should_save(step, force)
-        local = self._local is not None and self._local.due(step)
-        if not (persistent or local):
+        copy = self._tier is not None and self._tier.due(step)
+        if not (persistent or copy):
             return False
+        called = time.perf_counter()
         self.wait()
-        started = time.perf_counter()
-        jobs = []  # the persistent save first: the one that must not fail
+        saves = []  # the persistent save first: the one that must not fail
         if persistent:
-            self._last_save = time.monotonic()
-            extra = {"metrics": values} if values is not None else None
-            jobs.append(_save.SaveJob.create(location, state, self._save_options, extra_metadata=extra,
-                                             channel="manager-save",
-                                             before_prepare=self._lease.check if self._lease else None))
-        if local and self._local is not None:
-            job = self._local.job(step, state, self._save_options, self._committed_steps(), self._timeout_s)
-            jobs += [job] if job is not None else []
-        if not jobs:
+            saves.append(self._persistent_save(step, location, state, values, called))
+        if copy and self._tier is not None and (local := self._tier.save(
+                step, state, self._save_options, self._committed_steps(), self._timeout_s)) is not None:
+            saves.append(local)
+        if not saves:
             return False
-        if not self._async:
-            for job in jobs:
-                with self._local_failure(job, step, None):
-                    job.run(job.admitted())
-                    self._on_commit(step, values, job, started, blocked=None)
-            return True
-        staged: queue.Queue[Any] = queue.Queue()
-        timing: dict[str, float] = {}
-        thread = threading.Thread(target=self._write_in_background, name=f"zarrckpt-save-{step}",
-                                  args=(jobs, staged, step, values, started, timing), daemon=True)
         with self._lock:
-            self._in_flight = (thread, step if persistent else None)
-        thread.start()
-        try:
-            for i, job in enumerate(jobs):  # each job's writes, then the end of them
-                try:
-                    _save.stage(job, staged.put)
-                except _concurrency.Aborted:
-                    if not job.local:
-                        raise
-                    # The local copy's writer failed, and said so: the save goes on without it.
-                if i < len(jobs) - 1:
-                    staged.put(_END)
-        except BaseException as e:
-            staged.put(e)  # the writer aborts: nothing is committed
-            thread.join()
-            with self._lock:
-                writer_errors, self._errors = self._errors, []  # raised here instead
-            if isinstance(e, _concurrency.Aborted) and writer_errors:
-                raise writer_errors[0] from e  # the writer failed first, which stopped the staging
-            raise
-        timing["blocked"] = time.perf_counter() - started  # before _END: the commit comes after it
-        staged.put(_END)
+            self._in_flight = saves
+        for save in saves:
+            save.start() if self._async else save.run()
+        self._raise_errors()  # without async_save: the persistent save's error
         return True
+
+    def _persistent_save(self, step: int, location: _storage.Location, state: Any,
+                         metrics: Mapping[str, float] | None, called: float) -> _save.BackgroundSave:
+        started = time.perf_counter()
+        self._last_save = time.monotonic()
+        job = _save.SaveJob.create(location, state, self._save_options, channel="manager-save",
+                                   extra_metadata={"metrics": metrics} if metrics is not None else None,
+                                   before_prepare=self._lease.check if self._lease else None)
+
+        def committed() -> None:
+            seconds = time.perf_counter() - started
+            with self._lock:
+                self._committed.add(step)
+                if metrics is not None:
+                    self._metrics[step] = dict(metrics)
+            if _multihost.process_index() == 0:
+                # `save` blocked training from its call until the copies were dispatched,
+                # waiting for the save before it included.
+                blocked = "" if save.staged is None else (
+                    f", training blocked {save.staged - called:.3f}s"
+                    + (f" ({started - called:.3f}s of it waiting for the previous save)"
+                       if started - called >= 0.001 else ""))
+                log.info("checkpoint step %d committed: %.3f GB in %.2fs (%.2f GB/s)%s", step, job.nbytes / 1e9,
+                         seconds, job.nbytes / 1e9 / max(seconds, 1e-9), blocked)
+            if self._policy.deletes:
+                self._retain()
+
+        save = _save.BackgroundSave(job, f"zarrckpt-save-{step}", on_commit=committed, on_failure=self._failed)
+        return save
+
+    def _failed(self, error: BaseException) -> None:
+        """A persistent save failed: raised by the next call on the training thread."""
+        with self._lock:
+            self._errors.append(error)
 
     def _should_save(self, step: int, force: bool) -> bool:
         with self._lock:
-            if step in self._committed or (self._in_flight and self._in_flight[1] == step):
+            in_flight = {s.job.loc.url for s in self._in_flight}
+            if step in self._committed or self._root.step(step).url in in_flight:
                 return False
         every_call = self._interval_steps is None and self._interval_seconds is None
         due = force or every_call or bool(self._interval_steps and step % self._interval_steps == 0)
@@ -247,73 +252,9 @@ class CheckpointManager:
                 op.close()
         return due
 
-    def _write_in_background(self, jobs: list[_save.SaveJob], staged: queue.Queue[Any], step: int,
-                             metrics: Mapping[str, float] | None, started: float,
-                             timing: dict[str, float]) -> None:
-        ended = False  # whether the job being written has taken all its writes from the queue
-
-        def work() -> Iterator[Any]:
-            nonlocal ended
-            ended = False
-            while (item := staged.get()) is not _END:
-                if isinstance(item, BaseException):
-                    raise CheckpointError(f"staging step {step} failed; nothing was committed") from item
-                yield item
-            ended = True
-
-        def drop_rest() -> None:  # of a failed job's writes, up to its end
-            while not ended and isinstance(item := staged.get(), tuple):
-                item[1].release()
-
-        try:
-            for job in jobs:
-                with self._local_failure(job, step, drop_rest):
-                    job.run(work())
-                    self._on_commit(step, metrics, job, started, blocked=timing.get("blocked"))
-        except BaseException as e:  # raised on the training thread by the next call
-            for job in jobs:  # a stager waiting for room in a job not yet written must not wait forever
-                job.budget.abort(e)
-            with self._lock:
-                self._errors.append(e)
-        finally:
-            with self._lock:
-                self._in_flight = None
-
-    @contextlib.contextmanager
-    def _local_failure(self, job: _save.SaveJob, step: int, drop_rest: Callable[[], None] | None) -> Iterator[None]:
-        """A local copy that fails (on every process: its agreement raises everywhere)
-        is a warning, not an error: training and the persistent tier go on. Its writes
-        still staged are dropped (`drop_rest`)."""
-        if not job.local:
-            yield
-            return
-        try:
-            yield
-        except Exception as e:
-            log.warning("local checkpoint of step %d failed (training goes on): %s", step, e)
-            if drop_rest is not None:
-                drop_rest()
-
     def _committed_steps(self) -> set[int]:
         with self._lock:
             return set(self._committed)
-
-    def _on_commit(self, step: int, metrics: Mapping[str, float] | None, job: _save.SaveJob,
-                   started: float, blocked: float | None) -> None:
-        if job.local and self._local is not None:
-            self._local.committed(step)
-            return
-        seconds = time.perf_counter() - started
-        with self._lock:
-            self._committed.add(step)
-            if metrics is not None:
-                self._metrics[step] = dict(metrics)
-        if _multihost.process_index() == 0:
-            log.info("checkpoint step %d committed: %.3f GB in %.2fs (%.2f GB/s)%s", step, job.nbytes / 1e9,
-                     seconds, job.nbytes / 1e9 / max(seconds, 1e-9),
-                     "" if blocked is None else f", training blocked {blocked:.3f}s")
-        if self._policy.deletes:
-            self._retain()
 
     def _retain(self) -> None:
         """Applies retention after a commit, on the thread that committed: process 0
@@ -342,8 +283,11 @@ class CheckpointManager:
         triggered has run; raises its error if it failed. Agreement."""
         with self._lock:
             in_flight = self._in_flight
-        if in_flight is not None:
-            in_flight[0].join()
+        for save in in_flight:
+            save.join()
+        with self._lock:
+            if self._in_flight is in_flight:
+                self._in_flight = []
         self._raise_errors()
 
     def restore(self, target: Any, *, step: int | None = None, partial: bool = False, allow_dtype_cast: bool = False,
@@ -375,8 +319,8 @@ class CheckpointManager:
         self.wait()
         started = time.perf_counter()
         tier: str | None = "persistent"
-        if step is None and self._local is not None:
-            state, restored, found = _tiers.restore_latest(self._root, self._local, target, options, self._timeout_s)
+        if step is None and self._tier is not None:
+            state, restored, found = _tiers.restore_latest(self._root, self._tier, target, options, self._timeout_s)
             tier = found.tier if found is not None else None
         elif step is None:
             state, restored = _steps.restore_latest(self._root, target, options, self._timeout_s)
@@ -384,8 +328,8 @@ class CheckpointManager:
             state, restored = _steps.load_step(self._root, step, target, options), step
         self._restored_step = restored
         self._restored_tier = tier if restored is not None else None
-        if self._local is not None:  # copies newer than this are of abandoned training: never restore them
-            self._local.forget_newer(restored)
+        if self._tier is not None:  # copies newer than this are of abandoned training: never restore them
+            self._tier.forget_newer(restored)
         if restored is not None and _multihost.process_index() == 0:
             log.info("restored step %d from %s in %.2fs", restored,
                      self._root.url if tier == "persistent" else "the local tier", time.perf_counter() - started)
@@ -442,8 +386,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            if self._lease is not None:
-                self._lease.release()
+            self._release()
         self._raise_errors()
 
     def __enter__(self) -> CheckpointManager:
@@ -452,25 +395,24 @@ class CheckpointManager:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _claim_lease(self) -> None:
+    def _claim_lease(self, tiers: bool) -> str | None:
         """Process 0 claims the directory (and, with a local tier, reads or makes its run
-        identity, which every process learns); a refusal is raised on every process.
-        Agreement."""
+        identity, which every process learns and this returns); a refusal is raised on
+        every process. Agreement."""
         def claim() -> str | None:
             if self._lease is not None:
                 self._lease.claim()
-            return _tiers.run_identity(self._root) if self._local is not None else None
+            return _tiers.run_identity(self._root) if tiers else None
 
         op = _multihost.Agreement("manager-open", self._timeout_s, what=f"claiming {self._root.url} for this job",
                                    error=errors.CheckpointWriteError)
         try:
-            run = op.decide("claim", claim)
+            return op.decide("claim", claim)
         finally:
             op.close()
-        if self._local is not None and run is not None:
-            self._local.run = run
 
-    def _local_tier(self, directory: str | None, interval: int | None, keep_last: int) -> _tiers.LocalTier | None:
+    def _local_directory(self, directory: str | None, interval: int | None,
+                         keep_last: int) -> _storage.Location | None:
         if directory is None and interval is None:
             return None
         if directory is None or interval is None:
@@ -482,7 +424,7 @@ class CheckpointManager:
         if not local.is_local:
             raise ValueError(f"local_directory must be a path on this host's own disk (a RAM disk or a local SSD), "
                              f"got {directory!r}; the persistent tier is checkpoint_dir")
-        return _tiers.LocalTier.open(local, interval, keep_last)
+        return local
 
     def _check_open(self) -> None:
         if self._closed:
@@ -493,6 +435,14 @@ class CheckpointManager:
             pending, self._errors = self._errors, []
         if pending:
             raise pending[0]
+
+
+def _release(lease: _lease.Lease | None, tier: _tiers.LocalTier | None) -> None:
+    """Gives a manager's leases back (on `close`, or once nobody holds the manager)."""
+    if lease is not None:
+        lease.release()
+    if tier is not None:
+        tier.close()
 
 
 def _metrics_of(root: _storage.Location, step: _storage.Location) -> dict[str, Any] | None:

@@ -15,7 +15,9 @@ service whatever the process count (none with a single process):
   Every failure is raised on every process. Each process also marks its arrival
   before the barrier, so that a timeout names the processes that never came.
   `Agreement.gather` is the same, with every process's result published too and
-  read back by all (what each process's local tier holds, say).
+  read back by all (what each process's local tier holds, say); `Agreement.failures`
+  the same again, with each process's own error passed in and every process's
+  returned, not raised (which processes' local copies failed a read).
 
 Each `Agreement` is one operation with its own key namespace; when it is closed,
 every process counts itself out, and the last one deletes the namespace.
@@ -130,6 +132,13 @@ class Agreement:
         process. Agreement."""
         return self._everyone(tag, step, gather=True)
 
+    def failures(self, tag: str, error: BaseException | None) -> dict[int, str]:
+        """Every process reports `error` (None: it has none); returns, on every process,
+        each failed process's message, by process (empty when none failed). For a caller
+        that must learn which processes failed, not only that some did. Agreement."""
+        failures = {process_index(): _report(error)} if error is not None else {}
+        return {p: failure["message"] for p, failure in self._meet(tag, None, failures, gather=False)[0].items()}
+
     def _everyone(self, tag: str, step: Callable[[], _T], gather: bool) -> list[_T]:
         mine: BaseException | None = None
         failures: dict[int, dict[str, str]] = {}
@@ -139,12 +148,21 @@ class Agreement:
         except Exception as e:  # reported to every process, then raised below
             mine = e
             failures[process_index()] = _report(e)
+        failures, results = self._meet(tag, result, failures, gather)
+        if failures:
+            self._raise(failures, mine)
+        return results
+
+    def _meet(self, tag: str, result: Any, failures: dict[int, dict[str, str]],
+              gather: bool) -> tuple[dict[int, dict[str, str]], list[Any]]:
+        """Publishes this process's failure (or, to `gather`, its result), waits at a
+        barrier for every process, and reads back every failure (and result)."""
         results = [result]
         if process_count() > 1:
             client, me = _client(), process_index()
             base = f"{self._prefix}/{tag}"
             self._used = True
-            if mine is not None:
+            if me in failures:
                 client.key_value_set(f"{base}/failed/{me}", json.dumps(failures[me]))
             elif gather:
                 client.key_value_set(f"{base}/value/{me}", json.dumps(result))
@@ -156,24 +174,7 @@ class Agreement:
                 found = {int(key.rsplit("/", 1)[1]): json.loads(value)
                          for key, value in client.key_value_dir_get(f"{base}/value/")}
                 results = [found[p] for p in range(process_count())]
-        if failures:
-            self._raise(failures, mine)
-        return results
-
-    def send(self, tag: str, value: str) -> None:
-        """Publishes `value` under `tag` for `receive` on other processes (not a
-        collective: only the processes that need it wait for it)."""
-        if process_count() > 1:
-            self._used = True
-            _client().key_value_set(f"{self._prefix}/sent/{tag}", value)
-
-    def receive(self, tag: str, sender: int) -> str:
-        """What `sender` published under `tag` with `send`, once it has."""
-        self._used = True
-        key = f"{self._prefix}/sent/{tag}"
-        # Many reader threads wait at once: their waits overlap, so none adds to the
-        # operation's total (each gets what is left of it).
-        return self._wait(tag, lambda c, ms: c.blocking_key_value_get(key, ms), [sender], counted=False)
+        return failures, results
 
     def close(self) -> None:
         """Counts this process out of the operation; the last one out deletes its keys.
@@ -187,8 +188,7 @@ class Agreement:
         except Exception:
             pass  # a leftover key costs a few bytes; never fail a save for it
 
-    def _wait(self, tag: str, call: Callable[[Any, int], Any], expected: list[int] | None, *,
-              counted: bool = True) -> Any:
+    def _wait(self, tag: str, call: Callable[[Any, int], Any], expected: list[int] | None) -> Any:
         """Runs a blocking coordination `call` with what is left of the operation's
         timeout (the time this process has already waited in it counts; its own work
         does not); on timeout, raises naming the processes that never arrived
@@ -208,8 +208,7 @@ class Agreement:
                 f"'{tag}') but processes {expected} never arrived ({str(e).splitlines()[0]})"
             ) from None
         finally:
-            if counted:
-                self._waited += time.monotonic() - started
+            self._waited += time.monotonic() - started
 
     def _raise(self, failures: dict[int, dict[str, str]], mine: BaseException | None) -> None:
         if len(failures) == 1:

@@ -3,49 +3,63 @@ what its devices hold, saved every few steps beside the persistent checkpoints, 
 restored when it is newer than the newest persistent step and the surviving copies
 rebuild it.
 
-Layout: `<local_directory>/process<i>/<step>/`, a zarrckpt checkpoint (the same
-format as the persistent tier) holding the chunks process i's devices held, replicas
-included, and every host value. Its metadata's `local` attribute records the run
-(the persistent directory's URL), the step, the process, the process count and the
-chunks of each array it holds. Every process's copy of a step has the same save
-identity; each commits its own only once every process has written all of its (see
-`_save.protocol`).
+Layout: `<local_directory>/run-<run>/process<i>/<step>/`, a zarrckpt checkpoint (the
+same format as the persistent tier) holding the chunks process i's devices held,
+replicas included, and every host value. `<run>` is the persistent directory's run
+identity (`zarrckpt.run` there), so jobs of different runs given one local directory
+each work on their own copies; each process holds a lease on its directory (see
+`_lease`), so two live jobs of the same run never mix theirs. Every directory is this
+user's alone (mode 0700; see `_local.private_directory`). A copy's metadata records,
+under `local`, the run, the step, the newest persistent step committed before it, the
+process, the process count and the chunks of each array it holds. Every process's copy
+of a step has the same save identity; each commits its own only once every process has
+written all of its (`_save.protocol.PER_PROCESS`). A copy that fails to save is
+removed.
 
 Restoring, one agreement:
     gather  each process lists its committed copies and what they hold; a copy of
-            another run (another persistent URL, or saved after a persistent step that
-            is gone), of another step, or with a chunk missing or cut short is set
-            aside, with a warning
+            another run or step, saved after a persistent step that is gone, or with a
+            chunk missing, cut short or anything else wrong is set aside, with a warning
     choose  newest first, the local steps newer than the newest committed persistent
             step whose copies share one save identity and rebuild the whole target
-            (see `_restore.local`); else the persistent tier
+            (see `_restore.copies`); else the persistent tier
     read    each process reads its own copy; what it lacks comes from replicas over
-            the device network, host values from a holder
+            the device network, host values from a holder. A read that fails on any
+            process (a checksum, a file that is not what its metadata says) fails on
+            every process before any enters the next collective: those copies are set
+            aside (deleted), and the same step is tried again without them, then the
+            next candidate, then the persistent tier.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import functools
 import json
 import logging
-import os
+import math
 import re
 import shutil
 import uuid
 from collections.abc import Collection
 from typing import Any
 
-from . import _commit, _multihost, _retention, _save, _steps
+import numpy as np
+
+from . import _commit, _lease, _local, _multihost, _retention, _steps
 from ._format import naming as _naming
 from ._options import LoadOptions, SaveOptions
-from ._restore import checkpoint as _reader, local as _local_read, match as _match
-from ._restore.load import load_requests
+from ._restore import checkpoint as _reader, copies as _copies, match as _match
+from ._restore.load import GateClosed, load_requests
+from ._save import PER_PROCESS, BackgroundSave, SaveJob
 from ._storage import Location
-from .errors import CheckpointError, CheckpointLocationError, CheckpointMismatchError
+from .errors import CheckpointError, CheckpointLocationError, CheckpointMismatchError, DirectoryInUseError
 
 log = logging.getLogger("zarrckpt")
 
-_PROCESS_DIR = "process"  # each process's directory: process0, process1...
+_RUN_DIR = "run-"  # a run's copies: run-<identity>
+_PROCESS_DIR = "process"  # each process's copies in it: process0, process1...
 RUN_FILE = "zarrckpt.run"  # in the persistent directory: its run identity
 _CRC_BYTES, _BLOCK_BYTES = 4, 4096
 # Room kept free beyond a step's chunks and metadata: the filesystem's own.
@@ -56,33 +70,87 @@ class _NoRoom(CheckpointError):
     """A local copy would not fit on some process's disk."""
 
 
-@dataclasses.dataclass
-class LocalTier:
-    """One process's local tier, as a CheckpointManager keeps it."""
+class _Unusable(Exception):
+    """A copy that cannot be used; the message says why."""
 
-    root: Location  # this process's directory: <local_directory>/process<i>
-    interval: int
-    keep_last: int
-    run: str = ""  # the persistent directory's run identity (`run_identity`), once the manager has it
-    last: int | None = None  # the step this manager last saved here
+
+class CopiesDamaged(GateClosed):
+    """Reading some processes' copies failed (`problems`: why, by process)."""
+
+    def __init__(self, problems: dict[int, str]) -> None:
+        super().__init__("; ".join(f"process {p}: {why}" for p, why in sorted(problems.items())))
+        self.problems = problems
+
+
+class LocalTier:
+    """One process's part of the local tier, as a CheckpointManager keeps it."""
+
+    def __init__(self, directory: Location, run: str, interval: int, keep_last: int, heartbeat_s: float) -> None:
+        self.directory = directory  # local_directory, as given
+        self.run = run
+        self.root = directory.child(f"{_RUN_DIR}{run}").child(f"{_PROCESS_DIR}{_multihost.process_index()}")
+        self.interval, self.keep_last = interval, keep_last
+        self.last: int | None = None  # the step this manager last saved here
+        self._lease = _lease.Lease(self.root, heartbeat_s)
 
     @classmethod
-    def open(cls, directory: Location, interval: int, keep_last: int) -> LocalTier:
-        return cls(directory.child(f"{_PROCESS_DIR}{_multihost.process_index()}"), interval, keep_last)
+    def open(cls, directory: Location, run: str, interval: int, keep_last: int, *, heartbeat_s: float,
+             timeout_s: float) -> LocalTier:
+        """Every process makes its directory, checks that only this user can change it
+        and takes its lease; a refusal on any process (CheckpointLocationError) is
+        raised on every process, before anything is written or deleted. Agreement."""
+        tier = cls(directory, run, interval, keep_last, heartbeat_s)
+        op = _multihost.Agreement("manager-local-open", timeout_s, what=f"opening local_directory {directory.url}",
+                                  error=CheckpointLocationError)
+        try:
+            op.check("open", tier._open)
+        except BaseException:
+            tier.close()
+            raise
+        finally:
+            op.close()
+        return tier
+
+    def _open(self) -> None:
+        try:
+            _local.private_directory(self.root.path)
+        except _local.UnsafeDirectory as e:
+            raise CheckpointLocationError(
+                f"local_directory {self.directory.url} is not safe to restore from: {e.strerror}. Another user "
+                "could plant or swap the copies this job restores. Give a local_directory that is yours alone "
+                "(zarrckpt creates it with mode 0700), or make it so (chown it to this user, chmod 700)") from None
+        try:
+            self._lease.claim()
+        except DirectoryInUseError as e:
+            raise CheckpointLocationError(
+                f"local_directory {self.directory.url} holds the copies of a live job of the same run ({e}); give "
+                "each job its own local_directory") from None
+        others = sorted(e.name for e in self.directory.list_dir()
+                        if e.name != f"{_RUN_DIR}{self.run}" and _run_of_directory(e.name) is not None)
+        if others:
+            log.warning("local_directory %s also holds the copies of %d other run(s) (%s): not used nor deleted; "
+                        "delete them to free room", self.directory.url, len(others), ", ".join(others[:3]))
+
+    def close(self) -> None:
+        """Gives up this process's lease on its directory."""
+        self._lease.release()
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0 and step != self.last
 
-    def job(self, step: int, state: Any, options: SaveOptions, persistent: Collection[int],
-            timeout_s: float) -> _save.SaveJob | None:
-        """The local save of `step`, or None, with a warning, if some process's copy
-        would not fit on its disk (then no process saves it). `persistent`: the
-        committed persistent steps (the copy records the newest). Agreement."""
+    # -- saving ------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, options: SaveOptions, persistent: Collection[int],
+             timeout_s: float) -> BackgroundSave | None:
+        """This process's copy of `step`, to start or run; None, with a warning, if some
+        process's copy would not fit on its disk (then no process saves it).
+        `persistent`: the committed persistent steps (the copy records the newest).
+        Agreement."""
         self.last = step  # tried once: a failed local save is not retried for the same step
         after = max(persistent, default=None)
-        job = _save.SaveJob.create(self.root.step(step), state, dataclasses.replace(options, overwrite=True),
-                                   extra_metadata={"local": {"run": self.run, "step": step, "after": after}},
-                                   channel="manager-local", local=True)
+        job = SaveJob.create(self.root.step(step), state, dataclasses.replace(options, overwrite=True),
+                             extra_metadata={"local": {"run": self.run, "step": step, "after": after}},
+                             channel="manager-local", commit=PER_PROCESS)
         op = _multihost.Agreement("manager-local-room", timeout_s, what=f"the local copy of step {step}",
                                   error=_NoRoom)
         try:
@@ -92,63 +160,119 @@ class LocalTier:
             return None
         finally:
             op.close()
-        return job
+        return BackgroundSave(job, f"zarrckpt-local-{step}", on_commit=lambda: self._committed(step),
+                              on_failure=lambda e: self._failed(step, e))
 
     def _check_room(self, nbytes: int) -> None:
-        os.makedirs(self.root.path, exist_ok=True)
         free = shutil.disk_usage(self.root.path).free
         if free < nbytes + _SPARE_BYTES:
             raise _NoRoom(f"{self.root.url} has {free / 1e9:.3f} GB free, process "
                           f"{_multihost.process_index()}'s copy needs {(nbytes + _SPARE_BYTES) / 1e9:.3f} GB")
 
-    def check_run(self, timeout_s: float) -> None:
-        """Raises CheckpointLocationError on every process if some process's directory
-        holds committed copies of another run: they are left alone, never used nor
-        deleted (a mistyped checkpoint_dir must not cost the real run its copies).
-        Agreement."""
-        def mine() -> None:
-            others = sorted(step for step in _steps.scan(self.root)[1] if _run_of(self.root.step(step)) != self.run)
-            if others:
-                raise CheckpointLocationError(
-                    f"local_directory {self.root.url} holds local copies of another run (steps "
-                    f"{', '.join(map(str, others[:5]))}{' ...' if len(others) > 5 else ''}; this checkpoint_dir's "
-                    f"run is {self.run}, in its {RUN_FILE}): delete them, or give another local_directory")
+    def _committed(self, step: int) -> None:
+        """Keeps the newest `keep_last` copies (each process its own)."""
+        log.info("local checkpoint step %d committed under %s", step, self.root.url)
+        _retention.apply(self.root, _retention.Policy(keep_last=self.keep_last), {})
 
-        op = _multihost.Agreement("manager-local-run", timeout_s, what="checking the local directories",
-                                  error=CheckpointLocationError)
+    def _failed(self, step: int, error: BaseException) -> None:
+        """A failed copy (on every process: its agreement raises everywhere) is a
+        warning, not an error: training and the persistent tier go on. What it left on
+        this process's disk goes, so that the next copy has the room."""
+        log.warning("local checkpoint of step %d failed (training goes on): %s", step, error)
+        if not _steps.is_committed(self.root.step(step)):
+            self._remove(step, committed=False, why="a local copy that failed")
+
+    def _remove(self, step: int, *, committed: bool, why: str) -> None:
         try:
-            op.check("run", mine)
-        finally:
-            op.close()
+            _retention.delete(self.root, step, committed=committed, why=why)
+        except Exception as e:  # whatever a broken disk holds there must not stop training
+            log.warning("could not delete local copy %s (%s): %s", self.root.step(step).url, why, e)
 
     def forget_newer(self, step: int | None) -> None:
         """Deletes this process's copies newer than `step` (every one, for None): after a
         restore, they belong to training that was abandoned (not collective)."""
         for found in _steps.candidate_steps(self.root):
             if step is None or found > step:
-                _retention.delete(self.root, found, committed=_steps.is_committed(self.root.step(found)),
-                                  why="a local copy newer than the step restored")
+                self._remove(found, committed=_steps.is_committed(self.root.step(found)),
+                             why="a local copy newer than the step restored")
         if self.last is not None and (step is None or self.last > step):
             self.last = None
 
-    def committed(self, step: int) -> None:
-        """After this process's copy of `step` committed: keeps the newest `keep_last`
-        copies (not collective: each process its own)."""
-        log.info("local checkpoint step %d committed under %s", step, self.root.url)
-        _retention.apply(self.root, _retention.Policy(keep_last=self.keep_last), {})
+    # -- restoring ---------------------------------------------------------------
+
+    def inventory(self) -> list[_copies.Copy]:
+        """This process's committed copies of this run; the others, and any copy that
+        fails a check, are left out with a warning."""
+        found = []
+        for step in _steps.scan(self.root)[1]:
+            loc = self.root.step(step)
+            try:
+                found.append(self._copy(loc, step))
+            except Exception as e:  # anything a broken or hostile disk can hold
+                why = str(e) if isinstance(e, (_Unusable, CheckpointError)) else f"{type(e).__name__}: {e}"
+                log.warning("local copy %s not used: %s", loc.url, why)
+        return found
+
+    def _copy(self, loc: Location, step: int) -> _copies.Copy:
+        """The copy at `loc`, checked: a local copy of this run's `step` whose every chunk
+        is there with its size. Raises _Unusable (or what reading it raised) if not."""
+        group = _commit.read_group(loc)
+        meta = group.attributes.get(_naming.META_ATTR) if group is not None else None
+        record = meta.get("local") if isinstance(meta, dict) else None
+        if not isinstance(record, dict) or not isinstance(record.get("held"), dict):
+            raise _Unusable("it is not a local-tier copy (no record of what it holds)")
+        if record.get("run") != self.run:
+            raise _Unusable(f"it belongs to another run ({record.get('run')!r})")
+        if record.get("step") != step:
+            raise _Unusable(f"it holds step {record.get('step')!r}")
+        after = record.get("after")
+        if after is not None and (not isinstance(after, int) or isinstance(after, bool)):
+            raise _Unusable(f"it records persistent step {after!r}")
+        ckpt = _reader.open_checkpoint(loc, group=group)  # the metadata already read
+        if ckpt.save_id is None:
+            raise _Unusable("it has no save identity")
+        sizes = {e.name: (e.type, e.size) for e in loc.walk()}
+        held = {}
+        for name, coords in record["held"].items():
+            stored = ckpt.leaves.get(name)
+            if stored is None or not isinstance(coords, list):
+                raise _Unusable(f"it says it holds array {name!r}, which it does not describe")
+            held[name] = frozenset(_chunk_coords(stored, c) for c in coords)
+            for c in held[name]:
+                key = stored.codec.key_at(c)  # type: ignore[union-attr]
+                kind, size = sizes.get(key, (None, 0))
+                if kind != "file":
+                    raise _Unusable(f"chunk {key} is {'missing' if kind is None else 'a ' + kind}")
+                if (why := stored.codec.size_damage(size)) is not None:  # type: ignore[union-attr]
+                    raise _Unusable(f"chunk {key} {why}")
+        return _copies.Copy(step, ckpt.save_id, held, after)
+
+    def set_aside(self, step: int, problems: dict[int, str]) -> None:
+        """After reading the copies of `step` failed on the processes of `problems`:
+        each of them deletes its copy, which will never read right (not collective)."""
+        me = _multihost.process_index()
+        if me in problems:
+            log.warning("local copy %s set aside (deleted): %s", self.root.step(step).url, problems[me])
+            self._remove(step, committed=True, why="damaged")
 
 
-def _record(loc: Location) -> tuple[_commit.Group | None, Any]:
-    """A copy's group metadata and its `local` record (None where it has none)."""
-    group = _commit.read_group(loc)
-    meta = group.attributes.get(_naming.META_ATTR) if group is not None else None
-    return group, (meta.get("local") if isinstance(meta, dict) else None)
+def _chunk_coords(stored: _reader.StoredLeaf, coords: Any) -> tuple[int, ...]:
+    """`coords` as a chunk's place in the grid of `stored`; _Unusable if it is none."""
+    grid = [math.ceil(d / c) if d else 1 for d, c in zip(stored.shape, stored.chunks)]
+    if (not isinstance(coords, list) or len(coords) != len(grid)
+            or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < n for c, n in zip(coords, grid))):
+        raise _Unusable(f"it says it holds chunk {coords!r} of array {stored.name!r}, whose grid is {grid}")
+    return tuple(coords)
 
 
-def _run_of(loc: Location) -> Any:
-    """The run a committed copy records (None if it records none)."""
-    local = _record(loc)[1]
-    return local.get("run") if isinstance(local, dict) else None
+def _run_of_directory(name: str) -> str | None:
+    """The run whose copies a directory of a local directory holds, or None: `run-<id>`,
+    or the layout of zarrckpt before runs had a directory of their own (`process<i>`)."""
+    if name.startswith(_RUN_DIR) and re.fullmatch(r"[0-9a-f]{32}", name[len(_RUN_DIR):]):
+        return name[len(_RUN_DIR):]
+    if name.startswith(_PROCESS_DIR) and name[len(_PROCESS_DIR):].isdecimal() and name.isascii():
+        return ""
+    return None
 
 
 def run_identity(root: Location) -> str:
@@ -167,7 +291,7 @@ def run_identity(root: Location) -> str:
     return made
 
 
-def _footprint(job: _save.SaveJob) -> int:
+def _footprint(job: SaveJob) -> int:
     """What a copy takes on disk, at most: its chunks with their checksums, every file
     rounded up to a 4 KiB block, and every array's metadata twice (its own and the
     group's)."""
@@ -176,12 +300,20 @@ def _footprint(job: _save.SaveJob) -> int:
             + 2 * len(json.dumps(job.arrays)))
 
 
-def process_directories(directory: Location) -> list[tuple[int, Location]]:
-    """The processes' directories in a local tier's `directory`, by process index."""
-    found = [(int(e.name[len(_PROCESS_DIR):]), directory.child(e.name)) for e in directory.list_dir()
-             if e.type == "dir" and e.name.startswith(_PROCESS_DIR) and e.name[len(_PROCESS_DIR):].isdecimal()
-             and e.name[len(_PROCESS_DIR):].isascii()]
-    return sorted(found, key=lambda pair: pair[0])
+def copy_directories(directory: Location) -> list[tuple[str, int, Location]]:
+    """Every process's directory of copies in a local tier's `directory`: (run, process
+    index, directory), by run then process. Runs of zarrckpt before runs had a
+    directory of their own are run ""."""
+    found = []
+    for entry in directory.list_dir():
+        run = _run_of_directory(entry.name) if entry.type == "dir" else None
+        if run == "":
+            found.append((run, int(entry.name[len(_PROCESS_DIR):]), directory.child(entry.name)))
+        elif run is not None:
+            below = directory.child(entry.name)
+            found += [(run, int(e.name[len(_PROCESS_DIR):]), below.child(e.name)) for e in below.list_dir()
+                      if e.type == "dir" and _run_of_directory(e.name) == ""]
+    return sorted(found, key=lambda found: found[:2])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +321,7 @@ class Restored:
     """Where a restore read from: the tier, and this process's bytes by source."""
 
     tier: str  # "local" or "persistent"
-    local_bytes: int = 0
+    own_bytes: int = 0
     peer_bytes: int = 0
 
 
@@ -199,127 +331,128 @@ def restore_latest(root: Location, tier: LocalTier, target: Any, options: LoadOp
     committed persistent step, else `_steps.restore_latest`. Agreement."""
     op = _multihost.Agreement("restore-tiers", timeout_s, what=f"restoring from {tier.root.url} or {root.url}")
     try:
-        copies = op.gather("inventory", lambda: _inventory(tier))
+        found = op.gather("inventory", lambda: [c.as_json() for c in tier.inventory()])
         persistent = set(op.decide("persistent", lambda: _steps.scan(root)[1]))
-        floor = max(persistent, default=None)
-        copies = [_after_persistent(held, persistent, tier, p == _multihost.process_index())
-                  for p, held in enumerate(copies)]
-        steps = sorted({int(s) for held in copies for s in held if floor is None or int(s) > floor}, reverse=True)
-        for local in steps:
-            loaded = _try_step(local, copies, tier, target, options, op, timeout_s)
-            if loaded is not None:
-                return loaded[0], local, loaded[1]
+        me, floor = _multihost.process_index(), max(persistent, default=None)
+        copies = [{c.step: c for c in map(_copies.Copy.from_json, listed) if _after_kept(c, persistent, tier, p == me)}
+                  for p, listed in enumerate(found)]
+        attempt = 0
+        for step in sorted({s for held in copies for s in held if floor is None or s > floor}, reverse=True):
+            while any(step in held for held in copies):
+                attempt += 1
+                try:
+                    state, restored = _read_step(step, [held.get(step) for held in copies], tier, target, options,
+                                                 op, f"{attempt}", timeout_s)
+                    return state, step, restored
+                except CopiesDamaged as e:  # on every process alike: try again without those copies
+                    tier.set_aside(step, e.problems)
+                    for p in e.problems:
+                        copies[p].pop(step, None)
+                except _Unusable as e:
+                    log.warning("local step %d is not used: %s", step, e)
+                    break
     finally:
         op.close()
-    state, step = _steps.restore_latest(root, target, options, timeout_s)
-    if step is not None:
-        log.info("process %d restored step %d from the persistent tier %s", _multihost.process_index(), step,
-                 root.url)
-    return state, step, Restored("persistent") if step is not None else None
+    state, restored_step = _steps.restore_latest(root, target, options, timeout_s)
+    if restored_step is not None:
+        log.info("process %d restored step %d from the persistent tier %s", me, restored_step, root.url)
+    return state, restored_step, Restored("persistent") if restored_step is not None else None
 
 
-def _after_persistent(copies: dict[str, Any], persistent: set[int], tier: LocalTier,
-                      mine: bool) -> dict[str, Any]:
-    """`copies` without those saved after a persistent step that is gone: the
-    persistent directory was cleared or rolled back since (a new run under the same
-    URL), so they are another line of training."""
-    kept = {}
-    for step, copy in copies.items():
-        if copy["after"] is not None and copy["after"] not in persistent:
-            if mine:
-                log.warning("local copy %s not used: it was saved after persistent step %d, which is gone",
-                            tier.root.step(int(step)).url, copy["after"])
-            continue
-        kept[step] = copy
-    return kept
+def _after_kept(copy: _copies.Copy, persistent: set[int], tier: LocalTier, mine: bool) -> bool:
+    """Whether `copy` was saved after a persistent step that is still there: if that
+    step is gone, the persistent directory was cleared or rolled back since (a new run
+    under the same URL), and the copy is of another line of training."""
+    if copy.after is None or copy.after in persistent:
+        return True
+    if mine:
+        log.warning("local copy %s not used: it was saved after persistent step %d, which is gone",
+                    tier.root.step(copy.step).url, copy.after)
+    return False
 
 
-def _try_step(step: int, copies: list[dict[str, Any]], tier: LocalTier, target: Any, options: LoadOptions,
-              op: _multihost.Agreement, timeout_s: float) -> tuple[Any, Restored] | None:
-    """Restores local `step` if its copies share one identity and rebuild the target;
-    else None, with a warning saying why. Agreement."""
-    key, me = str(step), _multihost.process_index()
-    found = {p: held[key] for p, held in enumerate(copies) if key in held}
-    ids = {c["save_id"] for c in found.values()}
+def _read_step(step: int, found: list[_copies.Copy | None], tier: LocalTier, target: Any, options: LoadOptions,
+               op: _multihost.Agreement, attempt: str, timeout_s: float) -> tuple[Any, Restored]:
+    """Restores local `step` from the copies `found` (by process; None where a process
+    has none). Raises, on every process alike, _Unusable if the copies are of several
+    saves or do not rebuild the target, CopiesDamaged if reading some of them failed,
+    CheckpointMismatchError if the target does not match. Agreement."""
+    me = _multihost.process_index()
+    holders = [p for p, c in enumerate(found) if c is not None]
+    ids = {c.save_id for c in found if c is not None}
     if len(ids) > 1:
-        log.warning("local copies of step %d are of %d different saves: not used", step, len(ids))
-        return None
-    holders = sorted(found)
-    document = op.decide(f"document-{step}", lambda: _commit.read_group(tier.root.step(step)).document,  # type: ignore[union-attr]
+        raise _Unusable(f"its copies are of {len(ids)} different saves")
+    loc = tier.root.step(step)
+    document = op.decide(f"document-{attempt}", lambda: _outcome(lambda: _commit.read_group(loc).document),  # type: ignore[union-attr]
                          source=holders[0])
-    (save_id,) = ids
-    group = _commit.Group(3, document["attributes"], document)
-    ckpt = _reader.open_checkpoint(tier.root.step(step), group=group, save_id=save_id)
-    if me not in found:
-        # Holds no copy: reads nothing of its own, so there is nothing to re-check.
-        ckpt = dataclasses.replace(ckpt, committed=False)
+    ckpt = _opened(loc, document, holders[0], ids.pop())
+    if found[me] is None:
+        ckpt = dataclasses.replace(ckpt, committed=False)  # reads nothing of its own: nothing to re-check
     matched: list[Any] = []
     check = _multihost.Agreement("restore-tiers-match", timeout_s, what=f"matching local step {step}",
                                  error=CheckpointMismatchError)
     try:  # a mismatch on any process is raised on all; one without a copy reads no scalar
         check.check("match", lambda: matched.extend(
-            _match.match(ckpt, target, options.allow_dtype_cast, options.partial, True, values=me in found)
+            _match.match(ckpt, target, options.allow_dtype_cast, options.partial, True, values=found[me] is not None)
             if target is not None else ([_match.Request(s, _match.saved_form(s)) for s in ckpt.leaves.values()],
                                         None)))
     finally:
         check.close()
     requests, treedef = matched
-    held = [None if p not in found else {name: {tuple(c) for c in coords} for name, coords in found[p]["held"].items()}
-            for p in range(_multihost.process_count())]
-    planned = _local_read.plan(requests, held, op)
-    if isinstance(planned, str):
-        log.warning("local step %d cannot be rebuilt from the local copies (%s): not used", step, planned)
-        return None
-    state = load_requests(ckpt, planned.requests, treedef, options)
+    try:
+        planned = _copies.plan(requests, [c.held if c is not None else None for c in found], me)
+    except _copies.Unrebuildable as e:
+        raise _Unusable(f"the local copies cannot rebuild it ({e})") from None
+    requests = list(planned.requests)
+    for relay in planned.relays:  # host values some process lacks, before any collective
+        request = requests[relay.index]
+        stored = request.stored
+        sent = op.decide(f"relay-{attempt}-{relay.index}", functools.partial(_relayed, ckpt, stored),
+                         source=relay.source)
+        data = np.frombuffer(base64.b64decode(_value(sent, relay.source)), stored.dtype)
+        requests[relay.index] = dataclasses.replace(request, form=_copies.Received(
+            request.form.dtype, request.form, data.reshape(request.stored.shape).copy()))  # writable, as read ones are
+    gates = iter(range(1 << 62))
+
+    def gate(error: BaseException | None) -> None:
+        failed = op.failures(f"read-{attempt}-{next(gates)}", error)
+        if failed:
+            raise CopiesDamaged(failed)
+
+    state = load_requests(ckpt, requests, treedef, options, gate=gate)
     log.info("process %d restored step %d from the local tier %s: %.3f MB from its own copy, %.3f MB from "
              "other processes, 0 from the persistent store", me, step, tier.root.url,
-             planned.local_bytes / 1e6, planned.peer_bytes / 1e6)
-    return state, Restored("local", planned.local_bytes, planned.peer_bytes)
+             planned.own_bytes / 1e6, planned.peer_bytes / 1e6)
+    return state, Restored("local", planned.own_bytes, planned.peer_bytes)
 
 
-def _inventory(tier: LocalTier) -> dict[str, Any]:
-    """This process's committed copies of this run, by step: save identity and the
-    chunks held; copies of another run or step, or damaged, are left out with a
-    warning."""
-    copies = {}
-    for step in _steps.scan(tier.root)[1]:
-        loc = tier.root.step(step)
-        group, local = _record(loc)
-        problem = _problem(loc, group, local, tier, step)
-        if problem is not None:
-            log.warning("local copy %s not used: %s", loc.url, problem)
-            continue
-        save_id = group.save_id if group is not None else None
-        copies[str(step)] = {"save_id": save_id, "held": local["held"], "after": local.get("after")}
-    return copies
+def _relayed(ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf) -> dict[str, Any]:
+    """What the process relaying a host value publishes: its bytes (base64)."""
+    whole = tuple((0, d) for d in stored.shape)
+    return _outcome(lambda: base64.b64encode(ckpt.read(stored, whole).tobytes()).decode())
 
 
-def _problem(loc: Location, group: _commit.Group | None, local: Any, tier: LocalTier, step: int) -> str | None:
-    """What makes a committed copy unusable: not a local copy of this run's `step`, or a
-    chunk it says it holds missing, a link, or of the wrong size."""
-    if not isinstance(local, dict) or not isinstance(local.get("held"), dict):
-        return "it is not a local-tier copy (no record of what it holds)"
-    if local.get("run") != tier.run:
-        return (f"it belongs to another run (run {local.get('run')!r}; {tier.run!r} is the one in the persistent "
-                f"directory's {RUN_FILE})")
-    if local.get("step") != step:
-        return f"it holds step {local.get('step')!r}"
-    if local.get("after") is not None and not isinstance(local.get("after"), int):
-        return f"it records persistent step {local.get('after')!r}"
+def _outcome(read: Any) -> dict[str, Any]:
+    """What a process reading from its copy for the others publishes: the value, or why
+    its copy could not give it (never an error: the others must learn whose copy)."""
     try:
-        ckpt = _reader.open_checkpoint(loc, group=group)  # the metadata already read
-    except CheckpointError as e:
-        return str(e)
-    sizes = {e.name: (e.type, e.size) for e in loc.walk()}
-    for name, coords in local["held"].items():
-        stored = ckpt.leaves.get(name)
-        if stored is None or not isinstance(coords, list):
-            return f"it says it holds array {name!r}, which it does not describe"
-        for c in coords:
-            key = stored.codec.key_at(c)  # type: ignore[union-attr]
-            kind, size = sizes.get(key, (None, 0))
-            if kind is None or kind != "file":
-                return f"chunk {key} is {'missing' if kind is None else 'a ' + kind}"
-            if (why := stored.codec.size_damage(size)) is not None:  # type: ignore[union-attr]
-                return f"chunk {key} {why}"
-    return None
+        return {"value": read()}
+    except Exception as e:
+        return {"damaged": str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"}
+
+
+def _value(outcome: dict[str, Any], source: int) -> Any:
+    if "damaged" in outcome:
+        raise CopiesDamaged({source: outcome["damaged"]})
+    return outcome["value"]
+
+
+def _opened(loc: Location, outcome: dict[str, Any], source: int, save_id: str) -> _reader.Checkpoint:
+    """The copy at `loc` opened from the group metadata `source` read (the same on every
+    process); metadata that does not open is damage of `source`'s copy."""
+    document = _value(outcome, source)
+    try:
+        return _reader.open_checkpoint(loc, group=_commit.Group(3, document["attributes"], document),
+                                       save_id=save_id)
+    except Exception as e:
+        raise CopiesDamaged({source: str(e)}) from None

@@ -27,6 +27,7 @@ from .. import _concurrency, _multihost, _options, _progress, _storage
 from .._format import dtypes as _dtypes, tree as _tree
 from .._options import LoadOptions
 from .._regions import Region, region_shape
+from ..errors import CheckpointError
 from . import broadcast as _broadcast, checkpoint as _reader
 from .match import Request, match, saved_form
 from .plan import Placement
@@ -117,14 +118,37 @@ def load_opened(ckpt: _reader.Checkpoint, target: Any, options: LoadOptions) -> 
     return load_requests(ckpt, requests, treedef, options)
 
 
-def load_requests(ckpt: _reader.Checkpoint, requests: list[Request], treedef: Any, options: LoadOptions) -> Any:
+# Called with what this process's reads raised (None: nothing) before each sharing and
+# once at the end; raises GateClosed on every process if any process's reads failed.
+Gate = Callable[[BaseException | None], None]
+
+
+class GateClosed(CheckpointError):
+    """Raised by a `Gate`: some process's reads failed."""
+
+
+def load_requests(ckpt: _reader.Checkpoint, requests: list[Request], treedef: Any, options: LoadOptions,
+                  gate: Gate | None = None) -> Any:
     """Reads `requests` (matched to a target of structure `treedef`, or None for the
-    saved tree) from `ckpt` and builds the result. Collective when a request is shared."""
+    saved tree) from `ckpt` and builds the result. Collective when a request is shared.
+
+    With a `gate`, a read that fails on one process never leaves the others waiting in
+    a collective: every process passes the gate before each sharing and at the end,
+    and the failure is raised there on all of them (the local tier, whose copies may
+    be damaged, falls back to another source together)."""
     started = time.perf_counter()
     total = sum(r.nbytes for r in requests)
     with _progress.bar(f"restoring {ckpt.loc.url}", total, options.progress) as advance:
-        values = _read_all(ckpt, requests, options, advance)
-    ckpt.check_unchanged()  # one small read: these values are all of one save
+        try:
+            values = _read_all(ckpt, requests, options, advance, gate)
+            ckpt.check_unchanged()  # one small read: these values are all of one save
+        except Exception as e:
+            if gate is None or isinstance(e, GateClosed):
+                raise
+            gate(e)  # raises GateClosed here, as on every other process
+            raise
+        if gate is not None:
+            gate(None)
     if treedef is None:
         result = _tree.rebuild(ckpt.spec, lambda rec: values[rec["name"]])
     else:
@@ -153,7 +177,7 @@ class _Read:
 
 
 def _read_all(ckpt: _reader.Checkpoint, requests: list[Request], options: LoadOptions,
-              advance: Callable[[int], None]) -> dict[str, Any]:
+              advance: Callable[[int], None], gate: Gate | None) -> dict[str, Any]:
     """Reads every request, leaf by leaf in order, with bounded host memory.
 
     Pool threads read (and, for large leaves, put each piece on its devices); this
@@ -184,6 +208,8 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[Request], options: LoadOp
 
     def share_ready() -> None:
         while sharing and all(r.stored.name in done for r in sharing[0]):
+            if gate is not None:
+                gate(None)  # every process has read its part of these leaves
             _broadcast.share(sharing.pop(0), done)
 
     share_ready()

@@ -9,7 +9,7 @@ before any array is read.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,7 @@ class Form:
     """
 
     dtype: np.dtype  # the values' dtype once read (converted from the stored one)
+    whole_on_host: ClassVar[bool] = True  # read whole by every process that restores it
 
     def mismatch(self, stored: _reader.StoredLeaf, allow_dtype_cast: bool) -> str | None:
         if stored.kind == "prng_key":
@@ -157,6 +158,7 @@ class OwnValue(Form):
 
     dtype: np.dtype
     target: PerProcess
+    whole_on_host: ClassVar[bool] = False
 
     def mismatch(self, stored: _reader.StoredLeaf, allow_dtype_cast: bool) -> str | None:
         if stored.kind != "per_process":
@@ -194,6 +196,7 @@ class Sharded(Form):
 
     dtype: np.dtype
     sharding: jax.sharding.Sharding
+    whole_on_host: ClassVar[bool] = False
 
     def reads(self, stored: _reader.StoredLeaf, process: int) -> list[tuple[Region, Placement]]:
         return _plan.sharded_reads(self.sharding, stored.shape, stored.chunks, process)

@@ -10,13 +10,14 @@ A decision's outcome (or error) reaches every process before any goes on, and a
 check raises on every process if any process's part failed (see _multihost), so
 all of them raise and nothing is committed.
 
-A local-tier save (`local`: each process its own group, on its own disk) runs the
-same steps with every process doing process 0's part for its own copy: process 0
-decides the save's identity (the same in every copy), every process prepares its
-group and writes every chunk its devices hold, and each commits its own copy only
-once every process has written all of its (so a process killed while the copies are
-written leaves no committed copy of that step anywhere). Every object is on stable storage before
-the commit marker is written, and the marker before the save returns.
+How a save commits is its `Commit`: `SHARED`, one group for the whole job (above), or
+`PER_PROCESS`, each process its own group on its own disk (a local-tier copy, see
+`_tiers`): process 0 decides the save's identity (the same in every copy), every
+process prepares its group and writes every chunk its devices hold, and each commits
+its own copy only once every process has written all of its (so a process killed while
+the copies are written leaves no committed copy of that step anywhere). Every object
+is on stable storage before the commit marker is written, and the marker before the
+save returns.
 """
 
 from __future__ import annotations
@@ -109,6 +110,34 @@ Work = Iterable[tuple[ArrayPlan, WriteUnit]]
 _BATCH_UNITS = 64
 
 
+@dataclasses.dataclass(frozen=True)
+class Commit:
+    """How a save's group is made and committed (see the module docstring)."""
+
+    name: str
+    per_process: bool  # each process its own group, holding every chunk its devices hold
+
+    def prepare(self, op: _multihost.Agreement, prepare: Callable[[str], str]) -> str:
+        """Prepares the group (`prepare(save_id)`) with a new save identity; returns it."""
+        if not self.per_process:
+            return op.decide("prepare", lambda: prepare(_commit.new_save_id()))
+        save_id = op.decide("identity", _commit.new_save_id)  # the same in every process's copy
+        op.check("prepare", lambda: prepare(save_id))
+        return save_id
+
+    def commit(self, op: _multihost.Agreement, commit: Callable[[], None]) -> None:
+        """Commits once every process has written all of its part."""
+        (op.check if self.per_process else op.decide)("commit", commit)
+
+    def writes_arrays_metadata(self, process: int) -> bool:
+        """Whether `process` writes every shared array's `zarr.json` in its group."""
+        return self.per_process or process == 0
+
+
+SHARED = Commit("shared", per_process=False)
+PER_PROCESS = Commit("per process", per_process=True)
+
+
 @dataclasses.dataclass
 class SaveJob:
     """One planned save: what to write where. `run` executes the write protocol.
@@ -128,15 +157,15 @@ class SaveJob:
     channel: str = "save"
     before_prepare: Callable[[], None] | None = None  # run on process 0 first: a lease check
     save_id: str | None = None  # this save's identity, once prepared (see `_commit`)
-    local: bool = False  # a local-tier copy: this process's own group (see above)
+    commit: Commit = SHARED
 
     @classmethod
     def create(cls, loc: _storage.Location, tree: Any, options: SaveOptions, *,
                extra_metadata: dict[str, Any] | None = None, channel: str = "save",
-               before_prepare: Callable[[], None] | None = None, local: bool = False) -> SaveJob:
+               before_prepare: Callable[[], None] | None = None, commit: Commit = SHARED) -> SaveJob:
         """Plans a save; raises UnsupportedLeafError before anything is written. A
-        `local` save's group records, under `local` in its metadata, this process, the
-        process count and the chunks of each array it holds (see `_tiers`)."""
+        `PER_PROCESS` save's group records, under `local` in its metadata, this process,
+        the process count and the chunks of each array it holds (see `_tiers`)."""
         spec, leaves = _tree.record(tree)
         process, processes = _multihost.process_index(), _multihost.process_count()
         plans, arrays, own = [], {}, {}
@@ -150,18 +179,18 @@ class SaveJob:
                     plan.shape, plan.codec, {_naming.META_ATTR: {"encoding": leaf.value.encoding}})
             else:
                 plan = _planning.plan_array(leaf, i, options.max_chunk_bytes, options.checksums, process=process,
-                                            processes=processes, held=local,
+                                            processes=processes, held=commit.per_process,
                                             min_chunk_bytes=options.min_chunk_bytes)
                 # Every process knows every shared array's metadata without asking the store.
                 arrays[leaf.name] = _zarrjson.array_document(plan.shape, plan.codec)
             plans.append(plan)
         extra = dict(extra_metadata or {})
-        if local:
+        if commit.per_process:
             held = {p.leaf.name: [p.codec.coords(u.region) for u in p.writes] for p in plans if p.leaf.name in arrays}
             extra["local"] = {**extra.get("local", {}), "process": process, "processes": processes, "held": held}
         group = _zarrjson.group_document({_naming.META_ATTR: {**_tree_metadata(spec), **extra}})
         return cls(loc, plans, arrays, own, group, options, _concurrency.ByteBudget(options.max_inflight_bytes),
-                   channel, before_prepare, local=local)
+                   channel, before_prepare, commit=commit)
 
     @property
     def written_bytes(self) -> int:
@@ -207,15 +236,10 @@ class SaveJob:
         loc = self.loc
         with _progress.bar(f"saving {loc.url}", self.nbytes, self.options.progress) as advance:
             try:
-                if self.local:  # one identity for every process's copy; each prepares its own
-                    save_id = self.save_id = op.decide("identity", _commit.new_save_id)
-                    op.check("prepare", lambda: self._prepare(save_id))
-                else:
-                    self.save_id = op.decide("prepare", lambda: self._prepare(_commit.new_save_id()))
+                self.save_id = self.commit.prepare(op, self._prepare)
                 op.check("write", lambda: _write_all(loc, work, self._array_metadata(),
                                                      self.options.max_workers or loc.concurrency, advance))
-                commit = (op.check if self.local else op.decide)
-                commit("commit", lambda: _commit.commit(loc, _zarrjson.group_document(
+                self.commit.commit(op, lambda: _commit.commit(loc, _zarrjson.group_document(
                     self.group["attributes"], self.arrays)))
             except BaseException as e:
                 self.budget.abort(e)  # a stager waiting for room must not wait forever
@@ -223,7 +247,7 @@ class SaveJob:
             finally:
                 op.close()
         seconds = time.perf_counter() - started
-        if is_primary and not self.local:
+        if is_primary and not self.commit.per_process:
             log.info("saved %s: %d leaves, %.3f GB in %.2fs (%.2f GB/s)", loc.url, len(self.plans),
                      self.nbytes / 1e9, seconds, self.nbytes / 1e9 / max(seconds, 1e-9))
         return seconds
@@ -232,7 +256,7 @@ class SaveJob:
         """The `zarr.json` documents this process writes, each with its array's plan:
         its own per-process arrays' and, on process 0 (every process, for its local
         copy), every shared array's."""
-        shared = self.arrays if _multihost.process_index() == 0 or self.local else {}
+        shared = self.arrays if self.commit.writes_arrays_metadata(_multihost.process_index()) else {}
         return [(plan, doc) for plan in self.plans
                 if (doc := self.own.get(plan.leaf.name) or shared.get(plan.leaf.name)) is not None]
 

@@ -1,7 +1,8 @@
-"""Reading a step from the local tier: who reads each part of each leaf, from which
-process's own copy, and how the processes that lack it get it.
+"""Reading a step from the local tier's copies: what each copy holds, who reads each
+part of each leaf from which process's copy, and how the processes that lack a part
+get it.
 
-Each process holds, in its local copy, the chunks its devices held when the step was
+Each process's copy of a step holds the chunks its devices held when the step was
 saved (`_save.plan`, `held`). A step can be rebuilt when every part of every target
 leaf can be read by some process holding it:
 - a jax.Array that every process finds whole in its own copy (all restarted, same
@@ -11,19 +12,18 @@ leaf can be read by some process holding it:
   replicas hold zeros there, and a sum over the replicas fills them in (the exact sum
   of load and broadcast, see `broadcast`): what a replaced host lacks comes from a
   replica, over the device network;
-- a value read whole on the host (numpy, Python scalars, text, typed keys): read by
-  every process holding all of it; one of them sends it to the others through the
-  coordination service (host values are small);
+- a value read whole on the host (numpy, Python scalars, text, typed keys) by a
+  process whose copy lacks it: one process holding it reads it first and sends it to
+  every process through the coordination service (host values are small);
 - anything else (another sharding, a per-process value): every process must hold all
   it reads.
 
-Pure but for the process index, and deterministic: every process computes the same
-plan from the same inventory (`held`), so they agree without another round.
+`plan` is pure but for the process index, and deterministic: every process computes
+the same plan from the same inventory, so they agree without another round.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import zlib
 from collections.abc import Sequence
@@ -32,78 +32,105 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _multihost
 from .._format import dtypes as _dtypes
 from .._regions import Region, chunks_touching, intersect, region_shape, replicas_of
 from . import checkpoint as _reader, plan as _plan
 from .match import Form, OneReader, OwnValue, Request, Sharded, Share, cut, sharded
 from .plan import Placement
 
-# What each process's copy of the step holds: per array name, the grid coordinates of
-# its chunks; None for a process that holds no copy of the step (a replaced host).
-Holdings = Sequence[dict[str, set[tuple[int, ...]]] | None]
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """One process's committed copy of a step, as its inventory lists it."""
+
+    step: int
+    save_id: str
+    held: dict[str, frozenset[tuple[int, ...]]]  # per array name, the grid coordinates of its chunks
+    after: int | None  # the newest persistent step committed when it was saved
+
+    def as_json(self) -> dict[str, Any]:
+        return {"step": self.step, "save_id": self.save_id, "after": self.after,
+                "held": {name: sorted(map(list, coords)) for name, coords in self.held.items()}}
+
+    @classmethod
+    def from_json(cls, found: dict[str, Any]) -> Copy:
+        return cls(found["step"], found["save_id"],
+                   {name: frozenset(map(tuple, coords)) for name, coords in found["held"].items()}, found["after"])
+
+
+# What each process's copy of a step holds (`Copy.held`); None for a process without
+# one (a replaced host, or a copy set aside).
+Holdings = Sequence[dict[str, frozenset[tuple[int, ...]]] | None]
+
+
+class Unrebuildable(Exception):
+    """The copies do not hold some part of the target (the message names the leaf)."""
 
 
 @dataclasses.dataclass(frozen=True)
-class LocalPlan:
-    """How a step is read from the local tier: the requests, and the bytes this
-    process reads from its own copy and gets from other processes."""
+class Relay:
+    """A value read whole on the host that some process's copy lacks: `source` reads it
+    and sends it to every process before the other reads."""
+
+    index: int  # of its request
+    source: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyPlan:
+    """How a step is read from the copies: the requests, the values relayed, and the
+    bytes this process reads from its own copy and gets from other processes."""
 
     requests: list[Request]
-    local_bytes: int
+    relays: list[Relay]
+    own_bytes: int
     peer_bytes: int
 
 
-def plan(requests: list[Request], held: Holdings, relay: _multihost.Agreement) -> LocalPlan | str:
-    """The requests that rebuild the target from the local copies `held`, or why they
-    cannot (naming the leaf and the part). `relay` carries host values between
-    processes during the read."""
-    me = _multihost.process_index()
-    planned, local, peers = [], 0, 0
+def plan(requests: list[Request], held: Holdings, me: int) -> CopyPlan:
+    """The reads that rebuild the target from the copies `held`, for process `me`.
+    Raises Unrebuildable naming the first leaf and part no process can read."""
+    planned, relays, own, peers = [], [], 0, 0
     for request in requests:
         stored, form = request.stored, request.form
-        holds = [None if h is None else h.get(stored.name, set()) for h in held]
+        holds = [None if h is None else h.get(stored.name, frozenset()) for h in held]
         if isinstance(form, Sharded):
             sharding = request.share.sharding if request.share else form.sharding
-            own = sharded(form.dtype, sharding, stored)[0]  # each process reads all its devices hold
-            if all(h is not None and all(_holds_box(h, stored, box) for box, _ in own.reads(stored, p))
+            direct = sharded(form.dtype, sharding, stored)[0]  # each process reads all its devices hold
+            if all(h is not None and all(_holds_box(h, stored, box) for box, _ in direct.reads(stored, p))
                    for p, h in enumerate(holds)):
-                planned.append(dataclasses.replace(request, form=own, share=None))
-                local += sum(_dtypes.nbytes(region_shape(box), form.dtype) for box, _ in own.reads(stored, me))
+                planned.append(dataclasses.replace(request, form=direct, share=None))
+                own += sum(_dtypes.nbytes(region_shape(box), form.dtype) for box, _ in direct.reads(stored, me))
                 continue
             if not (_plan.summable(form.dtype) and isinstance(sharding, jax.sharding.NamedSharding)):
-                return f"leaf {stored.where}: some process's local copy lacks parts it needs"
+                raise Unrebuildable(f"leaf {stored.where}: some process's local copy lacks parts it needs")
             readers = _readers(sharding, stored, holds)
-            if isinstance(readers, str):
-                return f"leaf {stored.where}: {readers}"
             summed = any(len(devices) > 1 for devices in replicas_of(sharding, stored.shape).values())
-            planned.append(dataclasses.replace(request, form=LocalParts(form.dtype, sharding, readers),
+            planned.append(dataclasses.replace(request, form=CopyParts(form.dtype, sharding, readers),
                                                share=Share(sharding, summed=True) if summed else None))
             mine, theirs = _bytes(sharding, stored, readers, me, form.dtype)
-            local, peers = local + mine, peers + theirs
-        elif type(form).reads is Form.reads and not isinstance(form, OwnValue):  # read whole on the host
+            own, peers = own + mine, peers + theirs
+        elif form.whole_on_host:
             whole = [p for p, h in enumerate(holds) if h is not None and _holds_box(h, stored, _full(stored))]
             if not whole:
-                return f"leaf {stored.where}: no process's local copy holds all of it"
-            nbytes = _dtypes.nbytes(stored.shape, form.dtype)
-            if len(whole) < len(holds) and me not in whole:
-                planned.append(dataclasses.replace(request, form=Relay(form.dtype, form, relay, whole[0])))
-                peers += nbytes
+                raise Unrebuildable(f"leaf {stored.where}: no process's local copy holds all of it")
+            if len(whole) < len(holds):
+                relays.append(Relay(len(planned), whole[0]))
+            if me in whole:
+                own += _dtypes.nbytes(stored.shape, form.dtype)
             else:
-                sends = len(whole) < len(holds) and me == whole[0]
-                planned.append(dataclasses.replace(request, form=Relay(form.dtype, form, relay, me))
-                               if sends else request)
-                local += nbytes
+                peers += _dtypes.nbytes(stored.shape, form.dtype)
+            planned.append(request)
         else:
             for process, h in enumerate(holds):
                 if isinstance(form, OwnValue) and h is None:
-                    return f"leaf {stored.where}: process {process}'s own value is in no local copy"
+                    raise Unrebuildable(f"leaf {stored.where}: process {process}'s own value is in no local copy")
                 boxes = [box for box, _ in form.reads(stored, process)]
                 if not isinstance(form, OwnValue) and (h is None or not all(_holds_box(h, stored, b) for b in boxes)):
-                    return f"leaf {stored.where}: process {process}'s local copy lacks parts it needs"
+                    raise Unrebuildable(f"leaf {stored.where}: process {process}'s local copy lacks parts it needs")
             planned.append(request)
-            local += sum(_dtypes.nbytes(region_shape(box), form.dtype) for box, _ in form.reads(stored, me))
-    return LocalPlan(planned, local, peers)
+            own += sum(_dtypes.nbytes(region_shape(box), form.dtype) for box, _ in form.reads(stored, me))
+    return CopyPlan(planned, relays, own, peers)
 
 
 def _full(stored: _reader.StoredLeaf) -> Region:
@@ -114,15 +141,15 @@ def _coords(chunk: Region, chunks: Sequence[int]) -> tuple[int, ...]:
     return tuple(start // size for (start, _), size in zip(chunk, chunks))
 
 
-def _holds_box(held: set[tuple[int, ...]], stored: _reader.StoredLeaf, box: Region) -> bool:
+def _holds_box(held: frozenset[tuple[int, ...]], stored: _reader.StoredLeaf, box: Region) -> bool:
     return all(_coords(c, stored.chunks) in held for c in chunks_touching(box, stored.chunks, stored.shape))
 
 
 def _readers(sharding: jax.sharding.NamedSharding, stored: _reader.StoredLeaf,
-             holds: Sequence[set[tuple[int, ...]] | None]) -> tuple[tuple[Region, jax.Device], ...] | str:
+             holds: Sequence[frozenset[tuple[int, ...]] | None]) -> tuple[tuple[Region, jax.Device], ...]:
     """The one device reading each part of the leaf: a device holding the part's shard,
     of a process whose copy holds the part's chunk (taken in turn among them, as
-    `plan.one_readers` does); or which part no such process holds."""
+    `plan.one_readers` does). Unrebuildable naming a part no such process holds."""
     readers, k = [], zlib.crc32(stored.name.encode())
     for region, devices in sorted(replicas_of(sharding, stored.shape).items()):
         processes = sorted({d.process_index for d in devices})
@@ -130,8 +157,8 @@ def _readers(sharding: jax.sharding.NamedSharding, stored: _reader.StoredLeaf,
             able = [p for p in processes if (h := holds[p]) is not None and _coords(chunk, stored.chunks) in h]
             if not able:
                 part = intersect(chunk, region)
-                return (f"part {[list(r) for r in part]} is in the local copy of no process whose devices hold it "
-                        f"(held by processes {processes})")
+                raise Unrebuildable(f"leaf {stored.where}: part {[list(r) for r in part]} is in the local copy of "
+                                    f"no process whose devices hold it (held by processes {processes})")
             process = able[k % len(able)]
             k += 1
             readers.append((intersect(chunk, region), next(d for d in devices if d.process_index == process)))
@@ -150,8 +177,8 @@ def _bytes(sharding: jax.sharding.NamedSharding, stored: _reader.StoredLeaf,
 
 
 @dataclasses.dataclass(frozen=True)
-class LocalParts(OneReader):
-    """Load and broadcast from the local tier: each part read by the device `readers`
+class CopyParts(OneReader):
+    """Load and broadcast from the copies: each part read by the device `readers`
     names, from its process's own copy, which holds that part's chunk."""
 
     def reads(self, stored: _reader.StoredLeaf, process: int) -> list[tuple[Region, Placement]]:
@@ -161,24 +188,17 @@ class LocalParts(OneReader):
 
 
 @dataclasses.dataclass(frozen=True)
-class Relay(Form):
-    """A value read whole on the host by process `source`, which sends it (base64, through
-    the coordination service) to the processes whose copies lack it."""
+class Received(Form):
+    """A value read whole on the host that was read before the other reads (by the
+    process that relayed it, see `Relay`): nothing is read for it."""
 
     dtype: np.dtype
     inner: Form
-    relay: _multihost.Agreement
-    source: int
+    data: np.ndarray
 
     def fetch(self, ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, box: Region,
               places: Placement) -> list[Any]:
-        if _multihost.process_index() == self.source:
-            data = ckpt.read(stored, box)
-            self.relay.send(stored.name, base64.b64encode(data.tobytes()).decode())
-        else:
-            raw = base64.b64decode(self.relay.receive(stored.name, self.source))
-            data = np.frombuffer(raw, stored.dtype).reshape(region_shape(box)).copy()  # writable, as read ones are
-        return cut(data, self.dtype, box, places)
+        return cut(self.data, self.dtype, box, places)
 
     def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
         return self.inner.build(stored, pieces)

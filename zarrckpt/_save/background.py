@@ -1,0 +1,98 @@
+"""One save run in the background: the caller's thread stages the writes (copies off
+the devices, see `protocol.stage`), a thread of the save's own writes and commits them
+(`SaveJob.run`).
+
+Each save has its own queue, byte budget (the job's) and thread, so two saves in flight
+(the persistent tier's and a local-tier copy) never wait on each other, and the failure
+of one never stops the other. What happens after is the caller's: `on_commit` runs on
+the save's thread once it has committed, `on_failure` with whatever stopped it (the
+save's own error, or one raised by `on_commit`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .. import _concurrency
+from ..errors import CheckpointError
+from .protocol import SaveJob, Work, stage
+
+_END = object()  # every write was staged
+_STOPPED = object()  # staging stopped part-way: the writer fails the save
+
+
+class BackgroundSave:
+    """`job`, staged by `start` on the calling thread and written on a thread of its own."""
+
+    def __init__(self, job: SaveJob, name: str, *, on_commit: Callable[[], None],
+                 on_failure: Callable[[BaseException], None]) -> None:
+        self.job = job
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._on_commit, self._on_failure = on_commit, on_failure
+        self._staging_failed = False
+        self._ended = False  # whether the writer has taken the staging's last item
+        self.staged: float | None = None  # when `start` had dispatched every copy (perf_counter)
+        self._thread = threading.Thread(target=self._write, name=name, daemon=True)
+
+    def start(self) -> None:
+        """Stages every write of the job and returns once the copies are dispatched; the
+        save's thread writes them as they come. Raises what stopped the staging here (a
+        KeyboardInterrupt, a device error: the writer then fails the save without
+        reporting it again); a failure of the writer is its own (`on_failure`)."""
+        self._thread.start()
+        try:
+            stage(self.job, self._queue.put)
+        except _concurrency.Aborted:  # the writer failed first, and reports it
+            self._queue.put(_STOPPED)
+            return
+        except BaseException:
+            self._staging_failed = True
+            self._queue.put(_STOPPED)
+            self._thread.join()
+            raise
+        self.staged = time.perf_counter()  # before the end: the commit comes after it
+        self._queue.put(_END)
+
+    def run(self) -> None:
+        """The whole save on the calling thread: writes as it copies, then commits."""
+        self._run(self.job.admitted())
+
+    def join(self) -> None:
+        """Waits until the save has committed (and `on_commit` has run) or failed."""
+        if self._thread.ident is not None:
+            self._thread.join()
+
+    def _write(self) -> None:
+        self._run(self._staged())
+
+    def _run(self, work: Work) -> None:
+        try:
+            self.job.run(work)
+            self._on_commit()
+        except BaseException as e:
+            self._drop_staged()
+            if not self._staging_failed:
+                self._on_failure(e)
+
+    def _staged(self) -> Iterator[Any]:
+        while (item := self._queue.get()) is not _END:
+            if item is _STOPPED:
+                self._ended = True
+                raise CheckpointError(f"staging {self.job.loc.url} stopped part-way; nothing was committed")
+            yield item
+        self._ended = True
+
+    def _drop_staged(self) -> None:
+        """Gives back what staged writes still hold (pinned buffers, budget), up to the
+        end of the staging, which the failed save's budget has stopped (see `SaveJob.run`)."""
+        if self._thread.ident != threading.get_ident():
+            return  # a save run on the calling thread stages nothing
+        while not self._ended:
+            item = self._queue.get()
+            self._ended = item is _END or item is _STOPPED
+            if not self._ended:
+                item[1].release()
