@@ -62,13 +62,17 @@ class CheckpointManager:
       progress: progress bars on process 0 (default: when stderr is a terminal).
       local_directory: a path on each host's own disk (a RAM disk such as /dev/shm/run1,
         or a local SSD) for the local tier: every `local_save_interval_steps` steps, each
-        process saves what its own devices hold there (under `process<i>`), beside the
-        persistent checkpoints; `restore` takes the newest step the surviving local
-        copies can rebuild when it is newer than the newest persistent step (see
-        README, "Two tiers"). A local directory holding copies of another run is refused
-        (CheckpointLocationError). A local save that would not fit, or that fails, is skipped
-        with a warning: training and the persistent tier go on. After a restore, each
-        process deletes its copies newer than the step restored (abandoned training).
+        process saves what its own devices hold there (under `run-<run>/process<i>`),
+        beside the persistent checkpoints; `restore` takes the newest step the surviving
+        local copies can rebuild when it is newer than the newest persistent step (see
+        README, "Two tiers"). It must be this user's alone (made with mode 0700 if
+        missing): one another user owns or can write is refused
+        (CheckpointLocationError), as is a second live job of the same run on it. A local
+        save that would not fit, or that fails, is skipped with a warning (a half-written
+        copy is deleted): training and the persistent tier go on. A copy that fails any
+        check while restoring is set aside with a warning, and the restore goes on to a
+        replica, then to the persistent tier. After a restore, each process deletes its
+        copies newer than the step restored (abandoned training).
       local_save_interval_steps: the local tier's interval; needed with local_directory.
       local_keep_last: local copies each process keeps.
       storage_options, timeout_s, max_chunk_bytes, min_chunk_bytes, max_workers,
@@ -187,9 +191,9 @@ class CheckpointManager:
         saves = []  # the persistent save first: the one that must not fail
         if persistent:
             saves.append(self._persistent_save(step, location, state, values, called))
-        if copy and self._tier is not None and (local := self._tier.save(
+        if copy and self._tier is not None and (copy_save := self._tier.save(
                 step, state, self._save_options, self._committed_steps(), self._timeout_s)) is not None:
-            saves.append(local)
+            saves.append(copy_save)
         if not saves:
             return False
         with self._lock:
@@ -206,6 +210,7 @@ class CheckpointManager:
         job = _save.SaveJob.create(location, state, self._save_options, channel="manager-save",
                                    extra_metadata={"metrics": metrics} if metrics is not None else None,
                                    before_prepare=self._lease.check if self._lease else None)
+        nbytes = job.nbytes  # the job holds the state: the commit's report must not
 
         def committed() -> None:
             seconds = time.perf_counter() - started
@@ -220,8 +225,8 @@ class CheckpointManager:
                     f", training blocked {save.staged - called:.3f}s"
                     + (f" ({started - called:.3f}s of it waiting for the previous save)"
                        if started - called >= 0.001 else ""))
-                log.info("checkpoint step %d committed: %.3f GB in %.2fs (%.2f GB/s)%s", step, job.nbytes / 1e9,
-                         seconds, job.nbytes / 1e9 / max(seconds, 1e-9), blocked)
+                log.info("checkpoint step %d committed: %.3f GB in %.2fs (%.2f GB/s)%s", step, nbytes / 1e9,
+                         seconds, nbytes / 1e9 / max(seconds, 1e-9), blocked)
             if self._policy.deletes:
                 self._retain()
 
@@ -235,7 +240,7 @@ class CheckpointManager:
 
     def _should_save(self, step: int, force: bool) -> bool:
         with self._lock:
-            in_flight = {s.job.loc.url for s in self._in_flight}
+            in_flight = {save.url for save in self._in_flight}
             if step in self._committed or self._root.step(step).url in in_flight:
                 return False
         every_call = self._interval_steps is None and self._interval_seconds is None
@@ -320,8 +325,7 @@ class CheckpointManager:
         started = time.perf_counter()
         tier: str | None = "persistent"
         if step is None and self._tier is not None:
-            state, restored, found = _tiers.restore_latest(self._root, self._tier, target, options, self._timeout_s)
-            tier = found.tier if found is not None else None
+            state, restored, tier = _tiers.restore_latest(self._root, self._tier, target, options, self._timeout_s)
         elif step is None:
             state, restored = _steps.restore_latest(self._root, target, options, self._timeout_s)
         else:

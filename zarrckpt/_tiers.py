@@ -316,19 +316,11 @@ def copy_directories(directory: Location) -> list[tuple[str, int, Location]]:
     return sorted(found, key=lambda found: found[:2])
 
 
-@dataclasses.dataclass(frozen=True)
-class Restored:
-    """Where a restore read from: the tier, and this process's bytes by source."""
-
-    tier: str  # "local" or "persistent"
-    own_bytes: int = 0
-    peer_bytes: int = 0
-
-
 def restore_latest(root: Location, tier: LocalTier, target: Any, options: LoadOptions,
-                   timeout_s: float) -> tuple[Any, int | None, Restored | None]:
+                   timeout_s: float) -> tuple[Any, int | None, str | None]:
     """The newest step the local copies rebuild if it is newer than the newest
-    committed persistent step, else `_steps.restore_latest`. Agreement."""
+    committed persistent step, else `_steps.restore_latest`; with the step, the tier
+    read ("local" or "persistent"; None if nothing was restored). Agreement."""
     op = _multihost.Agreement("restore-tiers", timeout_s, what=f"restoring from {tier.root.url} or {root.url}")
     try:
         found = op.gather("inventory", lambda: [c.as_json() for c in tier.inventory()])
@@ -341,9 +333,9 @@ def restore_latest(root: Location, tier: LocalTier, target: Any, options: LoadOp
             while any(step in held for held in copies):
                 attempt += 1
                 try:
-                    state, restored = _read_step(step, [held.get(step) for held in copies], tier, target, options,
-                                                 op, f"{attempt}", timeout_s)
-                    return state, step, restored
+                    state = _read_step(step, [held.get(step) for held in copies], tier, target, options, op,
+                                       f"{attempt}", timeout_s)
+                    return state, step, "local"
                 except CopiesDamaged as e:  # on every process alike: try again without those copies
                     tier.set_aside(step, e.problems)
                     for p in e.problems:
@@ -356,7 +348,7 @@ def restore_latest(root: Location, tier: LocalTier, target: Any, options: LoadOp
     state, restored_step = _steps.restore_latest(root, target, options, timeout_s)
     if restored_step is not None:
         log.info("process %d restored step %d from the persistent tier %s", me, restored_step, root.url)
-    return state, restored_step, Restored("persistent") if restored_step is not None else None
+    return state, restored_step, "persistent" if restored_step is not None else None
 
 
 def _after_kept(copy: _copies.Copy, persistent: set[int], tier: LocalTier, mine: bool) -> bool:
@@ -372,7 +364,7 @@ def _after_kept(copy: _copies.Copy, persistent: set[int], tier: LocalTier, mine:
 
 
 def _read_step(step: int, found: list[_copies.Copy | None], tier: LocalTier, target: Any, options: LoadOptions,
-               op: _multihost.Agreement, attempt: str, timeout_s: float) -> tuple[Any, Restored]:
+               op: _multihost.Agreement, attempt: str, timeout_s: float) -> Any:
     """Restores local `step` from the copies `found` (by process; None where a process
     has none). Raises, on every process alike, _Unusable if the copies are of several
     saves or do not rebuild the target, CopiesDamaged if reading some of them failed,
@@ -423,7 +415,7 @@ def _read_step(step: int, found: list[_copies.Copy | None], tier: LocalTier, tar
     log.info("process %d restored step %d from the local tier %s: %.3f MB from its own copy, %.3f MB from "
              "other processes, 0 from the persistent store", me, step, tier.root.url,
              planned.own_bytes / 1e6, planned.peer_bytes / 1e6)
-    return state, Restored("local", planned.own_bytes, planned.peer_bytes)
+    return state
 
 
 def _relayed(ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf) -> dict[str, Any]:

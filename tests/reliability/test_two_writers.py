@@ -15,7 +15,8 @@ BEAT = 0.1
 def test_second_live_manager_is_refused(tmp_path):
     with zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=BEAT) as first:
         first.save(1, {"a": np.ones(2)}, force=True)
-        with pytest.raises(zarrckpt.DirectoryInUseError, match=f"pid {os.getpid()}\\) that is still alive"):
+        in_use = f"in this process \\(pid {os.getpid()}\\) that is still open"
+        with pytest.raises(zarrckpt.DirectoryInUseError, match=in_use):
             zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=BEAT)
         first.save(2, {"a": np.ones(2)}, force=True)
     assert zarrckpt.all_steps(str(tmp_path)) == [1, 2]
@@ -45,8 +46,9 @@ def test_lease_of_a_killed_job_on_this_machine_is_taken_over_at_once(tmp_path):
     import sys
     import time
 
-    dead = subprocess.run([sys.executable, "-c", "import os, sys, zarrckpt; zarrckpt.CheckpointManager(sys.argv[1], "
-                           "heartbeat_s=60); os._exit(0)", str(tmp_path)], env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    dead = subprocess.run([sys.executable, "-c", "import os, sys, zarrckpt; mgr = zarrckpt.CheckpointManager("
+                           "sys.argv[1], heartbeat_s=60); os._exit(0)", str(tmp_path)],
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert dead.returncode == 0 and (tmp_path / _lease.LEASE_FILE).exists()  # left behind, never released
     started = time.monotonic()
     with zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=60):

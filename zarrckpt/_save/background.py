@@ -26,26 +26,32 @@ _STOPPED = object()  # staging stopped part-way: the writer fails the save
 
 
 class BackgroundSave:
-    """`job`, staged by `start` on the calling thread and written on a thread of its own."""
+    """`job`, staged by `start` on the calling thread and written on a thread of its own.
+    Once it has ended it holds nothing of the state saved (the caller may free it)."""
 
     def __init__(self, job: SaveJob, name: str, *, on_commit: Callable[[], None],
                  on_failure: Callable[[BaseException], None]) -> None:
-        self.job = job
+        self.url = job.loc.url
+        self._job: SaveJob | None = job  # until it runs: then only its run holds it
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._on_commit, self._on_failure = on_commit, on_failure
         self._staging_failed = False
         self._ended = False  # whether the writer has taken the staging's last item
         self.staged: float | None = None  # when `start` had dispatched every copy (perf_counter)
-        self._thread = threading.Thread(target=self._write, name=name, daemon=True)
+        self._name = name
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Stages every write of the job and returns once the copies are dispatched; the
         save's thread writes them as they come. Raises what stopped the staging here (a
         KeyboardInterrupt, a device error: the writer then fails the save without
         reporting it again); a failure of the writer is its own (`on_failure`)."""
+        job, self._job = self._job, None
+        assert job is not None, "a save starts once"
+        self._thread = threading.Thread(target=self._run, args=(job, self._staged()), name=self._name, daemon=True)
         self._thread.start()
         try:
-            stage(self.job, self._queue.put)
+            stage(job, self._queue.put)
         except _concurrency.Aborted:  # the writer failed first, and reports it
             self._queue.put(_STOPPED)
             return
@@ -59,19 +65,18 @@ class BackgroundSave:
 
     def run(self) -> None:
         """The whole save on the calling thread: writes as it copies, then commits."""
-        self._run(self.job.admitted())
+        job, self._job = self._job, None
+        assert job is not None, "a save runs once"
+        self._run(job, job.admitted())
 
     def join(self) -> None:
         """Waits until the save has committed (and `on_commit` has run) or failed."""
-        if self._thread.ident is not None:
+        if self._thread is not None:
             self._thread.join()
 
-    def _write(self) -> None:
-        self._run(self._staged())
-
-    def _run(self, work: Work) -> None:
+    def _run(self, job: SaveJob, work: Work) -> None:
         try:
-            self.job.run(work)
+            job.run(work)
             self._on_commit()
         except BaseException as e:
             self._drop_staged()
@@ -82,14 +87,14 @@ class BackgroundSave:
         while (item := self._queue.get()) is not _END:
             if item is _STOPPED:
                 self._ended = True
-                raise CheckpointError(f"staging {self.job.loc.url} stopped part-way; nothing was committed")
+                raise CheckpointError(f"staging {self.url} stopped part-way; nothing was committed")
             yield item
         self._ended = True
 
     def _drop_staged(self) -> None:
         """Gives back what staged writes still hold (pinned buffers, budget), up to the
         end of the staging, which the failed save's budget has stopped (see `SaveJob.run`)."""
-        if self._thread.ident != threading.get_ident():
+        if self._thread is None:
             return  # a save run on the calling thread stages nothing
         while not self._ended:
             item = self._queue.get()
