@@ -61,10 +61,46 @@ def free_port():
 # -- part 1: a worker of a multi-process job ------------------------------------------
 
 
+def start_time(pid):
+    """When process `pid` started (field 22 of /proc/<pid>/stat: with the pid, one process
+    even if the pid is reused); None once it has exited: gone, or a zombie not yet reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ", which may hold spaces
+    return None if fields[0] in ("Z", "X", "x") else fields[19]  # fields[0] is field 3, the state
+
+
+def leave_job(count, pid, pids):
+    """os._exit, with process 0, which hosts the coordination service, last: the
+    coordination client of a process still running when the service goes away aborts it
+    (SIGABRT), so the others leave at once and process 0 waits (60 s at most) until each
+    of them has exited. JAX's own shutdown barrier is skipped: 16 JAX processes on 2 cores
+    can miss heartbeats in it, and the measurements are in."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if pid == 0:
+        deadline = time.monotonic() + 60
+        for other in range(1, count):
+            with open(os.path.join(pids, str(other))) as f:
+                other_pid, started = f.read().split()
+            while start_time(int(other_pid)) == started and time.monotonic() < deadline:
+                time.sleep(0.02)
+    os._exit(0)
+
+
 def scale_worker(coordinator, count, pid, directory, rounds):
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Each process's pid, for process 0 to wait on when leaving (leave_job); written
+    # before joining, so once the job is up every process's file is there.
+    pids = directory + ".pids"
+    with open(os.path.join(pids, f"{pid}.tmp"), "w") as f:
+        f.write(f"{os.getpid()} {start_time(os.getpid())}")
+    os.replace(os.path.join(pids, f"{pid}.tmp"), os.path.join(pids, str(pid)))
     if count > 1:
         jax.distributed.initialize(coordinator, num_processes=count, process_id=pid)
     import numpy as np
@@ -111,13 +147,12 @@ def scale_worker(coordinator, count, pid, directory, rounds):
     medians = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     print("RESULT " + json.dumps({"pid": pid, "checkpoint_bytes": checkpoint_bytes, **medians}), flush=True)
     multihost_utils.sync_global_devices("reported")
-    # 16 JAX processes on 2 cores can miss heartbeats in JAX's own shutdown barrier; the
-    # measurements are in, so leave without it.
-    os._exit(0)
+    leave_job(count, pid, pids)
 
 
 def run_scale(count, rounds, parent):
     directory = os.path.join(parent, f"p{count}")
+    os.makedirs(directory + ".pids")  # see leave_job
     port = free_port()
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", f"127.0.0.1:{port}", str(count), str(pid),
                                directory, str(rounds)], env=child_env(1), stdout=subprocess.PIPE,
@@ -130,6 +165,7 @@ def run_scale(count, rounds, parent):
             raise SystemExit(f"process {pid} of {count} failed:\n{out[-4000:]}")
         results.append(json.loads(lines[-1][len("RESULT "):]))
     shutil.rmtree(directory, ignore_errors=True)
+    shutil.rmtree(directory + ".pids", ignore_errors=True)
     checkpoint = results[0]["checkpoint_bytes"]
 
     def worst(key):

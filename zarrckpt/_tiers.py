@@ -381,15 +381,27 @@ def _read_step(step: int, found: list[_copies.Copy | None], tier: LocalTier, tar
     if found[me] is None:
         ckpt = dataclasses.replace(ckpt, committed=False)  # reads nothing of its own: nothing to re-check
     matched: list[Any] = []
+    damage: list[BaseException] = []
+
+    def matching() -> None:  # reads the saved scalars that decide whether they fit
+        try:
+            matched.extend(_match.match(ckpt, target, options.allow_dtype_cast, options.partial, True,
+                                        values=found[me] is not None)
+                           if target is not None else
+                           ([_match.Request(s, _match.saved_form(s)) for s in ckpt.leaves.values()], None))
+        except CheckpointMismatchError:
+            raise
+        except Exception as e:  # a scalar that does not read right: the copy's damage
+            damage.append(e)
+
     check = _multihost.Agreement("restore-tiers-match", timeout_s, what=f"matching local step {step}",
                                  error=CheckpointMismatchError)
     try:  # a mismatch on any process is raised on all; one without a copy reads no scalar
-        check.check("match", lambda: matched.extend(
-            _match.match(ckpt, target, options.allow_dtype_cast, options.partial, True, values=found[me] is not None)
-            if target is not None else ([_match.Request(s, _match.saved_form(s)) for s in ckpt.leaves.values()],
-                                        None)))
+        check.check("match", matching)
     finally:
         check.close()
+    if failed := op.failures(f"match-{attempt}", damage[0] if damage else None):
+        raise CopiesDamaged(failed)
     requests, treedef = matched
     try:
         planned = _copies.plan(requests, [c.held if c is not None else None for c in found], me)

@@ -73,6 +73,7 @@ def link_to_the_persistent_chunk(copy: Path) -> None:
 
 DAMAGE = {
     "a flipped bit in a chunk": lambda copy: flip_bit(chunk(copy)),
+    "a flipped bit in a saved Python int": lambda copy: flip_bit(next((copy / "step").glob("c*"))),
     "a chunk cut short": lambda copy: chunk(copy).write_bytes(chunk(copy).read_bytes()[:-3]),
     "a chunk missing": lambda copy: chunk(copy).unlink(),
     "a chunk that is a directory": lambda copy: replace_with_directory(chunk(copy)),

@@ -1,10 +1,13 @@
-"""What every test worker does first: join the job, and report a result."""
+"""What every test worker does first: join the job, and report a result; and how a
+worker leaves a job that may be broken (`exit_job`)."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
+from typing import NoReturn
 
 import jax
 import numpy as np
@@ -17,6 +20,9 @@ def init() -> list[str]:
     """Joins the distributed job named on the command line; returns the remaining args."""
     coordinator, count, pid, *rest = sys.argv[1:]
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Before joining: once `initialize` returns on any process, every process of the job
+    # has joined, so process 0 finds every other's pid file when it leaves (`exit_job`).
+    _write_atomically(_channel("pid"), f"{os.getpid()} {_start_time(os.getpid())}")
     if int(count) > 1:
         jax.distributed.initialize(coordinator, num_processes=int(count), process_id=int(pid))
     return rest
@@ -27,12 +33,64 @@ def _channel(suffix: str) -> str:
     return os.path.join(os.environ["ZARRCKPT_TEST_CHANNEL"], f"{sys.argv[3]}.{suffix}")
 
 
+def _write_atomically(path: str, text: str) -> None:
+    """Written aside, then renamed, so a reader sees all of it or nothing."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 def report(**result) -> None:
     """The worker's result, for the test: written aside, then renamed, so it is whole."""
-    path = _channel("json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(path + ".tmp", path)
+    _write_atomically(_channel("json"), json.dumps(result))
+
+
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started (field 22 of /proc/<pid>/stat, which with the pid names
+    one process even if the pid is reused); None once it has exited: gone, or a zombie
+    (a SIGKILLed peer stays one until the test reaps it, which it may do only after
+    process 0 has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ", which may hold spaces
+    return None if fields[0] in ("Z", "X", "x") else fields[19]  # fields[0] is field 3, the state
+
+
+# Process 0 waits this long at most for the others to exit (a hung one is the test's
+# timeout to find, not a reason to hang process 0 too).
+EXIT_WAIT_S = 60.0
+
+
+def exit_job(code: int = 0) -> NoReturn:
+    """Leaves a multi-process job that may be broken (a peer killed), with exit code `code`,
+    as a scheduler tears such a job down: os._exit, without JAX's shutdown barrier, which
+    would wait for the dead peer (300 s) and then fail.
+
+    Process 0 hosts the coordination service, and the coordination client of every other
+    live process aborts that process (SIGABRT, exit -6) as soon as it notices the service
+    is gone. So the processes other than 0 leave at once, waiting for nothing, and process
+    0 leaves only once each of them has exited (gone, or a zombie: a killed peer stays one
+    until the test reaps it), or after EXIT_WAIT_S. A process other than 0 has already
+    reported everything when it calls this, and from here to its os._exit nothing can
+    abort it: the service outlives it. (Only a process 0 that dies, or is killed, before
+    getting here can still take the others down; a test must not pick it as the victim.)"""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    me, count = int(sys.argv[3]), int(sys.argv[2])
+    if me == 0:
+        deadline = time.monotonic() + EXIT_WAIT_S
+        for other in range(1, count):
+            try:
+                with open(os.path.join(os.environ["ZARRCKPT_TEST_CHANNEL"], f"{other}.pid")) as f:
+                    pid, started = f.read().split()
+            except FileNotFoundError:  # it never joined: then neither did this process
+                continue
+            while _start_time(int(pid)) == started and time.monotonic() < deadline:
+                time.sleep(0.02)
+    os._exit(code)
 
 
 def say(line: str) -> None:

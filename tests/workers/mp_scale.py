@@ -4,17 +4,16 @@ coordination service and of the store (zarrckpt._stats).
     save DIR STEP            save the state (every process), then report
     restore DIR MESH         restore onto MESH ("replicated", "mixed", "sharded"), check
                              every addressable shard, report
-    kill DIR STEP VICTIM     like save, but process VICTIM SIGKILLs itself mid-write
+    kill DIR STEP VICTIM     like save, but process VICTIM (not 0, which hosts the
+                             coordination service) SIGKILLs itself mid-write
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
-import time
 
-from common import check_shards, expected, init, report
+from common import check_shards, exit_job, expected, init, report
 
 args = init()
 
@@ -58,10 +57,9 @@ def save(directory: str, step: str, victim: int | None = None) -> None:
         zarrckpt.save_checkpoint(directory, int(step), state(), timeout_s=TIMEOUT_S if victim is None else 8.0)
     except zarrckpt.CoordinationTimeoutError as e:
         report(error=str(e), latest=zarrckpt.latest_step(directory))
-        sys.stdout.flush()
-        if jax.process_index() == 0:
-            time.sleep(5)  # it hosts the coordination service: let the others report first
-        os._exit(0)  # the job is broken: do not wait for the coordination service to shut down
+        # The job is broken: leave without JAX's shutdown barrier, which would wait for the
+        # dead process; process 0, which hosts the coordination service, last (exit_job).
+        exit_job(0)
     counts = _stats.snapshot()
     report(calls=counts.get("coordination_calls", 0), writes=counts.get("store_write", 0))
 

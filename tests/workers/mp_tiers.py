@@ -5,8 +5,12 @@ data-parallel replica of the same shards, 1 and 3 the other's):
                                             copies every 50 steps (keeping 1),
                                             persistent every 100
     restore PERSISTENT:LOCAL ...            for each pair in turn, a fresh manager
-                                            restores; every shard is checked
+                                            restores (every shard is checked, the
+                                            seconds it took reported) and saves the
+                                            next step to the persistent tier (all
+                                            processes train on together)
     die PERSISTENT LOCAL STEP PROCESS       restores, trains on to STEP, and PROCESS
+                                            (not 0, which hosts the coordination service)
                                             dies (SIGKILL) in the middle of its local save
 """
 
@@ -15,8 +19,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 
-from common import expected, init, report
+from common import exit_job, expected, init, report
 
 args = init()
 
@@ -97,15 +102,18 @@ def restore(pairs: list[str]) -> None:
     for pair in pairs:
         persistent, local = pair.split(":")
         said.lines.clear()
-        try:
-            mgr = manager(persistent, local)
+        try:  # a process left waiting for the others would fail in a minute, not hang
+            mgr = manager(persistent, local, timeout_s=60)
         except zarrckpt.CheckpointLocationError as e:  # raised on every process alike
             results.append({"refused": str(e)})
             continue
         with mgr:
+            started = time.monotonic()
             state, step = mgr.restore(target())
+            seconds = time.monotonic() - started
             results.append({"step": step, "tier": mgr.restored_tier, "checked": checked(state, step),
-                            "said": list(said.lines)})
+                            "seconds": seconds, "said": list(said.lines)})
+            mgr.save(step + 1, state_at(step + 1), force=True)
     report(results=results)
 
 
@@ -125,8 +133,9 @@ def die(persistent: str, local: str, last: str, victim: str) -> None:
         report(restored=step)
         train(mgr, step + 1, int(last))
         mgr.wait()  # the others: their local save times out, a warning
-        # As a scheduler tears down a job that lost a process (no shutdown barrier to hang in).
-        os._exit(0)
+        # As a scheduler tears down a job that lost a process (no shutdown barrier to hang
+        # in), process 0, which hosts the coordination service, last (see exit_job).
+        exit_job(0)
 
 
 def save(pairs: list[str]) -> None:
