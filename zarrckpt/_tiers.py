@@ -36,6 +36,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import math
@@ -328,14 +329,11 @@ def restore_latest(root: Location, tier: LocalTier, target: Any, options: LoadOp
         me, floor = _multihost.process_index(), max(persistent, default=None)
         copies = [{c.step: c for c in map(_copies.Copy.from_json, listed) if _after_kept(c, persistent, tier, p == me)}
                   for p, listed in enumerate(found)]
-        attempt = 0
+        reading = _Reading(tier, target, options, op, timeout_s)
         for step in sorted({s for held in copies for s in held if floor is None or s > floor}, reverse=True):
             while any(step in held for held in copies):
-                attempt += 1
                 try:
-                    state = _read_step(step, [held.get(step) for held in copies], tier, target, options, op,
-                                       f"{attempt}", timeout_s)
-                    return state, step, "local"
+                    return reading.step(step, [held.get(step) for held in copies]), step, "local"
                 except CopiesDamaged as e:  # on every process alike: try again without those copies
                     tier.set_aside(step, e.problems)
                     for p in e.problems:
@@ -363,71 +361,86 @@ def _after_kept(copy: _copies.Copy, persistent: set[int], tier: LocalTier, mine:
     return False
 
 
-def _read_step(step: int, found: list[_copies.Copy | None], tier: LocalTier, target: Any, options: LoadOptions,
-               op: _multihost.Agreement, attempt: str, timeout_s: float) -> Any:
-    """Restores local `step` from the copies `found` (by process; None where a process
-    has none). Raises, on every process alike, _Unusable if the copies are of several
-    saves or do not rebuild the target, CopiesDamaged if reading some of them failed,
-    CheckpointMismatchError if the target does not match. Agreement."""
-    me = _multihost.process_index()
-    holders = [p for p, c in enumerate(found) if c is not None]
-    ids = {c.save_id for c in found if c is not None}
-    if len(ids) > 1:
-        raise _Unusable(f"its copies are of {len(ids)} different saves")
-    loc = tier.root.step(step)
-    document = op.decide(f"document-{attempt}", lambda: _outcome(lambda: _commit.read_group(loc).document),  # type: ignore[union-attr]
-                         source=holders[0])
-    ckpt = _opened(loc, document, holders[0], ids.pop())
-    if found[me] is None:
-        ckpt = dataclasses.replace(ckpt, committed=False)  # reads nothing of its own: nothing to re-check
-    matched: list[Any] = []
-    damage: list[BaseException] = []
+@dataclasses.dataclass
+class _Reading:
+    """Restoring onto `target` from the copies of some step, attempt after attempt, inside
+    the restore's agreement `op`."""
 
-    def matching() -> None:  # reads the saved scalars that decide whether they fit
-        try:
-            matched.extend(_match.match(ckpt, target, options.allow_dtype_cast, options.partial, True,
-                                        values=found[me] is not None)
-                           if target is not None else
-                           ([_match.Request(s, _match.saved_form(s)) for s in ckpt.leaves.values()], None))
-        except CheckpointMismatchError:
-            raise
-        except Exception as e:  # a scalar that does not read right: the copy's damage
-            damage.append(e)
+    tier: LocalTier
+    target: Any
+    options: LoadOptions
+    op: _multihost.Agreement
+    timeout_s: float
+    attempts: int = 0
 
-    check = _multihost.Agreement("restore-tiers-match", timeout_s, what=f"matching local step {step}",
-                                 error=CheckpointMismatchError)
-    try:  # a mismatch on any process is raised on all; one without a copy reads no scalar
-        check.check("match", matching)
-    finally:
-        check.close()
-    if failed := op.failures(f"match-{attempt}", damage[0] if damage else None):
-        raise CopiesDamaged(failed)
-    requests, treedef = matched
-    try:
-        planned = _copies.plan(requests, [c.held if c is not None else None for c in found], me)
-    except _copies.Unrebuildable as e:
-        raise _Unusable(f"the local copies cannot rebuild it ({e})") from None
-    requests = list(planned.requests)
-    for relay in planned.relays:  # host values some process lacks, before any collective
-        request = requests[relay.index]
-        stored = request.stored
-        sent = op.decide(f"relay-{attempt}-{relay.index}", functools.partial(_relayed, ckpt, stored),
-                         source=relay.source)
-        data = np.frombuffer(base64.b64decode(_value(sent, relay.source)), stored.dtype)
-        requests[relay.index] = dataclasses.replace(request, form=_copies.Received(
-            request.form.dtype, request.form, data.reshape(request.stored.shape).copy()))  # writable, as read ones are
-    gates = iter(range(1 << 62))
+    def step(self, step: int, found: list[_copies.Copy | None]) -> Any:
+        """Restores local `step` from the copies `found` (by process; None where a process
+        has none). Raises, on every process alike, _Unusable if the copies are of several
+        saves or do not rebuild the target, CopiesDamaged if reading some of them failed,
+        CheckpointMismatchError if the target does not match. Agreement."""
+        self.attempts += 1
+        tier, target, options, op, timeout_s = self.tier, self.target, self.options, self.op, self.timeout_s
+        attempt = str(self.attempts)
+        me = _multihost.process_index()
+        holders = [p for p, c in enumerate(found) if c is not None]
+        ids = {c.save_id for c in found if c is not None}
+        if len(ids) > 1:
+            raise _Unusable(f"its copies are of {len(ids)} different saves")
+        loc = tier.root.step(step)
+        document = op.decide(f"document-{attempt}", lambda: _outcome(lambda: _commit.read_group(loc).document),  # type: ignore[union-attr]
+                             source=holders[0])
+        ckpt = _opened(loc, document, holders[0], ids.pop())
+        if found[me] is None:
+            ckpt = dataclasses.replace(ckpt, committed=False)  # reads nothing of its own: nothing to re-check
+        matched: list[Any] = []
+        damage: list[BaseException] = []
 
-    def gate(error: BaseException | None) -> None:
-        failed = op.failures(f"read-{attempt}-{next(gates)}", error)
-        if failed:
+        def matching() -> None:  # reads the saved scalars that decide whether they fit
+            try:
+                matched.extend(_match.match(ckpt, target, options.allow_dtype_cast, options.partial, True,
+                                            values=found[me] is not None)
+                               if target is not None else
+                               ([_match.Request(s, _match.saved_form(s)) for s in ckpt.leaves.values()], None))
+            except CheckpointMismatchError:
+                raise
+            except Exception as e:  # a scalar that does not read right: the copy's damage
+                damage.append(e)
+
+        check = _multihost.Agreement("restore-tiers-match", timeout_s, what=f"matching local step {step}",
+                                     error=CheckpointMismatchError)
+        try:  # a mismatch on any process is raised on all; one without a copy reads no scalar
+            check.check("match", matching)
+        finally:
+            check.close()
+        if failed := op.failures(f"match-{attempt}", damage[0] if damage else None):
             raise CopiesDamaged(failed)
+        requests, treedef = matched
+        try:
+            planned = _copies.plan(requests, [c.held if c is not None else None for c in found], me)
+        except _copies.Unrebuildable as e:
+            raise _Unusable(f"the local copies cannot rebuild it ({e})") from None
+        requests = list(planned.requests)
+        for relay in planned.relays:  # host values some process lacks, before any collective
+            request = requests[relay.index]
+            stored = request.stored
+            sent = op.decide(f"relay-{attempt}-{relay.index}", functools.partial(_relayed, ckpt, stored),
+                             source=relay.source)
+            data = np.frombuffer(base64.b64decode(_value(sent, relay.source)), stored.dtype)
+            data = data.reshape(stored.shape).copy()  # writable, as read ones are
+            requests[relay.index] = dataclasses.replace(request, form=_copies.Received(request.form.dtype,
+                                                                                        request.form, data))
+        gates = itertools.count()
 
-    state = load_requests(ckpt, requests, treedef, options, gate=gate)
-    log.info("process %d restored step %d from the local tier %s: %.3f MB from its own copy, %.3f MB from "
-             "other processes, 0 from the persistent store", me, step, tier.root.url,
-             planned.own_bytes / 1e6, planned.peer_bytes / 1e6)
-    return state
+        def gate(error: BaseException | None) -> None:
+            failed = op.failures(f"read-{attempt}-{next(gates)}", error)
+            if failed:
+                raise CopiesDamaged(failed)
+
+        state = load_requests(ckpt, requests, treedef, options, gate=gate)
+        log.info("process %d restored step %d from the local tier %s: %.3f MB from its own copy, %.3f MB from "
+                 "other processes, 0 from the persistent store", me, step, tier.root.url,
+                 planned.own_bytes / 1e6, planned.peer_bytes / 1e6)
+        return state
 
 
 def _relayed(ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf) -> dict[str, Any]:
