@@ -447,6 +447,7 @@ def nbytes(shape: Sequence[int], dtype: np.dtype) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 
+@functools.lru_cache(maxsize=256)  # asked of every leaf of every save
 def is_prng_key(dtype: Any) -> bool:
     import jax
 
