@@ -81,7 +81,9 @@ def start(work: Sequence[tuple[ArrayPlan, WriteUnit]], *, snapshot: bool) -> Non
             continue
         together = len(units) == len(plan.writes)
         if together and len(units) > 1:
-            _share([unit.hold for unit in units if isinstance(unit.hold, Hold)], units)
+            shared = SharedHold([unit.hold for unit in units if isinstance(unit.hold, Hold)])
+            for unit in units:
+                unit.hold = shared
         if together and plan.copy_all and path == "pinned" and array.is_fully_addressable:
             whole = HostCopy()
             pinned.append((whole, array, _pinned_array_sharding(array.sharding)))
@@ -120,12 +122,6 @@ def _by_plan(work: Sequence[tuple[ArrayPlan, WriteUnit]]) -> Iterator[tuple[Arra
     for _, run in itertools.groupby(work, key=lambda item: id(item[0])):
         items = list(run)
         yield items[0][0], [unit for _, unit in items]
-
-
-def _share(holds: list[Hold], units: Sequence[WriteUnit]) -> None:
-    shared = SharedHold(holds)
-    for unit in units:
-        unit.hold = shared
 
 
 def _path(device: jax.Device, snapshot: bool) -> str:
