@@ -182,3 +182,75 @@ def test_a_saved_state_is_freed_as_soon_as_the_caller_drops_it(tmp_path, how):
         assert [r for r in alive if r() is not None] == []
     finally:
         gc.enable()
+
+
+def record_device_puts(monkeypatch):
+    """The items of every `device_put` a save makes, as (shape, sharding) pairs."""
+    calls = []
+    real = _transfer.jax.device_put
+
+    def device_put(xs, shardings, **kw):
+        calls.append([(x.shape, s) for x, s in zip(xs, shardings)])
+        return real(xs, shardings, **kw)
+
+    monkeypatch.setattr(_transfer.jax, "device_put", device_put)
+    return calls
+
+
+def test_an_array_whose_every_shard_is_written_is_copied_as_one_array(tmp_path, monkeypatch):
+    """600 leaves of 8 shards were 4,800 `device_put` items, tens of microseconds each."""
+    sharding = NamedSharding(mesh(), P(("data", "model")))
+    state = {f"w{i:02d}": jax.device_put(jnp.full((64, 32), float(i)), sharding) for i in range(40)}
+    calls = record_device_puts(monkeypatch)
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, state)
+    assert calls == [[((64, 32), sharding.with_memory_kind("pinned_host"))] * 40]
+    assert_restores(str(tmp_path / "0000000001"), state)
+
+
+def test_a_replicated_shard_is_copied_once_whole_not_sliced_on_its_devices(tmp_path, monkeypatch):
+    """Its chunks are dealt over its replicas, but on one host they are all read from one
+    copy of the shard: slicing it on the devices first is a copy of its own (on CPU
+    devices, on the training thread)."""
+    state = {"replicated": jax.device_put(jnp.arange(2048 * 1024, dtype=jnp.float32).reshape(2048, 1024),
+                                          NamedSharding(mesh(), P())),  # 8 MiB: 8 chunks, one per replica
+             "rows": jax.device_put(jnp.ones((2048, 1024)), NamedSharding(mesh(), P("data")))}  # 4 replicas
+    calls = record_device_puts(monkeypatch)
+    monkeypatch.setattr(_transfer, "_slicer", lambda bounds: pytest.fail("sliced on the device"))
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, state)
+    assert [[shape for shape, _ in call] for call in calls] == [[(2048, 1024), (1024, 1024), (1024, 1024)]]
+    assert len(chunk_bytes(tmp_path / "0000000001" / "replicated")) == 8
+    assert_restores(str(tmp_path / "0000000001"), state)
+
+
+def test_an_array_larger_than_the_budget_is_copied_part_by_part(tmp_path, monkeypatch):
+    state = {"replicated": jax.device_put(jnp.arange(2048 * 1024, dtype=jnp.float32).reshape(2048, 1024),
+                                          NamedSharding(mesh(), P()))}  # 8 chunks of 1 MiB
+    calls = record_device_puts(monkeypatch)
+    with zarrckpt.CheckpointManager(str(tmp_path), max_staged_bytes=3 * 2**20) as mgr:
+        mgr.save(1, state)
+    assert len(calls) >= 3 and all(shape == (256, 1024) for call in calls for shape, _ in call)
+    assert_restores(str(tmp_path / "0000000001"), state)
+
+
+def test_chunks_that_share_a_copy_give_their_budget_back_together():
+    """The copy's memory is only freed once every chunk read from it is written."""
+    from zarrckpt._options import SaveOptions
+    from zarrckpt._save.protocol import SaveJob
+
+    state = {"a": jax.device_put(jnp.ones((2048, 1024)), NamedSharding(mesh(), P())),  # 8 chunks, one copy
+             "b": jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh(), P()))}
+    job = SaveJob.create(None, state, SaveOptions())
+    work = list(job.admitted(snapshot=True))
+    a = [unit for plan, unit in work if plan.leaf.name == "a"]
+    b = [unit for plan, unit in work if plan.leaf.name == "b"]
+    assert len(a) == 8 and len(b) == 1
+    for unit in a[:-1]:
+        unit.release()
+    assert job.budget._used == sum(u.nbytes for u in a + b)
+    a[-1].release()
+    a[-1].release()  # a second release gives nothing back twice
+    assert job.budget._used == b[0].nbytes
+    b[0].release()
+    assert job.budget._used == 0

@@ -39,6 +39,7 @@ arrays, such as TensorStore's, works. The v3 path is not affected.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -409,14 +410,26 @@ def number_kind(dtype: np.dtype) -> str:
 def check_savable(dtype: np.dtype) -> np.dtype:
     """`dtype` if zarrckpt can store it bit-exactly, else TypeError saying why not."""
     dtype = np.dtype(dtype)
-    if number_kind(dtype) in "biufc":
+    if _savable(dtype):
         return dtype
     raise TypeError(f"dtype {dtype} cannot be saved (bool, integer, float, complex and ml_dtypes types can)")
 
 
+# Cached per dtype, as is `dtype_name`: a save asks once per leaf, and a dtype's name
+# takes NumPy microseconds to spell.
+@functools.lru_cache(maxsize=256)
+def _savable(dtype: np.dtype) -> bool:
+    return number_kind(dtype) in "biufc"
+
+
 def dtype_name(dtype: np.dtype) -> str:
     """The name recorded in the tree record; `from_name` reverses it."""
-    return np.dtype(dtype).name
+    return _name(np.dtype(dtype))
+
+
+@functools.lru_cache(maxsize=256)
+def _name(dtype: np.dtype) -> str:
+    return dtype.name
 
 
 def from_name(name: str) -> np.dtype:
@@ -434,6 +447,7 @@ def nbytes(shape: Sequence[int], dtype: np.dtype) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 
+@functools.lru_cache(maxsize=256)  # asked of every leaf of every save
 def is_prng_key(dtype: Any) -> bool:
     import jax
 

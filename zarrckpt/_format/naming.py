@@ -6,6 +6,7 @@ FORMAT_VERSION.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ _ARRAY_NAME = re.compile(r"([A-Za-z0-9_%-]+(\.[A-Za-z0-9_%-]+)*"
                          r"(\.%p\d{1,9})?")
 
 
+@functools.lru_cache(maxsize=65536)  # a save names every leaf: the same keys, save after save
 def escape_component(text: str) -> str:
     """Percent-encodes every character outside [A-Za-z0-9_-], byte by byte in UTF-8.
 

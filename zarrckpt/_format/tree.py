@@ -202,7 +202,9 @@ def record(tree: Any) -> tuple[dict[str, Any], list[Leaf]]:
 # The recursions below are module functions, not closures: a recursive closure is a
 # reference cycle, which would keep the leaves it collects (the caller's arrays) alive
 # until the garbage collector runs.
-def _record_node(node: Any, path: KeyPath, leaves: list[Leaf]) -> dict[str, Any]:
+def _record_node(node: Any, path: KeyPath, leaves: list[Leaf], components: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`components`: the escaped name components of `path` (see `name_of`), built as
+    the recursion goes down rather than again for every leaf."""
     if node is None:
         return {"kind": "none"}
     try:
@@ -210,12 +212,15 @@ def _record_node(node: Any, path: KeyPath, leaves: list[Leaf]) -> dict[str, Any]
     except ValueError as e:  # e.g. dict keys of mixed types, which jax cannot sort
         raise UnsupportedLeafError(f"cannot flatten the tree at {describe_path(path)}: {e}") from None
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # type: ignore[attr-defined]
-        leaf, leaf_spec = as_stored(Leaf(path, name_of(path), node))
+        leaf, leaf_spec = as_stored(Leaf(path, _naming.leaf_name(components), node))
         leaves.append(leaf)
         return leaf_spec
     # Flatten one level only: every child counts as a leaf here.
     children, _ = _tu.tree_flatten_with_path(node, is_leaf=lambda c: c is not node)
-    entries = [(p[0], _record_node(child, path + (p[0],), leaves)) for p, child in children]
+    entries = []
+    for (entry, *_), child in children:
+        below = path + (entry,)
+        entries.append((entry, _record_node(child, below, leaves, components + (_component(entry, below),))))
     nodes = [n for _, n in entries]
     if type(node) in (list, tuple):
         return {"kind": type(node).__name__, "children": nodes}

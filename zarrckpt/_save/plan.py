@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -49,6 +50,31 @@ from .._regions import (
 # A replicated shard smaller than this per replica is not worth splitting.
 _MIN_REPLICA_SPLIT_BYTES = 2**20
 
+# One part of a chunk: the device whose shard holds it, the part of that shard to take
+# and where it goes in the chunk (None: all of it).
+Part = tuple[jax.Device, Slices | None, Slices | None]
+
+
+class HostCopy:
+    """A jax.Array in host memory, or on its way there (see `_transfer`), that chunks
+    are read from: a part of a shard, a whole shard, or a whole array, which several
+    chunks may share."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any = None) -> None:
+        self.array = array
+
+    def view(self, device: jax.Device | None, take: Slices | None) -> np.ndarray:
+        """`take` of the copy (of its shard on `device`, for a whole array), in place:
+        waits for the copy to arrive."""
+        data = self.array
+        if device is not None:
+            data = next(shard.data for shard in data.addressable_shards if shard.device == device)
+        host = np.asarray(data)  # a host-memory jax.Array is viewed in place
+        return host if take is None else host[take]
+
+
 @dataclasses.dataclass
 class WriteUnit:
     """One chunk to write: its place in the array, where its data comes from, and (once
@@ -57,33 +83,52 @@ class WriteUnit:
     region: Region
     nbytes: int
     host: np.ndarray | None = None  # a numpy leaf: the whole array
-    # The single-device shards holding the chunk: each with the part of it to take and
-    # where that goes in the chunk (None: all of it). One, or several side by side when
-    # small shards are merged into one chunk.
-    sources: tuple[tuple[jax.Array, Slices | None, Slices | None], ...] = ()
-    # Each part on the host, with where it goes in the chunk: a numpy array, or a
-    # jax.Array in host memory or being copied there (see `_transfer`).
-    copies: list[tuple[Slices | None, Any]] | None = None
-    hold: Hold | None = None  # its bytes of the save's budget, from its copy until it is written
+    # A jax.Array leaf: the parts of it that make up the chunk, read from the device the
+    # plan deals it to. One, or several side by side when small shards are merged.
+    sources: tuple[Part, ...] = ()
+    # Each part on the host: where it goes in the chunk, the copy holding it, and the
+    # device and part of the copy it is (see `HostCopy.view`); or a numpy array.
+    copies: list[tuple[Slices | None, Any, jax.Device | None, Slices | None]] | None = None
+    hold: Hold | SharedHold | None = None  # its bytes of the save's budget, from its copy until it is written
 
     def host_array(self) -> np.ndarray:
         """The chunk's values on the host; waits for its copies to arrive."""
         assert self.copies is not None, "the unit's transfer was not started"
-        if len(self.copies) == 1 and self.copies[0][0] is None:
-            return np.asarray(self.copies[0][1])  # a host-memory jax.Array is viewed in place
-        parts = [(put, np.asarray(copy)) for put, copy in self.copies]
+        parts = [(put, copy.view(device, take) if isinstance(copy, HostCopy) else copy)
+                 for put, copy, device, take in self.copies]
+        if len(parts) == 1 and parts[0][0] is None:
+            return parts[0][1]
         out = np.empty(region_shape(self.region), parts[0][1].dtype)
         for put, part in parts:
             out[put] = part
         return out
 
     def release(self) -> None:
-        """Drops every reference to the chunk's data (a pinned buffer goes back at once)
-        and gives back its budget."""
+        """Drops every reference to the chunk's data (a pinned buffer goes back once no
+        chunk reads it any more) and gives back its budget."""
         self.host = self.copies = None
-        self.sources = ()
-        if self.hold is not None:
-            self.hold.release()
+        hold, self.hold = self.hold, None
+        if hold is not None:
+            hold.release()
+
+
+class SharedHold:
+    """The holds of chunks that share host copies (see `_transfer`): their bytes go
+    back to the budget together, when the last of them is released, since the memory
+    is only freed then."""
+
+    def __init__(self, holds: list[Hold]) -> None:
+        self._holds = holds
+        self._left = len(holds)
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            for hold in self._holds:
+                hold.release()
 
 
 @dataclasses.dataclass
@@ -96,6 +141,11 @@ class ArrayPlan:
     chunks: tuple[int, ...]
     writes: list[WriteUnit]
     checksum: bool = True
+    # A jax.Array leaf: the shards this process writes all of, each to be copied to the
+    # host once, whole, from one device (see `Writes`)...
+    copy_from: dict[jax.Device, jax.Device] = dataclasses.field(default_factory=dict)
+    # ...and whether those are all its local shards, so that it is copied as one array.
+    copy_all: bool = False
 
     @functools.cached_property
     def codec(self) -> ChunkCodec:
@@ -160,7 +210,9 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
     shape = tuple(np.shape(value))
     if isinstance(value, jax.Array) and (not value.is_fully_addressable or processes == 1):
         lay = layout(value.sharding, shape, dtype.itemsize, max_chunk_bytes, min_chunk_bytes, host_of)
-        return _plan_sharded(leaf, value, shape, dtype, salt, checksum, lay, process, held)
+        mine = lay.writes(salt, process, held)
+        units = [WriteUnit(chunk, size * dtype.itemsize, sources=parts) for chunk, size, parts in mine.units]
+        return ArrayPlan(leaf, shape, dtype, lay.chunks, units, checksum, mine.copy_from, mine.copy_all)
     # Host data (numpy, scalars, process-local jax arrays) is the same on every process
     # by contract; process 0 alone writes it so that no chunk has two writers.
     chunks = split_chunk(shape, _pieces_for(_dtypes.nbytes(shape, dtype), 1, max_chunk_bytes))
@@ -173,18 +225,39 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
     return ArrayPlan(leaf, shape, dtype, chunks, writes, checksum)
 
 
-def _plan_sharded(leaf: Leaf, value: jax.Array, shape: tuple[int, ...], dtype: np.dtype, salt: int,
-                  checksum: bool, layout: Layout, process: int, held: bool) -> ArrayPlan:
-    shards: dict[jax.Device, jax.Array] | None = None
-    writes = []
-    mine = layout.held(process) if held else ((c, p) for c, w, p in layout.assignments(salt) if w == process)
-    for chunk, parts in mine:
-        if region_size(chunk):
-            if shards is None:  # only a writing process asks for its shards
-                shards = {s.device: s.data for s in value.addressable_shards}
-            sources = tuple((shards[device], take, put) for device, take, put in parts)
-            writes.append(WriteUnit(chunk, _dtypes.nbytes(region_shape(chunk), dtype), sources=sources))
-    return ArrayPlan(leaf, shape, dtype, layout.chunks, writes, checksum)
+@dataclasses.dataclass(frozen=True)
+class Writes:
+    """One process's writes of an array of some layout: per chunk, its region, its size
+    in elements and its parts (as `Layout.assignments` gives them).
+
+    Which device a part is dealt to matters across hosts; within one, each shard
+    region the process writes all of (every region, on a single host) is copied to the
+    host once, whole, from one of its devices (`copy_from`: from each device a part is
+    read from, to that one): slicing a shard on the device first is a copy of its own,
+    which on CPU devices runs at once on the caller's thread. `copy_all` says those are
+    every local shard of the array (no local replica is left out), so that it can be
+    copied as one array.
+    """
+
+    units: tuple[tuple[Region, int, tuple[Part, ...]], ...]
+    copy_from: dict[jax.Device, jax.Device]
+    copy_all: bool
+
+    @classmethod
+    def of(cls, layout: Layout, chunks: Iterable[tuple[Region, list[Part]]], process: int) -> Writes:
+        units = tuple((chunk, region_size(chunk), tuple(parts)) for chunk, parts in chunks if region_size(chunk))
+        region_of = {device: region for region, devices in layout.replicas.items() for device in devices}
+        read: dict[Region, list[Any]] = {}  # per region: the elements read, the device to copy it from
+        for _, _, parts in units:
+            for device, take, _ in parts:
+                entry = read.setdefault(region_of[device], [0, device])
+                entry[0] += region_size(region_of[device]) if take is None else math.prod(
+                    t.stop - t.start for t in take)
+        whole = {region: device for region, (count, device) in read.items() if count == region_size(region)}
+        copy_from = {device: whole[region_of[device]] for _, _, parts in units for device, _, _ in parts
+                     if region_of[device] in whole}
+        local = {d for devices in layout.replicas.values() for d in devices if layout.host_of(d) == process}
+        return cls(units, copy_from, set(whole.values()) == local)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,8 +275,7 @@ class Layout:
     host_of: HostOf
     merged: _Shards | None = None
 
-    def assignments(self, salt: int) -> Iterator[tuple[Region, int, list[tuple[jax.Device, Slices | None,
-                                                                                Slices | None]]]]:
+    def assignments(self, salt: int) -> Iterator[tuple[Region, int, list[Part]]]:
         """Every chunk with the process that writes it and, on that process, each device
         to copy from, the part of its shard to take and where it goes in the chunk."""
         if self.merged is None:
@@ -220,8 +292,29 @@ class Layout:
             writer = holders[(salt + k) % len(holders)]
             yield chunk, writer, [(first[writer], take, put) for first, take, put in parts]
 
-    def held(self, process: int) -> Iterator[tuple[Region, list[tuple[jax.Device, Slices | None,
-                                                                       Slices | None]]]]:
+    def writes(self, salt: int, process: int, held: bool) -> Writes:
+        """`process`'s writes (with `held`: of every chunk its devices hold, see `held`),
+        computed once per layout, salt and process: a training loop saves arrays of the
+        same layouts again and again, and many leaves share one."""
+        key = (0 if held else salt % self._period, process, held)
+        found = self._writes.get(key)
+        if found is None:
+            mine = self.held(process) if held else ((c, p) for c, w, p in self.assignments(salt) if w == process)
+            found = self._writes[key] = Writes.of(self, mine, process)
+        return found
+
+    @functools.cached_property
+    def _writes(self) -> dict[tuple[int, int, bool], Writes]:
+        return {}
+
+    @functools.cached_property
+    def _period(self) -> int:
+        """How often the writers `assignments` deals out repeat as the salt grows."""
+        if self.merged is None:
+            return math.lcm(*(len(devices) for devices in self.replicas.values()))
+        return math.lcm(*(len(holders) for _, holders, _ in self._merged_cells))
+
+    def held(self, process: int) -> Iterator[tuple[Region, list[Part]]]:
         """Every chunk `process` holds whole, with the parts to copy as `assignments`
         gives them (from its first device holding each shard)."""
         if self.merged is None:

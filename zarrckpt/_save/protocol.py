@@ -223,7 +223,7 @@ class SaveJob:
                 if item is None or (len(batch) == _BATCH_UNITS and not snapshot):
                     break
                 hold = self.budget.take(item[1].nbytes, block=False)
-            _transfer.start([unit for _, unit in batch], snapshot=snapshot)
+            _transfer.start(batch, snapshot=snapshot)
             yield from batch
 
     def run(self, work: Work) -> float:
