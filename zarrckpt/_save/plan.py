@@ -193,12 +193,12 @@ def _pieces_for(nbytes: int, replicas: int, max_chunk_bytes: int) -> int:
 
 
 def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-               checksum: bool = True, *, process: int, processes: int, local: bool = False,
+               checksum: bool = True, *, process: int, processes: int, own: bool = False,
                held: bool = False, min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES,
                host_of: HostOf = process_of) -> ArrayPlan:
     """Plans one leaf for `process` of `processes`, the device `host_of` says where each
     device is. Every process computes the same chunks and the same writers; `checksum`
-    says whether its chunks carry a CRC-32C. A `local` array (a per-process value) is
+    says whether its chunks carry a CRC-32C. An `own` array (a per-process value) is
     this process's alone: it writes every chunk. With `held` (a local-tier save), the
     process writes every chunk its devices hold, and all of a host value.
 
@@ -217,7 +217,7 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
     # by contract; process 0 alone writes it so that no chunk has two writers.
     chunks = split_chunk(shape, _pieces_for(_dtypes.nbytes(shape, dtype), 1, max_chunk_bytes))
     writes = []
-    if process == 0 or local or held:
+    if process == 0 or own or held:
         host = np.asarray(value, dtype=dtype)
         full: Region = tuple((0, d) for d in shape)
         writes = [WriteUnit(r, _dtypes.nbytes(region_shape(r), dtype), host=host) for r in chunks_in(full, chunks)

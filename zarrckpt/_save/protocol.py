@@ -174,7 +174,7 @@ class SaveJob:
                 mine = _tree.Leaf(leaf.path, _naming.per_process_name(leaf.name, process),
                                   leaf.value.data)
                 plan = _planning.plan_array(mine, i, options.max_chunk_bytes, options.checksums, process=process,
-                                            processes=processes, local=True, min_chunk_bytes=options.min_chunk_bytes)
+                                            processes=processes, own=True, min_chunk_bytes=options.min_chunk_bytes)
                 own[mine.name] = _zarrjson.array_document(
                     plan.shape, plan.codec, {_naming.META_ATTR: {"encoding": leaf.value.encoding}})
             else:
