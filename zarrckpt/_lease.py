@@ -100,7 +100,9 @@ class Lease:
         """Stops renewing the lease and removes it if it is still ours. Safe to call more
         than once, and from any thread (a finalizer may run on the renewing one)."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
+        if self._thread is None:
+            return  # never claimed: nothing here is ours
+        if self._thread is not threading.current_thread():
             self._thread.join()
         found = self._read()
         if found is not None and found.get("owner") == self._owner:
