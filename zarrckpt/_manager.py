@@ -138,7 +138,6 @@ class CheckpointManager:
         self._restored_tier: str | None = None
         self._metrics = self._load_metrics() if best_metric is not None else {}
         self._lock = threading.Lock()
-        # The save in flight, and its step if it saves one to the persistent tier.
         self._in_flight: list[_save.BackgroundSave] = []  # the saves of the last `save` call
         self._errors: list[BaseException] = []
         self._lease = _lease.Lease(self._root, heartbeat_s) if _multihost.process_index() == 0 else None
