@@ -114,9 +114,10 @@ def plan(requests: list[Request], held: Holdings, me: int) -> CopyPlan:
             whole = [p for p, h in enumerate(holds) if h is not None and _holds_box(h, stored, _full(stored))]
             if not whole:
                 raise Unrebuildable(f"leaf {stored.where}: no process's local copy holds all of it")
-            if len(whole) < len(holds):
+            relayed = len(whole) < len(holds)  # then every process gets it from whole[0]
+            if relayed:
                 relays.append(Relay(len(planned), whole[0]))
-            if me in whole:
+            if me == whole[0] or (me in whole and not relayed):
                 own += _dtypes.nbytes(stored.shape, form.dtype)
             else:
                 peers += _dtypes.nbytes(stored.shape, form.dtype)
