@@ -60,17 +60,22 @@ class HostCopy:
     are read from: a part of a shard, a whole shard, or a whole array, which several
     chunks may share."""
 
-    __slots__ = ("array",)
+    __slots__ = ("array", "_shards")
 
     def __init__(self, array: Any = None) -> None:
         self.array = array
+        self._shards: dict[jax.Device, Any] | None = None
 
     def view(self, device: jax.Device | None, take: Slices | None) -> np.ndarray:
         """`take` of the copy (of its shard on `device`, for a whole array), in place:
         waits for the copy to arrive."""
         data = self.array
         if device is not None:
-            data = next(shard.data for shard in data.addressable_shards if shard.device == device)
+            # Every chunk of the array reads one of its shards: list them once, not per
+            # chunk (`addressable_shards` builds a new object per shard on each call).
+            if self._shards is None:
+                self._shards = {shard.device: shard.data for shard in data.addressable_shards}
+            data = self._shards[device]
         host = np.asarray(data)  # a host-memory jax.Array is viewed in place
         return host if take is None else host[take]
 
