@@ -156,8 +156,9 @@ def test_one_process_restores_the_newer_tier(tmp_path: Path) -> None:
     listed = subprocess.run([sys.executable, "-m", "zarrckpt", "ls", local], capture_output=True, text=True,
                             check=True).stdout.splitlines()
     run = copies(persistent, local).parent.name[len("run-"):][:8]
-    assert listed[0].split()[:4] == ["run", "process", "step", "state"]
-    assert [line.split()[:4] for line in listed[1:]] == [[run, "0", "6", "committed"], [run, "0", "9", "committed"]]
+    assert listed[0].split()[:5] == ["run", "process", "peers", "step", "state"]
+    assert [line.split()[:5] for line in listed[1:]] == [[run, "0", "-", "6", "committed"],
+                                                         [run, "0", "-", "9", "committed"]]
 
 
 def test_a_local_copy_that_does_not_fit_is_skipped(tmp_path: Path, small_disk: Path,

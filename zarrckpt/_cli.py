@@ -212,8 +212,8 @@ def _ls(args: argparse.Namespace) -> int:
         print(f"no step directories under {root.url}"
               + (f" (it is a checkpoint itself: see `zarrckpt info {root.url}`)" if itself else ""))
     else:
-        first = ["run", "process"] if tier else []  # whose copy, in a local tier
-        table = [[(r[name][:8] or "-") if name == "run" else r[name] for name in first]
+        first = ["run", "process", "peers"] if tier else []  # whose copy (and peer copies), in a local tier
+        table = [[r["run"][:8] or "-", r["process"], ",".join(map(str, r["peers_of"])) or "-"] if tier else []
                  + [r["step"], r["state"], "pinned" if r["pinned"] else "", _size(r["nbytes"]),
                     _or_dash(r["leaves"]), _or_dash(r["created_at"])]
                  for r in rows]
@@ -230,7 +230,8 @@ def _describe_step(root: _storage.Location, step: int, owner: tuple[str, int] | 
     group = _commit.read_group(loc)
     state = _commit.state(loc, group)
     summary = _metadata.summarize(loc, group)
-    return {**({"run": owner[0], "process": owner[1]} if owner is not None else {}),
+    return {**({"run": owner[0], "process": owner[1], "peers_of": _tiers.peers_of(group)} if owner is not None
+               else {}),
             "step": step, "url": loc.url, "state": state.value, "committed": state is _commit.State.COMMITTED,
             "pinned": _retention.is_pinned(loc), "nbytes": summary.nbytes, "leaves": summary.leaves,
             "created_at": summary.created_at}

@@ -75,6 +75,17 @@ class CheckpointManager:
         copies newer than the step restored (abandoned training).
       local_save_interval_steps: the local tier's interval; needed with local_directory.
       local_keep_last: local copies each process keeps.
+      local_peer_copies: how many other processes keep a copy of each process's local
+        copy (default 0): each also writes, into its own copy of the step, the chunks
+        of its peers' copies that its own devices do not hold, moved over the device
+        network, so that a lost host (its disk gone) is rebuilt from its peers, with no
+        read of the persistent store, even when no other process holds a replica of its
+        shards (fully sharded training). Each copy costs about one local copy more of
+        disk and of device-network traffic per local save. Peers are chosen in other
+        failure domains (see local_peer_group). Needs at least copies + 1 processes.
+      local_peer_group: this process's failure domain (a rack, a slice, a host name),
+        each process naming its own: peer copies are kept in other domains. Default:
+        the slice its devices are on where they say (TPU), else its host.
       storage_options, timeout_s, max_chunk_bytes, min_chunk_bytes, max_workers,
         checksums: as for `save_pytree`.
     Raises TypeError or ValueError, naming the option, on an unknown, ill-typed or
@@ -106,10 +117,13 @@ class CheckpointManager:
         local_directory: str | None = None,
         local_save_interval_steps: int | None = None,
         local_keep_last: int = 1,
+        local_peer_copies: int = 0,
+        local_peer_group: str | None = None,
     ) -> None:
         for name, value, kind in (("save_interval_steps", save_interval_steps, _options.COUNT + "?"),
                                   ("local_save_interval_steps", local_save_interval_steps, _options.COUNT + "?"),
                                   ("local_keep_last", local_keep_last, _options.COUNT),
+                                  ("local_peer_copies", local_peer_copies, _options.COUNT_OR_ZERO),
                                   ("save_interval_seconds", save_interval_seconds, _options.NUMBER + "?"),
                                   ("async_save", async_save, _options.FLAG),
                                   ("max_staged_bytes", max_staged_bytes, _options.COUNT),
@@ -123,7 +137,7 @@ class CheckpointManager:
                                                   max_workers=max_workers, timeout_s=timeout_s, progress=progress,
                                                   checksums=checksums)
         self._root = _storage.resolve(checkpoint_dir, storage_options)
-        local = self._local_directory(local_directory, local_save_interval_steps, local_keep_last)
+        local = self._local_directory(local_directory, local_save_interval_steps, local_peer_copies, local_peer_group)
         self._interval_steps = save_interval_steps
         self._interval_seconds = save_interval_seconds
         self._async = async_save
@@ -147,7 +161,8 @@ class CheckpointManager:
         if local is not None and run is not None:
             try:
                 self._tier = _tiers.LocalTier.open(local, run, local_save_interval_steps or 0, local_keep_last,
-                                                   heartbeat_s=heartbeat_s, timeout_s=timeout_s)
+                                                   heartbeat_s=heartbeat_s, timeout_s=timeout_s,
+                                                   peer_copies=local_peer_copies, peer_group=local_peer_group)
             except BaseException:
                 if self._lease is not None:
                     self._lease.release()
@@ -414,8 +429,20 @@ class CheckpointManager:
         finally:
             op.close()
 
-    def _local_directory(self, directory: str | None, interval: int | None,
-                         keep_last: int) -> _storage.Location | None:
+    def _local_directory(self, directory: str | None, interval: int | None, peer_copies: int,
+                         peer_group: str | None) -> _storage.Location | None:
+        if peer_group is not None and not isinstance(peer_group, str):
+            raise TypeError(f"local_peer_group must be a str naming this process's failure domain, got "
+                            f"{type(peer_group).__name__}")
+        if (peer_copies or peer_group is not None) and directory is None:
+            raise ValueError("local_peer_copies and local_peer_group keep copies of the local tier: give "
+                             "local_directory and local_save_interval_steps too")
+        processes = _multihost.process_count()
+        if peer_copies >= processes > 1:
+            raise ValueError(f"local_peer_copies={peer_copies} needs more processes than the job's {processes}: "
+                             "each copy is kept by another process")
+        if peer_copies and processes == 1:
+            log.warning("local_peer_copies=%d: a job of one process has no peer to keep a copy", peer_copies)
         if directory is None and interval is None:
             return None
         if directory is None or interval is None:

@@ -22,13 +22,14 @@ DEFAULT_MIN_CHUNK_BYTES = 2**20
 # What each check accepts; `?` also accepts None.
 FLAG = "flag"  # True or False
 COUNT = "count"  # a positive int
+COUNT_OR_ZERO = "count or zero"  # an int, 0 or more
 NUMBER = "number"  # a positive int or float (seconds, bytes per second...)
 
 
 def check(name: str, value: Any, kind: str) -> None:
     """The one check of an option: raises TypeError (a value of the wrong type) or
     ValueError (of the right type, out of range), naming the option as the caller
-    spelled it. `kind` is FLAG, COUNT or NUMBER, with `?` if None is allowed."""
+    spelled it. `kind` is FLAG, COUNT, COUNT_OR_ZERO or NUMBER, with `?` if None is allowed."""
     if value is None and kind.endswith("?"):
         return
     kind = kind.rstrip("?")
@@ -36,11 +37,13 @@ def check(name: str, value: Any, kind: str) -> None:
         if not isinstance(value, bool):
             raise TypeError(f"option {name} must be True or False, got {value!r}")
         return
-    number = int if kind == COUNT else (int, float)
+    number = (int, float) if kind == NUMBER else int
     if isinstance(value, bool) or not isinstance(value, number):
-        expected = "an int" if kind == COUNT else "a number"
+        expected = "a number" if kind == NUMBER else "an int"
         raise TypeError(f"option {name} must be {expected}, got {value!r}")
-    if not value > 0:
+    if kind == COUNT_OR_ZERO and value < 0:
+        raise ValueError(f"option {name} must be 0 or more, got {value!r}")
+    if kind != COUNT_OR_ZERO and not value > 0:
         raise ValueError(f"option {name} must be positive, got {value!r}")
 
 

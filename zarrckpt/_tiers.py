@@ -48,9 +48,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _commit, _lease, _local, _multihost, _retention, _steps
+from . import _commit, _lease, _local, _multihost, _peers, _retention, _steps
 from ._format import naming as _naming
 from ._options import LoadOptions, SaveOptions
+from ._regions import Region, region_shape, region_slices
 from ._restore import checkpoint as _reader, copies as _copies, match as _match
 from ._restore.load import GateClosed, load_requests
 from ._save import PER_PROCESS, BackgroundSave, SaveJob
@@ -92,19 +93,31 @@ class LocalTier:
         self.root = directory.child(f"{_RUN_DIR}{run}").child(f"{_PROCESS_DIR}{_multihost.process_index()}")
         self.interval, self.keep_last = interval, keep_last
         self.last: int | None = None  # the step this manager last saved here
+        self.peers = _peers.Peers()  # who keeps whose peer copy
         self._lease = _lease.Lease(self.root, heartbeat_s)
 
     @classmethod
     def open(cls, directory: Location, run: str, interval: int, keep_last: int, *, heartbeat_s: float,
-             timeout_s: float) -> LocalTier:
+             timeout_s: float, peer_copies: int = 0, peer_group: str | None = None) -> LocalTier:
         """Every process makes its directory, checks that only this user can change it
         and takes its lease; a refusal on any process (CheckpointLocationError) is
-        raised on every process, before anything is written or deleted. Agreement."""
+        raised on every process, before anything is written or deleted. With
+        `peer_copies`, the processes learn each other's failure domain (`peer_group`,
+        by default its slice or host) and choose who keeps whose copies (ValueError
+        where the domains do not allow it, see `_peers.choose`). Agreement."""
         tier = cls(directory, run, interval, keep_last, heartbeat_s)
         op = _multihost.Agreement("manager-local-open", timeout_s, what=f"opening local_directory {directory.url}",
                                   error=CheckpointLocationError)
         try:
             op.check("open", tier._open)
+            if peer_copies:
+                found = op.gather("domains", lambda: {"group": peer_group, **_peers.where()})
+                given = [f["group"] for f in found]
+                if len({g is None for g in given}) > 1:
+                    raise ValueError(f"local_peer_group was given on processes {[p for p, g in enumerate(given) if g]}"
+                                     " only: give it on every process, or on none")
+                groups = [str(g) for g in given] if given[0] is not None else _peers.domains(found)
+                tier.peers = _peers.choose(peer_copies, groups)
         except BaseException:
             tier.close()
             raise
@@ -151,7 +164,7 @@ class LocalTier:
         after = max(persistent, default=None)
         job = SaveJob.create(self.root.step(step), state, dataclasses.replace(options, overwrite=True),
                              extra_metadata={"local": {"run": self.run, "step": step, "after": after}},
-                             channel="manager-local", commit=PER_PROCESS)
+                             channel="manager-local", commit=PER_PROCESS, peers=self.peers)
         op = _multihost.Agreement("manager-local-room", timeout_s, what=f"the local copy of step {step}",
                                   error=_NoRoom)
         try:
@@ -229,6 +242,10 @@ class LocalTier:
         after = record.get("after")
         if after is not None and (not isinstance(after, int) or isinstance(after, bool)):
             raise _Unusable(f"it records persistent step {after!r}")
+        peers = record.get("peers", [])
+        processes = record.get("processes")
+        if not _is_peer_table(peers, processes):
+            raise _Unusable(f"it records peer copies {peers!r} that are not kept by {processes!r} processes")
         ckpt = _reader.open_checkpoint(loc, group=group)  # the metadata already read
         if ckpt.save_id is None:
             raise _Unusable("it has no save identity")
@@ -246,7 +263,7 @@ class LocalTier:
                     raise _Unusable(f"chunk {key} is {'missing' if kind is None else 'a ' + kind}")
                 if (why := stored.codec.size_damage(size)) is not None:  # type: ignore[union-attr]
                     raise _Unusable(f"chunk {key} {why}")
-        return _copies.Copy(step, ckpt.save_id, held, after)
+        return _copies.Copy(step, ckpt.save_id, held, after, tuple(map(tuple, peers)))
 
     def set_aside(self, step: int, problems: dict[int, str]) -> None:
         """After reading the copies of `step` failed on the processes of `problems`:
@@ -255,6 +272,13 @@ class LocalTier:
         if me in problems:
             log.warning("local copy %s set aside (deleted): %s", self.root.step(step).url, problems[me])
             self._remove(step, committed=True, why="damaged")
+
+
+def _is_peer_table(peers: Any, processes: Any) -> bool:
+    """Whether `peers` is a list of permutations of `processes` processes."""
+    return isinstance(peers, list) and all(
+        isinstance(h, list) and isinstance(processes, int) and all(type(p) is int for p in h)
+        and sorted(h) == list(range(processes)) for h in peers)
 
 
 def _chunk_coords(stored: _reader.StoredLeaf, coords: Any) -> tuple[int, ...]:
@@ -299,6 +323,17 @@ def _footprint(job: SaveJob) -> int:
     units = [unit for _, unit in job.units()]
     return (sum(u.nbytes + _CRC_BYTES for u in units) + (len(units) + 2 * len(job.arrays) + 1) * _BLOCK_BYTES
             + 2 * len(json.dumps(job.arrays)))
+
+
+def peers_of(group: _commit.Group | None) -> list[int]:
+    """The processes whose peer copy the local copy of metadata `group` also holds (see
+    `_peers`); none for metadata that does not say."""
+    meta = group.attributes.get(_naming.META_ATTR) if group is not None else None
+    record = meta.get("local") if isinstance(meta, dict) else None
+    if not isinstance(record, dict) or not _is_peer_table(record.get("peers"), record.get("processes")):
+        return []
+    process = record.get("process")
+    return _peers.Peers(tuple(map(tuple, record["peers"]))).sources(process) if isinstance(process, int) else []
 
 
 def copy_directories(directory: Location) -> list[tuple[str, int, Location]]:
@@ -386,6 +421,9 @@ class _Reading:
         ids = {c.save_id for c in found if c is not None}
         if len(ids) > 1:
             raise _Unusable(f"its copies are of {len(ids)} different saves")
+        peers = {c.peers for c in found if c is not None}
+        if len(peers) > 1:
+            raise _Unusable("its copies record different peer copies")
         loc = tier.root.step(step)
         document = op.decide(f"document-{attempt}", lambda: _outcome(lambda: _commit.read_group(loc).document),  # type: ignore[union-attr]
                              source=holders[0])
@@ -416,17 +454,21 @@ class _Reading:
             raise CopiesDamaged(failed)
         requests, treedef = matched
         try:
-            planned = _copies.plan(requests, [c.held if c is not None else None for c in found], me)
+            table = peers.pop()  # of a job of another size: each process's part has changed hands
+            planned = _copies.plan(requests, [c.held if c is not None else None for c in found], me,
+                                   table if all(len(h) == len(found) for h in table) else ())
         except _copies.Unrebuildable as e:
             raise _Unusable(f"the local copies cannot rebuild it ({e})") from None
         requests = list(planned.requests)
         for relay in planned.relays:  # host values some process lacks, before any collective
             request = requests[relay.index]
             stored = request.stored
-            sent = op.decide(f"relay-{attempt}-{relay.index}", functools.partial(_relayed, ckpt, stored),
-                             source=relay.source)
-            data = np.frombuffer(base64.b64decode(_value(sent, relay.source)), stored.dtype)
-            data = data.reshape(stored.shape).copy()  # writable, as read ones are
+            data = np.empty(stored.shape, stored.dtype)  # writable, as read ones are
+            for k, (part, source) in enumerate(relay.parts):
+                sent = op.decide(f"relay-{attempt}-{relay.index}-{k}", functools.partial(_relayed, ckpt, stored, part),
+                                 source=source)
+                data[region_slices(part)] = np.frombuffer(base64.b64decode(_value(sent, source)),
+                                                          stored.dtype).reshape(region_shape(part))
             requests[relay.index] = dataclasses.replace(request, form=_copies.Received(request.form.dtype,
                                                                                         request.form, data))
         gates = itertools.count()
@@ -443,10 +485,9 @@ class _Reading:
         return state
 
 
-def _relayed(ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf) -> dict[str, Any]:
-    """What the process relaying a host value publishes: its bytes (base64)."""
-    whole = tuple((0, d) for d in stored.shape)
-    return _outcome(lambda: base64.b64encode(ckpt.read(stored, whole).tobytes()).decode())
+def _relayed(ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, part: Region) -> dict[str, Any]:
+    """What a process relaying (part of) a host value publishes: its bytes (base64)."""
+    return _outcome(lambda: base64.b64encode(ckpt.read(stored, part).tobytes()).decode())
 
 
 def _outcome(read: Any) -> dict[str, Any]:

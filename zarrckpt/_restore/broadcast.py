@@ -27,7 +27,8 @@ def share(requests: list[Request], done: dict[str, Any]) -> None:
     moved = _program(tuple(r.share for r in requests if r.share is not None))(*staged)
     for request, array, old in zip(requests, moved, staged):
         done[request.stored.name] = array
-        old.delete()
+        for used in old if isinstance(old, tuple) else (old,):
+            used.delete()
 
 
 @functools.lru_cache(maxsize=16)
@@ -38,23 +39,32 @@ def _program(shares: tuple[Share, ...]) -> Callable[..., Any]:
     return jax.jit(lambda *xs: tuple(_shared(x, s) for x, s in zip(xs, shares)), out_shardings=shardings)
 
 
-def _shared(x: jax.Array, share: Share) -> jax.Array:
+def _shared(x: jax.Array | tuple[jax.Array, ...], share: Share) -> jax.Array:
     """Inside the program: one leaf as its target holds it."""
-    if not share.summed:
-        return x  # out_shardings reshards it
-    same = np.dtype(f"uint{x.dtype.itemsize * 8}")
-    wide = np.dtype(np.int64) if x.dtype.itemsize == 8 else np.dtype(np.int32)
+    if not share.summed and not share.routes:
+        return x  # type: ignore[return-value]  # out_shardings reshards it
+    staged = x if isinstance(x, tuple) else (x,)
+    dtype = staged[0].dtype
+    same = np.dtype(f"uint{dtype.itemsize * 8}")
+    wide = np.dtype(np.int64) if dtype.itemsize == 8 else np.dtype(np.int32)
     axes = tuple(_plan.replica_axes(share.sharding))
+    mesh, spec = share.sharding.mesh, share.sharding.spec
 
-    def total(block: jax.Array) -> jax.Array:
-        # A sum with zeros is exact on the bits (as integers): -0.0 and NaN payloads survive.
+    def total(block: jax.Array, *moved: jax.Array) -> jax.Array:
+        # Sums and ors with zeros are exact on the bits (as integers): -0.0 and NaN
+        # payloads survive. Each part is read once: the others hold zeros there.
         boolean = block.dtype == np.bool_
         bits = block.astype(same) if boolean else jax.lax.bitcast_convert_type(block, same)
-        summed = jax.lax.convert_element_type(jax.lax.psum(jax.lax.convert_element_type(bits, wide), axes), same)
-        return summed.astype(np.bool_) if boolean else jax.lax.bitcast_convert_type(summed, block.dtype)
+        for blocks, route in zip(moved, share.routes):
+            sent = jax.lax.ppermute(blocks, mesh.axis_names, route)  # peers' reads, to where they belong
+            bits = bits | (sent.astype(same) if boolean else jax.lax.bitcast_convert_type(sent, same))
+        if share.summed:
+            bits = jax.lax.convert_element_type(jax.lax.psum(jax.lax.convert_element_type(bits, wide), axes), same)
+        return bits.astype(np.bool_) if boolean else jax.lax.bitcast_convert_type(bits, block.dtype)
 
-    spec = share.sharding.spec
-    return jax.shard_map(total, mesh=share.sharding.mesh, in_specs=spec, out_specs=spec)(x)
+    # check_vma off: blocks replicated along an axis are sent along it all the same.
+    return jax.shard_map(total, mesh=mesh, in_specs=(spec,) * len(staged), out_specs=spec,
+                         check_vma=not share.routes)(*staged)
 
 
 def groups(requests: list[Request], max_bytes: int) -> list[list[Request]]:

@@ -30,10 +30,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from .. import _peers
 from .._format import dtypes as _dtypes
-from .._regions import Region, chunks_touching, intersect, region_shape, replicas_of
+from .._regions import Region, chunks_touching, intersect, region_of, region_shape, relative, replicas_of
 from . import checkpoint as _reader, plan as _plan
 from .match import Form, OneReader, OwnValue, Request, Sharded, Share, cut, sharded
 from .plan import Placement
@@ -47,15 +49,18 @@ class Copy:
     save_id: str
     held: dict[str, frozenset[tuple[int, ...]]]  # per array name, the grid coordinates of its chunks
     after: int | None  # the newest persistent step committed when it was saved
+    peers: tuple[tuple[int, ...], ...] = ()  # who kept whose peer copy (`_peers.Peers.holders`)
 
     def as_json(self) -> dict[str, Any]:
         return {"step": self.step, "save_id": self.save_id, "after": self.after,
-                "held": {name: sorted(map(list, coords)) for name, coords in self.held.items()}}
+                "held": {name: sorted(map(list, coords)) for name, coords in self.held.items()},
+                "peers": [list(holder) for holder in self.peers]}
 
     @classmethod
     def from_json(cls, found: dict[str, Any]) -> Copy:
         return cls(found["step"], found["save_id"],
-                   {name: frozenset(map(tuple, coords)) for name, coords in found["held"].items()}, found["after"])
+                   {name: frozenset(map(tuple, coords)) for name, coords in found["held"].items()}, found["after"],
+                   tuple(map(tuple, found["peers"])))
 
 
 # What each process's copy of a step holds (`Copy.held`); None for a process without
@@ -69,11 +74,12 @@ class Unrebuildable(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Relay:
-    """A value read whole on the host that some process's copy lacks: `source` reads it
-    and sends it to every process before the other reads."""
+    """A value read whole on the host that some process's copy lacks: each of its
+    `parts` is read by the process named and sent to every process before the other
+    reads (one part, the whole value, where one process's copy holds it all)."""
 
     index: int  # of its request
-    source: int
+    parts: tuple[tuple[Region, int], ...]  # each part, and the process reading it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +93,9 @@ class CopyPlan:
     peer_bytes: int
 
 
-def plan(requests: list[Request], held: Holdings, me: int) -> CopyPlan:
-    """The reads that rebuild the target from the copies `held`, for process `me`.
+def plan(requests: list[Request], held: Holdings, me: int, holders: Sequence[Sequence[int]] = ()) -> CopyPlan:
+    """The reads that rebuild the target from the copies `held`, for process `me`, where
+    process `holders[m][p]` kept the m-th peer copy of process p's part (see `_peers`).
     Raises Unrebuildable naming the first leaf and part no process can read."""
     planned, relays, own, peers = [], [], 0, 0
     for request in requests:
@@ -104,23 +111,28 @@ def plan(requests: list[Request], held: Holdings, me: int) -> CopyPlan:
                 continue
             if not (_plan.summable(form.dtype) and isinstance(sharding, jax.sharding.NamedSharding)):
                 raise Unrebuildable(f"leaf {stored.where}: some process's local copy lacks parts it needs")
-            readers = _readers(sharding, stored, holds)
+            routes = [_peers.pairs(sharding.mesh, holder)  # type: ignore[arg-type]  # a concrete mesh if _peers.movable(sharding, stored.shape) else None
+                      for holder in holders]
+            readers, moved = _readers(sharding, stored, holds, holders, routes)
+            used = sorted({m for *_, m in moved})
+            moved = tuple((part, device, reader, used.index(m)) for part, device, reader, m in moved)
             summed = any(len(devices) > 1 for devices in replicas_of(sharding, stored.shape).values())
-            planned.append(dataclasses.replace(request, form=CopyParts(form.dtype, sharding, readers),
-                                               share=Share(sharding, summed=True) if summed else None))
-            mine, theirs = _bytes(sharding, stored, readers, me, form.dtype)
+            back = tuple(_peers.inverse(routes[m]) for m in used)  # type: ignore[arg-type]  # never None when used
+            planned.append(dataclasses.replace(request, form=CopyParts(form.dtype, sharding, readers, moved),
+                                               share=Share(sharding, summed, back) if summed or back else None))
+            mine, theirs = _bytes(sharding, stored, readers + tuple((p, r) for p, _, r, _ in moved), me, form.dtype,
+                                  {part: device for part, device, _, _ in moved})
             own, peers = own + mine, peers + theirs
         elif form.whole_on_host:
             whole = [p for p, h in enumerate(holds) if h is not None and _holds_box(h, stored, _full(stored))]
-            if not whole:
-                raise Unrebuildable(f"leaf {stored.where}: no process's local copy holds all of it")
-            relayed = len(whole) < len(holds)  # then every process gets it from whole[0]
-            if relayed:
-                relays.append(Relay(len(planned), whole[0]))
-            if me == whole[0] or (me in whole and not relayed):
+            if len(whole) == len(holds):
                 own += _dtypes.nbytes(stored.shape, form.dtype)
-            else:
-                peers += _dtypes.nbytes(stored.shape, form.dtype)
+            else:  # every process gets it from whole[0], or part by part from their holders
+                parts = ((_full(stored), whole[0]),) if whole else _parts(stored, holds)
+                relays.append(Relay(len(planned), parts))
+                for part, source in parts:
+                    size = _dtypes.nbytes(region_shape(part), form.dtype)
+                    own, peers = (own + size, peers) if source == me else (own, peers + size)
             planned.append(request)
         else:
             for process, h in enumerate(holds):
@@ -132,6 +144,20 @@ def plan(requests: list[Request], held: Holdings, me: int) -> CopyPlan:
             planned.append(request)
             own += sum(_dtypes.nbytes(region_shape(box), form.dtype) for box, _ in form.reads(stored, me))
     return CopyPlan(planned, relays, own, peers)
+
+
+def _parts(stored: _reader.StoredLeaf, holds: Sequence[frozenset[tuple[int, ...]] | None]
+           ) -> tuple[tuple[Region, int], ...]:
+    """Each chunk of a leaf with the first process whose copy holds it; Unrebuildable if
+    none does (sharded typed PRNG keys are read whole on the host)."""
+    parts = []
+    for chunk in chunks_touching(_full(stored), stored.chunks, stored.shape):
+        holder = next((p for p, h in enumerate(holds) if h is not None and _coords(chunk, stored.chunks) in h), None)
+        if holder is None:
+            raise Unrebuildable(f"leaf {stored.where}: chunk {_coords(chunk, stored.chunks)} is in no process's "
+                                "local copy")
+        parts.append((chunk, holder))
+    return tuple(parts)
 
 
 def _full(stored: _reader.StoredLeaf) -> Region:
@@ -146,46 +172,97 @@ def _holds_box(held: frozenset[tuple[int, ...]], stored: _reader.StoredLeaf, box
     return all(_coords(c, stored.chunks) in held for c in chunks_touching(box, stored.chunks, stored.shape))
 
 
+# A part read by a peer: the part, the device of the target holding it, the device of the
+# peer reading it and which peer copy it is read from.
+MovedPart = tuple[Region, jax.Device, jax.Device, int]
+
+
 def _readers(sharding: jax.sharding.NamedSharding, stored: _reader.StoredLeaf,
-             holds: Sequence[frozenset[tuple[int, ...]] | None]) -> tuple[tuple[Region, jax.Device], ...]:
+             holds: Sequence[frozenset[tuple[int, ...]] | None], peers: Sequence[Sequence[int]],
+             routes: Sequence[_peers.Pairs | None]) -> tuple[tuple[tuple[Region, jax.Device], ...],
+                                                             tuple[MovedPart, ...]]:
     """The one device reading each part of the leaf: a device holding the part's shard,
     of a process whose copy holds the part's chunk (taken in turn among them, as
-    `plan.one_readers` does). Unrebuildable naming a part no such process holds."""
-    readers, k = [], zlib.crc32(stored.name.encode())
+    `plan.one_readers` does); else, where no such process holds it, the device a peer
+    copy's route pairs with one of those devices, on the process keeping that peer copy
+    (`moved`). Unrebuildable naming a part no process holds."""
+    readers, moved, k = [], [], zlib.crc32(stored.name.encode())
+    to = [None if route is None else _peers.mapping(sharding.mesh, route)  # type: ignore[arg-type]
+          for route in routes]
     for region, devices in sorted(replicas_of(sharding, stored.shape).items()):
         processes = sorted({d.process_index for d in devices})
         for chunk in chunks_touching(region, stored.chunks, stored.shape):
-            able = [p for p in processes if (h := holds[p]) is not None and _coords(chunk, stored.chunks) in h]
-            if not able:
-                part = intersect(chunk, region)
+            coords = _coords(chunk, stored.chunks)
+            able = [p for p in processes if (h := holds[p]) is not None and coords in h]
+            part = intersect(chunk, region)
+            if able:
+                process = able[k % len(able)]
+                k += 1
+                readers.append((part, next(d for d in devices if d.process_index == process)))
+                continue
+            found = next(((d, sent[d], m) for m, sent in enumerate(to) if sent is not None for d in devices
+                          if (h := holds[peers[m][d.process_index]]) is not None and coords in h), None)
+            if found is None:
                 raise Unrebuildable(f"leaf {stored.where}: part {[list(r) for r in part]} is in the local copy of "
-                                    f"no process whose devices hold it (held by processes {processes})")
-            process = able[k % len(able)]
-            k += 1
-            readers.append((intersect(chunk, region), next(d for d in devices if d.process_index == process)))
-    return tuple(readers)
+                                    f"no process whose devices hold it (held by processes {processes}), nor in a "
+                                    "peer copy")
+            moved.append((part, *found))
+    return tuple(readers), tuple(moved)
 
 
 def _bytes(sharding: jax.sharding.NamedSharding, stored: _reader.StoredLeaf,
-           readers: Sequence[tuple[Region, jax.Device]], me: int, dtype: np.dtype) -> tuple[int, int]:
-    """The bytes `me` reads of a leaf, and those its devices get from other processes."""
+           readers: Sequence[tuple[Region, jax.Device]], me: int, dtype: np.dtype,
+           moved_to: dict[Region, jax.Device]) -> tuple[int, int]:
+    """The bytes `me` reads of a leaf, and those its devices get from other processes
+    (a part a peer read, `moved_to` the device holding it, counts for that device's)."""
     mine = sum(_dtypes.nbytes(region_shape(part), dtype) for part, device in readers if device.process_index == me)
     wanted = {region for region, devices in replicas_of(sharding, stored.shape).items()
               if any(d.process_index == me for d in devices)}
     theirs = sum(_dtypes.nbytes(region_shape(part), dtype) for part, device in readers
-                 if device.process_index != me and any(intersect(part, r) == part for r in wanted))
+                 if device.process_index != me and (part in moved_to and moved_to[part].process_index == me or
+                                                    any(intersect(part, r) == part for r in wanted)))
     return mine, theirs
 
 
 @dataclasses.dataclass(frozen=True)
 class CopyParts(OneReader):
     """Load and broadcast from the copies: each part read by the device `readers`
-    names, from its process's own copy, which holds that part's chunk."""
+    names, from its process's own copy, which holds that part's chunk; or, for the parts
+    in no such copy (`moved`), by a peer's device, into one array of blocks per peer
+    copy that its route's permute sends on (see `broadcast`, `_peers`): the block a
+    device stages there is the target's block of the device it is sent to."""
+
+    moved: tuple[MovedPart, ...] = ()
 
     def reads(self, stored: _reader.StoredLeaf, process: int) -> list[tuple[Region, Placement]]:
         # One read per part: a box spanning several parts could touch a chunk this
         # process's copy does not hold.
-        return [(part, {part: []}) for part, device in self.readers if device.process_index == process]
+        return ([(part, {part: []}) for part, device in self.readers if device.process_index == process]
+                + [(part, {part: []}) for part, _, reader, _ in self.moved if reader.process_index == process])
+
+    def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
+        if not self.moved:
+            return super().build(stored, pieces)
+        by_part = {part: (device, reader, m) for part, device, reader, m in self.moved}
+        staged = super().build(stored, [(part, piece) for part, piece in pieces if part not in by_part])
+        regions = {d: region_of(index, stored.shape) for d, index in
+                   self.sharding.devices_indices_map(stored.shape).items()}
+        blocks = []
+        for m in range(1 + max(m for *_, m in self.moved)):
+            arrays = []
+            for device in self.sharding.addressable_devices_indices_map(stored.shape):
+                mine = [(part, piece, by_part[part][0]) for part, piece in pieces
+                        if part in by_part and by_part[part][1:] == (device, m)]
+                shape = region_shape(regions[device])  # every block's: the sharding is even
+                if not mine:
+                    arrays.append(jnp.zeros(shape, self.dtype, device=device))
+                    continue
+                data = np.zeros(shape, self.dtype)
+                for part, piece, owner in mine:
+                    data[relative(part, regions[owner])] = piece
+                arrays.append(jax.device_put(data, device))
+            blocks.append(jax.make_array_from_single_device_arrays(stored.shape, self.sharding, arrays))
+        return (staged, *blocks)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -244,10 +244,14 @@ def sharded(dtype: np.dtype, sharding: jax.sharding.Sharding, stored: _reader.St
 class Share:
     """Load and broadcast's second half for one leaf: onto the target's `sharding`, by a
     reshard of the staged slices, or (`summed`) by a sum over the replicas of what one
-    replica read of each part, the others holding zeros there."""
+    replica read of each part, the others holding zeros there. With `routes` (the local
+    tier's peer copies, see `_restore.copies`), the staged leaf comes with one array of
+    blocks per route, read by peers, which each route's permute sends to the devices
+    holding them first."""
 
     sharding: jax.sharding.NamedSharding
     summed: bool
+    routes: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

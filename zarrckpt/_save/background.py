@@ -11,6 +11,7 @@ save's own error, or one raised by `on_commit`).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -67,7 +68,8 @@ class BackgroundSave:
         """The whole save on the calling thread: writes as it copies, then commits."""
         job, self._job = self._job, None
         assert job is not None, "a save runs once"
-        self._run(job, job.admitted())
+        with contextlib.closing(job.admitted()) as work:
+            self._run(job, work)
 
     def join(self) -> None:
         """Waits until the save has committed (and `on_commit` has run) or failed."""

@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import _peers
 from .._concurrency import Hold
 from .._format import dtypes as _dtypes
 from .._format.chunks import ChunkCodec
@@ -151,6 +152,14 @@ class ArrayPlan:
     copy_from: dict[jax.Device, jax.Device] = dataclasses.field(default_factory=dict)
     # ...and whether those are all its local shards, so that it is copied as one array.
     copy_all: bool = False
+    # A peer copy's part (see `_peers`): the leaf's blocks, once moved onto this process's
+    # devices, that its units are copied from.
+    moved: Moved | None = None
+
+    @property
+    def array(self) -> Any:
+        """What the units are copied from: the leaf's value, or its moved blocks."""
+        return self.leaf.value if self.moved is None else self.moved.array
 
     @functools.cached_property
     def codec(self) -> ChunkCodec:
@@ -230,6 +239,38 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
     return ArrayPlan(leaf, shape, dtype, chunks, writes, checksum)
 
 
+@dataclasses.dataclass
+class Moved:
+    """A leaf's blocks on their way to the processes keeping peer copies of them: `start`
+    sends them (collective: every process starts the same leaves' in the same order),
+    and `array` holds them on this process's devices until they are copied off."""
+
+    source: jax.Array | None
+    route: _peers.Pairs
+    array: jax.Array | None = None
+
+    def start(self) -> None:
+        if self.source is not None:
+            source, self.source = self.source, None
+            self.array = _peers.move(source, self.route)
+
+
+def plan_peer_array(own: ArrayPlan, route: _peers.Pairs, max_chunk_bytes: int, *, process: int,
+                    min_chunk_bytes: int, held: set[Region], host_of: HostOf = process_of) -> ArrayPlan:
+    """The peer copy's part of a leaf `own` plans (a local-tier save): the chunks that the
+    process `route` sends its blocks to `process` holds and `process` does not (`held`),
+    read from the moved blocks (see `Moved`). Its writes may be none: the move is
+    collective all the same."""
+    value = own.leaf.value
+    lay = layout(value.sharding, own.shape, own.dtype.itemsize, max_chunk_bytes, min_chunk_bytes,
+                 host_of).moved(_peers.mapping(value.sharding.mesh, route))
+    assert lay.chunks == own.chunks, "a permutation of whole processes keeps the chunk grid"
+    mine = Writes.of(lay, ((c, p) for c, p in lay.held(process) if c not in held), process)
+    units = [WriteUnit(chunk, size * own.dtype.itemsize, sources=parts) for chunk, size, parts in mine.units]
+    return ArrayPlan(own.leaf, own.shape, own.dtype, own.chunks, units, own.checksum, mine.copy_from,
+                     mine.copy_all, Moved(value, route))
+
+
 @dataclasses.dataclass(frozen=True)
 class Writes:
     """One process's writes of an array of some layout: per chunk, its region, its size
@@ -279,6 +320,23 @@ class Layout:
     replicas: dict[Region, tuple[jax.Device, ...]]
     host_of: HostOf
     merged: _Shards | None = None
+
+    def moved(self, to: dict[jax.Device, jax.Device]) -> Layout:
+        """This layout with each device's blocks on the device `to` maps it to (see
+        `_peers.move`), computed once per mapping."""
+        key = tuple(sorted((a.id, b.id) for a, b in to.items()))
+        found = self._moved.get(key)
+        if found is None:
+            replicas = {region: tuple(sorted((to[d] for d in devices), key=lambda d: d.id))
+                        for region, devices in self.replicas.items()}
+            merged = None if self.merged is None else _Shards.of(
+                [end for _, end in self.merged.full], self.merged.base, replicas, self.host_of)
+            found = self._moved[key] = Layout(self.chunks, replicas, self.host_of, merged)
+        return found
+
+    @functools.cached_property
+    def _moved(self) -> dict[tuple[tuple[int, int], ...], Layout]:
+        return {}
 
     def assignments(self, salt: int) -> Iterator[tuple[Region, int, list[Part]]]:
         """Every chunk with the process that writes it and, on that process, each device

@@ -28,13 +28,13 @@ import datetime
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 import jax
 import zarr
 
-from .. import _commit, _concurrency, _multihost, _objects, _options, _progress, _storage, errors
+from .. import _commit, _concurrency, _multihost, _objects, _options, _peers, _progress, _regions, _storage, errors
 from .._format import naming as _naming, tree as _tree, zarrjson as _zarrjson
 from .._options import SaveOptions
 from . import plan as _planning, transfer as _transfer
@@ -97,8 +97,7 @@ def save_pytree(
 
 def save(loc: _storage.Location, tree: Any, options: SaveOptions) -> None:
     """`save_pytree` at `loc`: plan, then write as the budget lets each unit in. Agreement."""
-    job = SaveJob.create(loc, tree, options)
-    job.run(job.admitted())
+    SaveJob.create(loc, tree, options).run_admitted()
 
 
 Work = Iterable[tuple[ArrayPlan, WriteUnit]]
@@ -162,10 +161,13 @@ class SaveJob:
     @classmethod
     def create(cls, loc: _storage.Location, tree: Any, options: SaveOptions, *,
                extra_metadata: dict[str, Any] | None = None, channel: str = "save",
-               before_prepare: Callable[[], None] | None = None, commit: Commit = SHARED) -> SaveJob:
+               before_prepare: Callable[[], None] | None = None, commit: Commit = SHARED,
+               peers: _peers.Peers | None = None) -> SaveJob:
         """Plans a save; raises UnsupportedLeafError before anything is written. A
         `PER_PROCESS` save's group records, under `local` in its metadata, this process,
-        the process count and the chunks of each array it holds (see `_tiers`)."""
+        the process count, the chunks of each array it holds and, with `peers`, who keeps
+        whose peer copy (see `_tiers`, `_peers`): it then also holds the chunks of the
+        processes it keeps a copy of that its own devices lack."""
         spec, leaves = _tree.record(tree)
         process, processes = _multihost.process_index(), _multihost.process_count()
         plans, arrays, own = [], {}, {}
@@ -183,11 +185,18 @@ class SaveJob:
                                             min_chunk_bytes=options.min_chunk_bytes)
                 # Every process knows every shared array's metadata without asking the store.
                 arrays[leaf.name] = _zarrjson.array_document(plan.shape, plan.codec)
+                plans.append(plan)
+                plans += _peer_plans(plan, peers, options, process) if peers is not None else []
+                continue
             plans.append(plan)
         extra = dict(extra_metadata or {})
         if commit.per_process:
-            held = {p.leaf.name: [p.codec.coords(u.region) for u in p.writes] for p in plans if p.leaf.name in arrays}
-            extra["local"] = {**extra.get("local", {}), "process": process, "processes": processes, "held": held}
+            held: dict[str, list[list[int]]] = {}
+            for p in plans:
+                if p.leaf.name in arrays:
+                    held.setdefault(p.leaf.name, []).extend(p.codec.coords(u.region) for u in p.writes)
+            extra["local"] = {**extra.get("local", {}), "process": process, "processes": processes, "held": held,
+                              "peers": [list(holder) for holder in peers.holders] if peers is not None else []}
         group = _zarrjson.group_document({_naming.META_ATTR: {**_tree_metadata(spec), **extra}})
         return cls(loc, plans, arrays, own, group, options, _concurrency.ByteBudget(options.max_inflight_bytes),
                    channel, before_prepare, commit=commit)
@@ -200,31 +209,61 @@ class SaveJob:
     @property
     def nbytes(self) -> int:
         """Logical bytes of the tree (each global array counted once)."""
-        return sum(p.nbytes for p in self.plans)
+        return sum(p.nbytes for p in self.plans if p.moved is None)
 
     def units(self) -> Work:
         """This process's writes, in order."""
         return ((plan, unit) for plan in self.plans for unit in plan.writes)
 
-    def admitted(self, *, snapshot: bool = False) -> Work:
+    def admitted(self, *, snapshot: bool = False) -> Generator[tuple[ArrayPlan, WriteUnit], None, None]:
         """This process's writes in order, each holding its bytes of the budget and its
         copy to the host started (see `_transfer`): whenever the budget has room, the
         units it admits go out in batched transfers. With `snapshot`, a batch's
-        copies no longer depend on the caller's state once it is yielded."""
+        copies no longer depend on the caller's state once it is yielded.
+
+        A peer copy's blocks (see `_peers`) are moved onto this process's devices just
+        before its first units are copied, and let go once they all are, so that the
+        moves cost at most a batch of extra device memory. Moves are collective: every
+        process makes all of them, in plan order, even if its units stop coming (its
+        writer failed, or this generator is closed early), so that no other process
+        waits in one for ever."""
+        position = {id(plan): i for i, plan in enumerate(self.plans)}
+        moves = [plan for plan in self.plans if plan.moved is not None]
+
+        def move_through(index: int) -> None:
+            while moves and position[id(moves[0])] <= index:
+                plan = moves.pop(0)
+                assert plan.moved is not None
+                plan.moved.start()
+                if not plan.writes:
+                    plan.moved.array = None
+
         units = iter(self.units())
-        item = next(units, None)
-        while item is not None:
-            batch = []
-            hold = self.budget.take(item[1].nbytes)  # the first of a batch waits for room
-            while item is not None and hold is not None:
-                item[1].hold = hold
-                batch.append(item)
-                item = next(units, None)
-                if item is None or (len(batch) == _BATCH_UNITS and not snapshot):
-                    break
-                hold = self.budget.take(item[1].nbytes, block=False)
-            _transfer.start(batch, snapshot=snapshot)
-            yield from batch
+        try:
+            item = next(units, None)
+            while item is not None:
+                batch = []
+                hold = self.budget.take(item[1].nbytes)  # the first of a batch waits for room
+                while item is not None and hold is not None:
+                    item[1].hold = hold
+                    batch.append(item)
+                    item = next(units, None)
+                    if item is None or (len(batch) == _BATCH_UNITS and not snapshot):
+                        break
+                    hold = self.budget.take(item[1].nbytes, block=False)
+                move_through(position[id(batch[-1][0])])
+                _transfer.start(batch, snapshot=snapshot)
+                for plan, unit in batch:
+                    if plan.moved is not None and unit is plan.writes[-1]:
+                        plan.moved.array = None  # its copies hold what they need of it
+                yield from batch
+        finally:
+            move_through(len(self.plans))
+
+    def run_admitted(self) -> float:
+        """`run` writing as it copies (`admitted`), on the calling thread. Agreement."""
+        with contextlib.closing(self.admitted()) as work:
+            return self.run(work)
 
     def run(self, work: Work) -> float:
         """Runs the write protocol over `work` (`admitted()`, or what `stage` staged);
@@ -258,7 +297,8 @@ class SaveJob:
         copy), every shared array's."""
         shared = self.arrays if self.commit.writes_arrays_metadata(_multihost.process_index()) else {}
         return [(plan, doc) for plan in self.plans
-                if (doc := self.own.get(plan.leaf.name) or shared.get(plan.leaf.name)) is not None]
+                if plan.moved is None
+                and (doc := self.own.get(plan.leaf.name) or shared.get(plan.leaf.name)) is not None]
 
     def _prepare(self, save_id: str) -> str:
         """Process 0 (every process, for its local copy): clears the way and writes the
@@ -281,6 +321,29 @@ def stage(job: SaveJob, put: Callable[[tuple[ArrayPlan, WriteUnit]], None]) -> N
     unit holds its bytes until it is written."""
     for item in job.admitted(snapshot=True):
         put(item)
+
+
+def _peer_plans(own: ArrayPlan, peers: _peers.Peers, options: SaveOptions, process: int) -> list[ArrayPlan]:
+    """The peer copies' parts of the leaf `own` plans (see `_peers`), one per copy whose
+    move some process needs (the same on every process: moves are collective)."""
+    value = own.leaf.value
+    if not peers.holders or not isinstance(value, jax.Array) or value.is_fully_addressable:
+        return []
+    if not _peers.movable(value.sharding, own.shape):
+        return []
+    processes = [frozenset(d.process_index for d in devices)
+                 for devices in _regions.replicas_of(value.sharding, own.shape).values()]
+    held = {u.region for u in own.writes}
+    plans = []
+    for holder in peers.holders:
+        route = _peers.pairs(value.sharding.mesh, holder)  # type: ignore[attr-defined]  # movable: a NamedSharding
+        if route is None or all(holder[p] in found for found in processes for p in found):
+            continue  # every holder already holds all its peer holds
+        plan = _planning.plan_peer_array(own, route, options.max_chunk_bytes, process=process,
+                                         min_chunk_bytes=options.min_chunk_bytes, held=held)
+        held |= {u.region for u in plan.writes}
+        plans.append(plan)
+    return plans
 
 
 def _tree_metadata(spec: dict[str, Any]) -> dict[str, Any]:

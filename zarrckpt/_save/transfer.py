@@ -72,7 +72,7 @@ def start(work: Sequence[tuple[ArrayPlan, WriteUnit]], *, snapshot: bool) -> Non
                 part = unit.host[region_slices(unit.region)]
                 unit.copies = [(None, np.array(part) if snapshot else part, None, None)]
             continue
-        array = plan.leaf.value
+        array = plan.array
         path = _path(units[0].sources[0][0], snapshot)
         if path == "in place":  # the caller's own buffers, read where they lie
             whole = HostCopy(array)
