@@ -213,7 +213,7 @@ def _ls(args: argparse.Namespace) -> int:
               + (f" (it is a checkpoint itself: see `zarrckpt info {root.url}`)" if itself else ""))
     else:
         first = ["run", "process", "peers"] if tier else []  # whose copy (and peer copies), in a local tier
-        table = [[r["run"][:8] or "-", r["process"], ",".join(map(str, r["peers_of"])) or "-"] if tier else []
+        table = [([r["run"][:8] or "-", r["process"], ",".join(map(str, r["peers_of"])) or "-"] if tier else [])
                  + [r["step"], r["state"], "pinned" if r["pinned"] else "", _size(r["nbytes"]),
                     _or_dash(r["leaves"]), _or_dash(r["created_at"])]
                  for r in rows]
