@@ -11,9 +11,11 @@ each work on their own copies; each process holds a lease on its directory (see
 `_lease`), so two live jobs of the same run never mix theirs. Every directory is this
 user's alone (mode 0700; see `_local.private_directory`). A copy's metadata records,
 under `local`, the run, the step, the newest persistent step committed before it, the
-process, the process count and the chunks of each array it holds. Every process's copy
-of a step has the same save identity; each commits its own only once every process has
-written all of its (`_save.protocol.PER_PROCESS`). A copy that fails to save is
+process, the process count, the chunks of each array it holds and who keeps whose peer
+copy. With `local_peer_copies`, a copy also holds the chunks of its peers' parts that
+its own devices lack (see `_peers`): a lost host is rebuilt from them. Every process's
+copy of a step has the same save identity; each commits its own only once every process
+has written all of its (`_save.protocol.PER_PROCESS`). A copy that fails to save is
 removed.
 
 Restoring, one agreement:
@@ -24,7 +26,8 @@ Restoring, one agreement:
             step whose copies share one save identity and rebuild the whole target
             (see `_restore.copies`); else the persistent tier
     read    each process reads its own copy; what it lacks comes from replicas over
-            the device network, host values from a holder. A read that fails on any
+            the device network, or from the peer copies its peers read and send back
+            the same way, host values from a holder. A read that fails on any
             process (a checksum, a file that is not what its metadata says) fails on
             every process before any enters the next collective: those copies are set
             aside (deleted), and the same step is tried again without them, then the

@@ -3,7 +3,7 @@ part of each leaf from which process's copy, and how the processes that lack a p
 get it.
 
 Each process's copy of a step holds the chunks its devices held when the step was
-saved (`_save.plan`, `held`). A step can be rebuilt when every part of every target
+saved (`_save.plan`, `held`), and those of its peers' parts it lacked. A step can be rebuilt when every part of every target
 leaf can be read by some process holding it:
 - a jax.Array that every process finds whole in its own copy (all restarted, same
   mesh): each reads what its devices hold, and nothing crosses the network;
@@ -14,7 +14,11 @@ leaf can be read by some process holding it:
   replica, over the device network;
 - a value read whole on the host (numpy, Python scalars, text, typed keys) by a
   process whose copy lacks it: one process holding it reads it first and sends it to
-  every process through the coordination service (host values are small);
+  every process through the coordination service (host values are small; chunk by chunk
+  from their holders where no copy holds it whole);
+- a part that no process holding its target shard has, but a peer copy does (see
+  `_peers`): the peer reads it into an array of blocks that its route's permute sends to
+  the device holding that shard, in the same compiled program as the sum;
 - anything else (another sharding, a per-process value): every process must hold all
   it reads.
 
