@@ -251,6 +251,9 @@ def _entry_from_json(kind: str, key: Any) -> Any:
 
 
 _NODE_KINDS = frozenset({"leaf", "none", "list", "tuple", "dict", "node"})
+# The fields `record` writes in each kind of node but a leaf (whose fields its reader checks).
+_NODE_FIELDS = {"none": {"kind"}, "list": {"kind", "children"}, "tuple": {"kind", "children"},
+                "dict": {"kind", "keys", "children"}, "node": {"kind", "type", "keys", "children"}}
 
 
 def recorded_leaves(spec: dict[str, Any]) -> list[tuple[KeyPath, dict[str, Any]]]:
@@ -264,6 +267,10 @@ def recorded_leaves(spec: dict[str, Any]) -> list[tuple[KeyPath, dict[str, Any]]
 def _collect_records(node: dict[str, Any], path: KeyPath, out: list[tuple[KeyPath, dict[str, Any]]]) -> None:
     if node["kind"] not in _NODE_KINDS:
         raise ValueError(f"node of unknown kind {node['kind']!r} at {describe_path(path)}")
+    if node["kind"] != "leaf" and set(node) != _NODE_FIELDS[node["kind"]]:
+        # A leaf's record turned into another kind of node would restore as a None or an
+        # empty container, not as the values saved.
+        raise ValueError(f"a {node['kind']!r} node at {describe_path(path)} with the fields {sorted(node)}")
     if node["kind"] == "leaf":
         out.append((path, node))
     for key, child in _keyed_children(node):
