@@ -97,10 +97,14 @@ def remove_leftover(loc: Location) -> None:
 
 def not_ours(loc: Location, *, committed: bool) -> list[str]:
     """What `loc` holds that a checkpoint would not: beside a committed checkpoint's own
-    objects, or in an uncommitted leftover, any name a checkpoint never has."""
+    objects, or in an uncommitted leftover, any name a checkpoint never has, and a
+    directory where its group metadata should be (named 'zarr.json/'): such a step is
+    not what it claims, and is left alone rather than half deleted."""
+    misshapen = [f"{e.name}/" for e in loc.list_dir()
+                 if e.name in _commit.GROUP_METADATA_FILES and e.type not in ("file", "link")]
     if committed:
-        return _foreign_beside_committed(loc)
-    return [entry.name for entry in loc.walk() if not _CHECKPOINT_OBJECT.fullmatch(entry.name)]
+        return misshapen + _foreign_beside_committed(loc)
+    return misshapen + [entry.name for entry in loc.walk() if not _CHECKPOINT_OBJECT.fullmatch(entry.name)]
 
 
 def _foreign_beside_committed(loc: Location) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -67,10 +68,12 @@ def steps_to_keep(policy: Policy, committed: Collection[int], metrics: Mapping[i
 
 
 def ranked(policy: Policy, metrics: Mapping[int, Mapping[str, Any]]) -> list[int]:
-    """The steps of `metrics` with a finite `best_metric`, best first (ties: newest first)."""
+    """The steps of `metrics` with a finite `best_metric`, best first (ties: newest first).
+    Metrics are read from storage: a NaN, an infinity or a non-number there (a bare
+    `NaN` in JSON, a string) ranks as no score at all, never as the best."""
     metric, sign = policy.best_metric or "", -1 if policy.best_mode == "max" else 1
     scored = [s for s in metrics if isinstance(metrics[s].get(metric), (int, float))
-              and not isinstance(metrics[s][metric], bool)]
+              and not isinstance(metrics[s][metric], bool) and math.isfinite(metrics[s][metric])]
     scored.sort(key=lambda s: (metrics[s][metric] * sign, -s))
     return scored
 

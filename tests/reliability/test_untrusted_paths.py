@@ -1,0 +1,98 @@
+"""Untrusted input on the paths that read a checkpoint besides load: retention (a
+training job's own `keep_last`/`keep_best`), `zarrckpt gc`, a save that replaces a step,
+and `zarrckpt export`. What a broken disk or a hostile writer leaves there is a warning
+and left alone, never a failure of a training job's save and never the loss of the step
+it should have kept."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import zarrckpt
+from zarrckpt import _retention
+
+
+def state(step: int) -> dict:
+    return {"w": np.full((4, 3), step, np.float32), "step": step}
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_a_nan_or_non_number_in_stored_metrics_never_ranks_as_the_best(mode: str) -> None:
+    # Read from storage, metrics can hold anything JSON can: a bare NaN, an infinity, a
+    # string. Every order the steps can come in must rank the one finite best first.
+    best, worse = (0.1, 0.5) if mode == "min" else (0.9, 0.5)
+    policy = _retention.Policy(keep_best=1, best_metric="loss", best_mode=mode)
+    scores = [best, worse, math.nan, -math.inf if mode == "min" else math.inf, "0.0"]
+    for order in itertools.permutations(scores):
+        metrics = {step: {"loss": score} for step, score in enumerate(order, 1)}
+        ranked = _retention.ranked(policy, metrics)
+        assert [metrics[s]["loss"] for s in ranked] == [best, worse], order
+
+
+def test_a_bare_nan_in_a_stored_metric_never_deletes_the_best_step(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    with zarrckpt.CheckpointManager(root) as mgr:  # keeps every step
+        for step, loss in {1: 0.3, 2: 0.5, 3: 0.1}.items():
+            mgr.save(step, state(step), metrics={"loss": loss}, force=True)
+    # Step 2's metric edited on disk to a bare NaN (read by Python's json, not valid JSON).
+    meta = tmp_path / "0000000002" / "zarr.json"
+    text = meta.read_text()
+    assert text.count('"loss":0.5') == 1
+    meta.write_text(text.replace('"loss":0.5', '"loss":NaN'))
+    assert zarrckpt.all_steps(root) == [1, 2, 3]  # still committed
+    with zarrckpt.CheckpointManager(root, keep_best=1, best_metric="loss") as mgr:
+        mgr.save(4, state(4), metrics={"loss": 0.6}, force=True)
+    assert zarrckpt.all_steps(root) == [3, 4]  # the best, and the newest
+
+
+def misshapen_step(root: Path, step: int) -> Path:
+    """Step `step` of `root`, saved and then broken: a directory where its `zarr.json` was."""
+    zarrckpt.save_checkpoint(str(root), step, state(step))
+    meta = root / f"{step:010d}" / "zarr.json"
+    meta.unlink()
+    meta.mkdir()
+    return meta.parent
+
+
+def test_a_step_whose_group_metadata_is_a_directory_is_left_alone_by_retention(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = str(tmp_path)
+    broken = misshapen_step(tmp_path, 1)
+    with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+        with zarrckpt.CheckpointManager(root, keep_last=1) as mgr:
+            for step in (2, 3, 4):  # every save's retention meets the broken step
+                mgr.save(step, state(step), force=True)
+                mgr.wait()
+    assert zarrckpt.all_steps(root) == [4]
+    assert broken.is_dir() and (broken / "zarr.json").is_dir() and (broken / "w").is_dir()
+    warned = [r.getMessage() for r in caplog.records if "step 1 " in r.getMessage()]
+    assert warned and all("not deleted" in line and "zarr.json/" in line for line in warned), warned
+
+
+def test_gc_leaves_a_step_whose_group_metadata_is_a_directory_and_exits_0(tmp_path: Path) -> None:
+    broken = misshapen_step(tmp_path, 1)
+    there = sorted(os.listdir(broken))
+    for step in (2, 3):
+        zarrckpt.save_checkpoint(str(tmp_path), step, state(step))
+    done = subprocess.run([sys.executable, "-m", "zarrckpt", "gc", str(tmp_path), "--keep-last", "1"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "step 1 " in done.stderr and "zarr.json/" in done.stderr
+    assert zarrckpt.all_steps(str(tmp_path)) == [3]
+    assert sorted(os.listdir(broken)) == there and (broken / "zarr.json").is_dir()
+
+
+def test_a_save_over_a_step_whose_group_metadata_is_a_directory_is_refused_naming_it(tmp_path: Path) -> None:
+    broken = misshapen_step(tmp_path, 1)
+    with pytest.raises(zarrckpt.CheckpointExistsError, match=r"0000000001 .*'zarr\.json/'"):
+        zarrckpt.save_checkpoint(str(tmp_path), 1, state(1), overwrite=True)
+    assert (broken / "zarr.json").is_dir() and (broken / "w").is_dir()
