@@ -8,6 +8,8 @@ warm-up one:
   - local save, async, without and with one peer copy: how long `save` blocks
     training, until the copy is committed, and the bytes each process writes and moves
     to its peer over the device network;
+  - a restart with no host lost, from each process's own copy (what the device network
+    adds below is the difference);
   - a lost host: process 1's local directory is deleted and the job restarts: restore
     from the peer copies (0 bytes from the persistent store), against a restore of the
     same state from a persistent store with --latency-ms per request (`latency://` of
@@ -115,6 +117,15 @@ def worker(coordinator: str, pid: int, directory: str, args) -> None:
         url = f"latency://{persistent}-store"
         with zarrckpt.CheckpointManager(url, storage_options=store, async_save=False) as mgr:
             mgr.save(1, state)  # the same step, to the slow persistent store
+        multihost_utils.sync_global_devices(f"whole-{r}")
+        with zarrckpt.CheckpointManager(persistent, local_directory=local[1], local_save_interval_steps=1,
+                                        local_peer_copies=1) as mgr:
+            started = time.perf_counter()
+            restored, step = mgr.restore(target)
+            jax.block_until_ready(restored)
+            row["restore, no host lost: own copies"] = time.perf_counter() - started
+            assert (step, mgr.restored_tier) == (1, "local"), (step, mgr.restored_tier)
+        del restored
         multihost_utils.sync_global_devices(f"lost-{r}")
         if pid == 1:
             shutil.rmtree(local[1])  # a replaced host: its disk is gone
