@@ -162,6 +162,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("url", metavar="URL", help="one checkpoint, e.g. DIR/0000001000")
     sub.add_argument("out", metavar="OUT", help="local file, *.npz or *.safetensors")
     sub.add_argument("--format", choices=_export.FORMATS, help="default: from OUT's extension")
+    sub.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     return parser
 
 
@@ -323,7 +324,7 @@ def _cp(args: argparse.Namespace) -> int:
 
 
 def _export_command(args: argparse.Namespace) -> int:
-    result = _export.export_checkpoint(args.url, args.out, format=args.format,
+    result = _export.export_checkpoint(args.url, args.out, format=args.format, overwrite=args.overwrite,
                                        storage_options=_options(args.storage_option), progress=args.progress)
     print(f"exported {result.arrays} arrays ({_size(result.nbytes)}) to {result.path}")
     for name, (stored, exported) in sorted(result.widened.items()):

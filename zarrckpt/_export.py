@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -59,19 +60,23 @@ def format_of(path: str) -> str:
     return extension
 
 
-def export_checkpoint(url: str, path: str, *, format: str | None = None,
+def export_checkpoint(url: str, path: str, *, format: str | None = None, overwrite: bool = False,
                       storage_options: dict[str, Any] | None = None,
                       max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
                       progress: bool | None = None) -> ExportResult:
     """Writes every leaf of the committed checkpoint at `url` to the local file `path`.
 
     `format` is "npz" or "safetensors" (default: from `path`'s extension). The file
-    appears whole or not at all (written aside, then renamed). `.npz` is written one
+    appears whole or not at all: it is written aside, to a new file of a random name in
+    the same folder (created exclusively, so a link planted there is never followed),
+    then renamed over `path`; an existing `path` is replaced only with `overwrite`, a
+    link at `path` itself is replaced, never written through. `.npz` is written one
     leaf at a time (about `max_inflight_bytes` in memory); `.safetensors` needs the
     whole checkpoint in memory.
 
     Raises CheckpointNotFoundError if there is no committed checkpoint at `url`,
-    CheckpointCorruptError if data is missing, ValueError for an unknown format or a
+    CheckpointCorruptError if data is missing, FileExistsError if `path` exists and
+    `overwrite` is False, ValueError for an unknown format or a
     dtype the format cannot hold, ModuleNotFoundError if `safetensors` is not
     installed (`pip install 'zarrckpt[export]'`), OSError if a file cannot be written.
     """
@@ -81,6 +86,8 @@ def export_checkpoint(url: str, path: str, *, format: str | None = None,
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"cannot write {path}: the folder {folder} does not exist")
+    if os.path.lexists(path) and not overwrite:
+        raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it")
     writer = _write_npz if format == "npz" else _write_safetensors
     ckpt = _reader.open_checkpoint(_storage.resolve(url, storage_options))
     leaves = [leaf for leaf in ckpt.leaves.values() if leaf.processes is None]
@@ -89,15 +96,19 @@ def export_checkpoint(url: str, path: str, *, format: str | None = None,
     widened = {leaf.name: (leaf.dtype.name, dtypes[leaf.name].name) for leaf in leaves
                if dtypes[leaf.name] != leaf.dtype}
     total = sum(leaf.nbytes for leaf in leaves)
-    partial = f"{path}.partial"
+    # A new file (O_EXCL: never an existing one, nor through a link) of a name nobody
+    # could have planted, with the mode the user's umask gives any new file.
+    partial = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(8)}.partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
         with _progress.bar(f"exporting {ckpt.loc.url}", total, progress) as advance:
             arrays = ((leaf.name, array.astype(dtypes[leaf.name], copy=False))
                       for leaf, array in _read_leaves(ckpt, leaves, max_inflight_bytes, advance))
-            writer(partial, arrays)
+            writer(fd, partial, arrays)
         os.replace(partial, path)
     finally:
-        if os.path.exists(partial):
+        os.close(fd)
+        if os.path.lexists(partial):
             os.remove(partial)
     return ExportResult(path, format, len(leaves), total, widened, skipped)
 
@@ -126,15 +137,19 @@ def _read_leaves(ckpt: _reader.Checkpoint, leaves: list[_reader.StoredLeaf], max
             advance(leaf.nbytes)
 
 
-def _write_npz(path: str, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
-    """An uncompressed `.npz` as `numpy.savez` writes it, one array at a time."""
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+def _write_npz(fd: int, path: str, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
+    """An uncompressed `.npz` as `numpy.savez` writes it, one array at a time, to the
+    open file `fd`."""
+    with os.fdopen(os.dup(fd), "wb") as file, \
+            zipfile.ZipFile(file, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
         for name, array in arrays:
             with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
                 np.lib.format.write_array(member, array, allow_pickle=False)
 
 
-def _write_safetensors(path: str, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
+def _write_safetensors(fd: int, path: str, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
+    """A `.safetensors` file at `path`, the new file `fd` is open on (safetensors takes a
+    name only; the name is one nobody else could have chosen)."""
     try:
         import safetensors.numpy
     except ModuleNotFoundError:

@@ -96,3 +96,38 @@ def test_a_save_over_a_step_whose_group_metadata_is_a_directory_is_refused_namin
     with pytest.raises(zarrckpt.CheckpointExistsError, match=r"0000000001 .*'zarr\.json/'"):
         zarrckpt.save_checkpoint(str(tmp_path), 1, state(1), overwrite=True)
     assert (broken / "zarr.json").is_dir() and (broken / "w").is_dir()
+
+
+@pytest.mark.parametrize("out", ["x.npz", "x.safetensors"])
+def test_export_never_writes_through_a_planted_partial_link(tmp_path: Path, out: str) -> None:
+    zarrckpt.save_checkpoint(str(tmp_path / "run"), 1, state(1))
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"someone's file")
+    (tmp_path / f"{out}.partial").symlink_to(victim)  # the name the export used to write aside to
+    result = zarrckpt._export.export_checkpoint(str(tmp_path / "run" / "0000000001"), str(tmp_path / out))
+    assert victim.read_bytes() == b"someone's file"
+    assert result.arrays == 2 and (tmp_path / out).is_file() and not (tmp_path / out).is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run", "victim", out, f"{out}.partial"])
+
+
+def test_export_refuses_an_existing_out_unless_told_to_replace_it(tmp_path: Path) -> None:
+    url = str(tmp_path / "run" / "0000000001")
+    zarrckpt.save_checkpoint(str(tmp_path / "run"), 1, state(1))
+    out = tmp_path / "x.npz"
+    out.write_bytes(b"an earlier export")
+    with pytest.raises(FileExistsError, match=r"x\.npz already exists; pass overwrite=True"):
+        zarrckpt._export.export_checkpoint(url, str(out))
+    done = subprocess.run([sys.executable, "-m", "zarrckpt", "export", url, str(out)], capture_output=True, text=True)
+    assert done.returncode == 1 and "x.npz already exists; pass --overwrite" in done.stderr, done.stderr
+    assert out.read_bytes() == b"an earlier export"
+    # A link at OUT is replaced itself, never written through.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"someone's file")
+    out.unlink()
+    out.symlink_to(victim)
+    done = subprocess.run([sys.executable, "-m", "zarrckpt", "export", url, str(out), "--overwrite"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert victim.read_bytes() == b"someone's file" and not out.is_symlink()
+    assert np.load(out)["w"].tolist() == state(1)["w"].tolist()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "victim", "x.npz"]
