@@ -215,6 +215,36 @@ def test_cp_to_s3_with_environment_credentials(run_dir, s3_server):
     assert TEST_SECRET not in copied.stdout + copied.stderr + checked.stdout + listed.stdout
 
 
+def test_a_password_in_a_url_is_never_printed():
+    # Port 9 (discard) on loopback: nothing listens, every request fails at once.
+    url = "http://alice:Pa55-word@127.0.0.1:9/run"
+    results = run_together([["ls", url], ["info", f"{url}/0000000010"], ["verify", f"{url}/0000000010"],
+                            ["info", f"{url}/0000000010", "--debug"]])
+    for result in results:
+        assert result.returncode == 1
+        out = result.stdout + result.stderr
+        assert "Pa55-word" not in out and "alice:***@127.0.0.1:9/run" in out, out
+
+
+def test_debug_shows_zarrckpt_log_without_other_libraries_request_headers(run_dir, s3_server):
+    run_url = f"s3://{s3_server.new_bucket()}/run"
+    token = "SESSION-TOKEN-" + "x" * 40
+    env = {"AWS_ACCESS_KEY_ID": TEST_KEY, "AWS_SECRET_ACCESS_KEY": TEST_SECRET, "AWS_SESSION_TOKEN": token,
+           "FSSPEC_S3_ENDPOINT_URL": s3_server.endpoint}
+    copies = run_together([["cp", f"{run_dir}/{step:010d}", f"{run_url}/{step:010d}", "--debug"] for step in (20, 30)],
+                          env=env)
+    commands = [["ls", run_url], ["info", f"{run_url}/0000000030"], ["verify", f"{run_url}/0000000030"]]
+    results = [*copies, *run_together([[*c, "--debug"] for c in commands], env=env),
+               run("gc", run_url, "--keep-last", "1", "--debug", env=env)]
+    assert [r.returncode for r in results] == [0] * 6, [r.stderr for r in results]
+    out = "".join(r.stdout + r.stderr for r in results)
+    assert "zarrckpt: deleted step 20" in results[-1].stderr  # zarrckpt's own log is there...
+    loggers = {line.split(":", 1)[0].split(".")[0] for line in out.splitlines() if ": " in line}
+    assert not loggers & {"botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "asyncio"}, loggers  # ...no one else's
+    for secret in (TEST_KEY, TEST_SECRET, token):
+        assert secret not in out
+
+
 def test_copy_commits_last_and_not_at_all_on_failure(run_dir, tmp_path, monkeypatch):
     src, dst = f"{run_dir}/0000000030", str(tmp_path / "copy")
     written, failing = [], True

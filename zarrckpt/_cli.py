@@ -68,7 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "JAX_PLATFORMS" not in os.environ:
         jax.config.update("jax_platforms", "cpu")
     if args.debug:
-        logging.basicConfig(level=logging.DEBUG, format="%(name)s: %(message)s")
+        # zarrckpt's own log only: other libraries' debug logs (botocore's) quote request
+        # headers, credentials among them.
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+        logging.getLogger("zarrckpt").setLevel(logging.DEBUG)
     try:
         return args.run(args)
     except BrokenPipeError:

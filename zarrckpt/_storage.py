@@ -24,6 +24,7 @@ import posixpath
 import random
 import re
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -398,9 +399,29 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None) -> Location
     options = _merged(protocol.option_defaults, storage_options or {})
     fs, path = _url_to_fs(url, tuple(sorted(options.items(), key=lambda kv: kv[0])))
     path = path.rstrip("/") or path
-    return Location(url=url.rstrip("/") or url, fs=fs, path=path, storage_options=options, protocol=protocol,
-                    read_options=_taken(fs, protocol.read_options), secrets=_secrets(storage_options or {}),
-                    root=path)
+    shown, password = redacted_url(url)
+    return Location(url=shown.rstrip("/") or shown, fs=fs, path=path, storage_options=options, protocol=protocol,
+                    read_options=_taken(fs, protocol.read_options),
+                    secrets=_secrets(storage_options or {}, password), root=path)
+
+
+def redacted_url(url: str) -> tuple[str, list[str]]:
+    """`url` as messages show it, with the password of its userinfo (`scheme://user:
+    PASSWORD@host/...`) replaced by '***', and that password as written and decoded
+    (for `Location.redact`, since clients quote the URL in their errors)."""
+    if "@" not in url or "://" not in url:
+        return url, []
+    try:
+        parts = urllib.parse.urlsplit(url)
+        password = parts.password
+    except ValueError:  # not a URL urllib can split (a bad port): show no userinfo at all
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}", [rest.split("/", 1)[0].rsplit("@", 1)[0]]
+    if not password:
+        return url, []
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    user = userinfo.split(":", 1)[0]
+    return url.replace(parts.netloc, f"{user}:***@{host}", 1), [password, urllib.parse.unquote(password)]
 
 
 def _taken(fs: fsspec.AbstractFileSystem, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -420,10 +441,11 @@ def _merged(defaults: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str
     return merged
 
 
-def _secrets(options: Mapping[str, Any]) -> tuple[str, ...]:
+def _secrets(options: Mapping[str, Any], also: Sequence[str] = ()) -> tuple[str, ...]:
     """Every string that may be a credential: the values of storage options whose
-    names say so, at any depth (a `token` dict of service-account fields included)."""
-    found: set[str] = set()
+    names say so, at any depth (a `token` dict of service-account fields included),
+    and `also`."""
+    found: set[str] = set(also)
     _find_secrets(options, False, found)
     # Longest first, so that a secret containing another is replaced whole.
     return tuple(sorted((s for s in found if len(s) >= 4 and s not in _NOT_SECRETS), key=len, reverse=True))
