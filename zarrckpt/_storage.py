@@ -23,6 +23,7 @@ import os
 import posixpath
 import random
 import re
+import reprlib
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
@@ -391,7 +392,7 @@ def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
 def resolve(url: str, storage_options: dict[str, Any] | None = None) -> Location:
     """A Location for a local path or any fsspec URL (file://, memory://, s3://, gs://...)."""
     if not isinstance(url, str) or not url:
-        raise ValueError(f"checkpoint URL must be a non-empty string, got {url!r}")
+        raise ValueError(f"checkpoint URL must be a non-empty string, got {reprlib.repr(url)}")
     if storage_options is not None and not isinstance(storage_options, Mapping):
         raise TypeError(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
     scheme = fsspec.core.split_protocol(url)[0] or "file"

@@ -131,3 +131,37 @@ def test_export_refuses_an_existing_out_unless_told_to_replace_it(tmp_path: Path
     assert victim.read_bytes() == b"someone's file" and not out.is_symlink()
     assert np.load(out)["w"].tolist() == state(1)["w"].tolist()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "victim", "x.npz"]
+
+
+def nested(depth: int) -> dict:
+    tree: dict = {"w": np.arange(3)}
+    for _ in range(depth - 1):
+        tree = {"a": tree}
+    return tree
+
+
+def deeper(frames: int, fn):
+    """`fn()` called `frames` Python frames further down the stack."""
+    return deeper(frames - 1, fn) if frames else fn()
+
+
+def test_the_deepest_tree_save_accepts_loads_from_deep_in_the_stack(tmp_path: Path) -> None:
+    url = str(tmp_path / "x")
+    depth = zarrckpt._format.tree.MAX_DEPTH
+    zarrckpt.save_pytree(url, nested(depth))
+    back = deeper(700, lambda: zarrckpt.load_pytree(url))
+    for _ in range(depth - 1):
+        back = back["a"]
+    assert back["w"].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("depth", [zarrckpt._format.tree.MAX_DEPTH + 1, 470, 1000, 3000])
+def test_a_tree_too_deep_to_load_is_refused_at_save(tmp_path: Path, depth: int) -> None:
+    root = str(tmp_path / "run")
+    with zarrckpt.CheckpointManager(root) as mgr:
+        with pytest.raises(zarrckpt.UnsupportedLeafError, match=r"nests deeper than 100 levels"):
+            mgr.save(1, nested(depth))
+        assert zarrckpt.all_steps(root) == [] and not (tmp_path / "run" / "0000000001").exists()
+        assert mgr.save(2, state(2))  # the next save works
+        mgr.wait()
+    assert zarrckpt.all_steps(root) == [2]

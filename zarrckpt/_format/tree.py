@@ -19,6 +19,11 @@ from ..errors import UnsupportedLeafError
 from . import dtypes as _dtypes, naming as _naming, zarrjson as _zarrjson
 
 KeyPath = tuple[Any, ...]
+# How deep a saved tree may nest. A tree record nests JSON two levels per tree level,
+# and a reader parses it (and walks it, a frame per level) wherever the caller's stack
+# stands, so a tree that saves must stay well inside Python's recursion limit (1000):
+# deeper trees are refused at save rather than committed and unreadable later.
+MAX_DEPTH = 100
 _PYTHON_DTYPES = {"bool": np.dtype(bool), "int": np.dtype(np.int64), "float": np.dtype(np.float64),
                   "complex": np.dtype(np.complex128)}
 _tu = jax.tree_util
@@ -134,7 +139,7 @@ class Encoded:
             return cls("str", _as_uint8(value.encode("utf-8")))
         try:
             text = json.dumps(value, allow_nan=False, separators=(",", ":"))
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise UnsupportedLeafError(f"PerProcess leaf {where}: its value must be JSON-able data, a str or "
                                        f"bytes ({e})") from None
         return cls("json", _as_uint8(text.encode("utf-8")))
@@ -207,10 +212,16 @@ def _record_node(node: Any, path: KeyPath, leaves: list[Leaf], components: tuple
     the recursion goes down rather than again for every leaf."""
     if node is None:
         return {"kind": "none"}
+    if len(path) > MAX_DEPTH:
+        raise _too_deep(path)
     try:
         treedef = _tu.tree_structure(node)
     except ValueError as e:  # e.g. dict keys of mixed types, which jax cannot sort
         raise UnsupportedLeafError(f"cannot flatten the tree at {describe_path(path)}: {e}") from None
+    except (RecursionError, SystemError) as e:  # jax's flatten ran out of stack (SystemError from C++)
+        if not isinstance(e, RecursionError) and not isinstance(e.__cause__, RecursionError):
+            raise
+        raise _too_deep(path) from None
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # type: ignore[attr-defined]
         leaf, leaf_spec = as_stored(Leaf(path, _naming.leaf_name(components), node))
         leaves.append(leaf)
@@ -228,6 +239,12 @@ def _record_node(node: Any, path: KeyPath, leaves: list[Leaf], components: tuple
         return {"kind": "dict", "keys": [e.key for e, _ in entries], "children": nodes}
     return {"kind": "node", "type": f"{type(node).__module__}.{type(node).__qualname__}",
             "keys": [_entry_json(e) for e, _ in entries], "children": nodes}
+
+
+def _too_deep(path: KeyPath) -> UnsupportedLeafError:
+    shown = describe_path(path[:8]) + ("..." if len(path) > 8 else "")
+    return UnsupportedLeafError(f"the tree below {shown} nests deeper than {MAX_DEPTH} levels, the most zarrckpt "
+                                "saves (so that any reader can load it): flatten part of it, or save a subtree")
 
 
 def _entry_json(entry: Any) -> Any:
