@@ -93,7 +93,12 @@ def copy_checkpoint(
         raise
     marker = marker if marker is not None else source.read(marker_key)
     first_key, first = _uncommitted_group(source, marker_key, marker)
-    objects = [o for o in _objects.owned(ckpt) if o.key not in (marker_key, first_key)]
+    found = _objects.inventory(ckpt)
+    if found.missing:
+        _check_unchanged(ckpt, marker_key, marker)
+        raise _reader.MissingObject(f"{found.some_missing[0]!r} is missing from checkpoint {source.url}" + (
+            f" ({found.missing:,} objects it records are missing)" if found.missing > 1 else "") + "; nothing copied")
+    objects = [o for o in found.owned if o.key not in (marker_key, first_key)]
     _objects.make_way(target, overwrite=overwrite)
     total = sum(o.nbytes for o in objects) + len(marker)
     with _progress.bar(f"copying to {target.url}", total, progress) as advance:
@@ -130,16 +135,18 @@ def _check_apart(source: Location, target: Location) -> None:
         raise ValueError(f"cannot copy {source.url} to {target.url}: one is the other or lies inside it")
 
 
-def _check_unchanged(ckpt: _reader.Checkpoint, marker_key: str, marker: bytes, target: Location) -> None:
-    """Raises CheckpointNotFoundError if the source is no longer the save being copied."""
+def _check_unchanged(ckpt: _reader.Checkpoint, marker_key: str, marker: bytes, target: Location | None = None
+                     ) -> None:
+    """Raises CheckpointNotFoundError if the source is no longer the save being copied
+    (naming the partial copy at `target`, if one was begun)."""
     if ckpt.save_id is not None:
         now = _commit.head(ckpt.loc)
         same = now.save_id == ckpt.save_id and (now.state is _commit.State.COMMITTED or not ckpt.committed)
     else:  # seqax's layout, or a checkpoint written before save identities
         same = ckpt.loc.read_if_present([marker_key])[0] == marker
     if not same:
-        raise CheckpointNotFoundError(f"{ckpt.loc.url} was replaced or deleted while being copied; {target.url} "
-                                      "holds an uncommitted partial copy")
+        partial = "nothing copied" if target is None else f"{target.url} holds an uncommitted partial copy"
+        raise CheckpointNotFoundError(f"{ckpt.loc.url} was replaced or deleted while being copied; {partial}")
 
 
 def _uncommitted_group(source: Location, marker_key: str, marker: bytes) -> tuple[str, bytes]:

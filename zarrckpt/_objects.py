@@ -6,16 +6,23 @@ with its steps and notes, someone's files) is refused, naming what is there, so 
 mistyped URL never costs anyone their files. Leftovers of a save, copy or deletion cut
 short (uncommitted, so without metadata to trust) are judged by their names alone. A
 symbolic link is deleted itself, never followed (see `_local`).
+
+What a checkpoint holds is learnt from a listing, each key judged by the metadata
+(`inventory`), never by generating every key the metadata declares: metadata that
+declares a huge grid costs nothing beyond what is stored.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
+import math
 import re
 
 from . import _commit, _seqax
-from ._format import chunks as _chunks
-from ._regions import chunks_touching
+from ._format import chunks as _chunks, naming as _naming
+from ._regions import indices
 from ._restore import checkpoint as _reader
 from ._storage import Location
 from .errors import CheckpointError, CheckpointExistsError
@@ -41,26 +48,116 @@ class Owned:
     codec: _chunks.ChunkCodec | None = None
 
 
-def owned(ckpt: _reader.Checkpoint) -> list[Owned]:
-    """Every object `ckpt` records, its group metadata (with the commit marker) last.
-    Raises CheckpointCorruptError (or MissingObject) if metadata it needs is damaged."""
-    if ckpt.layout == _seqax.LAYOUT:
-        grids = [(leaf.path, leaf.codec, leaf.shape) for leaf in ckpt.leaves.values()]
-        return [Owned(key, nbytes) for key, nbytes in _seqax.objects(ckpt.loc, grids)]  # type: ignore[arg-type]
-    out = []
-    for leaf in ckpt.leaves.values():
-        if leaf.processes is None:
-            arrays = [leaf]
+@dataclasses.dataclass(frozen=True)
+class Inventory:
+    """What a listing of a checkpoint found, each key judged by the metadata: the objects
+    it records (`owned`, its group metadata last) and what it does not (`foreign`); how
+    many recorded objects the listing lacks (`missing`), and the first few of their
+    keys (`some_missing`)."""
+
+    owned: list[Owned]
+    foreign: list[str]
+    missing: int
+    some_missing: list[str]
+
+
+def inventory(ckpt: _reader.Checkpoint) -> Inventory:
+    """`ckpt`'s objects as one listing of its location finds them. Work and memory follow
+    what is stored, never what the metadata declares: a grid of millions of chunks costs
+    nothing unless they are there. Raises CheckpointCorruptError (or MissingObject) if
+    metadata it needs is damaged."""
+    judge = _Judge(ckpt)
+    owned, foreign = [], []
+    for entry in ckpt.loc.walk():
+        found = judge.owned(entry.name)
+        if found is None:
+            foreign.append(entry.name)
         else:
-            arrays = [_reader.read_own_array(ckpt.loc, leaf, p)[0] for p in range(leaf.processes)]
-        for array in arrays:
-            out.append(Owned(f"{array.name}/zarr.json"))
-            full = tuple((0, n) for n in array.shape)
-            codec = array.codec
-            assert isinstance(codec, _chunks.ChunkCodec)  # zarrckpt's layout
-            out += [Owned(codec.key(chunk), codec.stored_bytes, codec)
-                    for chunk in chunks_touching(full, array.chunks, array.shape)]
-    return out + [Owned("zarr.json")]
+            owned.append(found)
+    missing, some = judge.missing({o.key for o in owned})
+    last = {"zarr.json", _seqax.MARKER}
+    owned.sort(key=lambda o: o.key in last)  # stable: the group metadata last
+    return Inventory(owned, foreign, missing, some)
+
+
+_SHOWN = 3  # missing keys named
+
+
+class _Judge:
+    """Which object a key is in a checkpoint, parsed from the key: arrays are looked up
+    by name, chunk coordinates checked against their grids (which `open_checkpoint` has
+    checked against `_format.chunks.MAX_GRID`); the chunks found are counted per array."""
+
+    def __init__(self, ckpt: _reader.Checkpoint) -> None:
+        self.ckpt = ckpt
+        self.seqax = ckpt.layout == _seqax.LAYOUT
+        leaves = list(ckpt.leaves.values())
+        self.arrays = {leaf.codec.array: leaf for leaf in leaves if leaf.processes is None}
+        self.per_process = {leaf.name: leaf for leaf in leaves if leaf.processes is not None}
+        self.own: dict[str, _reader.StoredLeaf] = {}  # per-process arrays, as first met
+        self.chunks_found: collections.Counter[str] = collections.Counter()
+
+    def owned(self, key: str) -> Owned | None:
+        """The object `key` is, or None if the metadata records no such object."""
+        if key in ((_seqax.GROUP, _seqax.MARKER) if self.seqax else ("zarr.json",)):
+            return Owned(key)
+        name, _, rest = key.partition("/")
+        leaf = self._array(name)
+        if leaf is None:
+            return None
+        if rest in ((_seqax.ARRAY, ".zattrs") if self.seqax else ("zarr.json",)):
+            return Owned(key)
+        coords = leaf.codec.coords_of(rest)
+        if coords is None or not all(i < n for i, n in zip(coords, _chunks.grid(leaf.shape, leaf.chunks))):
+            return None
+        self.chunks_found[name] += 1
+        codec = leaf.codec
+        return Owned(key, codec.stored_bytes, codec) if isinstance(codec, _chunks.ChunkCodec) else \
+            Owned(key, codec.data_bytes)
+
+    def missing(self, present: set[str]) -> tuple[int, list[str]]:
+        """How many objects the metadata records that are not in `present`, and the
+        keys of the first few."""
+        count, some = 0, list[str]()
+        groups = [_seqax.GROUP, _seqax.MARKER] if self.seqax else ["zarr.json"]
+        for name in itertools.chain([None], self.arrays, self.own):
+            metadata = groups if name is None else [f"{name}/{_seqax.ARRAY if self.seqax else 'zarr.json'}"]
+            lost = [key for key in metadata if key not in present]
+            count += len(lost)
+            some += lost[:_SHOWN - len(some)]
+            if lost or name is None:  # an array's chunks cannot be counted without its metadata
+                continue
+            array = self._array(name)
+            assert array is not None
+            grid = _chunks.grid(array.shape, array.chunks)
+            lacking = math.prod(grid) - self.chunks_found[name]
+            count += lacking
+            if lacking and len(some) < _SHOWN:
+                named = (key for key in (_key(array, c) for c in indices(grid)) if key not in present)
+                some += itertools.islice(named, _SHOWN - len(some))
+        for leaf in self.per_process.values():  # processes whose value has no array at all
+            there = _naming.processes_listed(leaf.name, leaf.processes or 0, self.own)
+            absent = (leaf.processes or 0) - len(there)
+            count += absent
+            some += [_naming.object_key(_naming.per_process_name(leaf.name, p), "zarr.json")
+                     for p in _naming.absent_processes(leaf.processes or 0, there, min(absent, _SHOWN - len(some)))]
+        return count, some
+
+    def _array(self, name: str) -> _reader.StoredLeaf | None:
+        """The array of that name: a leaf's, or one process's of a per-process leaf
+        (read from its own `zarr.json` when first met)."""
+        if (known := self.arrays.get(name) or self.own.get(name)) is not None:
+            return known
+        found = _naming.per_process_of(name)
+        leaf = self.per_process.get(found[0]) if found else None
+        if leaf is None or found is None or found[1] >= (leaf.processes or 0):
+            return None
+        self.own[name] = _reader.read_own_array(self.ckpt.loc, leaf, found[1])[0]
+        return self.own[name]
+
+
+def _key(leaf: _reader.StoredLeaf, coords: tuple[int, ...]) -> str:
+    return leaf.codec.key(tuple((i * c, i * c + 1) for i, c in zip(coords, leaf.chunks)))
 
 
 def make_way(loc: Location, *, overwrite: bool) -> None:
@@ -111,10 +208,10 @@ def _foreign_beside_committed(loc: Location) -> list[str]:
     """What `loc` holds beside the committed checkpoint's own objects (a link at one of
     their keys is the checkpoint's, deleted itself, never followed)."""
     try:
-        recorded = {o.key for o in owned(_reader.open_checkpoint(loc))}
+        foreign = inventory(_reader.open_checkpoint(loc)).foreign
     except CheckpointError:  # metadata too damaged to say: judge by names alone
         return [e.name for e in loc.walk() if not _CHECKPOINT_OBJECT.fullmatch(e.name)]
-    return [e.name for e in loc.walk() if e.name not in recorded and not _BESIDE_RECORDED.fullmatch(e.name)]
+    return [key for key in foreign if not _BESIDE_RECORDED.fullmatch(key)]
 
 
 def _some(keys: list[str]) -> str:

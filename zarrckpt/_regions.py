@@ -10,7 +10,6 @@ import operator
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
-import numpy as np
 
 Region = tuple[tuple[int, int], ...]  # (start, stop) per axis
 Slices = tuple[slice, ...]
@@ -47,10 +46,28 @@ def region_size(region: Region) -> int:
 def chunks_in(region: Region, chunks: Sequence[int]) -> Iterator[Region]:
     """The chunks of the array grid inside `region`, in C order."""
     ranges = [range(a, b, c) for (a, b), c in zip(region, chunks)]
-    for starts in np.ndindex(*(len(r) for r in ranges)):
+    for starts in indices(tuple(len(r) for r in ranges)):
         yield tuple(
             (r[i], min(r[i] + c, b)) for r, i, c, (_, b) in zip(ranges, starts, chunks, region)
         )
+
+
+def indices(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    """Every index of an array of `shape`, in C order, one at a time: np.ndindex (and
+    itertools.product, which it uses) first makes each dimension's range a tuple, 2.5 GB
+    for metadata declaring a grid of 2**26 chunks in one dimension."""
+    if 0 in shape:
+        return
+    index = [0] * len(shape)
+    while True:
+        yield tuple(index)
+        for axis in range(len(shape) - 1, -1, -1):
+            index[axis] += 1
+            if index[axis] < shape[axis]:
+                break
+            index[axis] = 0
+        else:
+            return
 
 
 def relative(part: Region, within: Region) -> Slices:

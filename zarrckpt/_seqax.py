@@ -26,7 +26,7 @@ import numpy as np
 
 from . import _concurrency
 from ._format import dtypes as _dtypes, zarrjson as _zarrjson
-from ._format.chunks import Damage
+from ._format.chunks import MAX_GRID, Damage, canonical_ints, grid
 from ._regions import Region
 from ._storage import Location
 
@@ -67,6 +67,14 @@ class Codec:
     def key(self, chunk: Region) -> str:
         coords = self.separator.join(map(str, self.coords(chunk))) or "0"
         return f"{self.array}/{coords}"
+
+    def coords_of(self, name: str) -> tuple[int, ...] | None:
+        """The grid coordinates of the chunk whose object is named `name` inside the
+        array's directory (`0.1`, or `0/1`; `0` for a 0-d array), or None."""
+        if not self.shape:
+            return () if name == "0" else None
+        parts = name.split(self.separator)
+        return canonical_ints(parts) if len(parts) == len(self.shape) else None
 
     def decode(self, raw: bytes) -> np.ndarray:
         """The chunk's values in the chunk shape, from its stored bytes; Damage (naming
@@ -142,7 +150,7 @@ def _array(name: str, doc: Any) -> tuple[Codec, tuple[int, ...]]:
         raise ValueError("is not zarr v2 array metadata")
     shape, chunks = _ints(doc["shape"]), _ints(doc["chunks"])
     if len(chunks) != len(shape) or not all(1 <= c for c in chunks) or any(d < 0 for d in shape) \
-            or math.prod(shape) >= 2**62 or math.prod(chunks) >= 2**40:
+            or math.prod(shape) >= 2**62 or math.prod(chunks) >= 2**40 or math.prod(grid(shape, chunks)) > MAX_GRID:
         raise ValueError(f"has shape {list(shape)} with chunks {list(chunks)}")
     dtype = _dtype(doc["dtype"])
     if doc.get("order", "C") != "C" or doc.get("filters") not in (None, []):
@@ -222,20 +230,3 @@ def _key(entry: Any) -> Any:
     if isinstance(entry, _tu.SequenceKey):
         return entry.idx
     return entry.name if isinstance(entry, _tu.GetAttrKey) else entry.key
-
-
-def objects(loc: Location, arrays: list[tuple[_tu.KeyPath, Codec, tuple[int, ...]]]) -> list[tuple[str, int]]:
-    """Every object of a seqax checkpoint, by key, with its chunk's decoded size (0 for
-    metadata): the group's, each array's metadata and every chunk of its grid; the
-    commit marker `.zattrs` last."""
-    keys = [(GROUP, 0)]
-    extras = [f"{codec.array}/.zattrs" for _, codec, _ in arrays]
-    present = loc.read_if_present(extras)  # an array's own attributes are optional
-    for (_, codec, shape), extra, found in zip(arrays, extras, present):
-        keys.append((f"{codec.array}/{ARRAY}", 0))
-        if found is not None:
-            keys.append((extra, 0))
-        grid = [range(0, d, c) for d, c in zip(shape, codec.shape)]  # a 0-d array: one chunk
-        for starts in np.ndindex(*(len(r) for r in grid)):
-            keys.append((codec.key(tuple((r[i], r[i] + 1) for r, i in zip(grid, starts))), codec.data_bytes))
-    return keys + [(MARKER, 0)]

@@ -19,21 +19,19 @@ read every chunk once, concurrently, with a bound on the bytes held in memory.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-import posixpath
 from typing import Any
 
 from . import _commit, _concurrency, _local, _storage
-from ._format import naming as _naming, tree as _tree, zarrjson as _zarrjson
+from ._format import chunks as _chunks, naming as _naming, tree as _tree, zarrjson as _zarrjson
 from ._format.chunks import ChunkCodec, DamagedChunk
-from ._regions import Region, chunks_touching
+from ._regions import Region, indices
 from ._restore import checkpoint as _reader
 from ._storage import Location
 from .errors import CheckpointCorruptError
 
-# No array zarrckpt writes has a chunk grid this large (64 MiB chunks of a 4 PiB
-# array); checking a larger one chunk by chunk would never end.
-_MAX_CHUNKS = 2**26
+_SHOWN = 10  # missing chunks named one by one per array; the rest are counted
 _SYMLINK = "symlink: a symbolic link, never followed (zarrckpt writes none)"
 
 
@@ -95,9 +93,12 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None, checksums
     if ckpt.layout == "zarrckpt":
         records = {rec["name"]: (path, rec) for path, rec in _tree.recorded_leaves(ckpt.spec)}
         leaves = list(ckpt.leaves.values())
+        # Which processes' values of per-process leaves are there: one listing, not a
+        # request per process the metadata claims.
+        top = {e.name for e in loc.list_dir()} if any(leaf.processes for leaf in leaves) else set()
         with _concurrency.Operation(max_workers or loc.concurrency, "verify") as op:
             whole: list[tuple[_reader.StoredLeaf, Region]] = []
-            results = op.fan_out(leaves, lambda leaf: _check_leaf(loc, leaf, *records[leaf.name]))
+            results = op.fan_out(leaves, lambda leaf: _check_leaf(loc, leaf, *records[leaf.name], top))
             for leaf_problems, expected, sized in results:
                 problems += leaf_problems
                 chunks += expected
@@ -118,15 +119,15 @@ def _marker_problems(committed: bool) -> list[Problem]:
                                  "the save did not finish, or is still running")]
 
 
-def _check_leaf(loc: Location, leaf: _reader.StoredLeaf, path: _tree.KeyPath, record: dict[str, Any]
-                ) -> tuple[list[Problem], int, list[tuple[_reader.StoredLeaf, Region]]]:
+def _check_leaf(loc: Location, leaf: _reader.StoredLeaf, path: _tree.KeyPath, record: dict[str, Any],
+                top: set[str]) -> tuple[list[Problem], int, list[tuple[_reader.StoredLeaf, Region]]]:
     """The metadata and chunk-size problems of one leaf's arrays (one, or one per process
-    for a per-process leaf), how many chunks their grids have, and those present with
-    the right size."""
+    for a per-process leaf, `top` naming what the checkpoint's directory holds), how
+    many chunks their grids have, and those present with the right size."""
     if leaf.processes is None:
         arrays, problems = [leaf], _check_array_document(loc, leaf, path, record)
     else:
-        arrays, problems = _per_process_arrays(loc, leaf)
+        arrays, problems = _per_process_arrays(loc, leaf, top)
     expected, sized = 0, []
     for array in arrays:
         array_problems, count, present = _check_chunks(loc, array)
@@ -136,11 +137,19 @@ def _check_leaf(loc: Location, leaf: _reader.StoredLeaf, path: _tree.KeyPath, re
     return problems, expected, sized
 
 
-def _per_process_arrays(loc: Location, leaf: _reader.StoredLeaf) -> tuple[list[_reader.StoredLeaf], list[Problem]]:
+def _per_process_arrays(loc: Location, leaf: _reader.StoredLeaf, top: set[str]
+                        ) -> tuple[list[_reader.StoredLeaf], list[Problem]]:
     """The array of every process that saved the per-process `leaf`, from each one's
-    own `zarr.json`, and the problems of those that cannot be read."""
-    arrays, problems = [], []
-    for process in range(leaf.processes or 0):
+    own `zarr.json`, and the problems of those that cannot be read; only those `top`
+    lists are read, and at most `_SHOWN` absent ones are named (the rest counted)."""
+    processes = leaf.processes or 0
+    there = _naming.processes_listed(leaf.name, processes, top)
+    absent = processes - len(there)
+    problems = [Problem(_naming.object_key(_naming.per_process_name(leaf.name, p), "zarr.json"),
+                        f"missing (process {p}'s value)", leaf.where)
+                for p in _naming.absent_processes(processes, there, min(absent, _SHOWN))]
+    arrays = []
+    for process in sorted(there):
         key = _naming.object_key(_naming.per_process_name(leaf.name, process), "zarr.json")
         try:
             arrays.append(_reader.read_own_array(loc, leaf, process)[0])
@@ -150,43 +159,51 @@ def _per_process_arrays(loc: Location, leaf: _reader.StoredLeaf) -> tuple[list[_
             problems.append(Problem(key, f"malformed: {e}", leaf.where))
         except _local.SymlinkError:
             problems.append(Problem(key, _SYMLINK, leaf.where))
+    if absent > _SHOWN:
+        problems.append(Problem(f"{leaf.name} (per process)", f"{absent - _SHOWN:,} more processes' values missing "
+                                f"({absent:,} of {processes:,})", leaf.where))
     return arrays, problems
 
 
 def _check_chunks(loc: Location, leaf: _reader.StoredLeaf) -> tuple[list[Problem], int, list[Region]]:
     """The chunk-size problems of one array, how many chunks its grid has, and those
-    present with the right size."""
+    present with the right size. Work and memory follow the array's listing, not its
+    declared grid (`open_checkpoint` bounds the grid by `MAX_GRID`); at most `_SHOWN`
+    missing chunks are named, the rest counted in one problem."""
     problems: list[Problem] = []
     codec = leaf.codec
     assert isinstance(codec, ChunkCodec)  # verified: zarrckpt's layout only
-    grid = math.prod(-(-n // c) for n, c in zip(leaf.shape, leaf.chunks))
-    if grid > _MAX_CHUNKS:
-        return problems + [Problem(_naming.object_key(leaf.name, "zarr.json"), f"a grid of {grid:,} chunks, more "
-                                   "than zarrckpt ever writes: damaged metadata", leaf.where)], 0, []
-    full = tuple((0, n) for n in leaf.shape)
-    expected = list(chunks_touching(full, leaf.chunks, leaf.shape))  # none if no elements
+    grid = _chunks.grid(leaf.shape, leaf.chunks)
+    expected = math.prod(grid)  # none if no elements
     try:
-        listed = {entry.name: entry for entry in loc.list_dir(_naming.object_key(leaf.name), missing_ok=False)}
+        listed = loc.list_dir(_naming.object_key(leaf.name), missing_ok=False)
     except FileNotFoundError:
         if expected:
-            problems.append(Problem(f"{leaf.name}/", f"the array's directory is missing (all {len(expected)} "
+            problems.append(Problem(f"{leaf.name}/", f"the array's directory is missing (all {expected:,} "
                                                      "chunks)", leaf.where))
-        return problems, len(expected), []
+        return problems, expected, []
     except _local.SymlinkError:
-        return problems + [Problem(f"{leaf.name}/", _SYMLINK, leaf.where)], len(expected), []
-    sized = []
-    for chunk in expected:
-        key = leaf.codec.key(chunk)
-        entry = listed.get(posixpath.basename(key))
-        if entry is None:
-            problems.append(Problem(key, "missing", leaf.where))
-        elif entry.type != "file":
+        return problems + [Problem(f"{leaf.name}/", _SYMLINK, leaf.where)], expected, []
+    sized, found = [], set()
+    for entry in listed:
+        coords = codec.coords_of(entry.name)
+        if coords is None or not all(i < n for i, n in zip(coords, grid)):
+            continue  # not a chunk of this array (what else is there is not verify's business)
+        found.add(coords)
+        key = _naming.object_key(leaf.name, entry.name)
+        if entry.type != "file":
             problems.append(Problem(key, _SYMLINK if entry.type == "link" else "not a file", leaf.where))
         elif (damage := codec.size_damage(entry.size)) is not None:
             problems.append(Problem(key, damage, leaf.where))
         else:
-            sized.append(chunk)
-    return problems, len(expected), sized
+            sized.append(tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(coords, leaf.chunks, leaf.shape)))
+    if missing := expected - len(found):
+        named = itertools.islice((c for c in indices(grid) if c not in found), _SHOWN)
+        problems += [Problem(codec.key_at(coords), "missing", leaf.where) for coords in named]
+        if missing > _SHOWN:
+            problems.append(Problem(f"{leaf.name}/", f"{missing - _SHOWN:,} more chunks missing ({missing:,} of "
+                                                     f"{expected:,})", leaf.where))
+    return problems, expected, sized
 
 
 def _check_array_document(loc: Location, leaf: _reader.StoredLeaf, path: _tree.KeyPath,

@@ -76,7 +76,8 @@ def set_shape(doc, shape, chunks=None):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda d: set_shape(d, [10**7, 10**6], [1, 1]), "needs 40,000,000,000,000 bytes"),
+    (lambda d: set_shape(d, [10**7, 10**6], [10**5, 10**5]), "needs 40,000,000,000,000 bytes"),
+    (lambda d: set_shape(d, [10**7, 10**6], [1, 1]), "a grid of 10,000,000,000,000 chunks"),
     (lambda d: set_shape(d, [2**40, 2**40], [1, 1]), "malformed metadata"),
     (lambda d: set_shape(d, [-3, 4]), "malformed metadata"),
     (lambda d: set_shape(d, [3, 4], [0, 4]), "malformed metadata"),

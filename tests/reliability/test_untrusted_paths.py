@@ -7,18 +7,20 @@ it should have kept."""
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 import os
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import zarrckpt
-from zarrckpt import _retention
+from zarrckpt import _cli, _retention, _stats
 
 
 def state(step: int) -> dict:
@@ -165,3 +167,91 @@ def test_a_tree_too_deep_to_load_is_refused_at_save(tmp_path: Path, depth: int) 
         assert mgr.save(2, state(2))  # the next save works
         mgr.wait()
     assert zarrckpt.all_steps(root) == [2]
+
+
+# -- hostile metadata on every path that reads a checkpoint ---------------------------
+
+def hostile(root: Path, step: int, edit) -> Path:
+    """Step `step` under `root`, saved and then its metadata edited by `edit(document,
+    record of leaf w, w's array metadata)`: a few hundred bytes, as an attacker writes them."""
+    zarrckpt.save_checkpoint(str(root), step, {"w": np.zeros(4, np.uint8), "pos": zarrckpt.PerProcess(7)})
+    path = root / f"{step:010d}" / "zarr.json"
+    doc = json.loads(path.read_text())
+    record = next(c for c in doc["attributes"]["zarrckpt"]["tree"]["children"] if c["name"] == "w")
+    edit(doc, record, doc["consolidated_metadata"]["metadata"]["w"])
+    path.write_text(json.dumps(doc, separators=(",", ":")))  # the commit marker stays first
+    own = root / f"{step:010d}" / "w" / "zarr.json"
+    own.write_text(json.dumps({**json.loads(own.read_text()), **doc["consolidated_metadata"]["metadata"]["w"]}))
+    return path.parent
+
+
+def grid(shape: list[int], chunks: list[int]):
+    def edit(doc, record, array):
+        record["shape"] = array["shape"] = shape
+        array["chunk_grid"]["configuration"]["chunk_shape"] = chunks
+    return edit
+
+
+def processes(count: int):
+    def edit(doc, record, array):
+        next(c for c in doc["attributes"]["zarrckpt"]["tree"]["children"] if c["name"] == "pos")["processes"] = count
+    return edit
+
+
+def peak_bytes(call) -> tuple[int, object]:
+    """What `call()` allocated at its peak (numpy's buffers included), and what it returned
+    or raised."""
+    tracemalloc.start()
+    try:
+        try:
+            outcome = call()
+        except Exception as e:  # noqa: BLE001  (the test judges it)
+            outcome = e
+        return tracemalloc.get_traced_memory()[1], outcome
+    finally:
+        tracemalloc.stop()
+
+
+def retention(root: Path):
+    with zarrckpt.CheckpointManager(str(root), keep_last=1) as mgr:
+        mgr.save(9, state(9), force=True)
+    return zarrckpt.all_steps(str(root))
+
+
+PATHS = {
+    "info": lambda root, step: zarrckpt.metadata(str(step)),
+    "load": lambda root, step: zarrckpt.load_pytree(str(step)),
+    "verify": lambda root, step: zarrckpt.verify(str(step)),
+    "cp": lambda root, step: zarrckpt.copy_checkpoint(str(step), str(root.parent / "copy")),
+    "overwrite": lambda root, step: zarrckpt.save_checkpoint(str(root), 1, state(1), overwrite=True),
+    "gc": lambda root, step: _cli.main(["gc", str(root), "--keep-last", "1"]),
+    "retention": lambda root, step: retention(root),
+}
+LIMIT = 64 * 2**20  # what any of these may allocate for a checkpoint of a few bytes
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("edit", [grid([2**40], [1]), grid([2**26 - 1], [1]), processes(2**20), processes(10**12)],
+                         ids=["2**40 chunks", "2**26-1 chunks", "2**20 processes", "10**12 processes"])
+def test_hostile_metadata_costs_what_is_stored_on_every_path(tmp_path: Path, path: str, edit) -> None:
+    root = tmp_path / "run"
+    step = hostile(root, 1, edit)
+    zarrckpt.save_checkpoint(str(root), 2, state(2))
+    _stats.reset()
+    peak, outcome = peak_bytes(lambda: PATHS[path](root, step))
+    requests = sum(n for name, n in _stats.snapshot().items() if name.startswith("store_") and "bytes" not in name)
+    # A load allocates the leaf it is asked for, up to the machine's memory (2**26 - 1
+    # bytes here): that is load's own limit, which every other path keeps too.
+    assert peak < LIMIT + (2**26 if path == "load" else 0), f"{path} allocated {peak:,} bytes"
+    assert requests < 100, f"{path} made {requests} requests of the store"  # not one per declared object
+    if path == "info":  # refused cleanly, or described as the metadata says (no chunk is read)
+        assert isinstance(outcome, (zarrckpt.CheckpointCorruptError, zarrckpt.CheckpointMetadata)), outcome
+    elif path in ("load", "cp"):  # refused cleanly, naming what is wrong
+        assert isinstance(outcome, (zarrckpt.CheckpointCorruptError, zarrckpt.CheckpointMismatchError)), outcome
+        assert str(outcome) and not (root.parent / "copy").exists()  # nothing copied
+    elif path == "verify":
+        assert not outcome.ok and len(outcome.problems) <= 12, outcome.problems  # named, then counted
+    elif path == "overwrite":  # an old broken step is replaced (its objects judged by their names)
+        assert outcome is None and zarrckpt.load_pytree(str(step))["step"] == 1
+    else:  # gc and retention delete it as an old step, like any other
+        assert outcome in (0, [9]) and not step.exists(), outcome

@@ -31,6 +31,10 @@ CHECKSUM_BYTES = 4
 KEY_ENCODING = {"name": "default", "configuration": {"separator": SEPARATOR}}
 # A chunk's name inside its array's directory.
 NAME = re.compile(r"c(\.\d+)*")
+# No array zarrckpt writes has a chunk grid this large (64 MiB chunks of a 4 PiB array):
+# metadata that declares one is damaged or hostile, and every reader refuses it before
+# anything is done per chunk.
+MAX_GRID = 2**26
 _CRC_DAMAGE = "fails its CRC-32C checksum: its bytes are damaged"
 
 
@@ -78,6 +82,15 @@ class ChunkCodec:
         """The object key of the chunk covering `chunk`."""
         return self.key_at(self.coords(chunk))
 
+    def coords_of(self, name: str) -> tuple[int, ...] | None:
+        """The grid coordinates of the chunk whose object is named `name` inside the
+        array's directory (`c.0.1`), or None if no chunk of this codec is named so (its
+        bounds are the array's: see `grid`)."""
+        parts = name.split(SEPARATOR)
+        if parts[0] != "c" or len(parts) != len(self.shape) + 1:
+            return None
+        return canonical_ints(parts[1:])
+
     def key_at(self, coords: Sequence[int]) -> str:
         """The object key of the chunk at grid coordinates `coords`."""
         return _naming.object_key(self.array, SEPARATOR.join(["c", *map(str, coords)]))
@@ -124,6 +137,19 @@ class ChunkCodec:
             raise Damage(wrong_size)
         if self.checksum and _crc(payload) != bytes(trailer):
             raise Damage(_CRC_DAMAGE)
+
+
+def grid(shape: Sequence[int], chunks: Sequence[int]) -> tuple[int, ...]:
+    """How many chunks an array of `shape` in chunks of `chunks` has along each dimension."""
+    return tuple(-(-d // c) for d, c in zip(shape, chunks))
+
+
+def canonical_ints(parts: Sequence[str]) -> tuple[int, ...] | None:
+    """`parts` as grid coordinates if each is written as zarr writes one (ASCII digits, no
+    leading zero), else None: `c.01` is not the key of chunk 1."""
+    if not all(p.isascii() and p.isdigit() and p == str(int(p)) for p in parts):
+        return None
+    return tuple(map(int, parts))
 
 
 class Damage(ValueError):

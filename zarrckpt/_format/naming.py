@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ..errors import CheckpointCorruptError
 
@@ -78,7 +79,32 @@ def object_key(array: str, key: str = "") -> str:
 
 def per_process_name(name: str, process: int) -> str:
     """The array holding process `process`'s value of the per-process leaf `name`."""
-    return f"{name}.%p{process}"
+    return f"{name}{_PER_PROCESS}{process}"
+
+
+_PER_PROCESS = ".%p"
+
+
+def per_process_of(array: str) -> tuple[str, int] | None:
+    """The per-process leaf and process whose value the array named `array` holds (see
+    `per_process_name`), or None if it is no such array's name."""
+    name, sep, number = array.rpartition(_PER_PROCESS)
+    if not sep or not (number.isascii() and number.isdigit()) or number != str(int(number)):
+        return None
+    return name, int(number)
+
+
+def processes_listed(name: str, processes: int, listed: Iterable[str]) -> set[int]:
+    """The processes, of the `processes` that saved the per-process leaf `name`, whose
+    value's array is among the names `listed` (work follows the listing, not the
+    process count a checkpoint claims)."""
+    found = (per_process_of(entry) for entry in listed)
+    return {p for leaf, p in filter(None, found) if leaf == name and p < processes}
+
+
+def absent_processes(processes: int, listed: set[int], count: int) -> list[int]:
+    """The first `count` of `range(processes)` not in `listed`."""
+    return list(itertools.islice((p for p in range(processes) if p not in listed), count))
 
 
 def format_version(leaf_kinds: set[str]) -> int:

@@ -276,6 +276,9 @@ def _load_json(loc: Location, key: str) -> Any:
         raise CheckpointCorruptError(f"{key} of checkpoint {loc.url} is not JSON") from None
 
 
+# More processes than any job has: a per-process leaf claiming more is damaged or
+# hostile (each process's value is an object a reader would ask for).
+MAX_PROCESSES = 2**20
 # The leaf kinds a tree record can name (see _tree.leaf_record).
 _KINDS = frozenset({"jax", "numpy", "numpy_scalar", "prng_key", "bool", "int", "float", "complex", "str", "bytes"})
 
@@ -286,7 +289,7 @@ def stored_leaf(path: _tree.KeyPath, rec: dict[str, Any], array: dict[str, Any] 
     per-process leaf has no shared array: each process's value is its own array."""
     if rec["type"] == "per_process":
         processes = rec["processes"]
-        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        if isinstance(processes, bool) or not isinstance(processes, int) or not 1 <= processes <= MAX_PROCESSES:
             raise ValueError(f"leaf {_tree.describe_path(path)}: saved by {processes!r} processes")
         return StoredLeaf(path, rec["name"], (), np.dtype(np.uint8), "per_process",
                           ChunkCodec(rec["name"], np.dtype(np.uint8), ()), processes=processes)
@@ -307,6 +310,9 @@ def stored_leaf(path: _tree.KeyPath, rec: dict[str, Any], array: dict[str, Any] 
     if (len(chunks) != len(shape) or any(d < 0 for d in shape) or math.prod(shape) >= 2**62
             or not all(1 <= c <= max(d, 1) for c, d in zip(chunks, shape))):
         raise ValueError(f"leaf {where}: shape {shape} with chunks {chunks}")
+    if (count := math.prod(_chunks.grid(shape, chunks))) > _chunks.MAX_GRID:
+        raise ValueError(f"leaf {where}: shape {shape} in chunks of {chunks}, a grid of {count:,} chunks, more than "
+                         f"zarrckpt ever writes ({_chunks.MAX_GRID:,})")
     return StoredLeaf(path, rec["name"], shape, dtype, kind, ChunkCodec(rec["name"], dtype, chunks, checksum), impl)
 
 
