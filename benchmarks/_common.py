@@ -276,6 +276,19 @@ class PeakMemory:
 # -- statistics --------------------------------------------------------------------------------
 
 
+def timed_restore(mgr, target, *, step: int, tier: str) -> float:
+    """Seconds for `mgr.restore(target)` until every array is ready; checks that it
+    restored `step` from `tier`."""
+    import jax
+
+    started = time.perf_counter()
+    restored, got = mgr.restore(target)
+    jax.block_until_ready(restored)
+    seconds = time.perf_counter() - started
+    assert (got, mgr.restored_tier) == (step, tier), (got, mgr.restored_tier)
+    return seconds
+
+
 def best_median(values, higher_is_better: bool = False) -> tuple[float, float]:
     best = max(values) if higher_is_better else min(values)
     return best, statistics.median(values)

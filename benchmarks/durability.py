@@ -38,7 +38,7 @@ def parse_args(argv=None):
 @contextlib.contextmanager
 def zarrckpt_syncs(on: bool):
     """zarrckpt's own syncs, switched off for the other ways."""
-    from zarrckpt import _local
+    from zarrckpt._storage import local as _local
 
     if on:
         yield

@@ -161,7 +161,7 @@ def save_and_restore(tree, target, options: dict, checksums: bool) -> tuple[floa
     save then the restore; and the checkpoint's chunk count."""
     url = f"latency://zarrckpt-bench/{uuid.uuid4().hex}"
     loc = _storage.resolve(url, options)
-    fs = loc.fs
+    fs = loc.store.fs
     fs.reset()
     started = time.perf_counter()
     zarrckpt.save_pytree(url, tree, storage_options=options, checksums=checksums)

@@ -120,32 +120,18 @@ def worker(coordinator: str, pid: int, directory: str, args) -> None:
         multihost_utils.sync_global_devices(f"whole-{r}")
         with zarrckpt.CheckpointManager(persistent, local_directory=local[1], local_save_interval_steps=1,
                                         local_peer_copies=1) as mgr:
-            started = time.perf_counter()
-            restored, step = mgr.restore(target)
-            jax.block_until_ready(restored)
-            row["restore, no host lost: own copies"] = time.perf_counter() - started
-            assert (step, mgr.restored_tier) == (1, "local"), (step, mgr.restored_tier)
-        del restored
+            row["restore, no host lost: own copies"] = common.timed_restore(mgr, target, step=1, tier="local")
         multihost_utils.sync_global_devices(f"lost-{r}")
         if pid == 1:
             shutil.rmtree(local[1])  # a replaced host: its disk is gone
         multihost_utils.sync_global_devices(f"restore-{r}")
         with zarrckpt.CheckpointManager(persistent, local_directory=local[1], local_save_interval_steps=1,
                                         local_peer_copies=1) as mgr:
-            started = time.perf_counter()
-            restored, step = mgr.restore(target)
-            jax.block_until_ready(restored)
-            row["restore, lost host: from peers"] = time.perf_counter() - started
-            assert (step, mgr.restored_tier) == (1, "local"), (step, mgr.restored_tier)
-        del restored
+            row["restore, lost host: from peers"] = common.timed_restore(mgr, target, step=1, tier="local")
         multihost_utils.sync_global_devices(f"store-{r}")
         with zarrckpt.CheckpointManager(url, storage_options=store) as mgr:
-            started = time.perf_counter()
-            restored, step = mgr.restore(target)
-            jax.block_until_ready(restored)
-            row[f"restore from the store ({args.latency_ms:g} ms)"] = time.perf_counter() - started
-            assert (step, mgr.restored_tier) == (1, "persistent"), (step, mgr.restored_tier)
-        del restored
+            row[f"restore from the store ({args.latency_ms:g} ms)"] = common.timed_restore(
+                mgr, target, step=1, tier="persistent")
         shutil.rmtree(local[1], ignore_errors=True)
         if r:
             rows.append(row)

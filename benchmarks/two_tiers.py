@@ -83,19 +83,9 @@ def one_round(state, target, local_root: str, options: dict) -> dict[str, float]
             times["persistent save (async): committed"] = time.perf_counter() - started
         del fresh
         with zarrckpt.CheckpointManager(persistent, **tiers) as mgr:
-            started = time.perf_counter()
-            restored, step = mgr.restore(target)
-            jax.block_until_ready(restored)
-            times["local restore"] = time.perf_counter() - started
-            assert (step, mgr.restored_tier) == (4, "local"), (step, mgr.restored_tier)  # newer than 3
-        del restored
+            times["local restore"] = common.timed_restore(mgr, target, step=4, tier="local")  # newer than 3
         with zarrckpt.CheckpointManager(persistent, storage_options=options) as mgr:
-            started = time.perf_counter()
-            restored, step = mgr.restore(target)
-            jax.block_until_ready(restored)
-            times["persistent restore"] = time.perf_counter() - started
-            assert (step, mgr.restored_tier) == (3, "persistent"), (step, mgr.restored_tier)
-        del restored
+            times["persistent restore"] = common.timed_restore(mgr, target, step=3, tier="persistent")
     finally:
         shutil.rmtree(local, ignore_errors=True)
     return times

@@ -25,7 +25,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # gcsfs otherwise asks a Google control-plane API about every bucket (unreachable
@@ -49,6 +49,8 @@ class Recorder:
         self.delay_s = 0.0
         self._in_flight = 0
         self._lock = threading.Lock()
+        self._stall: Callable[[str, str], bool] | None = None
+        self._released = threading.Event()
 
     def reset(self) -> None:
         with self._lock:
@@ -64,10 +66,24 @@ class Recorder:
         try:
             if self.delay_s:
                 time.sleep(self.delay_s)
+            if self._stall is not None and self._stall(method, target):
+                self._released.wait(300)  # unanswered until the test lets go (or gives up)
             yield
         finally:
             with self._lock:
                 self._in_flight -= 1
+
+    @contextlib.contextmanager
+    def stalled(self, which: Callable[[str, str], bool]) -> Iterator[None]:
+        """Leaves the requests `which(method, target)` picks unanswered until the block
+        ends: a store that stops answering."""
+        self._released.clear()
+        self._stall = which
+        try:
+            yield
+        finally:
+            self._stall = None
+            self._released.set()
 
     @contextlib.contextmanager
     def delayed(self, seconds: float) -> Iterator[None]:

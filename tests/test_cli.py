@@ -240,7 +240,8 @@ def test_debug_shows_zarrckpt_log_without_other_libraries_request_headers(run_di
     out = "".join(r.stdout + r.stderr for r in results)
     assert "zarrckpt: deleted step 20" in results[-1].stderr  # zarrckpt's own log is there...
     loggers = {line.split(":", 1)[0].split(".")[0] for line in out.splitlines() if ": " in line}
-    assert not loggers & {"botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "asyncio"}, loggers  # ...no one else's
+    others = {"botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "asyncio"}
+    assert not loggers & others, loggers  # ...no one else's
     for secret in (TEST_KEY, TEST_SECRET, token):
         assert secret not in out
 

@@ -149,7 +149,7 @@ def test_credentials_never_appear(s3_server, new_store, caplog):
     assert TEST_SECRET not in shown
     ours = [r.getMessage() for r in caplog.records if r.name.startswith("zarrckpt")]
     assert ours and not any(TEST_KEY in m or TEST_SECRET in m for m in ours)
-    fs = _storage.resolve(store.url, store.options).fs
+    fs = _storage.resolve(store.url, store.options).store.fs
     stored = fs.cat(fs.find(store.url))
     assert stored and not any(TEST_SECRET.encode() in data or TEST_KEY.encode() in data for data in stored.values())
 
@@ -160,7 +160,7 @@ def test_an_error_quoting_a_credential_is_redacted(monkeypatch):
     secret = "hunter2-zarrckpt-credential"
     options = {"client_kwargs": {"aws_secret_access_key": secret}, "token": {"private_key": secret + "-pk"}}
     url = "memory://zarrckpt-tests/redacted"
-    fs = _storage.resolve(url, options).fs
+    fs = _storage.resolve(url, options).store.fs
 
     def refuse(path, data, **kwargs):
         raise PermissionError(f"denied for {secret} with {secret}-pk")
@@ -181,15 +181,46 @@ def test_an_error_quoting_a_credential_is_redacted(monkeypatch):
     assert "The above exception was the direct cause" in everything_shown(info.value)  # kept for debugging
 
 
+@pytest.mark.parametrize(("options", "within_s"), [
+    # The user's own botocore timeouts of 2 s: each try ends there, and no layer of
+    # retries multiplies another's (the bound the issue set: 60 s with default options).
+    ({"config_kwargs": {"read_timeout": 2, "connect_timeout": 2}}, 60),
+    # No client timeout under a minute: zarrckpt's own deadline abandons each try.
+    ({"request_timeout_s": 2}, 2 * 2 + 10),
+], ids=["client timeouts", "request_timeout_s"])
+def test_a_store_that_stops_answering_fails_the_save_in_time_and_the_next_save_commits(
+        s3_server, new_store, options, within_s):
+    store = new_store("s3")
+    given = {**store.options, **options}
+    silent = s3_server.recorder.stalled(lambda method, target: method == "PUT" and "/0000000001/l0/c" in target)
+    with silent, pytest.raises(zarrckpt.CheckpointWriteError, match=r"/l0/c\.0: no answer in") as info:
+        started = time.monotonic()
+        try:
+            zarrckpt.save_checkpoint(store.url, 1, small_tree(1), storage_options=given)
+        finally:
+            took = time.monotonic() - started
+    assert took < within_s, f"the save took {took:.1f}s"
+    assert "nothing was committed" in str(info.value)
+    assert zarrckpt.all_steps(store.url, storage_options=given) == []
+    zarrckpt.save_checkpoint(store.url, 2, small_tree(2), storage_options=given)
+    assert zarrckpt.all_steps(store.url, storage_options=given) == [2]
+
+
+def test_request_timeout_s_is_checked_where_it_is_given():
+    for bad in (0, -1, "10", float("nan"), True):
+        with pytest.raises(ValueError, match=r"storage_options\['request_timeout_s'\] must be a number of seconds"):
+            zarrckpt.save_pytree("memory://zarrckpt-tests/t", small_tree(1), storage_options={"request_timeout_s": bad})
+
+
 def test_default_concurrency_per_protocol(s3_server):
     assert _storage.resolve("/tmp/x").concurrency == _storage.LOCAL_CONCURRENCY
     assert _storage.resolve("memory://x").concurrency == _storage.LOCAL_CONCURRENCY
     s3 = _storage.resolve("s3://b/x", s3_server.options())
     assert s3.concurrency == _storage.OBJECT_STORE_CONCURRENCY
     # botocore's own default (10 connections) would cap the requests in flight.
-    assert s3.fs.connect().meta.config.max_pool_connections >= s3.concurrency
+    assert s3.store.fs.connect().meta.config.max_pool_connections >= s3.concurrency
     limited = _storage.resolve("s3://b/x", {**s3_server.options(), "config_kwargs": {"max_pool_connections": 5}})
-    assert limited.fs.connect().meta.config.max_pool_connections == 5
+    assert limited.store.fs.connect().meta.config.max_pool_connections == 5
 
 
 def test_latency_benchmark_runs(tmp_path):

@@ -14,13 +14,11 @@ next copy or save replaces, never a committed one with holes or parts of two sav
 from __future__ import annotations
 
 import dataclasses
-import os
-import posixpath
 import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _commit, _concurrency, _local, _objects, _progress, _seqax, _storage
+from . import _commit, _concurrency, _objects, _progress, _seqax, _storage
 from ._format import naming as _naming, zarrjson as _zarrjson
 from ._format.chunks import DamagedChunk
 from ._restore import checkpoint as _reader
@@ -119,18 +117,8 @@ def copy_checkpoint(
                       time.perf_counter() - started)
 
 
-def _place(loc: Location) -> tuple[str, str]:
-    """Where `loc` really is: its store, and its path with every other spelling undone
-    (`a/./b`, `a//b`, `a/x/../b`; on a local disk, symbolic links in the path too)."""
-    if loc.is_local:
-        return "file", os.path.realpath(loc.path)
-    options = loc.storage_options
-    endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
-    return f"{_storage.protocol_of(loc)}:{endpoint}", posixpath.normpath("/" + loc.path)
-
-
 def _check_apart(source: Location, target: Location) -> None:
-    (store_a, a), (store_b, b) = _place(source), _place(target)
+    (store_a, a), (store_b, b) = source.place(), target.place()
     if store_a == store_b and (a == b or b.startswith(a.rstrip("/") + "/") or a.startswith(b.rstrip("/") + "/")):
         raise ValueError(f"cannot copy {source.url} to {target.url}: one is the other or lies inside it")
 
@@ -168,8 +156,6 @@ def _copy_all(source: Location, target: Location, objects: list[_objects.Owned],
             data = source.read(obj.key)
         except FileNotFoundError:
             raise _reader.MissingObject(f"{obj.key!r} is missing from checkpoint {source.url}") from None
-        except _local.SymlinkError as e:
-            raise CheckpointCorruptError(f"{e.strerror}: {obj.key!r} of checkpoint {source.url}") from None
         if obj.codec is not None and (damage := obj.codec.damage(data)) is not None:
             raise DamagedChunk(obj.key, source.url, damage)
         target.write(obj.key, data, durable=True)

@@ -5,7 +5,7 @@
 with its steps and notes, someone's files) is refused, naming what is there, so that a
 mistyped URL never costs anyone their files. Leftovers of a save, copy or deletion cut
 short (uncommitted, so without metadata to trust) are judged by their names alone. A
-symbolic link is deleted itself, never followed (see `_local`).
+symbolic link is deleted itself, never followed (see `_storage.local`).
 
 What a checkpoint holds is learnt from a listing, each key judged by the metadata
 (`inventory`), never by generating every key the metadata declares: metadata that

@@ -9,7 +9,7 @@ replicas included, and every host value. `<run>` is the persistent directory's r
 identity (`zarrckpt.run` there), so jobs of different runs given one local directory
 each work on their own copies; each process holds a lease on its directory (see
 `_lease`), so two live jobs of the same run never mix theirs. Every directory is this
-user's alone (mode 0700; see `_local.private_directory`). A copy's metadata records,
+user's alone (mode 0700; see `_storage.local.private_directory`). A copy's metadata records,
 under `local`, the run, the step, the newest persistent step committed before it, the
 process, the process count, the chunks of each array it holds and who keeps whose peer
 copy. With `local_peer_copies`, a copy also holds the chunks of its peers' parts that
@@ -44,14 +44,13 @@ import json
 import logging
 import math
 import re
-import shutil
 import uuid
 from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 
-from . import _commit, _lease, _local, _multihost, _peers, _retention, _steps
+from . import _commit, _lease, _multihost, _peers, _retention, _steps
 from ._format import naming as _naming
 from ._options import LoadOptions, SaveOptions
 from ._regions import Region, region_shape, region_slices
@@ -129,13 +128,7 @@ class LocalTier:
         return tier
 
     def _open(self) -> None:
-        try:
-            _local.private_directory(self.root.path)
-        except _local.UnsafeDirectory as e:
-            raise CheckpointLocationError(
-                f"local_directory {self.directory.url} is not safe to restore from: {e.strerror}. Another user "
-                "could plant or swap the copies this job restores. Give a local_directory that is yours alone "
-                "(zarrckpt creates it with mode 0700), or make it so (chown it to this user, chmod 700)") from None
+        self.root.make_private(f"local_directory {self.directory.url}", "local_directory")
         try:
             self._lease.claim()
         except DirectoryInUseError as e:
@@ -181,7 +174,7 @@ class LocalTier:
                               on_failure=lambda e: self._failed(step, e))
 
     def _check_room(self, nbytes: int) -> None:
-        free = shutil.disk_usage(self.root.path).free
+        free = self.root.free_bytes()
         if free < nbytes + _SPARE_BYTES:
             raise _NoRoom(f"{self.root.url} has {free / 1e9:.3f} GB free, process "
                           f"{_multihost.process_index()}'s copy needs {(nbytes + _SPARE_BYTES) / 1e9:.3f} GB")

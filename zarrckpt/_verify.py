@@ -23,7 +23,7 @@ import itertools
 import math
 from typing import Any
 
-from . import _commit, _concurrency, _local, _storage
+from . import _commit, _concurrency, _storage
 from ._format import chunks as _chunks, naming as _naming, tree as _tree, zarrjson as _zarrjson
 from ._format.chunks import ChunkCodec, DamagedChunk
 from ._regions import Region, indices
@@ -155,10 +155,10 @@ def _per_process_arrays(loc: Location, leaf: _reader.StoredLeaf, top: set[str]
             arrays.append(_reader.read_own_array(loc, leaf, process)[0])
         except _reader.MissingObject:
             problems.append(Problem(key, f"missing (process {process}'s value)", leaf.where))
+        except _storage.LinkInCheckpoint:
+            problems.append(Problem(key, _SYMLINK, leaf.where))
         except CheckpointCorruptError as e:
             problems.append(Problem(key, f"malformed: {e}", leaf.where))
-        except _local.SymlinkError:
-            problems.append(Problem(key, _SYMLINK, leaf.where))
     if absent > _SHOWN:
         problems.append(Problem(f"{leaf.name} (per process)", f"{absent - _SHOWN:,} more processes' values missing "
                                 f"({absent:,} of {processes:,})", leaf.where))
@@ -182,7 +182,7 @@ def _check_chunks(loc: Location, leaf: _reader.StoredLeaf) -> tuple[list[Problem
             problems.append(Problem(f"{leaf.name}/", f"the array's directory is missing (all {expected:,} "
                                                      "chunks)", leaf.where))
         return problems, expected, []
-    except _local.SymlinkError:
+    except _storage.LinkInCheckpoint:
         return problems + [Problem(f"{leaf.name}/", _SYMLINK, leaf.where)], expected, []
     sized, found = [], set()
     for entry in listed:
@@ -215,7 +215,7 @@ def _check_array_document(loc: Location, leaf: _reader.StoredLeaf, path: _tree.K
         own = _reader.stored_leaf(path, record, _zarrjson.decode(loc.read(key)))
     except FileNotFoundError:
         return [Problem(key, "missing", leaf.where)]
-    except _local.SymlinkError:
+    except _storage.LinkInCheckpoint:
         return [Problem(key, _SYMLINK, leaf.where)]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return [Problem(key, f"does not match the tree record: {e}", leaf.where)]

@@ -51,7 +51,7 @@ fsspec.register_implementation("flaky", FlakyFileSystem, clobber=True)
 
 @pytest.fixture(autouse=True)
 def fast_backoff(monkeypatch):
-    monkeypatch.setattr(_storage, "_FIRST_BACKOFF_S", 0.001)
+    monkeypatch.setattr(_storage.guard, "_FIRST_BACKOFF_S", 0.001)
     FlakyFileSystem.injected = 0
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _commit, _concurrency, _local, _multihost, _seqax
+from .. import _commit, _concurrency, _multihost, _seqax, _storage
 from .._format import chunks as _chunks, dtypes as _dtypes, naming as _naming, tree as _tree, zarrjson as _zarrjson
 from .._format.chunks import ChunkCodec, Damage, DamagedChunk
 from .._regions import Region, chunks_touching, intersect, region_shape, relative
@@ -125,13 +125,10 @@ class Checkpoint:
         note = f"while reading leaf {leaf.where} (array {leaf.name!r}) of {self.loc.url}"
         try:
             yield
-        except (MissingObject, DamagedChunk) as e:
+        except (MissingObject, DamagedChunk, _storage.LinkInCheckpoint) as e:
             self.check_unchanged()
             e.add_note(note)
             raise
-        except _local.SymlinkError as e:
-            self.check_unchanged()
-            raise CheckpointCorruptError(f"{e.strerror} ({note})") from None
         except Exception as e:
             e.add_note(note)
             raise
@@ -365,8 +362,6 @@ def _open_seqax(loc: Location, committed: bool) -> Checkpoint:
         arrays = _seqax.read_arrays(loc)
     except (ValueError, TypeError) as e:
         raise CheckpointCorruptError(f"seqax checkpoint {loc.url}: {e}") from e
-    except _local.SymlinkError as e:
-        raise CheckpointCorruptError(f"seqax checkpoint {loc.url}: {e.strerror}") from None
     leaves = {codec.array: StoredLeaf(path, codec.array, shape, codec.dtype, "numpy", codec)
               for path, codec, shape in arrays}
     spec = _seqax.spec_from_paths([(leaf.path, leaf.name) for leaf in leaves.values()])

@@ -359,7 +359,7 @@ def _tree_metadata(spec: dict[str, Any]) -> dict[str, Any]:
 def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPlan, dict[str, Any]]],
                workers: int, advance: Callable[[int], None]) -> None:
     """Writes each array's `metadata` document and every unit of `work`, `workers` at
-    a time, each on stable storage before this returns (see `_local`): the commit that
+    a time, each on stable storage before this returns (see `_storage.local`): the commit that
     follows must never find a chunk only in the page cache. Array metadata is only read
     once committed, so it goes out alongside the chunks. Stops at the first failure
     (see `_concurrency`)."""

@@ -1,11 +1,12 @@
-"""The local disk as a store: never through a symbolic link, and durable when asked.
+"""The local disk as a store (`LocalDisk`): never through a symbolic link, and durable
+when asked.
 
-A local `Location` has a root: the path the user gave (a checkpoint, or a directory of
+A local store has a root: the path the user gave (a checkpoint, or a directory of
 steps), followed as the operating system resolves it. Everything below the root is
 reached one path component at a time from the root's directory, each opened with
 O_NOFOLLOW: a symbolic link planted anywhere inside (a chunk, an array directory, a
 step directory, a marker) is never followed by a read, a write or a deletion, so no
-call reads, writes or deletes outside the root. Meeting one raises `SymlinkError`.
+call reads, writes or deletes outside the root. Meeting one raises `LinkFound`.
 
 A durable write reaches stable storage before it returns, with every directory entry
 leading to it: the file's data is synced (`fdatasync`) before it is closed, its
@@ -16,7 +17,6 @@ file renamed over the old one), and each directory it had to create, in its pare
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import functools
 import os
@@ -25,28 +25,62 @@ import stat
 import uuid
 from collections.abc import Iterator, Sequence
 
+from .store import Entry, LinkFound, Store
+
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 _KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "link"}
 
 
-class SymlinkError(OSError):
-    """A symbolic link where zarrckpt expected a file or directory of a checkpoint."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__(errno.ELOOP, f"{path} is a symbolic link (zarrckpt never follows one inside a "
-                                      "checkpoint)")
+# A local disk (or tmpfs) is kept busy by a thread per core: each write is a memory copy
+# into the page cache, and the CRC before it runs at memory speed.
+LOCAL_CONCURRENCY = max(8, min(32, os.cpu_count() or 8))
 
 
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One entry of a listing, on any store: its name relative to what was listed, its
-    type ("file", "dir", "link": a symbolic link, never followed; "other") and size."""
+class LocalDisk(Store):
+    """This machine's disk below `root`, the path the user gave. Its requests cannot be
+    abandoned (they are system calls): `timeout` is not used."""
 
-    name: str
-    type: str
-    size: int = 0
+    local = True
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.concurrency = LOCAL_CONCURRENCY
+
+    def list_dir(self, key: str, *, timeout: float | None) -> list[Entry]:
+        return sorted(list_dir(self.root, key), key=lambda e: e.name)
+
+    def walk(self, key: str, *, timeout: float | None) -> list[Entry]:
+        return walk(self.root, key)
+
+    def write(self, key: str, parts: Sequence[object], *, atomic: bool, durable: bool,
+              timeout: float | None) -> None:
+        write(self.root, key, parts, atomic=atomic, durable=durable)
+
+    def read(self, key: str, limit: int | None, *, timeout: float | None) -> bytes:
+        return read(self.root, key, limit)
+
+    def read_into(self, key: str, buffers: Sequence[memoryview], *, timeout: float | None) -> tuple[int, int]:
+        return read_into(self.root, key, buffers)
+
+    def exists(self, key: str, *, timeout: float | None) -> bool:
+        return exists(self.root, key)
+
+    def remove_file(self, key: str, *, timeout: float | None) -> None:
+        remove_file(self.root, key)
+
+    def remove_tree(self, key: str, *, timeout: float | None) -> None:
+        remove_tree(self.root, key)
+
+    def place(self, key: str) -> tuple[str, str]:
+        return "file", os.path.realpath(os.path.join(self.root, key))
+
+    def private_directory(self, key: str) -> None:
+        private_directory(os.path.join(self.root, key))
+
+    def free_bytes(self, key: str) -> int:
+        return shutil.disk_usage(os.path.join(self.root, key)).free
 
 
 def _parts(key: str) -> list[str]:
@@ -80,7 +114,7 @@ def _open_below(fd: int, name: str, flags: int, path: str, mode: int = 0o666) ->
         return os.open(name, flags, mode, dir_fd=fd)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK) and _is_link(fd, name):
-            raise SymlinkError(path) from None
+            raise LinkFound(path) from None
         raise
 
 

@@ -1,0 +1,313 @@
+"""URLs -> Locations: the few storage operations zarrckpt needs, on any fsspec URL.
+
+Three layers, imported only through this package:
+- `store.Store`, the interface, with one class per kind of storage: `local.LocalDisk`
+  (local paths and file:// URLs: plain file calls, chunks straight between files and
+  array memory, never through a symbolic link below the path given) and
+  `remote.Fsspec` (every other protocol, with per-protocol settings);
+- `guard.Guarded`, what every request needs whatever the store: a deadline, retries,
+  the abort check, counting, and errors without credentials;
+- `Location`, a place in a store (a checkpoint, or a directory of steps) that the rest
+  of zarrckpt reads and writes through, and `resolve`, which makes one of a URL.
+
+Every failure of the store surfaces as an OSError (FileNotFoundError, PermissionError,
+TimeoutError or OSError) whose message names the object's URL and leaves out every
+credential passed in `storage_options` or the URL; a symbolic link met on a local disk
+as `LinkInCheckpoint`, a CheckpointCorruptError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import posixpath
+import re
+import reprlib
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import fsspec
+
+from .. import _concurrency, _stats
+from .._format import naming as _naming
+from ..errors import CheckpointLocationError
+from .guard import DEFAULT_REQUEST_TIMEOUT_S, RETRIES, Guarded, LinkInCheckpoint
+from .local import LOCAL_CONCURRENCY, LocalDisk, UnsafeDirectory
+from .remote import OBJECT_STORE_CONCURRENCY, OTHER, PROTOCOLS, Fsspec
+from .store import Entry, Store
+
+__all__ = ["DEFAULT_REQUEST_TIMEOUT_S", "LOCAL_CONCURRENCY", "OBJECT_STORE_CONCURRENCY", "RETRIES", "Entry",
+           "LinkInCheckpoint", "Location", "redacted_url", "resolve"]
+
+REQUEST_TIMEOUT_OPTION = "request_timeout_s"  # zarrckpt's own storage option (not passed to fsspec)
+
+# gcsfs's token modes: not credentials, and too common as words to scrub from messages.
+_NOT_SECRETS = frozenset({"anon", "google_default", "cache", "cloud", "browser"})
+_SECRET_OPTION = re.compile(r"key|secret|token|password|passwd|credential|session|auth|signature|sas",
+                            re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """A directory-like place in a store: a checkpoint or a checkpoint dir.
+
+    `url` is what the user gave, with any password in it shown as '***' (used in
+    messages); storage options, and the credentials among them, stay in the store and
+    are never printed. `below` is the place's key below the store's root (the URL the
+    user gave); `child` and `step` keep the store. Every method is one request (or a
+    few), through `Guarded.call`.
+    """
+
+    url: str
+    store: Store = dataclasses.field(repr=False, compare=False)
+    guard: Guarded = dataclasses.field(repr=False, compare=False)
+    below: str = ""
+
+    @property
+    def path(self) -> str:
+        """Where this is in its store: a local path, or a path as fsspec spells it."""
+        return posixpath.join(self.store.root, self.below) if self.below else self.store.root
+
+    @property
+    def is_local(self) -> bool:
+        """Whether this is on this machine's own disk."""
+        return self.store.local
+
+    @property
+    def concurrency(self) -> int:
+        """How many requests to keep in flight here by default."""
+        return self.store.concurrency
+
+    def child(self, name: str) -> Location:
+        return dataclasses.replace(self, url=posixpath.join(self.url.rstrip("/"), name),
+                                   below=posixpath.join(self.below, name) if self.below else name)
+
+    def step(self, step: int) -> Location:
+        """The directory of `step` in this checkpoint directory (ValueError for a bad step)."""
+        return self.child(_naming.step_dir_name(step))
+
+    def _key(self, key: str | None) -> str:
+        return posixpath.join(self.below, key) if key and self.below else key or self.below
+
+    def _call(self, action: str, key: str | None, method: Any, *args: Any, nbytes: int = 0, **kwargs: Any) -> Any:
+        where = self.url if key is None else f"{self.url.rstrip('/')}/{key}"
+        return self.guard.call(action, where, method, self._key(key), *args, nbytes=nbytes, **kwargs)
+
+    def list_dir(self, key: str = "", *, missing_ok: bool = True) -> list[Entry]:
+        """The entries directly below `key`, by name: files, directories, and (on a local
+        disk) symbolic links, never followed; empty if the directory does not exist
+        (FileNotFoundError without `missing_ok`).
+
+        One listing request on an object store. Never answered from fsspec's listing
+        cache: other processes add and remove steps.
+        """
+        try:
+            return self._call("list", key or None, self.store.list_dir)
+        except (FileNotFoundError, NotADirectoryError):
+            if missing_ok:
+                return []
+            raise
+
+    def walk(self) -> list[Entry]:
+        """Every object below this location at any depth, by key relative to it (on a
+        local disk, symbolic links as `link` entries, never followed)."""
+        try:
+            return self._call("list", None, self.store.walk)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def write(self, key: str, *parts: Any, atomic: bool = False, durable: bool = False) -> None:
+        """Writes the object `key`, the concatenation of the bytes-like `parts`, below
+        this location, creating directories as needed.
+
+        With `atomic`, a reader sees either the old object or the whole new one: a
+        local file is written aside and renamed over; an object store PUT already is
+        (see docs/pytree-zarr-checkpoint.md, Commit). With `durable`, the object is on
+        stable storage when this returns, and so is every directory entry leading to it
+        (on a local disk see `local`; a store that acknowledged a PUT has it).
+        """
+        nbytes = sum(memoryview(p).nbytes for p in parts)
+        _stats.add("store_bytes_written", nbytes)
+        self._call("write", key, self.store.write, parts, atomic=atomic, durable=durable, nbytes=nbytes)
+
+    def read(self, key: str, *, limit: int | None = None) -> bytes:
+        """The whole object `key` below this location (its first `limit` bytes with a
+        limit), in one request; FileNotFoundError if absent."""
+        data: bytes = self._call("read", key, self.store.read, limit, nbytes=limit or 0)
+        _stats.add("store_bytes_read", len(data))
+        return data
+
+    def read_if_present(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Several small objects, None for each that is absent: one round trip, as the
+        requests go out together."""
+        def attempt(key: str) -> bytes | None:
+            try:
+                return self.read(key)
+            except FileNotFoundError:
+                return None
+
+        return _concurrency.run_all(attempt, keys, 1 if self.is_local else len(keys))
+
+    def read_into(self, key: str, *buffers: memoryview) -> int:
+        """Reads object `key` into `buffers`, filling each in turn (as far as the object
+        goes); returns the object's size.
+
+        Local files are read straight into the buffers, with no intermediate copy: on
+        restore the first buffer is the new array's memory.
+        """
+        size, done = self._call("read", key, self.store.read_into, buffers, nbytes=sum(map(len, buffers)))
+        _stats.add("store_bytes_read", done)
+        return size
+
+    def exists(self) -> bool:
+        """Whether anything is here. Never answered from fsspec's listing cache."""
+        return bool(self._call("check", None, self.store.exists))
+
+    def remove_file(self, name: str) -> None:
+        """Deletes one object if it is there (one request)."""
+        try:
+            self._call("delete", name, self.store.remove_file)
+        except FileNotFoundError:
+            pass
+
+    def remove_tree(self) -> None:
+        """Deletes everything below this location, if anything (on a local disk, a link
+        inside is deleted itself, never followed)."""
+        try:
+            self._call("delete", None, self.store.remove_tree)
+        except FileNotFoundError:
+            pass
+
+    def place(self) -> tuple[str, str]:
+        """Where this really is: its store's identity, and its path with every other
+        spelling undone (`a/./b`, `a//b`, `a/x/../b`; on a local disk, symbolic links
+        in the path too), to tell whether two Locations overlap."""
+        return self.store.place(self.below)
+
+    def make_private(self, what: str, option: str) -> None:
+        """Makes this a directory that only this user can change, on this machine's own
+        disk (see `local.private_directory`); else CheckpointLocationError saying what
+        to do, `what` naming the place as the user gave it and `option` the argument."""
+        try:
+            self.store.private_directory(self.below)
+        except UnsafeDirectory as e:
+            raise CheckpointLocationError(
+                f"{what} is not safe to restore from: {e.strerror}. Another user could plant or swap the copies "
+                f"this job restores. Give a {option} that is yours alone (zarrckpt creates it with mode 0700), or "
+                "make it so (chown it to this user, chmod 700)") from None
+
+    def free_bytes(self) -> int:
+        """The bytes free on the disk this is on (this machine's own)."""
+        return self.store.free_bytes(self.below)
+
+    def redact(self, text: str) -> str:
+        """`text` with every credential of this store replaced by '***'."""
+        return self.guard.redact(text)
+
+
+def resolve(url: str, storage_options: dict[str, Any] | None = None) -> Location:
+    """A Location for a local path or any fsspec URL (file://, memory://, s3://, gs://...).
+
+    `storage_options` go to fsspec, but for `request_timeout_s` (zarrckpt's: how long a
+    request may take before it is abandoned, see `guard`). Raises ValueError or
+    TypeError naming what is wrong with the URL or an option.
+    """
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"checkpoint URL must be a non-empty string, got {reprlib.repr(url)}")
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise TypeError(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
+    given = dict(storage_options or {})
+    request_timeout_s = _request_timeout(given.pop(REQUEST_TIMEOUT_OPTION, DEFAULT_REQUEST_TIMEOUT_S))
+    scheme = fsspec.core.split_protocol(url)[0] or "file"
+    protocol = PROTOCOLS.get(scheme, OTHER)
+    options = _merged(protocol.option_defaults, given)
+    fs, path = _url_to_fs(url, tuple(sorted(options.items(), key=lambda kv: kv[0])))
+    path = path.rstrip("/") or path
+    shown, password = redacted_url(url)
+    store: Store
+    if "file" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol):
+        store = LocalDisk(path)
+    else:
+        endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
+        store = Fsspec(fs, path, protocol, _taken(fs, protocol.read_options), endpoint)
+    return Location(url=shown.rstrip("/") or shown, store=store,
+                    guard=Guarded(request_timeout_s, _secrets(given, password)))
+
+
+def _request_timeout(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"storage_options[{REQUEST_TIMEOUT_OPTION!r}] must be a number of seconds above 0, got "
+                         f"{value!r}")
+    return float(value)
+
+
+def redacted_url(url: str) -> tuple[str, list[str]]:
+    """`url` as messages show it, with the password of its userinfo (`scheme://user:
+    PASSWORD@host/...`) replaced by '***', and that password as written and decoded
+    (for `Location.redact`, since clients quote the URL in their errors)."""
+    if "@" not in url or "://" not in url:
+        return url, []
+    try:
+        parts = urllib.parse.urlsplit(url)
+        password = parts.password
+    except ValueError:  # not a URL urllib can split (a bad port): show no userinfo at all
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}", [rest.split("/", 1)[0].rsplit("@", 1)[0]]
+    if not password:
+        return url, []
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    user = userinfo.split(":", 1)[0]
+    return url.replace(parts.netloc, f"{user}:***@{host}", 1), [password, urllib.parse.unquote(password)]
+
+
+def _taken(fs: fsspec.AbstractFileSystem, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The `cat_file` options that this version of the client accepts."""
+    parameters = inspect.signature(getattr(fs, "_cat_file", fs.cat_file)).parameters
+    return {name: value for name, value in options.items() if name in parameters}
+
+
+def _merged(defaults: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(options)
+    for name, default in defaults.items():
+        given = merged.get(name)
+        if isinstance(default, Mapping) and (given is None or isinstance(given, Mapping)):
+            merged[name] = _merged(default, given or {})  # a copy: clients may change what they get
+        elif given is None:
+            merged[name] = default
+    return merged
+
+
+def _secrets(options: Mapping[str, Any], also: Sequence[str] = ()) -> tuple[str, ...]:
+    """Every string that may be a credential: the values of storage options whose
+    names say so, at any depth (a `token` dict of service-account fields included),
+    and `also`."""
+    found: set[str] = set(also)
+    _find_secrets(options, False, found)
+    # Longest first, so that a secret containing another is replaced whole.
+    return tuple(sorted((s for s in found if len(s) >= 4 and s not in _NOT_SECRETS), key=len, reverse=True))
+
+
+def _find_secrets(value: Any, secret: bool, found: set[str]) -> None:
+    if isinstance(value, Mapping):
+        for name, item in value.items():
+            _find_secrets(item, secret or bool(_SECRET_OPTION.search(str(name))), found)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _find_secrets(item, secret, found)
+    elif isinstance(value, str) and secret:
+        found.add(value)
+
+
+def _url_to_fs(url: str, options: tuple[tuple[str, Any], ...]) -> tuple[fsspec.AbstractFileSystem, str]:
+    try:
+        return _cached_url_to_fs(url, options)
+    except TypeError:  # unhashable storage option values: skip the cache
+        return fsspec.core.url_to_fs(url, **dict(options))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_url_to_fs(url: str, options: tuple[tuple[str, Any], ...]) -> tuple[fsspec.AbstractFileSystem, str]:
+    return fsspec.core.url_to_fs(url, **dict(options))

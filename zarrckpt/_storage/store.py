@@ -1,0 +1,94 @@
+"""The storage interface: the few operations zarrckpt asks of any store, on keys below
+the store's root (`a/b/c`, '' for the root itself).
+
+One class per kind of storage implements it (`local.LocalDisk`, `remote.Fsspec`);
+`guard.Guarded` wraps every request of either with what all of them need (deadline,
+retries, the abort check, counting, errors as zarrckpt raises them). A backend raises
+what its storage raises, as OSError subclasses (FileNotFoundError for what is absent),
+and `LinkFound` for a symbolic link it will not follow.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import errno
+from collections.abc import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One entry of a listing, on any store: its name relative to what was listed, its
+    type ("file", "dir", "link": a symbolic link, never followed; "other") and size."""
+
+    name: str
+    type: str
+    size: int = 0
+
+
+class LinkFound(OSError):
+    """A symbolic link where zarrckpt expected a file or directory of a checkpoint (a
+    backend's error; `guard` makes it a CheckpointCorruptError naming its URL)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(errno.ELOOP, f"{path} is a symbolic link (zarrckpt never follows one inside a "
+                                      "checkpoint)")
+
+
+class Store(abc.ABC):
+    """One kind of storage, rooted at a place the user named.
+
+    `timeout` (seconds, or None) is how long a request may take before it is
+    abandoned, where the backend can abandon one (a request to a remote store); a
+    backend that cannot (a system call on the local disk) runs it to its end.
+    """
+
+    root: str  # what the keys are below: a local path, or a path in the remote store
+    concurrency: int  # requests kept in flight by default (save's and restore's pools)
+    local: bool = False  # this machine's own disk
+
+    @abc.abstractmethod
+    def list_dir(self, key: str, *, timeout: float | None) -> list[Entry]:
+        """The entries directly below `key`, sorted by name (FileNotFoundError if none)."""
+
+    @abc.abstractmethod
+    def walk(self, key: str, *, timeout: float | None) -> list[Entry]:
+        """Every object below `key` at any depth, by key relative to it, sorted."""
+
+    @abc.abstractmethod
+    def write(self, key: str, parts: Sequence[object], *, atomic: bool, durable: bool,
+              timeout: float | None) -> None:
+        """Writes the object `key`, the concatenation of `parts` (see `Location.write`)."""
+
+    @abc.abstractmethod
+    def read(self, key: str, limit: int | None, *, timeout: float | None) -> bytes:
+        """The object `key` (its first `limit` bytes, with a limit)."""
+
+    @abc.abstractmethod
+    def read_into(self, key: str, buffers: Sequence[memoryview], *, timeout: float | None) -> tuple[int, int]:
+        """Reads object `key` into `buffers` in turn; its size and the bytes read."""
+
+    @abc.abstractmethod
+    def exists(self, key: str, *, timeout: float | None) -> bool:
+        """Whether anything is at `key`."""
+
+    @abc.abstractmethod
+    def remove_file(self, key: str, *, timeout: float | None) -> None:
+        """Deletes the object `key` (FileNotFoundError if absent)."""
+
+    @abc.abstractmethod
+    def remove_tree(self, key: str, *, timeout: float | None) -> None:
+        """Deletes everything below `key`, and `key` (FileNotFoundError if nothing)."""
+
+    @abc.abstractmethod
+    def place(self, key: str) -> tuple[str, str]:
+        """Where `key` really is: the store's identity and its path with every other
+        spelling undone, so that two Locations can be compared."""
+
+    def private_directory(self, key: str) -> None:
+        """Makes `key` a directory only this user can change (see `local`)."""
+        raise OSError(errno.EXDEV, f"{self.root} is not on this machine's own disk")
+
+    def free_bytes(self, key: str) -> int:
+        """The bytes free on the disk holding `key`."""
+        raise OSError(errno.EXDEV, f"{self.root} is not on this machine's own disk")
