@@ -223,6 +223,16 @@ def test_default_concurrency_per_protocol(s3_server):
     assert limited.store.fs.connect().meta.config.max_pool_connections == 5
 
 
+def test_retries_are_zarrckpts_alone_unless_the_user_sets_the_clients(s3_server):
+    s3 = _storage.resolve("s3://b/x", s3_server.options())
+    assert s3.store.fs.retries == 1  # s3fs: one try
+    assert s3.store.fs.connect().meta.config.retries["total_max_attempts"] == 1  # botocore: one attempt
+    own = {"mode": "standard", "max_attempts": 10}
+    theirs = _storage.resolve("s3://b/y", {**s3_server.options(), "config_kwargs": {"retries": own}})
+    config = theirs.store.fs.connect().meta.config
+    assert config.retries == own and config.max_pool_connections >= theirs.concurrency  # theirs, whole
+
+
 def test_latency_benchmark_runs(tmp_path):
     """The benchmark's small settings, so that it keeps working."""
     script = Path(__file__).parent.parent / "benchmarks" / "object_store_latency.py"

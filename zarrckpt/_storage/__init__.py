@@ -18,6 +18,7 @@ as `LinkInCheckpoint`, a CheckpointCorruptError.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -270,13 +271,16 @@ def _taken(fs: fsspec.AbstractFileSystem, options: Mapping[str, Any]) -> dict[st
 
 
 def _merged(defaults: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
+    """The user's `options` over zarrckpt's `defaults`, an option given whole winning
+    whole: in a dict of options such as `config_kwargs`, each entry the user gives (a
+    `retries` dict of their own) replaces zarrckpt's, and the others stay."""
     merged = dict(options)
     for name, default in defaults.items():
         given = merged.get(name)
         if isinstance(default, Mapping) and (given is None or isinstance(given, Mapping)):
-            merged[name] = _merged(default, given or {})  # a copy: clients may change what they get
+            merged[name] = {**copy.deepcopy(default), **(given or {})}  # a copy: clients may change what they get
         elif given is None:
-            merged[name] = default
+            merged[name] = copy.deepcopy(default)
     return merged
 
 

@@ -3,7 +3,7 @@ abort check, a deadline, retries with backoff, counting, and the error the calle
 (credential-free, naming the object's URL).
 
 - A request is abandoned after its deadline: `request_timeout_s` (a storage option,
-  60 s by default) plus a second per MiB it moves, where the store can abandon one
+  20 s by default) plus a second per MiB it moves, where the store can abandon one
   (see `store.Store`). A timeout, the deadline's or the client's own, is tried once
   more; other transient failures (dropped connections, throttling, server errors) up to
   RETRIES more times, waiting 0.1 s, 0.2 s, ... (at most 5 s, with jitter) in between.
@@ -30,12 +30,12 @@ from typing import Any, TypeVar
 
 from .. import _concurrency, _stats
 from ..errors import CheckpointCorruptError
-from .store import LinkFound
+from .store import DeadlinePassed, LinkFound
 
 _T = TypeVar("_T")
 log = logging.getLogger("zarrckpt")
 
-DEFAULT_REQUEST_TIMEOUT_S = 60.0
+DEFAULT_REQUEST_TIMEOUT_S = 20.0
 _SECONDS_PER_MIB = 1.0  # on top of request_timeout_s: a request may move as slowly as 1 MiB/s
 RETRIES = 6
 TIMEOUT_RETRIES = 1
@@ -47,8 +47,8 @@ _TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ETI
 _TRANSIENT_NAMES = frozenset({"ServerDisconnectedError", "ClientOSError", "ClientConnectionError",
                               "ClientPayloadError", "SlowDown", "ThrottlingException", "InternalError",
                               "ServiceUnavailable", "EndpointConnectionError", "ConnectionClosedError"})
-# Timeouts, whoever's: fsspec's deadline (FSTimeoutError), botocore's and aiohttp's,
-# and S3's own "RequestTimeout" (the socket was idle too long).
+# Timeouts, whoever's (DeadlinePassed, the deadline's, is a TimeoutError): botocore's and
+# aiohttp's, fsspec's, and S3's own "RequestTimeout" (the socket was idle too long).
 _TIMEOUT_NAMES = frozenset({"ReadTimeoutError", "ConnectTimeoutError", "ServerTimeoutError", "RequestTimeout",
                             "FSTimeoutError"})
 
@@ -122,7 +122,7 @@ class Guarded:
             kind, why = IsADirectoryError, "a directory is where an object should be"
         elif isinstance(e, NotADirectoryError):
             kind, why = NotADirectoryError, "a file is in the way"
-        elif type(e).__name__ == "FSTimeoutError":  # the deadline's
+        elif isinstance(e, DeadlinePassed):
             kind, why = TimeoutError, f"no answer in {timeout:.0f} s (storage_options request_timeout_s)"
         elif is_timeout(e):
             kind, why = TimeoutError, "no answer in time (the client's own timeouts)"

@@ -10,6 +10,7 @@ zarrckpt's alone (`guard`) and do not multiply.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import posixpath
@@ -20,7 +21,7 @@ import fsspec
 import fsspec.asyn
 import numpy as np
 
-from .store import Entry, Store
+from .store import DeadlinePassed, Entry, Store
 
 log = logging.getLogger("zarrckpt")
 
@@ -98,10 +99,22 @@ class Fsspec(Store):
 
     def _run(self, method: str, *args: Any, timeout: float | None, **kwargs: Any) -> Any:
         """`fs.method(*args, **kwargs)`; an asynchronous client's is cancelled after
-        `timeout` seconds (fsspec's FSTimeoutError, a TimeoutError)."""
-        if isinstance(self.fs, fsspec.asyn.AsyncFileSystem) and not self.fs.asynchronous:
-            return fsspec.asyn.sync(self.fs.loop, getattr(self.fs, f"_{method}"), *args, timeout=timeout, **kwargs)
-        return getattr(self.fs, method)(*args, **kwargs)
+        `timeout` seconds (DeadlinePassed).
+
+        The deadline is kept from this thread, and the request cancelled only once it
+        has passed: an asyncio timeout around the request (fsspec's `sync(timeout=)`,
+        `asyncio.timeout`) kept aiohttp's own read timeout from firing on Python 3.11,
+        so that botocore's 2 s timeout became zarrckpt's 60 s."""
+        if not isinstance(self.fs, fsspec.asyn.AsyncFileSystem) or self.fs.asynchronous:
+            return getattr(self.fs, method)(*args, **kwargs)
+        request = asyncio.run_coroutine_threadsafe(getattr(self.fs, f"_{method}")(*args, **kwargs), self.fs.loop)
+        try:
+            return request.result(timeout)
+        except TimeoutError:
+            if request.done():  # the client's own timeout
+                raise
+            request.cancel()
+            raise DeadlinePassed(f"abandoned after {timeout:.0f} s") from None
 
     def list_dir(self, key: str, *, timeout: float | None) -> list[Entry]:
         path = self._path(key)

@@ -5,7 +5,8 @@ One class per kind of storage implements it (`local.LocalDisk`, `remote.Fsspec`)
 `guard.Guarded` wraps every request of either with what all of them need (deadline,
 retries, the abort check, counting, errors as zarrckpt raises them). A backend raises
 what its storage raises, as OSError subclasses (FileNotFoundError for what is absent),
-and `LinkFound` for a symbolic link it will not follow.
+`LinkFound` for a symbolic link it will not follow, and `DeadlinePassed` for a request
+it abandoned.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class LinkFound(OSError):
     def __init__(self, path: str) -> None:
         super().__init__(errno.ELOOP, f"{path} is a symbolic link (zarrckpt never follows one inside a "
                                       "checkpoint)")
+
+
+class DeadlinePassed(TimeoutError):
+    """A request abandoned at its deadline (`Store` methods' `timeout`)."""
 
 
 class Store(abc.ABC):
