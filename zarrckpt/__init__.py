@@ -9,6 +9,7 @@
     metadata                             what a checkpoint holds, without reading data
     verify / copy_checkpoint             is a checkpoint whole; copy one anywhere, commit last
     CheckpointManager                    save policies, async saves, retention
+    load_safetensors                     Hugging Face safetensors files onto a mesh
 
 The on-disk format is specified in docs/pytree-zarr-checkpoint.md; docs/architecture.md
 draws the modules: the write path in `_save/`, the read path in `_restore/`, the
@@ -21,7 +22,7 @@ from ._format.naming import FORMAT_VERSION
 from ._format.tree import PerProcess
 from ._manager import CheckpointManager
 from ._metadata import CheckpointMetadata, LeafMetadata, metadata
-from ._restore import load_pytree
+from ._restore import load_pytree, load_safetensors
 from ._save import save_pytree
 from ._steps import (
     all_steps,
@@ -75,6 +76,7 @@ __all__ = [
     "load_checkpoint",
     "load_checkpoint_if_it_exists",
     "load_pytree",
+    "load_safetensors",
     "metadata",
     "save_checkpoint",
     "save_pytree",

@@ -21,7 +21,7 @@ import math
 import re
 
 from . import _commit, _seqax
-from ._format import chunks as _chunks, naming as _naming
+from ._format import chunks as _chunks, naming as _naming, safetensors as _safetensors
 from ._regions import indices
 from ._restore import checkpoint as _reader
 from ._storage import Location
@@ -107,11 +107,12 @@ class _Judge:
             return None
         if rest in ((_seqax.ARRAY, ".zattrs") if self.seqax else ("zarr.json",)):
             return Owned(key)
-        coords = leaf.codec.coords_of(rest)
+        codec = leaf.codec
+        assert not isinstance(codec, _safetensors.TensorCodec)  # a checkpoint's leaf
+        coords = codec.coords_of(rest)
         if coords is None or not all(i < n for i, n in zip(coords, _chunks.grid(leaf.shape, leaf.chunks))):
             return None
         self.chunks_found[name] += 1
-        codec = leaf.codec
         return Owned(key, codec.stored_bytes, codec) if isinstance(codec, _chunks.ChunkCodec) else \
             Owned(key, codec.data_bytes)
 

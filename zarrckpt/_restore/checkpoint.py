@@ -19,7 +19,14 @@ import jax
 import numpy as np
 
 from .. import _commit, _concurrency, _multihost, _seqax, _storage
-from .._format import chunks as _chunks, dtypes as _dtypes, naming as _naming, tree as _tree, zarrjson as _zarrjson
+from .._format import (
+    chunks as _chunks,
+    dtypes as _dtypes,
+    naming as _naming,
+    safetensors as _safetensors,
+    tree as _tree,
+    zarrjson as _zarrjson,
+)
 from .._format.chunks import ChunkCodec, Damage, DamagedChunk
 from .._regions import Region, chunks_touching, intersect, region_shape, relative
 from .._storage import Location
@@ -39,7 +46,7 @@ class StoredLeaf:
     # What was saved: "jax", "numpy", "numpy_scalar", "prng_key", "str", "bytes",
     # "per_process", or a Python scalar type's name ("bool", "int", "float", "complex").
     kind: str
-    codec: ChunkCodec | _seqax.Codec
+    codec: ChunkCodec | _seqax.Codec | _safetensors.TensorCodec
     prng_impl: str | None = None  # for typed PRNG keys: the implementation's name
     processes: int | None = None  # for per-process leaves: how many processes saved one
 
@@ -105,8 +112,8 @@ class Checkpoint:
         was opened: deleted, or replaced by another save (one small read). Called after
         the last read, so that no result mixes two saves, and on damage, which a
         deletion or replacement under the reader looks like."""
-        if not self.committed:
-            return  # an inspection of a save in progress: it changes by design
+        if not self.committed or self.layout == _safetensors.LAYOUT:
+            return  # a save in progress, which changes by design; a safetensors file, which has no marker
         now = _commit.head(self.loc)
         if now.state is not _commit.State.COMMITTED:
             raise CheckpointNotFoundError(
@@ -155,13 +162,15 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
     return out
 
 
-def read_chunk(loc: Location, codec: ChunkCodec | _seqax.Codec, chunk: Region,
+def read_chunk(loc: Location, codec: ChunkCodec | _seqax.Codec | _safetensors.TensorCodec, chunk: Region,
                out: np.ndarray | None = None) -> np.ndarray:
     """Reads the chunk covering `chunk` with `codec` and checks it; its values in the
     chunk shape. With `out` (a C-contiguous array of the chunk shape), a zarrckpt chunk
     is read straight into it, with no copy. MissingObject if it is absent, DamagedChunk
     naming it if its bytes are wrong."""
     key = codec.key(chunk)
+    if isinstance(codec, _safetensors.TensorCodec):  # a part of a tensor: one range of its file
+        return _read_part(loc, codec, chunk, out)
     try:
         if out is not None and codec.reads_into:
             trailer = bytearray(codec.stored_bytes - codec.data_bytes)  # type: ignore[union-attr]
@@ -178,6 +187,22 @@ def read_chunk(loc: Location, codec: ChunkCodec | _seqax.Codec, chunk: Region,
         return values
     out[...] = values
     return out
+
+
+def _read_part(loc: Location, codec: _safetensors.TensorCodec, chunk: Region, out: np.ndarray | None) -> np.ndarray:
+    """A part of a safetensors tensor (its rows, in a buffer of the part's shape): one
+    range request, straight into `out` when given."""
+    start, nbytes = codec.span(chunk)
+    values = out if out is not None else np.empty(codec.shape, codec.dtype)
+    try:
+        part = values.reshape(-1).view(np.uint8)[:nbytes]
+        done = loc.read_range(codec.file, start, memoryview(part))  # type: ignore[arg-type, unused-ignore]
+    except FileNotFoundError:
+        raise MissingObject(f"{codec.file!r} is missing from {loc.url}") from None
+    if done != nbytes:
+        raise DamagedChunk(codec.file, loc.url, f"ends before the bytes of tensor {codec.array!r} (bytes {start:,} "
+                           f"to {start + nbytes:,})")
+    return values
 
 
 def open_checkpoint(loc: Location, *, require_committed: bool = True, group: _commit.Group | None = None,

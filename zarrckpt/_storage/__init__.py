@@ -163,6 +163,13 @@ class Location:
         _stats.add("store_bytes_read", done)
         return size
 
+    def read_range(self, key: str, start: int, buffer: memoryview) -> int:
+        """Reads object `key` from byte `start` into `buffer` (one request), as far as the
+        object goes; returns the bytes read. FileNotFoundError if absent."""
+        done: int = self._call("read", key, self.store.read_range, start, buffer, nbytes=len(buffer))
+        _stats.add("store_bytes_read", done)
+        return done
+
     def exists(self) -> bool:
         """Whether anything is here. Never answered from fsspec's listing cache."""
         return bool(self._call("check", None, self.store.exists))

@@ -64,6 +64,9 @@ class LocalDisk(Store):
     def read_into(self, key: str, buffers: Sequence[memoryview], *, timeout: float | None) -> tuple[int, int]:
         return read_into(self.root, key, buffers)
 
+    def read_range(self, key: str, start: int, buffer: memoryview, *, timeout: float | None) -> int:
+        return read_range(self.root, key, start, buffer)
+
     def exists(self, key: str, *, timeout: float | None) -> bool:
         return exists(self.root, key)
 
@@ -243,6 +246,16 @@ def read_into(root: str, key: str, buffers: Sequence[memoryview]) -> tuple[int, 
                 filled += n
             done += filled
         return size, done
+
+
+def read_range(root: str, key: str, start: int, buffer: memoryview) -> int:
+    """Reads `root/key` from byte `start` into `buffer`, as far as the file goes; returns
+    the bytes read."""
+    with _opened(root, key) as (f, _):
+        filled = 0
+        while filled < len(buffer) and (n := os.preadv(f, [buffer[filled:]], start + filled)):
+            filled += n
+        return filled
 
 
 def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable: bool) -> None:

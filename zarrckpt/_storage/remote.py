@@ -161,6 +161,11 @@ class Fsspec(Store):
             offset += len(piece)
         return len(data), len(data)
 
+    def read_range(self, key: str, start: int, buffer: memoryview, *, timeout: float | None) -> int:
+        data = self._run("cat_file", self._path(key), start=start, end=start + len(buffer), timeout=timeout)
+        np.frombuffer(buffer, np.uint8)[: len(data)] = np.frombuffer(data, np.uint8)
+        return len(data)
+
     def exists(self, key: str, *, timeout: float | None) -> bool:
         path = self._path(key)
         self.fs.invalidate_cache(path)

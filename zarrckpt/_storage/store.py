@@ -74,6 +74,10 @@ class Store(abc.ABC):
         """Reads object `key` into `buffers` in turn; its size and the bytes read."""
 
     @abc.abstractmethod
+    def read_range(self, key: str, start: int, buffer: memoryview, *, timeout: float | None) -> int:
+        """Reads bytes `start` on of object `key` into `buffer`; how many there were."""
+
+    @abc.abstractmethod
     def exists(self, key: str, *, timeout: float | None) -> bool:
         """Whether anything is at `key`."""
 
