@@ -301,12 +301,38 @@ def test_export_refuses_what_the_format_cannot_hold(tmp_path):
     url = str(tmp_path / "c")
     zarrckpt.save_pytree(url, {"z": np.ones(2, np.complex128), "i4": np.arange(3).astype(ml_dtypes.int4)})
     with pytest.raises(ValueError, match="complex128, which safetensors cannot hold"):
-        zarrckpt._export.export_checkpoint(url, str(tmp_path / "x.safetensors"))
+        zarrckpt.export_checkpoint(url, str(tmp_path / "x.safetensors"))
     assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "x.safetensors.partial").exists()
-    result = zarrckpt._export.export_checkpoint(url, str(tmp_path / "x.npz"))
+    result = zarrckpt.export_checkpoint(url, str(tmp_path / "x.npz"))
     assert result.widened == {"i4": ("int4", "int8")}
     with np.load(tmp_path / "x.npz") as arrays:
         np.testing.assert_array_equal(arrays["i4"], np.arange(3, dtype=np.int8))
+
+
+def test_export_select_writes_a_subtree_named_inside_it_and_leaves_out_text(tmp_path):
+    url = str(tmp_path / "c")
+    tree = {"params": {"encoder": {"w": np.ones((2, 3), np.float32)}, "head": np.arange(4, dtype=np.int32)},
+            "opt_state": {"mu": np.zeros(3)}, "config": "layers=2", "vocab": b"\x00\x01",
+            "data": zarrckpt.PerProcess({"next": 3})}
+    zarrckpt.save_pytree(url, tree)
+    params, whole = run_together([["export", url, str(tmp_path / "params.safetensors"), "--select", "params"],
+                                  ["export", url, str(tmp_path / "all.npz")]])
+    assert params.returncode == 0, params.stderr
+    tensors = dict(safetensors.deserialize((tmp_path / "params.safetensors").read_bytes()))
+    assert sorted(tensors) == ["encoder.w", "head"]  # named inside the subtree
+    assert whole.returncode == 0, whole.stderr
+    with np.load(tmp_path / "all.npz") as arrays:
+        assert sorted(arrays.files) == ["opt_state.mu", "params.encoder.w", "params.head"]  # no text turned to uint8
+    for name, why in (("config", "a str, not an array of numbers"), ("vocab", "a bytes, not an array of numbers"),
+                      ("data", "a per-process value, not an array")):
+        assert f"  {name}: left out ({why})" in whole.stdout, whole.stdout
+    result = zarrckpt.export_checkpoint(url, str(tmp_path / "w.npz"), select="params.encoder.w")
+    assert (result.arrays, result.skipped) == (1, {})
+    with np.load(tmp_path / "w.npz") as arrays:
+        assert arrays.files == ["w"]
+    missing = run("export", url, str(tmp_path / "x.npz"), "--select", "parms")
+    assert missing.returncode == 1 and "select 'parms' names no subtree" in missing.stderr
+    assert "config, data, opt_state, params, vocab" in missing.stderr and not (tmp_path / "x.npz").exists()
 
 
 def test_errors_are_one_line(tmp_path):

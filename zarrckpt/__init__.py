@@ -8,6 +8,7 @@
     PerProcess                           a leaf each process saves for itself (data loader state)
     metadata                             what a checkpoint holds, without reading data
     verify / copy_checkpoint             is a checkpoint whole; copy one anywhere, commit last
+    export_checkpoint                    a checkpoint's arrays (or a subtree's) to .safetensors or .npz
     CheckpointManager                    save policies, async saves, retention
     load_safetensors                     Hugging Face safetensors files onto a mesh
 
@@ -17,6 +18,7 @@ format's pure pieces in `_format/`, storage at the bottom.
 """
 
 from ._copy import CopyResult, copy_checkpoint
+from ._export import ExportResult, export_checkpoint
 from ._format import dtypes as _dtypes
 from ._format.naming import FORMAT_VERSION
 from ._format.tree import PerProcess
@@ -64,6 +66,7 @@ __all__ = [
     "CoordinationTimeoutError",
     "CopyResult",
     "DirectoryInUseError",
+    "ExportResult",
     "LeafMetadata",
     "PerProcess",
     "Problem",
@@ -72,6 +75,7 @@ __all__ = [
     "all_steps",
     "checkpoints_iterator",
     "copy_checkpoint",
+    "export_checkpoint",
     "latest_step",
     "load_checkpoint",
     "load_checkpoint_if_it_exists",

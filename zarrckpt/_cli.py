@@ -166,6 +166,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("out", metavar="OUT", help="local file, *.npz or *.safetensors")
     sub.add_argument("--format", choices=_export.FORMATS, help="default: from OUT's extension")
     sub.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    sub.add_argument("--select", metavar="SUBTREE", help="only this subtree, named as `info` lists it (params, "
+                     "params.encoder); arrays are named inside it")
     return parser
 
 
@@ -327,13 +329,14 @@ def _cp(args: argparse.Namespace) -> int:
 
 
 def _export_command(args: argparse.Namespace) -> int:
-    result = _export.export_checkpoint(args.url, args.out, format=args.format, overwrite=args.overwrite,
+    result = _export.export_checkpoint(args.url, args.out, select=args.select, format=args.format,
+                                       overwrite=args.overwrite,
                                        storage_options=_options(args.storage_option), progress=args.progress)
     print(f"exported {result.arrays} arrays ({_size(result.nbytes)}) to {result.path}")
     for name, (stored, exported) in sorted(result.widened.items()):
         print(f"  {name}: {stored} widened to {exported} ({result.format} has no {stored})")
-    for name in result.skipped:
-        print(f"  {name}: left out (a per-process value, not an array)")
+    for name, why in sorted(result.skipped.items()):
+        print(f"  {name}: left out ({why})")
     return 0
 
 

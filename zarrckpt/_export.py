@@ -2,10 +2,11 @@
 
 Each leaf becomes one array named by its array name in the checkpoint, as `zarrckpt
 info` lists it: `params.dense.kernel`, `opt_state.0.mu` (the dotted style of PyTorch
-state dicts; `%XX` escapes only for characters outside `[A-Za-z0-9_-]` in keys).
-A typed PRNG key is exported as its key data (uint32), a str or bytes leaf as its
-bytes (uint8; UTF-8 for a str). Per-process leaves (a data loader's position on each
-host) are left out: they are no array, and `skipped` lists them.
+state dicts; `%XX` escapes only for characters outside `[A-Za-z0-9_-]` in keys), or,
+with `select`, by its name inside the subtree selected (`dense.kernel` of `params`).
+A typed PRNG key is exported as its key data (uint32). Leaves that are no array of
+numbers are left out, never converted, and `skipped` says why: a str or bytes leaf (a
+config, a tokenizer's text) and a per-process value (a data loader's position).
 
 A dtype the file format cannot hold is widened to one that holds every value exactly:
 ml_dtypes floats (bfloat16, float8_*) to float32 and 4-bit integers to int8/uint8 in
@@ -40,15 +41,15 @@ _WIDER: dict[str, np.dtype] = {"f": np.dtype(np.float32), "i": np.dtype(np.int8)
 @dataclasses.dataclass(frozen=True)
 class ExportResult:
     """What `export_checkpoint` wrote. `widened` maps each array name whose dtype the
-    format lacks to (stored dtype, exported dtype); `skipped` names the per-process
-    leaves left out."""
+    format lacks to (stored dtype, exported dtype); `skipped` maps each leaf left out
+    (no array of numbers) to why."""
 
     path: str
     format: str
     arrays: int
     nbytes: int
     widened: dict[str, tuple[str, str]]
-    skipped: tuple[str, ...] = ()
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def format_of(path: str) -> str:
@@ -60,13 +61,16 @@ def format_of(path: str) -> str:
     return extension
 
 
-def export_checkpoint(url: str, path: str, *, format: str | None = None, overwrite: bool = False,
+def export_checkpoint(url: str, path: str, *, select: str | None = None, format: str | None = None,
+                      overwrite: bool = False,
                       storage_options: dict[str, Any] | None = None,
                       max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
                       progress: bool | None = None) -> ExportResult:
     """Writes every leaf of the committed checkpoint at `url` to the local file `path`.
 
-    `format` is "npz" or "safetensors" (default: from `path`'s extension). The file
+    `select` is a subtree, by its name as `zarrckpt info` lists it (`params`,
+    `params.encoder`): only its leaves are written, named inside it. `format` is "npz"
+    or "safetensors" (default: from `path`'s extension). The file
     appears whole or not at all: it is written aside, to a new file of a random name in
     the same folder (created exclusively, so a link planted there is never followed),
     then renamed over `path`; an existing `path` is replaced only with `overwrite`, a
@@ -76,8 +80,8 @@ def export_checkpoint(url: str, path: str, *, format: str | None = None, overwri
 
     Raises CheckpointNotFoundError if there is no committed checkpoint at `url`,
     CheckpointCorruptError if data is missing, FileExistsError if `path` exists and
-    `overwrite` is False, ValueError for an unknown format or a
-    dtype the format cannot hold, ModuleNotFoundError if `safetensors` is not
+    `overwrite` is False, ValueError for an unknown format, a `select` that names no
+    subtree, or a dtype the format cannot hold, ModuleNotFoundError if `safetensors` is not
     installed (`pip install 'zarrckpt[export]'`), OSError if a file cannot be written.
     """
     format = format or format_of(path)
@@ -90,10 +94,12 @@ def export_checkpoint(url: str, path: str, *, format: str | None = None, overwri
         raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it")
     writer = _write_npz if format == "npz" else _write_safetensors
     ckpt = _reader.open_checkpoint(_storage.resolve(url, storage_options))
-    leaves = [leaf for leaf in ckpt.leaves.values() if leaf.processes is None]
-    skipped = tuple(leaf.name for leaf in ckpt.leaves.values() if leaf.processes is not None)
+    named = _selected(ckpt, select)
+    skipped = {named[leaf.name]: why for leaf in ckpt.leaves.values()
+               if leaf.name in named and (why := _not_an_array(leaf)) is not None}
+    leaves = [leaf for leaf in ckpt.leaves.values() if leaf.name in named and named[leaf.name] not in skipped]
     dtypes = {leaf.name: _exported_dtype(leaf, format) for leaf in leaves}
-    widened = {leaf.name: (leaf.dtype.name, dtypes[leaf.name].name) for leaf in leaves
+    widened = {named[leaf.name]: (leaf.dtype.name, dtypes[leaf.name].name) for leaf in leaves
                if dtypes[leaf.name] != leaf.dtype}
     total = sum(leaf.nbytes for leaf in leaves)
     # A new file (O_EXCL: never an existing one, nor through a link) of a name nobody
@@ -102,7 +108,7 @@ def export_checkpoint(url: str, path: str, *, format: str | None = None, overwri
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
         with _progress.bar(f"exporting {ckpt.loc.url}", total, progress) as advance:
-            arrays = ((leaf.name, array.astype(dtypes[leaf.name], copy=False))
+            arrays = ((named[leaf.name], array.astype(dtypes[leaf.name], copy=False))
                       for leaf, array in _read_leaves(ckpt, leaves, max_inflight_bytes, advance))
             writer(fd, partial, arrays)
         os.replace(partial, path)
@@ -111,6 +117,32 @@ def export_checkpoint(url: str, path: str, *, format: str | None = None, overwri
         if os.path.lexists(partial):
             os.remove(partial)
     return ExportResult(path, format, len(leaves), total, widened, skipped)
+
+
+def _selected(ckpt: _reader.Checkpoint, select: str | None) -> dict[str, str]:
+    """The array name of each leaf `select` keeps, and its name in the file: inside the
+    subtree (its last part, where `select` names a leaf). ValueError if none."""
+    if select is None:
+        return {name: name for name in ckpt.leaves}
+    if not isinstance(select, str) or not select:
+        raise ValueError(f"select must name a subtree as `zarrckpt info` lists it (params.encoder), got {select!r}")
+    below = {name: name[len(select) + 1:] for name in ckpt.leaves if name.startswith(select + ".")}
+    if select in ckpt.leaves:
+        below[select] = select.rsplit(".", 1)[-1]
+    if not below:
+        tops = sorted({name.split(".", 1)[0] for name in ckpt.leaves})
+        raise ValueError(f"select {select!r} names no subtree of {ckpt.loc.url}; its top-level names are "
+                         f"{', '.join(tops[:10])}{' ...' if len(tops) > 10 else ''}")
+    return below
+
+
+def _not_an_array(leaf: _reader.StoredLeaf) -> str | None:
+    """Why a leaf cannot be exported as an array of numbers, or None."""
+    if leaf.processes is not None:
+        return "a per-process value, not an array"
+    if leaf.kind in ("str", "bytes"):
+        return f"a {leaf.kind}, not an array of numbers"
+    return None
 
 
 def _exported_dtype(leaf: _reader.StoredLeaf, format: str) -> np.dtype:
