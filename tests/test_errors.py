@@ -96,7 +96,19 @@ def test_missing_chunk_is_an_error_not_zeros(tmp_path):
     os.remove(url / "w" / "c.1.0")
     with pytest.raises(zarrckpt.CheckpointCorruptError, match=r"chunk 'w/c.1.0' is missing from checkpoint") as e:
         zarrckpt.load_pytree(str(url))
-    assert "leaf ['w']" in "\n".join(getattr(e.value, "__notes__", []))
+    notes = "\n".join(getattr(e.value, "__notes__", []))
+    assert "leaf ['w']" in notes
+    assert f"`zarrckpt verify {url}` lists every damaged object; restore an earlier step" in notes  # what to do
+
+
+def test_a_step_named_without_its_padding_is_pointed_at(tmp_path):
+    zarrckpt.save_checkpoint(str(tmp_path / "run1"), 8, {"a": 1})
+    for given in ("8", "08"):
+        pointed = f"no checkpoint at {tmp_path}/run1/{given} \\(step 8 is {tmp_path}/run1/0000000008\\)"
+        with pytest.raises(zarrckpt.CheckpointNotFoundError, match=pointed):
+            zarrckpt.load_pytree(str(tmp_path / "run1" / given))
+    with pytest.raises(zarrckpt.CheckpointNotFoundError, match=r"no checkpoint at \S+/run1/9$"):  # no such step
+        zarrckpt.metadata(str(tmp_path / "run1" / "9"))
 
 
 def test_mismatch_lists_every_problem_before_reading(tmp_path, monkeypatch):

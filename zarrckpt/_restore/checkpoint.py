@@ -135,6 +135,8 @@ class Checkpoint:
         except (MissingObject, DamagedChunk, _storage.LinkInCheckpoint) as e:
             self.check_unchanged()
             e.add_note(note)
+            e.add_note(f"the checkpoint is damaged: `zarrckpt verify {self.loc.url}` lists every damaged object; "
+                       "restore an earlier step")
             raise
         except Exception as e:
             e.add_note(note)
@@ -189,6 +191,20 @@ def read_chunk(loc: Location, codec: ChunkCodec | _seqax.Codec | _safetensors.Te
     return out
 
 
+def _where_instead(loc: Location) -> str:
+    """Where the checkpoint meant by `loc` is, where that can be told: a directory of
+    steps holds them (`run`), or a step was named unpadded (`run/8` for run/0000000008)."""
+    steps = sorted(s for e in loc.list_dir() if (s := _naming.parse_step_dir_name(e.name)) is not None)
+    if steps:
+        return f" (it is a directory of steps: give one step's URL, the newest {loc.step(steps[-1]).url})"
+    name = loc.url.rstrip("/").rpartition("/")[2]
+    if name.isascii() and name.isdigit() and name != _naming.step_dir_name(int(name)):
+        padded = loc.sibling(_naming.step_dir_name(int(name)))
+        if _commit.head(padded).state is not _commit.State.ABSENT:
+            return f" (step {int(name)} is {padded.url})"
+    return ""
+
+
 def _read_part(loc: Location, codec: _safetensors.TensorCodec, chunk: Region, out: np.ndarray | None) -> np.ndarray:
     """A part of a safetensors tensor (its rows, in a buffer of the part's shape): one
     range request, straight into `out` when given."""
@@ -216,10 +232,7 @@ def open_checkpoint(loc: Location, *, require_committed: bool = True, group: _co
     """
     group = group or _commit.read_group(loc)
     if group is None:
-        steps = [s for e in loc.list_dir() if (s := _naming.parse_step_dir_name(e.name)) is not None]
-        hint = (f" (it is a directory of steps: give one step's URL, the newest {loc.step(steps[-1]).url})"
-                if steps else "")
-        raise CheckpointNotFoundError(f"no checkpoint at {loc.url}{hint}")
+        raise CheckpointNotFoundError(f"no checkpoint at {loc.url}{_where_instead(loc)}")
     if group.problem is not None:
         name = "zarr.json" if group.zarr_format == 3 else _seqax.MARKER
         raise CheckpointCorruptError(f"{loc.url}/{name}, the checkpoint's metadata, {group.problem}")

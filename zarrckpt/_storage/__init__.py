@@ -86,6 +86,12 @@ class Location:
         return dataclasses.replace(self, url=posixpath.join(self.url.rstrip("/"), name),
                                    below=posixpath.join(self.below, name) if self.below else name)
 
+    def sibling(self, name: str) -> Location:
+        """The place named `name` beside this one, in the same store, rooted there."""
+        parent, parent_url = posixpath.dirname(self.path.rstrip("/")), self.url.rstrip("/").rpartition("/")[0]
+        return Location(url=f"{parent_url}/{name}", store=self.store.moved(posixpath.join(parent, name)),
+                        guard=self.guard)
+
     def step(self, step: int) -> Location:
         """The directory of `step` in this checkpoint directory (ValueError for a bad step)."""
         return self.child(_naming.step_dir_name(step))

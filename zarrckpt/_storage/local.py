@@ -79,6 +79,9 @@ class LocalDisk(Store):
     def place(self, key: str) -> tuple[str, str]:
         return "file", os.path.realpath(os.path.join(self.root, key))
 
+    def moved(self, root: str) -> LocalDisk:
+        return LocalDisk(root)
+
     def private_directory(self, key: str) -> None:
         private_directory(os.path.join(self.root, key))
 

@@ -181,6 +181,9 @@ class Fsspec(Store):
         finally:
             self.fs.invalidate_cache(path)
 
+    def moved(self, root: str) -> Fsspec:
+        return Fsspec(self.fs, root, self.protocol, self.read_options, self.endpoint)
+
     def place(self, key: str) -> tuple[str, str]:
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         return f"{protocol}:{self.endpoint}", posixpath.normpath("/" + self._path(key))

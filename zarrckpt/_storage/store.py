@@ -94,6 +94,10 @@ class Store(abc.ABC):
         """Where `key` really is: the store's identity and its path with every other
         spelling undone, so that two Locations can be compared."""
 
+    @abc.abstractmethod
+    def moved(self, root: str) -> Store:
+        """The same store, rooted at `root` (a path as this store spells one)."""
+
     def private_directory(self, key: str) -> None:
         """Makes `key` a directory only this user can change (see `local`)."""
         raise OSError(errno.EXDEV, f"{self.root} is not on this machine's own disk")
