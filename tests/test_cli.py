@@ -335,6 +335,25 @@ def test_export_select_writes_a_subtree_named_inside_it_and_leaves_out_text(tmp_
     assert "config, data, opt_state, params, vocab" in missing.stderr and not (tmp_path / "x.npz").exists()
 
 
+@pytest.mark.parametrize(("args", "complaint", "hint"), [
+    (["gc", "D", "--keep_last", "2"], "the following arguments are required: --keep-last",
+     "--keep_last is not an option of zarrckpt gc: did you mean --keep-last?"),
+    (["gc", "D", "--keep-last", "2", "--dryrun"], "unrecognized arguments: --dryrun",
+     "--dryrun is not an option of zarrckpt gc: did you mean --dry-run?"),
+])
+def test_a_mistyped_flag_gets_the_commands_usage_and_the_flag_it_resembles(args, complaint, hint):
+    # In-process: the whole of what the user sees is the parser's output, no JAX needed.
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = _cli.main(args)
+    lines = err.getvalue().splitlines()
+    assert status == 2 and lines[0].startswith("usage: zarrckpt gc ")  # gc's usage, not the top level's
+    assert f"zarrckpt gc: error: {complaint}" in lines and f"  {hint}" in lines, lines
+
+
 def test_errors_are_one_line(tmp_path):
     missing, debug, usage = run_together([["info", str(tmp_path / "nothing")],
                                           ["info", str(tmp_path / "nothing"), "--debug"],

@@ -16,11 +16,12 @@ command works on a host whose devices a training job holds.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -44,6 +45,7 @@ from ._metadata import metadata
 from .errors import CheckpointError
 
 EXIT_ERROR = 1  # the command could not do its job (message on stderr)
+EXIT_USAGE = 2  # the command line is wrong (argparse's status)
 EXIT_DAMAGED = 3  # verify: the checkpoint was read and is not whole
 _SHOWN_PROBLEMS = 100  # verify lists at most this many; --json lists all
 
@@ -64,7 +66,12 @@ exit status: 0 success; 1 error (one line on stderr; --debug for the traceback);
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line `argv` (default: sys.argv[1:]); returns the exit status."""
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except _BadCommandLine as e:
+        return _bad_command_line(parser, e, argv)
     if "JAX_PLATFORMS" not in os.environ:
         jax.config.update("jax_platforms", "cpu")
     if args.debug:
@@ -104,26 +111,63 @@ def _describe(e: BaseException) -> str:
 # -- the command line ----------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+class _BadCommandLine(Exception):
+    """argparse's complaint, and the (sub)parser that made it."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser, self.message = parser, message
+
+
+class _Parser(argparse.ArgumentParser):
+    """Complaints come back to `main` (`_bad_command_line`), which knows the command
+    line and can say what a mistyped flag was meant to be."""
+
+    commands: Mapping[str, _Parser]
+
+    def error(self, message: str) -> Any:
+        raise _BadCommandLine(self, message)
+
+
+def _bad_command_line(parser: _Parser, e: _BadCommandLine, argv: list[str]) -> int:
+    """The usage of the command the user ran (argparse gives the top level's for a flag
+    it does not know), the complaint, and for each unknown flag the one it resembles
+    (`--keep_last` for `--keep-last`, `--dryrun` for `--dry-run`)."""
+    used = e.parser
+    if used is parser:
+        used = next((parser.commands[a] for a in argv if a in parser.commands), parser)
+    known = [flag for action in used._actions for flag in action.option_strings]
+    hints = []
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag.startswith("--") and flag not in known:
+            close = difflib.get_close_matches(flag.replace("_", "-"), known, n=1, cutoff=0.75)
+            hints.append(f"{flag} is not an option of {used.prog}" + (f": did you mean {close[0]}?" if close else ""))
+    used.print_usage(sys.stderr)
+    print(f"{used.prog}: error: {e.message}" + "".join(f"\n  {hint}" for hint in hints), file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _parser() -> _Parser:
+    common = _Parser(add_help=False)
     common.add_argument("-o", "--storage-option", metavar="KEY=VALUE", action="append", type=_option,
                         default=[], help="fsspec storage option for every URL (repeatable)")
     common.add_argument("--debug", action="store_true", help="show tracebacks and zarrckpt's log")
-    as_json = argparse.ArgumentParser(add_help=False)
+    as_json = _Parser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print JSON for scripts")
-    progress = argparse.ArgumentParser(add_help=False)
+    progress = _Parser(add_help=False)
     progress.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                           help="show a progress bar (default: when stderr is a terminal)")
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="zarrckpt", description="Inspect, check, prune, copy and export zarrckpt checkpoints "
         "on any fsspec URL (local path, s3://, gs://, ...).",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"zarrckpt {__version__}")
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+    parser.commands = commands.choices
 
-    def command(name: str, run: Callable[[argparse.Namespace], int], help: str,
-                *parents: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def command(name: str, run: Callable[[argparse.Namespace], int], help: str, *parents: _Parser) -> _Parser:
         sub = commands.add_parser(name, help=help, description=help, parents=[common, *parents],
                                   epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
         sub.set_defaults(run=run)
