@@ -172,3 +172,16 @@ def test_saving_an_unfiltered_equinox_model_says_how_to_filter(tmp_path):
                                                             r"eqx\.is_array\)"):
         zarrckpt.save_pytree(str(tmp_path), model)
     zarrckpt.save_pytree(str(tmp_path), eqx.filter(model, eqx.is_array))
+
+
+def test_a_saved_python_int_restores_into_a_float_target_when_asked(tmp_path):
+    url = str(tmp_path / "c")
+    zarrckpt.save_pytree(url, {"lr": 3, "z": 1j})
+    with pytest.raises(zarrckpt.CheckpointMismatchError,
+                       match=r"\['lr'\]: a Python int in the checkpoint, a Python float in the target \(pass "
+                             r"allow_dtype_cast=True to convert it\)"):
+        zarrckpt.load_pytree(url, {"lr": 0.0, "z": 0j})
+    back = zarrckpt.load_pytree(url, {"lr": 0.0, "z": 0j}, allow_dtype_cast=True)
+    assert back == {"lr": 3.0, "z": 1j} and type(back["lr"]) is float
+    with pytest.raises(zarrckpt.CheckpointMismatchError, match=r"a Python complex in the checkpoint, a Python float"):
+        zarrckpt.load_pytree(url, {"lr": 0.0, "z": 0.0}, allow_dtype_cast=True)

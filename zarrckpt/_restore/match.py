@@ -95,9 +95,15 @@ class PythonScalar(Form):
     type_name: str
 
     def mismatch(self, stored: _reader.StoredLeaf, allow_dtype_cast: bool) -> str | None:
-        if stored.dtype.kind not in _SCALAR_KINDS[self.type_name]:
-            return f"dtype {stored.dtype} in the checkpoint, Python {self.type_name} in the target"
-        return None
+        if stored.dtype.kind in _SCALAR_KINDS[self.type_name]:
+            return None
+        saved = f"a Python {stored.kind}" if stored.kind in _PY_SCALARS else f"dtype {stored.dtype}"
+        if stored.dtype.kind not in "biuf" or stored.shape:  # a complex number has no real value
+            return f"{saved} in the checkpoint, a Python {self.type_name} in the target"
+        if allow_dtype_cast:
+            return None  # converted as Python converts: float(3), int(3.9) == 3
+        return (f"{saved} in the checkpoint, a Python {self.type_name} in the target (pass allow_dtype_cast=True "
+                "to convert it)")
 
     def convert(self, data: np.ndarray) -> Any:
         return _PY_SCALARS[self.type_name](data.item())
