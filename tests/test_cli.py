@@ -246,6 +246,19 @@ def test_debug_shows_zarrckpt_log_without_other_libraries_request_headers(run_di
         assert secret not in out
 
 
+def test_cp_into_an_existing_directory_puts_the_copy_inside_it(run_dir, tmp_path):
+    (tmp_path / "nested").mkdir()
+    other = str(tmp_path / "run2")
+    zarrckpt.save_checkpoint(other, 5, state(5))  # a directory of steps
+    inside, step = run_together([["cp", f"{run_dir}/0000000030", f"{tmp_path}/nested/"],
+                                 ["cp", f"{run_dir}/0000000030", other]])
+    assert inside.returncode == 0 and step.returncode == 0, inside.stderr + step.stderr
+    assert f"to {tmp_path}/nested/0000000030 " in inside.stdout
+    assert zarrckpt.verify(f"{tmp_path}/nested/0000000030").ok and sorted(os.listdir(tmp_path / "nested")) == [
+        "0000000030"]
+    assert zarrckpt.all_steps(other) == [5, 30]  # another run gets the step beside its own
+
+
 def test_copy_commits_last_and_not_at_all_on_failure(run_dir, tmp_path, monkeypatch):
     src, dst = f"{run_dir}/0000000030", str(tmp_path / "copy")
     written, failing = [], True

@@ -195,7 +195,8 @@ def _parser() -> _Parser:
     sub = command("cp", _cp, "copy one checkpoint to another URL; the commit marker is written last",
                   progress)
     sub.add_argument("src", metavar="SRC", help="one checkpoint, e.g. DIR/0000001000")
-    sub.add_argument("dst", metavar="DST", help="where the copy goes: nothing there yet, or a checkpoint")
+    sub.add_argument("dst", metavar="DST", help="where the copy goes: nothing there yet, or a checkpoint; an "
+                     "existing directory that holds none gets the copy inside it, under SRC's name (as cp -r)")
     sub.add_argument("--src-storage-option", metavar="KEY=VALUE", action="append", type=_option, default=[],
                      help="storage option for SRC only (repeatable)")
     sub.add_argument("--dst-storage-option", metavar="KEY=VALUE", action="append", type=_option, default=[],
@@ -363,9 +364,15 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _cp(args: argparse.Namespace) -> int:
+    dst_options = _options(args.storage_option, args.dst_storage_option)
+    dst = args.dst
+    into = _storage.resolve(dst, dst_options)
+    if _commit.head(into).state is _commit.State.ABSENT and into.exists():
+        # An existing directory that holds no checkpoint: as `cp -r`, the copy goes inside it.
+        dst = f"{dst.rstrip('/')}/{args.src.rstrip('/').rpartition('/')[2]}"
     result = _copy.copy_checkpoint(
-        args.src, args.dst, src_storage_options=_options(args.storage_option, args.src_storage_option),
-        dst_storage_options=_options(args.storage_option, args.dst_storage_option), overwrite=args.overwrite,
+        args.src, dst, src_storage_options=_options(args.storage_option, args.src_storage_option),
+        dst_storage_options=dst_options, overwrite=args.overwrite,
         allow_uncommitted=args.allow_uncommitted, max_workers=args.workers, progress=args.progress)
     print(f"copied {result.objects} objects ({_size(result.nbytes)}) from {result.source} to "
           f"{result.destination} in {result.seconds:.1f}s")
