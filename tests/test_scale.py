@@ -40,7 +40,8 @@ def test_replicated_state_is_read_from_the_store_once(saved, layout, inflight):
     read_shared = sum(r["bytes_read"] for r in shared) / checkpoint
     read_alone = sum(r["bytes_read"] for r in alone) / checkpoint
     assert all(r["checked"] > 0 for r in shared + alone)
-    assert read_shared <= 1.1, (read_shared, [r["bytes_read"] for r in shared])
+    # Bytes are counted exactly: 1.006 here, the group metadata each process reads.
+    assert read_shared <= 1.01, (read_shared, [r["bytes_read"] for r in shared])
     if layout == "replicated":
         assert read_alone > 3.5  # without it, every host reads everything it needs itself
 

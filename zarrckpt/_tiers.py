@@ -476,7 +476,7 @@ class _Reading:
 
         state = load_requests(ckpt, requests, treedef, options, gate=gate)
         log.info("process %d restored step %d from the local tier %s: %.3f MB from its own copy, %.3f MB from "
-                 "other processes, 0 from the persistent store", me, step, tier.root.url,
+                 "other processes, nothing from the persistent store", me, step, tier.root.url,
                  planned.own_bytes / 1e6, planned.peer_bytes / 1e6)
         return state
 
