@@ -102,7 +102,11 @@ def test_missing_bucket_is_a_clear_error(store):
     message = str(info.value)
     assert f"cannot write {url}/zarr.json: the bucket does not exist" in message, message
     assert "nothing was committed" in message
-    assert zarrckpt.latest_step(url, storage_options=store.options) is None
+    for call in (zarrckpt.latest_step, zarrckpt.all_steps):  # a wrong URL, not a run yet to start
+        with pytest.raises(zarrckpt.CheckpointLocationError, match="the bucket 'zarrckpt-no-such-bucket' does not "
+                                                                   "exist"):
+            call(url, storage_options=store.options)
+    assert zarrckpt.latest_step(f"{store.url}/not-yet", storage_options=store.options) is None  # bucket there
     with pytest.raises(zarrckpt.CheckpointNotFoundError, match=f"no checkpoint at {url}"):
         zarrckpt.load_pytree(url, storage_options=store.options)
 

@@ -125,6 +125,9 @@ def check_directory_of_steps(root: Location, *, has_steps: bool = False) -> None
         raise CheckpointLocationError(
             f"{root.url} holds {library}'s checkpoints (steps {', '.join(numbered[-3:])}), not zarrckpt's "
             f"(whose step directories have 10 digits: {_naming.step_dir_name(int(numbered[-1]))})")
+    if not entries and (bucket := root.missing_bucket()) is not None:
+        raise CheckpointLocationError(f"{root.url}: the bucket {bucket!r} does not exist (or these credentials "
+                                      "cannot see it)")
 
 
 def scan(root: Location) -> tuple[list[int], list[int]]:

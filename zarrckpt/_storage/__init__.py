@@ -195,6 +195,17 @@ class Location:
         except FileNotFoundError:
             pass
 
+    def missing_bucket(self) -> str | None:
+        """The bucket this is in, if the store has buckets and this one does not exist
+        (one request); else None. A missing bucket is a wrong URL, where a missing
+        directory is a run not started yet."""
+        bucket = self.store.bucket()
+        if bucket is None:
+            return None
+        scheme = self.url.split("://", 1)[0]
+        there = Location(url=f"{scheme}://{bucket}", store=self.store.moved(bucket), guard=self.guard)
+        return None if there.exists() else bucket
+
     def place(self) -> tuple[str, str]:
         """Where this really is: its store's identity, and its path with every other
         spelling undone (`a/./b`, `a//b`, `a/x/../b`; on a local disk, symbolic links

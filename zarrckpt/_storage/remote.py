@@ -181,6 +181,9 @@ class Fsspec(Store):
         finally:
             self.fs.invalidate_cache(path)
 
+    def bucket(self) -> str | None:
+        return self.root.split("/", 1)[0] if self.protocol in (S3, GCS) else None
+
     def moved(self, root: str) -> Fsspec:
         return Fsspec(self.fs, root, self.protocol, self.read_options, self.endpoint)
 

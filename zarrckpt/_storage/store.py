@@ -98,6 +98,10 @@ class Store(abc.ABC):
     def moved(self, root: str) -> Store:
         """The same store, rooted at `root` (a path as this store spells one)."""
 
+    def bucket(self) -> str | None:
+        """The bucket (S3) or container the root is in, where the store has such; None."""
+        return None
+
     def private_directory(self, key: str) -> None:
         """Makes `key` a directory only this user can change (see `local`)."""
         raise OSError(errno.EXDEV, f"{self.root} is not on this machine's own disk")
