@@ -3,6 +3,7 @@
 import functools
 import json
 import logging
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -273,3 +274,42 @@ def test_wait_and_sync_saves_cover_retention(tmp_path, async_save):
                 assert mgr.all_steps() == list(range(max(1, step - 1), step + 1))
         mgr.wait()
         assert mgr.all_steps() == [4, 5]
+
+
+def test_an_interrupted_wait_names_the_step_left_uncommitted_and_what_becomes_of_it(tmp_path, monkeypatch, caplog):
+    from zarrckpt import _save
+
+    gate = threading.Event()
+    original = _save.SaveJob.run
+
+    def held(job, work):  # the save is still writing when Ctrl-C comes
+        gate.wait(60)
+        return original(job, work)
+
+    def interrupted(save):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_save.SaveJob, "run", held)
+    with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+        mgr = zarrckpt.CheckpointManager(str(tmp_path))
+        assert mgr.save(5, small_state(5))
+        with monkeypatch.context() as patched:
+            patched.setattr(_save.BackgroundSave, "join", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                mgr.wait()
+        gate.set()
+        mgr.close()
+    (said,) = [r.getMessage() for r in caplog.records if "interrupted" in r.getMessage()]
+    assert f"{tmp_path}/0000000005 was being saved: it is left uncommitted; every reader skips it" in said
+    assert zarrckpt.all_steps(str(tmp_path)) == [5]  # here the save went on, and committed
+    # Ctrl-C in the training loop: leaving the `with` block says it waits for the save.
+    gate.clear()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zarrckpt"), pytest.raises(KeyboardInterrupt):
+        with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+            assert mgr.save(6, small_state(6))
+            threading.Timer(0.5, gate.set).start()
+            raise KeyboardInterrupt
+    assert any(f"waiting for {tmp_path}/0000000006 to commit before leaving (Ctrl-C again leaves it uncommitted)"
+               in r.getMessage() for r in caplog.records), caplog.text
+    assert zarrckpt.all_steps(str(tmp_path)) == [5, 6]

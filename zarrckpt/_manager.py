@@ -302,8 +302,15 @@ class CheckpointManager:
         triggered has run; raises its error if it failed. Agreement."""
         with self._lock:
             in_flight = self._in_flight
-        for save in in_flight:
-            save.join()
+        try:
+            for save in in_flight:
+                save.join()
+        except KeyboardInterrupt:
+            for save in in_flight:
+                if not save.done:
+                    log.warning("interrupted while %s was being saved: it is left uncommitted; every reader skips "
+                                "it, and it is deleted once a later step commits or when it is saved again", save.url)
+            raise
         with self._lock:
             if self._in_flight is in_flight:
                 self._in_flight = []
@@ -410,7 +417,13 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: Any) -> None:
+        if kind is KeyboardInterrupt:
+            with self._lock:
+                pending = [save.url for save in self._in_flight if not save.done]
+            if pending:
+                log.warning("waiting for %s to commit before leaving (Ctrl-C again leaves it uncommitted)",
+                            ", ".join(pending))
         self.close()
 
     def _claim_lease(self, tiers: bool) -> str | None:

@@ -76,6 +76,12 @@ class BackgroundSave:
         if self._thread is not None:
             self._thread.join()
 
+    @property
+    def done(self) -> bool:
+        """Whether the save has committed or failed (a save run on the calling thread
+        is done when `run` returns)."""
+        return self._thread is None or not self._thread.is_alive()
+
     def _run(self, job: SaveJob, work: Work) -> None:
         try:
             job.run(work)
