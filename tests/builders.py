@@ -39,3 +39,9 @@ def flip_bit(chunk: Path) -> None:
     data = bytearray(chunk.read_bytes())
     data[len(data) // 3] ^= 0x10
     chunk.write_bytes(bytes(data))
+
+
+def logged_bytes(text: str) -> float:
+    """A byte count as zarrckpt logs it ("512 B", "1.5 MiB") in bytes."""
+    value, unit = text.split()
+    return float(value) * 1024 ** ("B", "KiB", "MiB", "GiB", "TiB").index(unit)

@@ -121,15 +121,22 @@ def test_sync_save_and_restore_of_given_step(tmp_path):
             mgr.restore(small_state(), step=15)
 
 
-def test_logs_each_save_and_restore(tmp_path, caplog):
+def test_a_save_and_a_restore_each_log_one_line_in_binary_units(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="zarrckpt")
+    state = {"w": jnp.zeros((64, 64)), "step": 3}
     with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
-        mgr.save(3, small_state(), force=True)
+        mgr.save(3, state, force=True)
         mgr.wait()
-        mgr.restore(small_state())
-    text = caplog.text
-    assert "checkpoint step 3 committed" in text and "GB/s" in text and "training blocked" in text
-    assert "restored step 3" in text
+        saved = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+        caplog.clear()
+        mgr.restore(state)
+        restored = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    shown = zarrckpt._progress.size(64 * 64 * 4 + 8)
+    assert shown == "16.0 KiB"  # as `zarrckpt ls` and `info` show sizes
+    (line,) = saved
+    assert line.startswith(f"checkpoint step 3 committed to {tmp_path}: {shown} in ") and "training blocked" in line
+    (line,) = restored
+    assert line.startswith(f"restored {tmp_path}/0000000003: 2 leaves, {shown} in ") and "iB/s)" in line
 
 
 # -- retention -------------------------------------------------------------------------

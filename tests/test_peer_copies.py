@@ -15,7 +15,7 @@ from pathlib import Path
 
 import multiprocess
 import pytest
-from builders import copies, flip_bit, one_state
+from builders import copies, flip_bit, logged_bytes, one_state
 
 import zarrckpt
 from zarrckpt import _peers
@@ -56,8 +56,8 @@ def said(result: dict, text: str) -> list[str]:
 def megabytes(result: dict) -> tuple[float, float]:
     """What a process read from its own copy, and got from other processes (MB)."""
     (line,) = said(result, "from other processes")
-    own, rest = line.split(" MB from its own copy, ")
-    return float(own.rsplit(" ", 1)[1]), float(rest.split(" MB")[0])
+    own, rest = line.split(": ", 1)[1].split(" from its own copy, ")
+    return logged_bytes(own) / 1e6, logged_bytes(rest.split(" from other")[0]) / 1e6
 
 
 def test_a_lost_host_is_rebuilt_from_its_peer(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import multiprocess
 import numpy as np
 import pytest
-from builders import copies, flip_bit, one_state
+from builders import copies, flip_bit, logged_bytes, one_state
 
 import zarrckpt
 
@@ -131,7 +131,7 @@ def test_process_killed_mid_local_save_restores_previous_step(tmp_path: Path) ->
 
 def _peer_mb(result: dict) -> float:
     (line,) = [s for s in result["said"] if "from other processes" in s]
-    return float(line.split(" MB from its own copy, ")[1].split(" MB")[0])
+    return logged_bytes(line.split(" from its own copy, ")[1].split(" from other")[0]) / 1e6
 
 
 # -- one process ----------------------------------------------------------------

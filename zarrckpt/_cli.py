@@ -33,6 +33,7 @@ from . import (
     _copy,
     _export,
     _metadata,
+    _progress,
     _retention,
     _seqax,
     _steps,
@@ -408,14 +409,7 @@ def _print_table(headers: list[str], rows: list[list[Any]], right: set[int]) -> 
 
 
 def _size(nbytes: int | None) -> str:
-    """A byte count for people: 512 B, 1.5 KiB, 3.2 GiB."""
-    if nbytes is None:
-        return "-"
-    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-    value, power = float(nbytes), 0
-    while value >= 1024 and power < len(units) - 1:
-        value, power = value / 1024, power + 1
-    return f"{nbytes} B" if power == 0 else f"{value:.1f} {units[power]}"
+    return "-" if nbytes is None else _progress.size(nbytes)
 
 
 def _type_of(leaf: Any) -> str:

@@ -14,7 +14,20 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from . import _commit, _concurrency, _lease, _multihost, _options, _retention, _save, _steps, _storage, _tiers, errors
+from . import (
+    _commit,
+    _concurrency,
+    _lease,
+    _multihost,
+    _options,
+    _progress,
+    _retention,
+    _save,
+    _steps,
+    _storage,
+    _tiers,
+    errors,
+)
 from ._format import naming as _naming
 
 log = logging.getLogger("zarrckpt")
@@ -239,8 +252,8 @@ class CheckpointManager:
                     f", training blocked {save.staged - called:.3f}s"
                     + (f" ({started - called:.3f}s of it waiting for the previous save)"
                        if started - called >= 0.001 else ""))
-                log.info("checkpoint step %d committed: %.3f GB in %.2fs (%.2f GB/s)%s", step, nbytes / 1e9,
-                         seconds, nbytes / 1e9 / max(seconds, 1e-9), blocked)
+                log.info("checkpoint step %d committed to %s: %s%s", step, self._root.url,
+                         _progress.rate(nbytes, seconds), blocked)
             if self._policy.deletes:
                 self._retain()
 
@@ -355,9 +368,9 @@ class CheckpointManager:
         self._restored_tier = tier if restored is not None else None
         if self._tier is not None:  # copies newer than this are of abandoned training: never restore them
             self._tier.forget_newer(restored)
-        if restored is not None and _multihost.process_index() == 0:
-            log.info("restored step %d from %s in %.2fs", restored,
-                     self._root.url if tier == "persistent" else "the local tier", time.perf_counter() - started)
+        if restored is not None and _multihost.process_index() == 0:  # the read itself said what it read
+            log.debug("restored step %d from %s in %.2fs", restored,
+                      self._root.url if tier == "persistent" else "the local tier", time.perf_counter() - started)
         return state, restored or 0
 
     @property

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _commit, _lease, _multihost, _peers, _retention, _steps
+from . import _commit, _lease, _multihost, _peers, _progress, _retention, _steps
 from ._format import naming as _naming
 from ._options import LoadOptions, SaveOptions
 from ._regions import Region, region_shape, region_slices
@@ -475,9 +475,9 @@ class _Reading:
                 raise CopiesDamaged(failed)
 
         state = load_requests(ckpt, requests, treedef, options, gate=gate)
-        log.info("process %d restored step %d from the local tier %s: %.3f MB from its own copy, %.3f MB from "
-                 "other processes, nothing from the persistent store", me, step, tier.root.url,
-                 planned.own_bytes / 1e6, planned.peer_bytes / 1e6)
+        log.info("process %d restored step %d from the local tier %s: %s from its own copy, %s from other "
+                 "processes, nothing from the persistent store", me, step, tier.root.url,
+                 _progress.size(planned.own_bytes), _progress.size(planned.peer_bytes))
         return state
 
 

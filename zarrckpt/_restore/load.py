@@ -154,8 +154,9 @@ def load_requests(ckpt: _reader.Checkpoint, requests: list[Request], treedef: An
     else:
         result = jax.tree_util.tree_unflatten(treedef, [values[r.stored.name] for r in requests])
     seconds = time.perf_counter() - started
-    log.info("restored %s: %d leaves, %.3f GB in %.2fs (%.2f GB/s)", ckpt.loc.url, len(requests),
-             total / 1e9, seconds, total / 1e9 / max(seconds, 1e-9))
+    # From the local tier's copies, the tier says how much came from where instead.
+    log.log(logging.INFO if gate is None else logging.DEBUG, "restored %s: %d leaves, %s", ckpt.loc.url,
+            len(requests), _progress.rate(total, seconds))
     return result
 
 

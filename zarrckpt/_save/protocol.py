@@ -97,7 +97,11 @@ def save_pytree(
 
 def save(loc: _storage.Location, tree: Any, options: SaveOptions) -> None:
     """`save_pytree` at `loc`: plan, then write as the budget lets each unit in. Agreement."""
-    SaveJob.create(loc, tree, options).run_admitted()
+    job = SaveJob.create(loc, tree, options)
+    leaves, nbytes = len(job.plans), job.nbytes
+    seconds = job.run_admitted()
+    if _multihost.process_index() == 0:
+        log.info("saved %s: %d leaves, %s", loc.url, leaves, _progress.rate(nbytes, seconds))
 
 
 Work = Iterable[tuple[ArrayPlan, WriteUnit]]
@@ -268,7 +272,6 @@ class SaveJob:
     def run(self, work: Work) -> float:
         """Runs the write protocol over `work` (`admitted()`, or what `stage` staged);
         returns the seconds it took. Agreement."""
-        is_primary = _multihost.process_index() == 0
         started = time.perf_counter()
         op = _multihost.Agreement(self.channel, self.options.timeout_s, what=f"saving {self.loc.url}",
                                    error=errors.CheckpointWriteError, note="nothing was committed")
@@ -286,9 +289,6 @@ class SaveJob:
             finally:
                 op.close()
         seconds = time.perf_counter() - started
-        if is_primary and not self.commit.per_process:
-            log.info("saved %s: %d leaves, %.3f GB in %.2fs (%.2f GB/s)", loc.url, len(self.plans),
-                     self.nbytes / 1e9, seconds, self.nbytes / 1e9 / max(seconds, 1e-9))
         return seconds
 
     def _array_metadata(self) -> list[tuple[ArrayPlan, dict[str, Any]]]:
