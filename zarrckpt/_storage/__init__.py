@@ -89,8 +89,8 @@ class Location:
     def sibling(self, name: str) -> Location:
         """The place named `name` beside this one, in the same store, rooted there."""
         parent, parent_url = posixpath.dirname(self.path.rstrip("/")), self.url.rstrip("/").rpartition("/")[0]
-        return Location(url=f"{parent_url}/{name}", store=self.store.moved(posixpath.join(parent, name)),
-                        guard=self.guard)
+        return Location(url=posixpath.join(parent_url, name) if parent_url else name,
+                        store=self.store.moved(posixpath.join(parent, name)), guard=self.guard)
 
     def step(self, step: int) -> Location:
         """The directory of `step` in this checkpoint directory (ValueError for a bad step)."""
