@@ -99,7 +99,7 @@ def test_ls_info_verify(run_dir):
     assert "committed, zarrckpt format 2" in table.stdout  # arrays only: format 2, as before str leaves
     assert any(line.split() == ["params.w", "(8,", "4)", "bfloat16", "(8,", "4)", "64", "B"]
                for line in table.stdout.splitlines())
-    assert table.stdout.rstrip().endswith("4 leaves, 96 B")
+    assert table.stdout.splitlines()[0].endswith(", 4 leaves, 96 B")  # the totals first
 
     assert ok.returncode == 0 and ok.stdout.startswith("OK: "), ok.stdout + ok.stderr
 
@@ -442,6 +442,27 @@ def test_cp_of_a_damaged_checkpoint_commits_nothing_and_names_the_damage(run_dir
     missing = run("cp", src, str(tmp_path / "b"))
     assert missing.returncode == 1 and f"{chunk.relative_to(src)}' is missing" in missing.stderr
     assert not (tmp_path / "b").exists()  # found by the listing, before anything is written
+
+
+def test_info_of_many_leaves_shows_totals_first_a_subtree_or_a_summary(tmp_path):
+    url = str(tmp_path / "c")
+    tree = {"params": {f"layer{i}": {"w": np.ones((4, 4), np.float32), "b": np.ones(4, np.float32)}
+                       for i in range(3)}, "opt_state": {"mu": np.zeros(16)}, "step": 3}
+    zarrckpt.save_pytree(url, tree)
+    whole, layer, summary, deeper = run_together([["info", url], ["info", url, "--select", "params.layer1"],
+                                                  ["info", url, "--summary"],
+                                                  ["info", url, "--summary", "--select", "params"]])
+    for result in (whole, layer, summary, deeper):
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines()[0].endswith(", 8 leaves, 376 B")  # the totals first, whatever is shown
+    assert [line.split()[0] for line in layer.stdout.splitlines()[2:-1]] == ["params.layer1.b", "params.layer1.w"]
+    assert layer.stdout.splitlines()[-1] == "params.layer1: 2 leaves, 80 B"
+    assert [line.split() for line in summary.stdout.splitlines()[2:]] == [
+        ["opt_state", "1", "128", "B"], ["params", "6", "240", "B"], ["step", "1", "8", "B"]]
+    assert [line.split()[:2] for line in deeper.stdout.splitlines()[2:-1]] == [
+        ["params.layer0", "2"], ["params.layer1", "2"], ["params.layer2", "2"]]
+    wrong = run("info", url, "--select", "param")
+    assert wrong.returncode == 1 and "select 'param' names no subtree" in wrong.stderr
 
 
 def test_info_says_a_typed_key_is_a_key(run_dir):

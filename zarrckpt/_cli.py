@@ -41,7 +41,7 @@ from . import (
     _tiers,
     _verify,
 )
-from ._format import zarrjson as _zarrjson
+from ._format import naming as _naming, zarrjson as _zarrjson
 from ._metadata import metadata
 from .errors import CheckpointError
 
@@ -177,8 +177,12 @@ def _parser() -> _Parser:
     sub = command("ls", _ls, "list the step directories under a checkpoint directory (or, in a local tier's "
                   "directory, under each process's), newest last", as_json)
     sub.add_argument("dir", metavar="DIR", help="checkpoint directory: one subdirectory per step")
-    sub = command("info", _info, "show one checkpoint's leaves: shape, dtype, chunk shape, size", as_json)
+    sub = command("info", _info, "show one checkpoint's leaves: shape, dtype, chunk shape, size (the totals "
+                  "first)", as_json)
     sub.add_argument("url", metavar="URL", help="one checkpoint, e.g. DIR/0000001000")
+    sub.add_argument("--select", metavar="SUBTREE", help="only this subtree's leaves (params, params.encoder)")
+    sub.add_argument("--summary", action="store_true", help="one line per subtree with its leaves and size, as "
+                     "du -d1 (below --select's subtree, if given)")
     sub = command("verify", _verify_command, "check that a checkpoint is committed and whole: metadata, "
                   "every chunk present with its exact size, every checksum matching; exit 0 only if so",
                   as_json)
@@ -305,11 +309,25 @@ def _info(args: argparse.Namespace) -> int:
     layout = (f"zarrckpt format {described.format_version}" if described.layout == "zarrckpt"
               else f"{described.layout} layout")
     written = f", written {described.created_at}" if described.created_at else ""
-    print(f"{described.url}: {state}, {layout}{written}")
-    _print_table(["leaf", "shape", "dtype", "chunks", "size"],
-                 [[leaf.name, _shape(leaf.shape), _type_of(leaf), _shape(leaf.chunks), _size(leaf.nbytes)]
-                  for leaf in described.leaves], right={4})
-    print(f"{len(described.leaves)} leaves, {_size(described.nbytes)}")
+    print(f"{described.url}: {state}, {layout}{written}, {len(described.leaves)} leaves, {_size(described.nbytes)}")
+    leaves = list(described.leaves)
+    if args.select is not None:
+        inside = _naming.subtree((leaf.name for leaf in leaves), args.select, described.url)
+        leaves = [leaf for leaf in leaves if leaf.name in inside]
+    if args.summary:  # as `du -d1`: one line per subtree below the one shown
+        depth = 0 if args.select is None else args.select.count(".") + 1
+        groups: dict[str, list[Any]] = {}
+        for leaf in leaves:
+            groups.setdefault(".".join(leaf.name.split(".")[:depth + 1]), []).append(leaf)
+        _print_table(["subtree", "leaves", "size"],
+                     [[name, str(len(group)), _size(sum(leaf.nbytes or 0 for leaf in group))]
+                      for name, group in sorted(groups.items())], right={1, 2})
+    else:
+        _print_table(["leaf", "shape", "dtype", "chunks", "size"],
+                     [[leaf.name, _shape(leaf.shape), _type_of(leaf), _shape(leaf.chunks), _size(leaf.nbytes)]
+                      for leaf in leaves], right={4})
+    if args.select is not None:
+        print(f"{args.select}: {len(leaves)} leaves, {_size(sum(leaf.nbytes or 0 for leaf in leaves))}")
     return 0
 
 

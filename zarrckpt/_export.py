@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import _concurrency, _progress, _storage
-from ._format import dtypes as _dtypes
+from ._format import dtypes as _dtypes, naming as _naming
 from ._restore import checkpoint as _reader
 
 FORMATS = ("npz", "safetensors")
@@ -126,14 +126,7 @@ def _selected(ckpt: _reader.Checkpoint, select: str | None) -> dict[str, str]:
         return {name: name for name in ckpt.leaves}
     if not isinstance(select, str) or not select:
         raise ValueError(f"select must name a subtree as `zarrckpt info` lists it (params.encoder), got {select!r}")
-    below = {name: name[len(select) + 1:] for name in ckpt.leaves if name.startswith(select + ".")}
-    if select in ckpt.leaves:
-        below[select] = select.rsplit(".", 1)[-1]
-    if not below:
-        tops = sorted({name.split(".", 1)[0] for name in ckpt.leaves})
-        raise ValueError(f"select {select!r} names no subtree of {ckpt.loc.url}; its top-level names are "
-                         f"{', '.join(tops[:10])}{' ...' if len(tops) > 10 else ''}")
-    return below
+    return _naming.subtree(ckpt.leaves, select, ckpt.loc.url)
 
 
 def _not_an_array(leaf: _reader.StoredLeaf) -> str | None:

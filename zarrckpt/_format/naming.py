@@ -77,6 +77,22 @@ def object_key(array: str, key: str = "") -> str:
     return f"{array}/{key}" if key else array
 
 
+def subtree(names: Iterable[str], select: str, where: str) -> dict[str, str]:
+    """The array names inside the subtree `select` (named as `zarrckpt info` lists
+    arrays: `params`, `params.encoder`), each with its name inside it (its last part,
+    where `select` names an array itself). ValueError naming `where`'s top-level names
+    if there is none."""
+    names = list(names)
+    inside = {name: name[len(select) + 1:] for name in names if name.startswith(select + ".")}
+    if select in names:
+        inside[select] = select.rsplit(".", 1)[-1]
+    if not inside:
+        tops = sorted({name.split(".", 1)[0] for name in names})
+        raise ValueError(f"select {select!r} names no subtree of {where}; its top-level names are "
+                         f"{', '.join(tops[:10])}{' ...' if len(tops) > 10 else ''}")
+    return inside
+
+
 def per_process_name(name: str, process: int) -> str:
     """The array holding process `process`'s value of the per-process leaf `name`."""
     return f"{name}{_PER_PROCESS}{process}"
