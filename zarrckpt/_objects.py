@@ -22,7 +22,7 @@ import re
 
 from . import _commit, _seqax
 from ._format import chunks as _chunks, naming as _naming, safetensors as _safetensors
-from ._regions import indices
+from ._regions import first_absent, indices
 from ._restore import checkpoint as _reader
 from ._storage import Location
 from .errors import CheckpointError, CheckpointExistsError
@@ -95,7 +95,7 @@ class _Judge:
         self.arrays = {leaf.codec.array: leaf for leaf in leaves if leaf.processes is None}
         self.per_process = {leaf.name: leaf for leaf in leaves if leaf.processes is not None}
         self.own: dict[str, _reader.StoredLeaf] = {}  # per-process arrays, as first met
-        self.chunks_found: collections.Counter[str] = collections.Counter()
+        self.found: collections.defaultdict[str, set[tuple[int, ...]]] = collections.defaultdict(set)  # per array
 
     def owned(self, key: str) -> Owned | None:
         """The object `key` is, or None if the metadata records no such object."""
@@ -112,7 +112,7 @@ class _Judge:
         coords = codec.coords_of(rest)
         if coords is None or not all(i < n for i, n in zip(coords, _chunks.grid(leaf.shape, leaf.chunks))):
             return None
-        self.chunks_found[name] += 1
+        self.found[name].add(coords)
         return Owned(key, codec.stored_bytes, codec) if isinstance(codec, _chunks.ChunkCodec) else \
             Owned(key, codec.data_bytes)
 
@@ -131,17 +131,18 @@ class _Judge:
             array = self._array(name)
             assert array is not None
             grid = _chunks.grid(array.shape, array.chunks)
-            lacking = math.prod(grid) - self.chunks_found[name]
+            lacking = math.prod(grid) - len(self.found[name])
             count += lacking
-            if lacking and len(some) < _SHOWN:
-                named = (key for key in (_key(array, c) for c in indices(grid)) if key not in present)
-                some += itertools.islice(named, _SHOWN - len(some))
+            if lacking:
+                codec = array.codec
+                assert not isinstance(codec, _safetensors.TensorCodec)  # a checkpoint's array
+                some += map(codec.key_at, first_absent(indices(grid), self.found[name], _SHOWN - len(some)))
         for leaf in self.per_process.values():  # processes whose value has no array at all
             there = _naming.processes_listed(leaf.name, leaf.processes or 0, self.own)
             absent = (leaf.processes or 0) - len(there)
             count += absent
             some += [_naming.object_key(_naming.per_process_name(leaf.name, p), "zarr.json")
-                     for p in _naming.absent_processes(leaf.processes or 0, there, min(absent, _SHOWN - len(some)))]
+                     for p in first_absent(range(leaf.processes or 0), there, _SHOWN - len(some))]
         return count, some
 
     def _array(self, name: str) -> _reader.StoredLeaf | None:
@@ -156,9 +157,6 @@ class _Judge:
         self.own[name] = _reader.read_own_array(self.ckpt.loc, leaf, found[1])[0]
         return self.own[name]
 
-
-def _key(leaf: _reader.StoredLeaf, coords: tuple[int, ...]) -> str:
-    return leaf.codec.key(tuple((i * c, i * c + 1) for i, c in zip(coords, leaf.chunks)))
 
 
 def make_way(loc: Location, *, overwrite: bool) -> None:

@@ -5,12 +5,15 @@ region becomes slices, a shape, a grid of chunks, or a part of another region.""
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from typing import TypeVar
 
 import jax
 
+_T = TypeVar("_T")
 Region = tuple[tuple[int, int], ...]  # (start, stop) per axis
 Slices = tuple[slice, ...]
 # Which process holds a device. Planners take it as an argument (the device's own
@@ -50,6 +53,12 @@ def chunks_in(region: Region, chunks: Sequence[int]) -> Iterator[Region]:
         yield tuple(
             (r[i], min(r[i] + c, b)) for r, i, c, (_, b) in zip(ranges, starts, chunks, region)
         )
+
+
+def first_absent(candidates: Iterable[_T], present: Container[_T], count: int) -> list[_T]:
+    """The first `count` of `candidates` not in `present`, looking no further than that
+    (a few missing chunks or processes named out of millions declared)."""
+    return list(itertools.islice((c for c in candidates if c not in present), max(count, 0)))
 
 
 def indices(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:

@@ -18,6 +18,7 @@ import math
 import re
 import struct
 import zlib
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -65,8 +66,11 @@ class Codec:
         return [start // size for (start, _), size in zip(chunk, self.shape)]
 
     def key(self, chunk: Region) -> str:
-        coords = self.separator.join(map(str, self.coords(chunk))) or "0"
-        return f"{self.array}/{coords}"
+        return self.key_at(self.coords(chunk))
+
+    def key_at(self, coords: Sequence[int]) -> str:
+        """The object key of the chunk at grid coordinates `coords`."""
+        return f"{self.array}/{self.separator.join(map(str, coords)) or '0'}"
 
     def coords_of(self, name: str) -> tuple[int, ...] | None:
         """The grid coordinates of the chunk whose object is named `name` inside the

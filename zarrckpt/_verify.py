@@ -19,14 +19,13 @@ read every chunk once, concurrently, with a bound on the bytes held in memory.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from typing import Any
 
 from . import _commit, _concurrency, _storage
 from ._format import chunks as _chunks, naming as _naming, tree as _tree, zarrjson as _zarrjson
 from ._format.chunks import ChunkCodec, DamagedChunk
-from ._regions import Region, indices
+from ._regions import Region, first_absent, indices
 from ._restore import checkpoint as _reader
 from ._storage import Location
 from .errors import CheckpointCorruptError
@@ -147,7 +146,7 @@ def _per_process_arrays(loc: Location, leaf: _reader.StoredLeaf, top: set[str]
     absent = processes - len(there)
     problems = [Problem(_naming.object_key(_naming.per_process_name(leaf.name, p), "zarr.json"),
                         f"missing (process {p}'s value)", leaf.where)
-                for p in _naming.absent_processes(processes, there, min(absent, _SHOWN))]
+                for p in first_absent(range(processes), there, _SHOWN)]
     arrays = []
     for process in sorted(there):
         key = _naming.object_key(_naming.per_process_name(leaf.name, process), "zarr.json")
@@ -198,7 +197,7 @@ def _check_chunks(loc: Location, leaf: _reader.StoredLeaf) -> tuple[list[Problem
         else:
             sized.append(tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(coords, leaf.chunks, leaf.shape)))
     if missing := expected - len(found):
-        named = itertools.islice((c for c in indices(grid) if c not in found), _SHOWN)
+        named = first_absent(indices(grid), found, _SHOWN)
         problems += [Problem(codec.key_at(coords), "missing", leaf.where) for coords in named]
         if missing > _SHOWN:
             problems.append(Problem(f"{leaf.name}/", f"{missing - _SHOWN:,} more chunks missing ({missing:,} of "

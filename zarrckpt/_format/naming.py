@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import re
 from collections.abc import Iterable, Sequence
 
@@ -117,10 +116,6 @@ def processes_listed(name: str, processes: int, listed: Iterable[str]) -> set[in
     found = (per_process_of(entry) for entry in listed)
     return {p for leaf, p in filter(None, found) if leaf == name and p < processes}
 
-
-def absent_processes(processes: int, listed: set[int], count: int) -> list[int]:
-    """The first `count` of `range(processes)` not in `listed`."""
-    return list(itertools.islice((p for p in range(processes) if p not in listed), count))
 
 
 def format_version(leaf_kinds: set[str]) -> int:
