@@ -9,6 +9,7 @@
     metadata                             what a checkpoint holds, without reading data
     verify / copy_checkpoint             is a checkpoint whole; copy one anywhere, commit last
     export_checkpoint                    a checkpoint's arrays (or a subtree's) to .safetensors or .npz
+    import_checkpoint                    a safetensors file or set, or an Orbax run, as a checkpoint
     CheckpointManager                    save policies, async saves, retention
     load_safetensors                     Hugging Face safetensors files onto a mesh
 
@@ -22,6 +23,7 @@ from ._export import ExportResult, export_checkpoint
 from ._format import dtypes as _dtypes
 from ._format.naming import FORMAT_VERSION
 from ._format.tree import PerProcess
+from ._import import ImportResult, import_checkpoint
 from ._manager import CheckpointManager
 from ._metadata import CheckpointMetadata, LeafMetadata, metadata
 from ._restore import load_pytree, load_safetensors
@@ -67,6 +69,7 @@ __all__ = [
     "CopyResult",
     "DirectoryInUseError",
     "ExportResult",
+    "ImportResult",
     "LeafMetadata",
     "PerProcess",
     "Problem",
@@ -76,6 +79,7 @@ __all__ = [
     "checkpoints_iterator",
     "copy_checkpoint",
     "export_checkpoint",
+    "import_checkpoint",
     "latest_step",
     "load_checkpoint",
     "load_checkpoint_if_it_exists",

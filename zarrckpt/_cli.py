@@ -1,4 +1,4 @@
-"""The `zarrckpt` command: look into, check, prune, copy and export checkpoints.
+"""The `zarrckpt` command: look into, check, prune, copy, export and import checkpoints.
 
     zarrckpt ls DIR                  steps under a checkpoint directory
     zarrckpt info URL                one checkpoint's leaves: shapes, dtypes, chunks, sizes
@@ -6,9 +6,10 @@
     zarrckpt gc DIR --keep-last N    retention by hand
     zarrckpt cp SRC DST              copy one checkpoint anywhere, commit marker last
     zarrckpt export URL OUT          to .npz or .safetensors
+    zarrckpt import SRC DST          from safetensors or Orbax, as a committed checkpoint
 
 Every command reads and writes through the library (nothing here knows the format:
-`_metadata`, `_verify`, `_copy`, `_export` and `_retention` do), and never touches an
+`_metadata`, `_verify`, `_copy`, `_export`, `_import` and `_retention` do), and never touches an
 accelerator: JAX is held to the CPU unless JAX_PLATFORMS says otherwise, so the
 command works on a host whose devices a training job holds.
 """
@@ -32,6 +33,7 @@ from . import (
     _concurrency,
     _copy,
     _export,
+    _import,
     _metadata,
     _progress,
     _retention,
@@ -161,7 +163,7 @@ def _parser() -> _Parser:
                           help="show a progress bar (default: when stderr is a terminal)")
 
     parser = _Parser(
-        prog="zarrckpt", description="Inspect, check, prune, copy and export zarrckpt checkpoints "
+        prog="zarrckpt", description="Inspect, check, prune, copy, export and import zarrckpt checkpoints "
         "on any fsspec URL (local path, s3://, gs://, ...).",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"zarrckpt {__version__}")
@@ -218,7 +220,25 @@ def _parser() -> _Parser:
     sub.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     sub.add_argument("--select", metavar="SUBTREE", help="only this subtree, named as `info` lists it (params, "
                      "params.encoder); arrays are named inside it")
+    sub = command("import", _import_command, "write a Hugging Face .safetensors file or set, or an Orbax "
+                  "checkpoint, as a committed zarrckpt checkpoint", progress)
+    sub.add_argument("src", metavar="SRC", help="a .safetensors file, a directory holding a sharded set and its "
+                     "index, or an Orbax run directory, step or item")
+    sub.add_argument("dst", metavar="DST", help="a checkpoint directory: an Orbax run's step lands as "
+                     "DST/<step, 10 digits>, where a CheckpointManager(DST) resumes from it; anything else at DST "
+                     "itself, unless --step is given")
+    sub.add_argument("--step", metavar="N", type=_step, help="of an Orbax run, the step to import (default: its "
+                     "newest); of anything else, the step it lands as (DST/<N, 10 digits>)")
+    sub.add_argument("--src-storage-option", metavar="KEY=VALUE", action="append", type=_option, default=[],
+                     help="storage option for a safetensors SRC only (repeatable)")
+    sub.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint where it lands")
     return parser
+
+
+def _step(text: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected a step number (0 or more), got {text!r}")
+    return int(text)
 
 
 def _option(text: str) -> tuple[str, Any]:
@@ -265,6 +285,8 @@ def _ls(args: argparse.Namespace) -> int:
         _print_json(rows)
     elif not rows:
         itself = _commit.head(root).state is not _commit.State.ABSENT
+        if not itself:
+            _steps.check_directory_of_steps(root)  # another library's checkpoints: an error saying what to do
         print(f"no step directories under {root.url}"
               + (f" (it is a checkpoint itself: see `zarrckpt info {root.url}`)" if itself else ""))
     else:
@@ -405,6 +427,18 @@ def _export_command(args: argparse.Namespace) -> int:
     print(f"exported {result.arrays} arrays ({_size(result.nbytes)}) to {result.path}")
     for name, (stored, exported) in sorted(result.widened.items()):
         print(f"  {name}: {stored} widened to {exported} ({result.format} has no {stored})")
+    for name, why in sorted(result.skipped.items()):
+        print(f"  {name}: left out ({why})")
+    return 0
+
+
+def _import_command(args: argparse.Namespace) -> int:
+    result = _import.import_checkpoint(args.src, args.dst, step=args.step, overwrite=args.overwrite,
+                                       storage_options=_options(args.storage_option),
+                                       src_storage_options=_options(args.storage_option, args.src_storage_option),
+                                       progress=args.progress)
+    print(f"imported {result.leaves} leaves ({_size(result.nbytes)}) from {result.format} "
+          f"{'step ' + str(result.step) + ' ' if result.step is not None else ''}to {result.url}")
     for name, why in sorted(result.skipped.items()):
         print(f"  {name}: left out ({why})")
     return 0

@@ -9,7 +9,7 @@ from typing import Any
 
 from . import _commit, _concurrency, _multihost, _options, _restore, _save, _storage
 from ._format import naming as _naming
-from ._restore import checkpoint as _reader
+from ._restore import checkpoint as _reader, orbax as _orbax
 from ._storage import Location
 from .errors import CheckpointLocationError, CheckpointNotFoundError
 
@@ -92,11 +92,6 @@ def candidate_steps(root: Location) -> list[int]:
     return sorted(steps)
 
 
-# What another library's checkpoint holds at its top (Orbax's, of any version).
-_FOREIGN_MARKERS = {"_CHECKPOINT_METADATA": "Orbax", "commit_success.txt": "Orbax", "_METADATA": "Orbax",
-                    "manifest.ocdbt": "Orbax"}
-
-
 def check_directory_of_steps(root: Location, *, has_steps: bool = False) -> None:
     """Raises CheckpointLocationError if `root` is not what a directory of steps can be:
     a checkpoint itself, or (unless it `has_steps` of zarrckpt's) a directory of another
@@ -113,18 +108,20 @@ def check_directory_of_steps(root: Location, *, has_steps: bool = False) -> None
         return
     entries = root.list_dir()
     names = {e.name for e in entries}
-    for marker, library in _FOREIGN_MARKERS.items():
-        if marker in names:
-            raise CheckpointLocationError(f"{root.url} is a checkpoint of {library}, not a directory of zarrckpt "
-                                          "steps: restore it with Orbax (and save it again with zarrckpt to move)")
+    if names & set(_orbax.MARKERS):
+        raise CheckpointLocationError(f"{root.url} is a checkpoint of Orbax, not a directory of zarrckpt steps: "
+                                      f"import it (zarrckpt import {root.url} NEW_DIR, or "
+                                      "zarrckpt.import_checkpoint), then use NEW_DIR")
     numbered = sorted((e.name for e in entries if e.type == "dir" and e.name.isascii() and e.name.isdigit()
                        and e.name == str(int(e.name)) and _naming.parse_step_dir_name(e.name) is None), key=int)
     if numbered:
-        inside = {e.name for e in root.list_dir(numbered[-1])}
-        library = next((lib for marker, lib in _FOREIGN_MARKERS.items() if marker in inside), "another library")
+        orbax = bool(set(_orbax.MARKERS) & {e.name for e in root.list_dir(numbered[-1])})
+        how = (f": import its newest step (zarrckpt import {root.url} NEW_DIR, or zarrckpt.import_checkpoint), "
+               "then resume from NEW_DIR" if orbax else "")
         raise CheckpointLocationError(
-            f"{root.url} holds {library}'s checkpoints (steps {', '.join(numbered[-3:])}), not zarrckpt's "
-            f"(whose step directories have 10 digits: {_naming.step_dir_name(int(numbered[-1]))})")
+            f"{root.url} holds {'Orbax' if orbax else 'another library'}'s checkpoints (steps "
+            f"{', '.join(numbered[-3:])}), not zarrckpt's (whose step directories have 10 digits: "
+            f"{_naming.step_dir_name(int(numbered[-1]))}){how}")
     if not entries and (bucket := root.missing_bucket()) is not None:
         raise CheckpointLocationError(f"{root.url}: the bucket {bucket!r} does not exist (or these credentials "
                                       "cannot see it)")

@@ -24,7 +24,7 @@ KeyPath = tuple[Any, ...]
 # stands, so a tree that saves must stay well inside Python's recursion limit (1000):
 # deeper trees are refused at save rather than committed and unreadable later.
 MAX_DEPTH = 100
-_PYTHON_DTYPES = {"bool": np.dtype(bool), "int": np.dtype(np.int64), "float": np.dtype(np.float64),
+PYTHON_DTYPES = {"bool": np.dtype(bool), "int": np.dtype(np.int64), "float": np.dtype(np.float64),
                   "complex": np.dtype(np.complex128)}
 _tu = jax.tree_util
 
@@ -92,6 +92,8 @@ def as_stored(leaf: Leaf) -> tuple[Leaf, dict[str, Any]]:
     if isinstance(value, jax.Array) and _dtypes.is_prng_key(value.dtype):
         data = Leaf(leaf.path, leaf.name, jax.random.key_data(value))
         return data, {**leaf_record(data), "type": "prng_key", "impl": str(jax.random.key_impl(value))}
+    if isinstance(value, Deferred) and value.prng_impl is not None:
+        return leaf, {**leaf_record(leaf), "impl": value.prng_impl}
     if isinstance(value, (str, bytes)):
         data = Leaf(leaf.path, leaf.name, _as_uint8(value.encode("utf-8") if isinstance(value, str) else value))
         return data, {**leaf_record(data), "type": type(value).__name__}
@@ -120,6 +122,26 @@ class PerProcess:
 
     value: Any = None
     strict: bool = True
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Deferred:
+    """A leaf whose values are read only as its chunks are written: an array of another
+    format being imported (see `_import`), so that no process holds the whole state.
+
+    `read` returns the values inside a box, (start, stop) per axis; `kind` is what the
+    leaf was saved as ("jax", "numpy", "numpy_scalar", "prng_key" with `prng_impl`, or a
+    Python scalar type's name, whose dtype `dtype` must be). Indexing it with a tuple of
+    slices reads, as indexing a numpy array would."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    read: Callable[[tuple[tuple[int, int], ...]], np.ndarray]
+    kind: str = "numpy"
+    prng_impl: str | None = None
+
+    def __getitem__(self, take: tuple[slice, ...]) -> np.ndarray:
+        return self.read(tuple((s.start, s.stop) for s in take))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +185,9 @@ def _as_uint8(data: bytes) -> np.ndarray:
 def leaf_record(leaf: Leaf) -> dict[str, Any]:
     """What the tree record says of a saved leaf: its kind, shape and dtype."""
     value = leaf.value
-    if isinstance(value, jax.Array):
+    if isinstance(value, Deferred):
+        kind = value.kind
+    elif isinstance(value, jax.Array):
         kind = "jax"
     elif isinstance(value, np.ndarray):
         kind = "numpy"
@@ -182,10 +206,10 @@ def leaf_record(leaf: Leaf) -> dict[str, Any]:
             "only jax.Array, numpy arrays and scalars, Python bool/int/float/complex, str, bytes and "
             f"zarrckpt.PerProcess can be saved{hint}"
         )
-    if kind == "int" and not -(2**63) <= value < 2**63:
+    if kind == "int" and isinstance(value, int) and not -(2**63) <= value < 2**63:
         raise UnsupportedLeafError(f"leaf {leaf.where}: Python int {value} does not fit in int64")
     try:
-        dtype = _dtypes.check_savable(_PYTHON_DTYPES[kind] if kind in _PYTHON_DTYPES else value.dtype)
+        dtype = _dtypes.check_savable(PYTHON_DTYPES[kind] if kind in PYTHON_DTYPES else value.dtype)
     except TypeError as e:
         raise UnsupportedLeafError(f"leaf {leaf.where}: {e}") from None
     return {"kind": "leaf", "name": leaf.name, "type": kind,

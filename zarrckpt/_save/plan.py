@@ -33,7 +33,7 @@ from .. import _peers
 from .._concurrency import Hold
 from .._format import dtypes as _dtypes
 from .._format.chunks import ChunkCodec
-from .._format.tree import Leaf
+from .._format.tree import Deferred, Leaf
 from .._options import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MIN_CHUNK_BYTES
 from .._regions import (
     HostOf,
@@ -88,19 +88,21 @@ class WriteUnit:
 
     region: Region
     nbytes: int
-    host: np.ndarray | None = None  # a numpy leaf: the whole array
+    host: np.ndarray | Deferred | None = None  # a host leaf: the whole array, or where to read it
     # A jax.Array leaf: the parts of it that make up the chunk, read from the device the
     # plan deals it to. One, or several side by side when small shards are merged.
     sources: tuple[Part, ...] = ()
     # Each part on the host: where it goes in the chunk, the copy holding it, and the
-    # device and part of the copy it is (see `HostCopy.view`); or a numpy array.
+    # device and part of the copy it is (see `HostCopy.view`); or a numpy array, or a
+    # deferred leaf and the part of it to read.
     copies: list[tuple[Slices | None, Any, jax.Device | None, Slices | None]] | None = None
     hold: Hold | SharedHold | None = None  # its bytes of the save's budget, from its copy until it is written
 
     def host_array(self) -> np.ndarray:
         """The chunk's values on the host; waits for its copies to arrive."""
         assert self.copies is not None, "the unit's transfer was not started"
-        parts = [(put, copy.view(device, take) if isinstance(copy, HostCopy) else copy)
+        parts = [(put, copy.view(device, take) if isinstance(copy, HostCopy)
+                  else copy if take is None else copy[take])  # a host array, or a part of a deferred leaf
                  for put, copy, device, take in self.copies]
         if len(parts) == 1 and parts[0][0] is None:
             return parts[0][1]
@@ -232,7 +234,7 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
     chunks = split_chunk(shape, _pieces_for(_dtypes.nbytes(shape, dtype), 1, max_chunk_bytes))
     writes = []
     if process == 0 or own or held:
-        host = np.asarray(value, dtype=dtype)
+        host = value if isinstance(value, Deferred) else np.asarray(value, dtype=dtype)
         full: Region = tuple((0, d) for d in shape)
         writes = [WriteUnit(r, _dtypes.nbytes(region_shape(r), dtype), host=host) for r in chunks_in(full, chunks)
                   if region_size(r)]

@@ -95,13 +95,14 @@ def save_pytree(
     save(_storage.resolve(url, storage_options), tree, options)
 
 
-def save(loc: _storage.Location, tree: Any, options: SaveOptions) -> None:
-    """`save_pytree` at `loc`: plan, then write as the budget lets each unit in. Agreement."""
+def save(loc: _storage.Location, tree: Any, options: SaveOptions) -> SaveJob:
+    """`save_pytree` at `loc`: plan, then write as the budget lets each unit in; returns
+    the job done. Agreement."""
     job = SaveJob.create(loc, tree, options)
-    leaves, nbytes = len(job.plans), job.nbytes
     seconds = job.run_admitted()
     if _multihost.process_index() == 0:
-        log.info("saved %s: %d leaves, %s", loc.url, leaves, _progress.rate(nbytes, seconds))
+        log.info("saved %s: %d leaves, %s", loc.url, len(job.plans), _progress.rate(job.nbytes, seconds))
+    return job
 
 
 Work = Iterable[tuple[ArrayPlan, WriteUnit]]

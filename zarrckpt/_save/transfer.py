@@ -17,7 +17,8 @@ Each device gets one of three paths:
   (a snapshot waits for them). Logged once per platform.
 
 Numpy leaves are the caller's memory, which it may change in place: a snapshot copies
-them before it returns. The pinned and in-place paths leave nothing cached in the
+them before it returns. A deferred leaf (an import's, see `_tree.Deferred`) is read by
+the writer of each chunk, chunk by chunk. The pinned and in-place paths leave nothing cached in the
 caller's arrays (the pageable one leaves what `np.asarray` caches in a jax.Array).
 """
 
@@ -33,6 +34,7 @@ import jax
 import numpy as np
 
 from .._concurrency import Hold
+from .._format.tree import Deferred
 from .._regions import Slices, region_slices
 from .plan import ArrayPlan, HostCopy, SharedHold, WriteUnit
 
@@ -69,6 +71,9 @@ def start(work: Sequence[tuple[ArrayPlan, WriteUnit]], *, snapshot: bool) -> Non
         if units[0].host is not None:
             for unit in units:
                 assert unit.host is not None
+                if isinstance(unit.host, Deferred):  # read by its writer, holding the unit's bytes of the budget
+                    unit.copies = [(None, unit.host, None, region_slices(unit.region))]
+                    continue
                 part = unit.host[region_slices(unit.region)]
                 unit.copies = [(None, np.array(part) if snapshot else part, None, None)]
             continue

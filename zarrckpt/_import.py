@@ -1,0 +1,113 @@
+"""Importing another library's checkpoint as a committed zarrckpt checkpoint:
+`import_checkpoint`, `zarrckpt import`.
+
+The source opens as a tree whose arrays are `_tree.Deferred` leaves (a safetensors file
+or set through `_restore.safetensors`, an Orbax step through `_restore.orbax`), and the
+save path writes it as it writes any tree: each chunk is read from the source by the
+writer that writes it, holding its bytes of the save's budget until it is written, so
+an import holds about `max_inflight_bytes` of the state at once, never all of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from . import _multihost, _options, _storage
+from ._format import naming as _naming, tree as _tree
+from ._options import SaveOptions
+from ._restore import checkpoint as _reader, orbax as _orbax
+from ._restore.safetensors import open_safetensors
+from ._save import protocol as _save
+from .errors import CheckpointNotFoundError
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportResult:
+    """What `import_checkpoint` wrote: the checkpoint's URL, its step (None where it is
+    no step of a directory), its leaves and bytes, the source's format ("safetensors" or
+    "orbax"), and what was left out of the source, with why."""
+
+    url: str
+    step: int | None
+    format: str
+    leaves: int
+    nbytes: int
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite: bool = False,
+                      storage_options: dict[str, Any] | None = None,
+                      src_storage_options: dict[str, Any] | None = None,
+                      max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
+                      progress: bool | None = None) -> ImportResult:
+    """Writes the checkpoint of another library at `src` as a committed zarrckpt
+    checkpoint under `dst`.
+
+    `src` is a Hugging Face `.safetensors` file, or a directory holding a sharded set
+    with its `model.safetensors.index.json` (tensor names nest on '.', as
+    `load_safetensors` reads them); or an Orbax checkpoint: a run directory (one
+    directory per step, as Orbax's CheckpointManager writes), one step of it, or one
+    item (what a Checkpointer saves). A step's single item (`default`) is its tree; a
+    step of several items is a dict of them by name.
+
+    Where it lands: a step of an Orbax run lands as `dst/<step, zero-padded>`, so that
+    `CheckpointManager(dst)` and `load_checkpoint_if_it_exists(dst, ...)` resume from it;
+    a run's newest finished step, unless `step` names another. A source that is no step
+    of a run lands at `dst` itself, or, given `step`, as `dst/<step, zero-padded>`.
+
+    Leaves keep their dtypes (bfloat16 and float8 exactly), typed PRNG keys stay typed,
+    and Orbax's scalars, str leaves and empty nodes come back as they went in. The
+    source is read a chunk at a time: about `max_inflight_bytes` of it is in memory at
+    once, whatever its size.
+
+    Not collective: call it in a job of one process (as `zarrckpt import` runs).
+    Reading an Orbax checkpoint needs TensorStore (`pip install 'zarrckpt[orbax]'`; not
+    orbax-checkpoint itself); a local path, gs:// or s3:// as TensorStore reads them
+    (`src_storage_options` apply to safetensors sources only).
+
+    Raises:
+      CheckpointNotFoundError: nothing at `src` is a safetensors file or set or an Orbax
+        checkpoint, or an Orbax run has no finished step `step`.
+      CheckpointCorruptError: the source's metadata is not what its format writes, or an
+        array cannot be read (named).
+      CheckpointExistsError: a committed checkpoint is where it lands and `overwrite`
+        is False.
+      CheckpointWriteError: a write failed; nothing was committed.
+      ModuleNotFoundError: an Orbax source without TensorStore installed.
+      TypeError, ValueError: an option of the wrong type or value (named); a job of
+        several processes.
+    """
+    if step is not None:
+        _naming.step_dir_name(step)  # a bad step is an error before anything is read
+    if _multihost.process_count() > 1:
+        raise ValueError("import_checkpoint runs in a job of one process (it reads the whole source itself); "
+                         "run `zarrckpt import` before the job starts")
+    options = SaveOptions(overwrite=overwrite, max_inflight_bytes=max_inflight_bytes, progress=progress)
+    source = _storage.resolve(src, src_storage_options)
+    if not source.exists():
+        raise CheckpointNotFoundError(f"nothing to import: {source.url} does not exist")
+    if _orbax.is_orbax(source):
+        found = _orbax.open_step(source, step)
+        format, tree, step, skipped = "orbax", found.tree, found.step, found.skipped
+    else:
+        try:
+            ckpt = open_safetensors(src, src_storage_options)
+        except CheckpointNotFoundError as e:
+            raise CheckpointNotFoundError(f"{source.url} is neither an Orbax checkpoint nor a safetensors file or "
+                                          f"set: {e}") from None
+        format, tree, skipped = "safetensors", _deferred_tree(ckpt), {}
+    loc = _storage.resolve(dst, storage_options)
+    if step is not None:
+        loc = loc.step(step)
+    job = _save.save(loc, tree, options)
+    return ImportResult(loc.url, step, format, len(job.plans), job.nbytes, skipped)
+
+
+def _deferred_tree(ckpt: _reader.Checkpoint) -> Any:
+    """The opened checkpoint's tree, each leaf read only as it is written."""
+    def deferred(record: dict[str, Any]) -> _tree.Deferred:
+        leaf = ckpt.leaves[record["name"]]
+        return _tree.Deferred(leaf.shape, leaf.dtype, lambda box: ckpt.read(leaf, box), leaf.kind, leaf.prng_impl)
+
+    return _tree.rebuild(ckpt.spec, deferred)
