@@ -91,6 +91,9 @@ def test_an_orbax_run_is_resumed_by_a_manager_at_its_newest_step_with_orbaxs_val
         assert step == 200 and mgr.restored_step == 200
     assert_same_state(state, states[200])
     assert_same_state(orbax_restored, states[200])  # the values are Orbax's own
+    # The chunks are Orbax's (a shard, or a replica's slice of one): each is read once.
+    chunks = {leaf.name: leaf.chunks for leaf in zarrckpt.metadata(result.url).leaves}
+    assert chunks["params.dense.kernel"] == (32, 8) and chunks["params.embed"] == (8, 2)
 
 
 def test_the_cli_imports_a_chosen_step_and_refuses_to_replace_one(tmp_path):

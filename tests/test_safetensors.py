@@ -72,15 +72,19 @@ def test_a_file_restores_as_nested_dicts_bit_for_bit(tmp_path: Path) -> None:
         assert_exact(at(back, name), want, name)
 
 
-@pytest.mark.parametrize("where", ["local", "memory"])
-def test_a_sharded_set_lands_on_the_targets_sharding(tmp_path: Path, where: str) -> None:
+@pytest.mark.parametrize("where", ["local", "memory", "s3"])
+def test_a_sharded_set_lands_on_the_targets_sharding(tmp_path: Path, where: str, request) -> None:
     every = tensors()
     folder = tmp_path / "set"
     sharded_set(folder, every)
-    url = str(folder)
-    if where == "memory":  # any fsspec URL
-        url = f"memory://zarrckpt-tests/{tmp_path.name}/set"
-        fs = fsspec.filesystem("memory")
+    url, options = str(folder), None
+    if where != "local":  # any fsspec URL: memory://, and S3 (moto's server on loopback)
+        if where == "s3":
+            server = request.getfixturevalue("s3_server")
+            url, options = f"s3://{server.new_bucket()}/set", server.options()
+        else:
+            url = f"memory://zarrckpt-tests/{tmp_path.name}/set"
+        fs = fsspec.filesystem(url.split("://")[0], **(options or {}))
         for file in folder.iterdir():
             fs.pipe_file(f"{url}/{file.name}", file.read_bytes())
     devices = mesh((2, 4), ("data", "model"))
@@ -99,7 +103,7 @@ def test_a_sharded_set_lands_on_the_targets_sharding(tmp_path: Path, where: str)
         # 64-bit values stay on the host (JAX holds none without jax_enable_x64).
         node[last] = np.zeros(x.shape, x.dtype) if x.dtype.itemsize == 8 else \
             jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(devices, spec(x)))
-    back = zarrckpt.load_safetensors(url, target)
+    back = zarrckpt.load_safetensors(url, target, storage_options=options)
     checked = 0
     for name, want in every.items():
         got = at(back, name)

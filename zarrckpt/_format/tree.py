@@ -131,14 +131,17 @@ class Deferred:
 
     `read` returns the values inside a box, (start, stop) per axis; `kind` is what the
     leaf was saved as ("jax", "numpy", "numpy_scalar", "prng_key" with `prng_impl`, or a
-    Python scalar type's name, whose dtype `dtype` must be). Indexing it with a tuple of
-    slices reads, as indexing a numpy array would."""
+    Python scalar type's name, whose dtype `dtype` must be). `chunks` is the source's
+    own chunk shape, if it has one: a chunk written is then a part of one of them, so
+    that none is read twice. Indexing it with a tuple of slices reads, as indexing a
+    numpy array would."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
     read: Callable[[tuple[tuple[int, int], ...]], np.ndarray]
     kind: str = "numpy"
     prng_impl: str | None = None
+    chunks: tuple[int, ...] | None = None
 
     def __getitem__(self, take: tuple[slice, ...]) -> np.ndarray:
         return self.read(tuple((s.start, s.stop) for s in take))

@@ -176,7 +176,9 @@ def _deferred(array: Any, value_type: str, prng_impl: str | None, shown: str) ->
         kind = "prng_key"
     else:
         kind = "numpy" if value_type == "np.ndarray" else "jax"
-    return _tree.Deferred(tuple(array.shape), dtype, read, kind, prng_impl)
+    chunks = array.chunk_layout.read_chunk.shape
+    return _tree.Deferred(tuple(array.shape), dtype, read, kind, prng_impl,
+                          tuple(min(c, n) for c, n in zip(chunks, array.shape)) if chunks is not None else None)
 
 
 def _key_path(entry: Any, item: Location, key: str) -> list[tuple[str, int]]:

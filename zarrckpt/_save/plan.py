@@ -231,7 +231,9 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
         return ArrayPlan(leaf, shape, dtype, lay.chunks, units, checksum, mine.copy_from, mine.copy_all)
     # Host data (numpy, scalars, process-local jax arrays) is the same on every process
     # by contract; process 0 alone writes it so that no chunk has two writers.
-    chunks = split_chunk(shape, _pieces_for(_dtypes.nbytes(shape, dtype), 1, max_chunk_bytes))
+    # An import's chunks are parts of the source's, so that none is read twice.
+    whole = value.chunks if isinstance(value, Deferred) and value.chunks is not None else shape
+    chunks = split_chunk(whole, _pieces_for(_dtypes.nbytes(whole, dtype), 1, max_chunk_bytes))
     writes = []
     if process == 0 or own or held:
         host = value if isinstance(value, Deferred) else np.asarray(value, dtype=dtype)
