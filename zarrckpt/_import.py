@@ -5,7 +5,8 @@ The source opens as a tree whose arrays are `_tree.Deferred` leaves (a safetenso
 or set through `_restore.safetensors`, an Orbax step through `_restore.orbax`), and the
 save path writes it as it writes any tree: each chunk is read from the source by the
 writer that writes it, holding its bytes of the save's budget until it is written, so
-an import holds about `max_inflight_bytes` of the state at once, never all of it.
+an import holds the chunks `max_inflight_bytes` admits (and its readers' and writers'
+working copies of them), never the whole state.
 """
 
 from __future__ import annotations
@@ -58,8 +59,10 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
 
     Leaves keep their dtypes (bfloat16 and float8 exactly), typed PRNG keys stay typed,
     and Orbax's scalars, str leaves and empty nodes come back as they went in. The
-    source is read a chunk at a time: about `max_inflight_bytes` of it is in memory at
-    once, whatever its size.
+    source is read a chunk at a time: what is in memory at once is the chunks
+    `max_inflight_bytes` admits, with the reader's and writer's working copies of them
+    (measured: 2.6x the budget reading Orbax's compressed chunks, 1.1x reading
+    safetensors), whatever the source's size.
 
     Not collective: call it in a job of one process (as `zarrckpt import` runs).
     Reading an Orbax checkpoint needs TensorStore (`pip install 'zarrckpt[orbax]'`; not
