@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors
+import safetensors.numpy
 from object_store_servers import TEST_KEY, TEST_SECRET
 
 import zarrckpt
@@ -331,8 +332,10 @@ def test_export_select_writes_a_subtree_named_inside_it_and_leaves_out_text(tmp_
     params, whole = run_together([["export", url, str(tmp_path / "params.safetensors"), "--select", "params"],
                                   ["export", url, str(tmp_path / "all.npz")]])
     assert params.returncode == 0, params.stderr
-    tensors = dict(safetensors.deserialize((tmp_path / "params.safetensors").read_bytes()))
+    tensors = safetensors.numpy.load_file(str(tmp_path / "params.safetensors"))  # as a Hugging Face user reads it
     assert sorted(tensors) == ["encoder.w", "head"]  # named inside the subtree
+    assert tensors["encoder.w"].dtype == np.float32 and np.array_equal(tensors["encoder.w"], np.ones((2, 3)))
+    assert tensors["head"].dtype == np.int32 and tensors["head"].tolist() == [0, 1, 2, 3]
     assert whole.returncode == 0, whole.stderr
     with np.load(tmp_path / "all.npz") as arrays:
         assert sorted(arrays.files) == ["opt_state.mu", "params.encoder.w", "params.head"]  # no text turned to uint8
