@@ -66,8 +66,10 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
 
     Not collective: call it in a job of one process (as `zarrckpt import` runs).
     Reading an Orbax checkpoint needs TensorStore (`pip install 'zarrckpt[orbax]'`; not
-    orbax-checkpoint itself); a local path, gs:// or s3:// as TensorStore reads them
-    (`src_storage_options` apply to safetensors sources only).
+    orbax-checkpoint itself). A remote Orbax URL (gs://, s3://) goes to TensorStore as
+    it is, with the credentials of its environment: `src_storage_options` apply to
+    safetensors sources only (given for a remote Orbax source, a ValueError rather
+    than ignored).
 
     Raises:
       CheckpointNotFoundError: nothing at `src` is a safetensors file or set or an Orbax
@@ -91,6 +93,10 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
     if not source.exists():
         raise CheckpointNotFoundError(f"nothing to import: {source.url} does not exist")
     if _orbax.is_orbax(source):
+        if src_storage_options and not source.is_local:
+            raise ValueError(f"storage options for the source cannot reach {source.url}: TensorStore reads Orbax's "
+                             "arrays, with the credentials and endpoint of its environment (AWS_*, "
+                             "GOOGLE_APPLICATION_CREDENTIALS)")
         found = _orbax.open_step(source, step)
         format, tree, step, skipped = "orbax", found.tree, found.step, found.skipped
     else:
