@@ -56,7 +56,8 @@ _EPILOG = """\
 storage options:
   -o/--storage-option KEY=VALUE applies to every URL of a command (repeatable; VALUE is
   parsed as JSON when it parses, e.g. anon=true, else taken as a string). cp also takes
-  --src-storage-option and --dst-storage-option, which apply to one side on top of -o.
+  --src-storage-option and --dst-storage-option, and import --src-storage-option, which
+  apply to one side on top of -o.
   The usual environment variables of the storage libraries work as well:
   AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE, AWS_ENDPOINT_URL (s3fs),
   GOOGLE_APPLICATION_CREDENTIALS (gcsfs), and fsspec's FSSPEC_<PROTOCOL>_<OPTION>,
