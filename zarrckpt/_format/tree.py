@@ -25,7 +25,7 @@ KeyPath = tuple[Any, ...]
 # deeper trees are refused at save rather than committed and unreadable later.
 MAX_DEPTH = 100
 PYTHON_DTYPES = {"bool": np.dtype(bool), "int": np.dtype(np.int64), "float": np.dtype(np.float64),
-                  "complex": np.dtype(np.complex128)}
+                 "complex": np.dtype(np.complex128)}
 _tu = jax.tree_util
 
 
