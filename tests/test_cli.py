@@ -156,6 +156,19 @@ def test_verify_report(tmp_path):
     assert "directory is missing (all 1 chunks)" in problems["b/"].message
 
 
+def test_verify_judges_an_array_zarr_json_by_what_it_says_not_how_it_is_spelled(tmp_path):
+    url = str(tmp_path / "c")
+    zarrckpt.save_pytree(url, {"a": np.ones((6, 4), np.float32)}, max_chunk_bytes=32)
+    loc = _storage.resolve(url)
+    doc = json.loads(loc.read("a/zarr.json"))
+    loc.write("a/zarr.json", json.dumps(doc, indent=2, sort_keys=True).encode())  # as another zarr writer may
+    assert zarrckpt.verify(url).ok
+    doc["chunk_grid"]["configuration"]["chunk_shape"] = [2.0, 4]  # equal to [2, 4] in Python, not in JSON
+    loc.write("a/zarr.json", json.dumps(doc).encode())
+    assert [(p.key, "does not match the tree record" in p.message) for p in zarrckpt.verify(url).problems] == [
+        ("a/zarr.json", True)]
+
+
 def test_verify_on_object_store(s3_server):
     url = f"s3://{s3_server.new_bucket()}/c"
     options = s3_server.options()
