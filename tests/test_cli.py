@@ -157,6 +157,49 @@ def test_verify_report(tmp_path):
     assert "directory is missing (all 1 chunks)" in problems["b/"].message
 
 
+def test_verify_quick_reads_no_chunk_yet_finds_missing_and_short_chunks(tmp_path, monkeypatch):
+    url = str(tmp_path / "c")
+    zarrckpt.save_pytree(url, {"a": np.ones((6, 4), np.float32), "b": np.arange(16.0)}, max_chunk_bytes=32)
+    path = _storage.resolve(url).path
+    os.remove(f"{path}/a/c.1.0")
+    os.truncate(f"{path}/b/c.2", 10)
+    with open(f"{path}/b/c.0", "r+b") as f:  # a flipped bit: only reading the chunk finds it
+        f.write(bytes([f.read(1)[0] ^ 1]))
+    read: list[str] = []
+
+    def metadata_only(method):
+        def refusing(self, key, *args, **kwargs):
+            read.append(key)
+            if key.rpartition("/")[2] != "zarr.json":
+                raise PermissionError(f"this store refuses chunk reads, asked for {key}")
+            return method(self, key, *args, **kwargs)
+        return refusing
+
+    for name in ("read", "read_into", "read_range"):
+        monkeypatch.setattr(_storage.LocalDisk, name, metadata_only(getattr(_storage.LocalDisk, name)))
+    report = zarrckpt.verify(url, checksums=False)
+    problems = {p.key: p.message for p in report.problems}
+    assert sorted(problems) == ["a/c.1.0", "b/c.2"], problems
+    assert problems["a/c.1.0"] == "missing" and problems["b/c.2"].startswith("has 10 bytes, expected")
+    assert report.chunks_checked == 3 + 4 and report.checksums_checked == 0
+    assert sorted(read) == ["a/zarr.json", "b/zarr.json", "zarr.json"]  # metadata, and no chunk
+    with pytest.raises(PermissionError, match="refuses chunk reads"):  # the store does refuse: a full verify reads
+        zarrckpt.verify(url)
+
+
+def test_verify_judges_an_array_zarr_json_by_what_it_says_not_how_it_is_spelled(tmp_path):
+    url = str(tmp_path / "c")
+    zarrckpt.save_pytree(url, {"a": np.ones((6, 4), np.float32)}, max_chunk_bytes=32)
+    loc = _storage.resolve(url)
+    doc = json.loads(loc.read("a/zarr.json"))
+    loc.write("a/zarr.json", json.dumps(doc, indent=2, sort_keys=True).encode())  # as another zarr writer may
+    assert zarrckpt.verify(url).ok
+    doc["chunk_grid"]["configuration"]["chunk_shape"] = [2.0, 4]  # equal to [2, 4] in Python, not in JSON
+    loc.write("a/zarr.json", json.dumps(doc).encode())
+    assert [(p.key, "does not match the tree record" in p.message) for p in zarrckpt.verify(url).problems] == [
+        ("a/zarr.json", True)]
+
+
 def test_verify_on_object_store(s3_server):
     url = f"s3://{s3_server.new_bucket()}/c"
     options = s3_server.options()

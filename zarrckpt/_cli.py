@@ -191,7 +191,8 @@ def _parser() -> _Parser:
                   as_json)
     sub.add_argument("url", metavar="URL", help="one checkpoint, e.g. DIR/0000001000")
     sub.add_argument("--quick", action="store_true",
-                     help="skip the checksums: read metadata and listings only, no chunk data")
+                     help="skip the checksums: read metadata and listings only (two requests per array), no "
+                     "chunk data; much faster for large leaves, little for many small ones")
     sub = command("gc", _gc, "delete old steps by the manager's retention rules (the newest committed "
                   "step and pinned steps are always kept)", as_json)
     sub.add_argument("dir", metavar="DIR", help="checkpoint directory: one subdirectory per step")

@@ -12,8 +12,13 @@ What is checked (docs/pytree-zarr-checkpoint.md says why each must hold):
 
 The first three read metadata and listings only: each array costs one listing of its
 directory (which gives every chunk's size at once) and one read of its `zarr.json`,
-so an object store sees two requests per array, not one per chunk. Checksums then
-read every chunk once, concurrently, with a bound on the bytes held in memory.
+so an object store sees two requests per array, not one per chunk. An array's
+`zarr.json` holding exactly the bytes zarrckpt writes for its consolidated entry is
+that entry, already checked by `open_checkpoint`: only other bytes are parsed and
+compared field by field. Checksums then read every chunk once, concurrently, with a
+bound on the bytes held in memory; without them (`zarrckpt verify --quick`) no chunk
+is read, which saves time in proportion to the chunk bytes: for many small leaves the
+two requests per array are most of the work either way.
 """
 
 from __future__ import annotations
@@ -97,11 +102,12 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None, checksums
         top = {e.name for e in loc.list_dir()} if any(leaf.processes for leaf in leaves) else set()
         with _concurrency.Operation(max_workers or loc.concurrency, "verify") as op:
             whole: list[tuple[_reader.StoredLeaf, Region]] = []
-            results = op.fan_out(leaves, lambda leaf: _check_leaf(loc, leaf, *records[leaf.name], top))
+            results = op.fan_out(leaves, lambda leaf: _check_leaf(loc, leaf, *records[leaf.name],
+                                                                  ckpt.documents.get(leaf.name), top, checksums))
             for leaf_problems, expected, sized in results:
                 problems += leaf_problems
                 chunks += expected
-                whole += [(array, chunk) for array, chunk in sized if checksums and array.checksum]
+                whole += sized
             sums = op.fan_out(whole, lambda item: _checksum_problem(loc, *item),
                               budget=_concurrency.ByteBudget(max_inflight_bytes),
                               nbytes=lambda item: item[0].codec.stored_bytes)  # type: ignore[union-attr]
@@ -119,17 +125,19 @@ def _marker_problems(committed: bool) -> list[Problem]:
 
 
 def _check_leaf(loc: Location, leaf: _reader.StoredLeaf, path: _tree.KeyPath, record: dict[str, Any],
-                top: set[str]) -> tuple[list[Problem], int, list[tuple[_reader.StoredLeaf, Region]]]:
-    """The metadata and chunk-size problems of one leaf's arrays (one, or one per process
-    for a per-process leaf, `top` naming what the checkpoint's directory holds), how
-    many chunks their grids have, and those present with the right size."""
+                document: Any, top: set[str], checksums: bool
+                ) -> tuple[list[Problem], int, list[tuple[_reader.StoredLeaf, Region]]]:
+    """The metadata and chunk-size problems of one leaf's arrays (one, with `document`
+    its consolidated metadata, or one per process for a per-process leaf, `top` naming
+    what the checkpoint's directory holds), how many chunks their grids have, and, with
+    `checksums`, those present with the right size and a checksum to check."""
     if leaf.processes is None:
-        arrays, problems = [leaf], _check_array_document(loc, leaf, path, record)
+        arrays, problems = [leaf], _check_array_document(loc, leaf, path, record, document)
     else:
         arrays, problems = _per_process_arrays(loc, leaf, top)
     expected, sized = 0, []
     for array in arrays:
-        array_problems, count, present = _check_chunks(loc, array)
+        array_problems, count, present = _check_chunks(loc, array, checksums and array.checksum)
         problems += array_problems
         expected += count
         sized += [(array, chunk) for chunk in present]
@@ -164,11 +172,12 @@ def _per_process_arrays(loc: Location, leaf: _reader.StoredLeaf, top: set[str]
     return arrays, problems
 
 
-def _check_chunks(loc: Location, leaf: _reader.StoredLeaf) -> tuple[list[Problem], int, list[Region]]:
-    """The chunk-size problems of one array, how many chunks its grid has, and those
-    present with the right size. Work and memory follow the array's listing, not its
-    declared grid (`open_checkpoint` bounds the grid by `MAX_GRID`); at most `_SHOWN`
-    missing chunks are named, the rest counted in one problem."""
+def _check_chunks(loc: Location, leaf: _reader.StoredLeaf, wanted: bool) -> tuple[list[Problem], int, list[Region]]:
+    """The chunk-size problems of one array, how many chunks its grid has, and (if
+    `wanted`, to be read next) those present with the right size. Work and memory
+    follow the array's listing, not its declared grid (`open_checkpoint` bounds the grid
+    by `MAX_GRID`); at most `_SHOWN` missing chunks are named, the rest counted in one
+    problem."""
     problems: list[Problem] = []
     codec = leaf.codec
     assert isinstance(codec, ChunkCodec)  # verified: zarrckpt's layout only
@@ -194,7 +203,7 @@ def _check_chunks(loc: Location, leaf: _reader.StoredLeaf) -> tuple[list[Problem
             problems.append(Problem(key, _SYMLINK if entry.type == "link" else "not a file", leaf.where))
         elif (damage := codec.size_damage(entry.size)) is not None:
             problems.append(Problem(key, damage, leaf.where))
-        else:
+        elif wanted:
             sized.append(tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(coords, leaf.chunks, leaf.shape)))
     if missing := expected - len(found):
         named = first_absent(indices(grid), found, _SHOWN)
@@ -206,22 +215,38 @@ def _check_chunks(loc: Location, leaf: _reader.StoredLeaf) -> tuple[list[Problem
 
 
 def _check_array_document(loc: Location, leaf: _reader.StoredLeaf, path: _tree.KeyPath,
-                          record: dict[str, Any]) -> list[Problem]:
+                          record: dict[str, Any], document: Any) -> list[Problem]:
     """The array's own `zarr.json` must describe what the tree record and the
-    consolidated metadata describe."""
+    consolidated metadata (`document`, this array's entry) describe. The bytes that
+    zarrckpt wrote for `document` are that document, already checked: only other
+    bytes are parsed and compared field by field."""
     key = _naming.object_key(leaf.name, "zarr.json")
     try:
-        own = _reader.stored_leaf(path, record, _zarrjson.decode(loc.read(key)))
+        raw = loc.read(key)
     except FileNotFoundError:
         return [Problem(key, "missing", leaf.where)]
     except _storage.LinkInCheckpoint:
         return [Problem(key, _SYMLINK, leaf.where)]
+    if raw == _as_written(document):
+        return []
+    try:
+        own = _reader.stored_leaf(path, record, _zarrjson.decode(raw))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return [Problem(key, f"does not match the tree record: {e}", leaf.where)]
     differing = [f.name for f in dataclasses.fields(leaf) if getattr(own, f.name) != getattr(leaf, f.name)]
     if differing:
         return [Problem(key, f"differs from the consolidated metadata in {', '.join(differing)}", leaf.where)]
     return []
+
+
+def _as_written(document: Any) -> bytes | None:
+    """`document` as zarrckpt writes a `zarr.json`, or None if it could not have
+    written it (which decodes back to exactly `document`, types included: JSON has
+    one spelling for 1, 1.0 and true each)."""
+    try:
+        return _zarrjson.encode_document(document) if isinstance(document, dict) else None
+    except (ValueError, TypeError, RecursionError):
+        return None
 
 
 def _checksum_problem(loc: Location, leaf: _reader.StoredLeaf, chunk: Region) -> Problem | None:

@@ -84,6 +84,9 @@ class Checkpoint:
     name_of: Callable[[_tree.KeyPath], str]  # target key path -> array name in this layout
     meta: dict[str, Any]
     save_id: str | None = None  # the identity of the save read (see `_commit`)
+    # Each array's `zarr.json` as the leaves were built from it (zarrckpt's layout: the
+    # consolidated metadata), by array name; `verify` compares each array's own with it.
+    documents: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def read(self, leaf: StoredLeaf, box: Region) -> np.ndarray:
         """The values of `leaf` inside `box`, reading each chunk it touches once.
@@ -273,7 +276,7 @@ def _open_zarrckpt(loc: Location, committed: bool, meta: dict[str, Any], documen
         raise CheckpointCorruptError(f"checkpoint {loc.url} has malformed metadata: {e!r}") from e
     save_id = meta.get(_commit.SAVE_ID)
     return Checkpoint(loc, "zarrckpt", committed, spec, leaves, _tree.name_of, meta,
-                      save_id if isinstance(save_id, str) else None)
+                      save_id if isinstance(save_id, str) else None, arrays)
 
 
 def _checked_records(spec: Any) -> list[tuple[_tree.KeyPath, dict[str, Any]]]:
