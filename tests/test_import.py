@@ -10,6 +10,7 @@ import sys
 import tracemalloc
 from pathlib import Path
 
+import fsspec
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -24,7 +25,8 @@ from test_cli import run
 from test_safetensors import assert_exact, at, sharded_set, tensors
 
 import zarrckpt
-from zarrckpt._format import naming as _naming
+from zarrckpt._format import naming as _naming, tree as _tree
+from zarrckpt._restore import orbax as _orbax
 
 
 def train_state(step: int) -> dict:
@@ -91,9 +93,8 @@ def test_an_orbax_run_is_resumed_by_a_manager_at_its_newest_step_with_orbaxs_val
         assert step == 200 and mgr.restored_step == 200
     assert_same_state(state, states[200])
     assert_same_state(orbax_restored, states[200])  # the values are Orbax's own
-    # The chunks are Orbax's (a shard, or a replica's slice of one): each is read once.
-    chunks = {leaf.name: leaf.chunks for leaf in zarrckpt.metadata(result.url).leaves}
-    assert chunks["params.dense.kernel"] == (32, 8) and chunks["params.embed"] == (8, 2)
+    # Orbax's chunks (shards of 1 KiB and less) are put together, whole: one object per leaf.
+    assert {leaf.chunks == leaf.shape for leaf in zarrckpt.metadata(result.url).leaves} == {True}
 
 
 def test_the_cli_imports_a_chosen_step_and_refuses_to_replace_one(tmp_path):
@@ -140,16 +141,39 @@ def test_an_orbax_item_keeps_scalars_strings_empty_nodes_and_keys(tmp_path):
     assert back["half"].dtype == ml_dtypes.bfloat16 and back["half"].tolist() == list(range(6))
 
 
-def test_a_step_of_several_items_is_a_dict_of_them_and_other_items_are_left_out(tmp_path):
-    with ocp.CheckpointManager(str(tmp_path / "orbax"), item_names=("params", "extra", "notes")) as mgr:
-        mgr.save(5, args=ocp.args.Composite(params=ocp.args.StandardSave({"w": jnp.arange(4.0)}),
-                                            extra=ocp.args.StandardSave({"n": jnp.ones(2)}),
-                                            notes=ocp.args.JsonSave({"run": "a"})))
+@pytest.mark.parametrize("items", [("params", "extra", "notes"), ("state", "notes")])
+def test_a_step_of_named_items_is_a_dict_of_them_and_other_items_are_left_out(tmp_path, items):
+    saved = {"params": ocp.args.StandardSave({"w": jnp.arange(4.0)}),
+             "extra": ocp.args.StandardSave({"n": jnp.ones(2)}),
+             "state": ocp.args.StandardSave({"s": jnp.zeros(3)}), "notes": ocp.args.JsonSave({"run": "a"})}
+    with ocp.CheckpointManager(str(tmp_path / "orbax"), item_names=items) as mgr:
+        mgr.save(5, args=ocp.args.Composite(**{name: saved[name] for name in items}))
         mgr.wait_until_finished()
     result = zarrckpt.import_checkpoint(str(tmp_path / "orbax"), str(tmp_path / "run"))
     assert result.skipped.keys() == {"notes"}
     back = zarrckpt.load_pytree(result.url)
-    assert sorted(back) == ["extra", "params"] and back["params"]["w"].tolist() == [0, 1, 2, 3]
+    assert sorted(back) == sorted(set(items) - {"notes"})  # by name, even where one item is left
+    assert back["params"]["w"].tolist() == [0, 1, 2, 3] if "params" in items else back["state"]["s"].tolist() == [0] * 3
+
+
+def test_a_step_orbax_is_still_writing_on_an_object_store_is_not_taken_for_finished(tmp_path):
+    orbax_run(tmp_path / "orbax", [100, 200])
+    fs = fsspec.filesystem("memory")
+    url = f"memory://zarrckpt-tests/{tmp_path.name}/orbax"
+    for path in (tmp_path / "orbax").rglob("*"):
+        if path.is_file() and not (path.name == "commit_success.txt" and path.parent.name == "200"):
+            fs.pipe_file(f"{url}/{path.relative_to(tmp_path / 'orbax')}", path.read_bytes())
+    # Step 200 as Orbax leaves it on GCS until its last write: _CHECKPOINT_METADATA but
+    # no commit_success.txt. Its newest finished step is 100.
+    assert _orbax._find(zarrckpt._storage.resolve(url)).newest == 100
+    assert _orbax._find(zarrckpt._storage.resolve(str(tmp_path / "orbax"))).newest == 200
+
+
+def test_ls_of_a_directory_of_plain_numbered_directories_is_no_error(tmp_path):
+    (tmp_path / "1").mkdir()
+    (tmp_path / "2").mkdir()
+    listed = run("ls", str(tmp_path))
+    assert listed.returncode == 0 and "no step directories" in listed.stdout
 
 
 def test_a_sharded_safetensors_set_is_imported_and_lands_on_a_mesh(tmp_path):
@@ -199,31 +223,107 @@ def test_what_is_no_checkpoint_of_either_format_is_refused_naming_it(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("damage", ["not json", "no tree", "bad key", "unknown kind", "deep", "missing array"])
-def test_damaged_orbax_metadata_is_refused_naming_the_file(tmp_path, damage):
-    checkpointer = ocp.PyTreeCheckpointer()
-    checkpointer.save(str(tmp_path / "item"), {"a": {"w": jnp.arange(4.0)}, "b": jnp.ones(2)})
-    meta_path = tmp_path / "item" / "_METADATA"
-    meta = json.loads(meta_path.read_text())
-    entries = meta["tree_metadata"]
-    entry = entries["('a', 'w')"]
+def damaged_item(tmp_path: Path, damage: str, ocdbt: bool = True) -> None:
+    """An Orbax item of `{"a": {"w": ...}, "b": ..., "l": [...], "key": typed keys}`, then
+    `damage` done to its metadata."""
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt)
+    ocp.Checkpointer(handler).save(str(tmp_path / "item"), {"a": {"w": jnp.arange(4.0)}, "b": jnp.ones(2),
+                                                           "l": [jnp.ones(1), jnp.ones(1)], "key": jax.random.key(1)})
+    meta_path, impls_path = tmp_path / "item" / "_METADATA", tmp_path / "item" / "array_metadatas" / "process_0"
+    meta, impls = json.loads(meta_path.read_text()), json.loads(impls_path.read_text())
+    entry = meta["tree_metadata"]["('a', 'w')"]
+    key_impl = next(e["array_metadata"] for e in impls["array_metadatas"] if e["array_metadata"]["param_name"] == "key")
     if damage == "not json":
         meta_path.write_text("{")
-    else:
-        if damage == "no tree":
-            meta["tree_metadata"] = []
-        elif damage == "bad key":
-            entry["key_metadata"][0] = {"key": 5, "key_type": 9}
-        elif damage == "unknown kind":
-            entry["value_metadata"]["value_type"] = "custom.Thing"
-        elif damage == "deep":
-            entry["key_metadata"] = [{"key": "x", "key_type": 2}] * 10_000
-        elif damage == "missing array":
-            entry["key_metadata"][-1]["key"] = "absent"
-        meta_path.write_text(json.dumps(meta))
-    with pytest.raises(zarrckpt.CheckpointCorruptError, match="_METADATA|array a.absent"):
+        return
+    if damage == "no tree":
+        meta["tree_metadata"] = []
+    elif damage == "bad key":
+        entry["key_metadata"][0] = {"key": 5, "key_type": 9}
+    elif damage == "deep":
+        entry["key_metadata"] = [{"key": "x", "key_type": 2}] * 10_000
+    elif damage == "index 01":
+        meta["tree_metadata"]["('l', '1')"]["key_metadata"][1]["key"] = "01"
+    elif damage == "a path outside":
+        entry["key_metadata"][-1]["key"] = ".."
+    elif damage == "missing array":
+        entry["key_metadata"][-1]["key"] = "absent"
+    elif damage == "unknown PRNG":
+        key_impl["ext_metadata"]["random_key_impl"] = "bogus"
+    elif damage == "PRNG on floats":
+        next(e["array_metadata"] for e in impls["array_metadatas"]
+             if e["array_metadata"]["param_name"] == "b")["ext_metadata"] = {"random_key_impl": "threefry2x32"}
+    meta_path.write_text(json.dumps(meta))
+    impls_path.write_text(json.dumps(impls))
+
+
+@pytest.mark.parametrize("damage, where", [
+    ("not json", "_METADATA"), ("no tree", "_METADATA"), ("bad key", "_METADATA"), ("deep", "_METADATA"),
+    ("index 01", "_METADATA"), ("missing array", "array a.absent"), ("unknown PRNG", "array_metadatas/process_0"),
+    ("PRNG on floats", "array_metadatas/process_0")])
+def test_damaged_orbax_metadata_is_refused_naming_the_file_before_anything_is_written(tmp_path, damage, where):
+    damaged_item(tmp_path, damage)
+    with pytest.raises(zarrckpt.CheckpointCorruptError, match=where):
         zarrckpt.import_checkpoint(str(tmp_path / "item"), str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_without_ocdbt_a_key_never_names_a_path_outside_the_item(tmp_path):
+    damaged_item(tmp_path, "none", ocdbt=False)
+    back = zarrckpt.load_pytree(zarrckpt.import_checkpoint(str(tmp_path / "item"), str(tmp_path / "ok")).url)
+    assert back["a"]["w"].tolist() == [0, 1, 2, 3]  # one directory per array, read as well
+    damaged_item(tmp_path / "bad", "a path outside", ocdbt=False)
+    with pytest.raises(zarrckpt.CheckpointCorruptError, match="malformed key"):
+        zarrckpt.import_checkpoint(str(tmp_path / "bad" / "item"), str(tmp_path / "run"))
+
+
+def test_an_unknown_kind_of_leaf_is_unsupported_and_rich_empty_nodes_are_none(tmp_path):
+    damaged_item(tmp_path, "none")
+    meta_path = tmp_path / "item" / "_METADATA"
+    meta = json.loads(meta_path.read_text())
+    meta["tree_metadata"]["('e',)"] = {"key_metadata": [{"key": "e", "key_type": 2}],
+                                       "value_metadata": {"value_type": "NamedTuple", "skip_deserialize": True}}
+    meta_path.write_text(json.dumps(meta))
+    assert zarrckpt.load_pytree(zarrckpt.import_checkpoint(str(tmp_path / "item"), str(tmp_path / "ok")).url)["e"] \
+        is None  # optax's EmptyState, as Orbax's rich metadata names it
+    meta["tree_metadata"]["('e',)"]["value_metadata"]["value_type"] = "custom.Thing"
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(zarrckpt.UnsupportedLeafError, match="'custom.Thing'"):
+        zarrckpt.import_checkpoint(str(tmp_path / "item"), str(tmp_path / "run"))
+
+
+def test_each_source_chunk_is_read_once_whether_cut_up_or_put_together(tmp_path):
+    source = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    for chunks, max_bytes, min_bytes, stored in [((16, 8), 128, 1, (4, 8)),  # each source chunk cut in 4
+                                                 ((4, 4), 2**20, 256, (8, 8))]:  # 4 source chunks together
+        reads = []
+
+        def read(box, reads=reads):
+            reads.append(box)
+            return source[tuple(slice(a, b) for a, b in box)]
+
+        leaf = _tree.Deferred(source.shape, source.dtype, read, chunks=chunks)
+        url = str(tmp_path / f"{chunks}")
+        zarrckpt.save_pytree(url, {"a": leaf}, max_chunk_bytes=max_bytes, min_chunk_bytes=min_bytes)
+        assert zarrckpt.metadata(url).leaves[0].chunks == stored
+        assert np.array_equal(zarrckpt.load_pytree(url)["a"], source)
+        covered = np.zeros(source.shape, int)
+        for box in reads:
+            covered[tuple(slice(a, b) for a, b in box)] += 1
+        assert (covered == 1).all(), covered  # every element read once
+        assert all(all(a % c == 0 for (a, _), c in zip(box, chunks)) for box in reads)  # whole source chunks
+
+
+def test_a_source_that_cannot_be_read_is_that_error_and_nothing_is_committed(tmp_path):
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False)  # one file per chunk: a chunk alone can be cut
+    ocp.Checkpointer(handler).save(str(tmp_path / "item"), {"w": jnp.arange(1024.0 * 64).reshape(64, 1024)})
+    chunk = next(p for p in (tmp_path / "item" / "w").iterdir() if not p.name.startswith("."))
+    chunk.write_bytes(chunk.read_bytes()[:100])
+    with pytest.raises(zarrckpt.CheckpointCorruptError, match="nothing was committed"):
+        zarrckpt.import_checkpoint(str(tmp_path / "item"), str(tmp_path / "run"))
+    assert zarrckpt.latest_step(str(tmp_path)) is None and not zarrckpt.all_steps(str(tmp_path))
+    with pytest.raises(zarrckpt.CheckpointNotFoundError):
+        zarrckpt.load_pytree(str(tmp_path / "run"))
 
 
 def test_without_tensorstore_an_orbax_import_says_which_extra_to_install(tmp_path, monkeypatch):

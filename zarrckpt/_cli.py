@@ -45,6 +45,7 @@ from . import (
 )
 from ._format import naming as _naming, zarrjson as _zarrjson
 from ._metadata import metadata
+from ._restore import orbax as _orbax
 from .errors import CheckpointError
 
 EXIT_ERROR = 1  # the command could not do its job (message on stderr)
@@ -283,12 +284,12 @@ def _ls(args: argparse.Namespace) -> int:
     steps += [((run, process), loc, step) for run, process, loc in tier for step in _steps.candidate_steps(loc)]
     rows = _concurrency.run_all(lambda found: _describe_step(found[1], found[2], found[0]), steps,
                                 root.concurrency)
+    itself = not rows and _commit.head(root).state is not _commit.State.ABSENT
+    if not rows and not itself and _orbax.is_orbax(root):
+        _steps.check_directory_of_steps(root)  # Orbax's checkpoints: an error saying how to import them
     if args.json:
         _print_json(rows)
     elif not rows:
-        itself = _commit.head(root).state is not _commit.State.ABSENT
-        if not itself:
-            _steps.check_directory_of_steps(root)  # another library's checkpoints: an error saying what to do
         print(f"no step directories under {root.url}"
               + (f" (it is a checkpoint itself: see `zarrckpt info {root.url}`)" if itself else ""))
     else:

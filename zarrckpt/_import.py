@@ -14,13 +14,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
 from . import _multihost, _options, _storage
 from ._format import naming as _naming, tree as _tree
 from ._options import SaveOptions
 from ._restore import checkpoint as _reader, orbax as _orbax
 from ._restore.safetensors import open_safetensors
 from ._save import protocol as _save
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,24 +94,32 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
     source = _storage.resolve(src, src_storage_options)
     if not source.exists():
         raise CheckpointNotFoundError(f"nothing to import: {source.url} does not exist")
-    if _orbax.is_orbax(source):
+    found = _orbax.open_step(source, step)
+    if found is not None:
         if src_storage_options and not source.is_local:
             raise ValueError(f"storage options for the source cannot reach {source.url}: TensorStore reads Orbax's "
                              "arrays, with the credentials and endpoint of its environment (AWS_*, "
                              "GOOGLE_APPLICATION_CREDENTIALS)")
-        found = _orbax.open_step(source, step)
-        format, tree, step, skipped = "orbax", found.tree, found.step, found.skipped
+        format, tree, step, skipped = "orbax", _marked(found.tree), found.step, found.skipped
     else:
         try:
             ckpt = open_safetensors(src, src_storage_options)
         except CheckpointNotFoundError as e:
             raise CheckpointNotFoundError(f"{source.url} is neither an Orbax checkpoint nor a safetensors file or "
                                           f"set: {e}") from None
-        format, tree, skipped = "safetensors", _deferred_tree(ckpt), {}
+        format, tree, skipped = "safetensors", _marked(_deferred_tree(ckpt)), {}
     loc = _storage.resolve(dst, storage_options)
     if step is not None:
         loc = loc.step(step)
-    job = _save.save(loc, tree, options)
+    try:
+        job = _save.save(loc, tree, options)
+    except CheckpointWriteError as e:
+        failed = next((c for c in _causes(e) if isinstance(c, _SourceFailed)), None)
+        if failed is None:
+            raise
+        # Reading the source failed, not writing: its error is what the caller hears.
+        kind = CheckpointCorruptError if isinstance(failed.__cause__, CheckpointCorruptError) else OSError
+        raise kind(f"{failed.__cause__}; nothing was committed at {loc.url}") from failed.__cause__
     return ImportResult(loc.url, step, format, len(job.plans), job.nbytes, skipped)
 
 
@@ -120,3 +130,30 @@ def _deferred_tree(ckpt: _reader.Checkpoint) -> Any:
         return _tree.Deferred(leaf.shape, leaf.dtype, lambda box: ckpt.read(leaf, box), leaf.kind, leaf.prng_impl)
 
     return _tree.rebuild(ckpt.spec, deferred)
+
+
+class _SourceFailed(Exception):
+    """A read of the source failed (its error is the cause): the save that meets it on
+    its way up reports a write error, which the import turns back into this one."""
+
+
+def _marked(tree: Any) -> Any:
+    """`tree`, each deferred leaf's reads raising `_SourceFailed` from their errors."""
+    def marked(read: Any) -> Any:
+        def attempt(box: tuple[tuple[int, int], ...]) -> Any:
+            try:
+                return read(box)
+            except Exception as e:
+                raise _SourceFailed(str(e)) from e
+        return attempt
+
+    return jax.tree.map(lambda leaf: dataclasses.replace(leaf, read=marked(leaf.read))
+                        if isinstance(leaf, _tree.Deferred) else leaf, tree)
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    found: list[BaseException] = []
+    while error.__cause__ is not None and len(found) < 10:
+        error = error.__cause__
+        found.append(error)
+    return found

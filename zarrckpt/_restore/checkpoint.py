@@ -338,8 +338,10 @@ def stored_leaf(path: _tree.KeyPath, rec: dict[str, Any], array: dict[str, Any] 
     chunks = _ints(array["chunk_grid"]["configuration"]["chunk_shape"], "chunk shape")
     kind, impl = rec["type"], rec.get("impl")
     where = _tree.describe_path(path)
-    if kind not in _KINDS or (kind == "prng_key") != isinstance(impl, str) or (impl and not _prng_impl_known(impl)):
+    if kind not in _KINDS or (kind == "prng_key") != isinstance(impl, str):
         raise ValueError(f"leaf {where}: kind {kind!r} (PRNG implementation {impl!r})")
+    if impl and (problem := key_data_problem(impl, shape, dtype)) is not None:
+        raise ValueError(f"leaf {where}: {problem}")
     checksum = isinstance(array.get("codecs"), list) and _chunks.CRC32C_CODEC in array["codecs"]
     expected = {"shape": list(shape), **_dtype_fields(dtype, checksum)}
     for field in ("shape", "data_type", "codecs", "chunk_key_encoding"):
@@ -354,13 +356,24 @@ def stored_leaf(path: _tree.KeyPath, rec: dict[str, Any], array: dict[str, Any] 
     return StoredLeaf(path, rec["name"], shape, dtype, kind, ChunkCodec(rec["name"], dtype, chunks, checksum), impl)
 
 
+def key_data_problem(impl: str, shape: tuple[int, ...], dtype: np.dtype) -> str | None:
+    """Why data of `shape` and `dtype` cannot be typed PRNG keys of the implementation
+    `impl` (an unknown one, or data of another shape or dtype), or None."""
+    key_shape = _key_data_shape(impl)
+    if key_shape is None:
+        return f"PRNG implementation {impl!r} is not one this jax has"
+    if dtype != np.uint32 or len(shape) < len(key_shape) or shape[len(shape) - len(key_shape):] != key_shape:
+        return (f"{dtype}{list(shape)} cannot be the key data of {impl} keys "
+                f"(uint32[..., {', '.join(map(str, key_shape))}])")
+    return None
+
+
 @functools.cache
-def _prng_impl_known(name: str) -> bool:
+def _key_data_shape(impl: str) -> tuple[int, ...] | None:
     try:
-        jax.eval_shape(lambda: jax.random.key(0, impl=name))
+        return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
     except (ValueError, TypeError):
-        return False
-    return True
+        return None
 
 
 def read_own_array(loc: Location, leaf: StoredLeaf, process: int) -> tuple[StoredLeaf, dict[str, Any]]:

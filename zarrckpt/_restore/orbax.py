@@ -9,7 +9,8 @@ themselves, zarr (v2 or v3) in an OCDBT database or one directory per array, whi
 TensorStore reads. Only TensorStore is needed, not orbax-checkpoint.
 
 Everything read is untrusted: metadata that is not what Orbax writes is a
-CheckpointCorruptError naming the file, and no file is read whole past `_MAX_JSON`.
+CheckpointCorruptError naming the file, no file is read past `_MAX_JSON`, and a key
+never names a path outside the item.
 """
 
 from __future__ import annotations
@@ -21,20 +22,28 @@ from typing import Any
 
 import numpy as np
 
-from .._format import tree as _tree, zarrjson as _zarrjson
+from .._format import chunks as _chunks, tree as _tree, zarrjson as _zarrjson
 from .._storage import Location
-from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError, UnsupportedLeafError
+from . import checkpoint as _reader
 
 # What Orbax writes at the top of an item or a step, which no zarrckpt directory holds.
 MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt", "_METADATA", "manifest.ocdbt")
 EXTRA = "pip install 'zarrckpt[orbax]'"
 # Orbax's key kinds in `_METADATA` (its KeyType): a sequence index, a dict key.
 _SEQUENCE, _DICT = 1, 2
-_EMPTY: dict[str, Callable[[], Any]] = {"None": lambda: None, "Dict": dict, "List": list, "Tuple": tuple}
-# Larger metadata than any tree Orbax can save has (10,000 leaves: about 3 MB).
-_MAX_JSON = 256 * 2**20
+# Empty nodes, as Orbax restores them without a target (an empty NamedTuple, optax's
+# EmptyState, as None: what Orbax's metadata says of it unless rich types are on).
+_EMPTY: dict[str, Callable[[], Any]] = {"None": lambda: None, "NamedTuple": lambda: None, "Dict": dict,
+                                        "List": list, "Tuple": tuple}
+# Larger metadata than any tree Orbax saves has (10,000 leaves: about 3 MB); parsing
+# takes about 8 times the file's size.
+_MAX_JSON = 64 * 2**20
 _LEAF = ("", 0)  # a key no entry has (kinds are 1 and 2): marks a leaf's value in `_put`'s dicts
-_PYTHON_KINDS = {"b": "bool", "i": "int", "f": "float", "c": "complex"}
+# TensorStore's error codes that say the data is not what it should be; others (denied,
+# unavailable...) are failures to read it.
+_DAMAGE = frozenset({"NOT_FOUND", "DATA_LOSS", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "OUT_OF_RANGE"})
+_TENSORSTORE_SCHEMES = {"gcs": "gs", "s3a": "s3"}  # fsspec's other names for them
 
 
 @dataclasses.dataclass
@@ -47,28 +56,38 @@ class Step:
     skipped: dict[str, str]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Found:
+    kind: str  # "item", "step" or "run"
+    steps: dict[int, str]  # a run's step directories, by number
+    newest: int | None  # a run's newest finished step
+
+
 def is_orbax(loc: Location) -> bool:
-    """Whether `loc` holds an Orbax item, step or run (one listing; two for a run)."""
+    """Whether `loc` holds an Orbax item, step or run (one listing; a run's newest steps
+    are listed until one is finished)."""
     return _find(loc) is not None
 
 
-def open_step(loc: Location, step: int | None) -> Step:
-    """The tree of the Orbax item or step at `loc`, or of a run's newest step (`step`,
-    if given). CheckpointNotFoundError if `loc` holds none of them, or not that step."""
+def open_step(loc: Location, step: int | None) -> Step | None:
+    """The tree of the Orbax item or step at `loc`, or of a run's newest finished step
+    (`step`, if given); None if `loc` holds no Orbax checkpoint. CheckpointNotFoundError
+    if a run has no finished step `step`."""
     found = _find(loc)
     if found is None:
-        raise CheckpointNotFoundError(f"no Orbax checkpoint at {loc.url}")
-    what, numbered = found
-    if what == "run":
+        return None
+    kind = found.kind
+    if kind == "run":
         if step is None:
-            step = next(n for n in sorted(numbered, reverse=True) if _finished(loc, numbered[n]))
-        elif step not in numbered or not _finished(loc, numbered[step]):
+            step = found.newest
+        elif step not in found.steps or not _finished(loc, found.steps[step]):
             raise CheckpointNotFoundError(f"the Orbax run {loc.url} has no finished step {step} (its newest: "
-                                          f"{', '.join(map(str, sorted(numbered)[-5:]))})")
-        loc, what = loc.child(numbered[step]), "step"
-    elif what == "step" and step is None:
+                                          f"{', '.join(map(str, sorted(found.steps)[-5:]))})")
+        assert step is not None
+        loc, kind = loc.child(found.steps[step]), "step"
+    elif kind == "step" and step is None:
         step = _number(loc.url.rstrip("/").rsplit("/", 1)[-1])
-    if what == "item":
+    if kind == "item":
         return Step(step, _item_tree(loc, ""), {})
     skipped, items = {}, []
     for entry in loc.list_dir():
@@ -80,35 +99,34 @@ def open_step(loc: Location, step: int | None) -> Step:
             skipped[entry.name] = "an item that is no pytree of arrays (no _METADATA)"
     if not items:
         raise CheckpointNotFoundError(f"the Orbax step {loc.url} holds no pytree item")
-    if len(items) == 1:  # CheckpointManager's single item ("default"), restored as the tree itself
-        return Step(step, _item_tree(loc.child(items[0]), ""), skipped)
+    if items == ["default"]:  # CheckpointManager's single item: the tree itself, as Orbax restores it
+        return Step(step, _item_tree(loc.child("default"), ""), skipped)
     return Step(step, {name: _item_tree(loc.child(name), f"{name}.") for name in sorted(items)}, skipped)
 
 
-def _find(loc: Location) -> tuple[str, dict[int, str]] | None:
-    """What `loc` is ("item", "step" or "run", with a run's step directories by
-    number), or None if it is no Orbax checkpoint. One listing; a run's newest steps
-    are listed until one is finished."""
+def _find(loc: Location) -> _Found | None:
+    """What `loc` is, or None if it is no Orbax checkpoint."""
     entries = loc.list_dir()
     names = {e.name for e in entries}
     if "_METADATA" in names:
-        return "item", {}
+        return _Found("item", {}, None)
     if names & {"_CHECKPOINT_METADATA", "commit_success.txt"}:
-        return "step", {}
-    numbered = {number: e.name for e in entries if e.type == "dir" and (number := _number(e.name)) is not None}
-    if any(_finished(loc, numbered[n]) for n in sorted(numbered, reverse=True)):
-        return "run", numbered
-    return None
+        return _Found("step", {}, None)
+    steps = {number: e.name for e in entries if e.type == "dir" and (number := _number(e.name)) is not None}
+    newest = next((n for n in sorted(steps, reverse=True) if _finished(loc, steps[n])), None)
+    return _Found("run", steps, newest) if newest is not None else None
 
 
 def _finished(run: Location, name: str) -> bool:
-    """Whether Orbax finished the step directory `name`: it writes these once every item
-    is written (a step in progress has a temporary name on a local disk, and lacks them
-    anywhere)."""
-    return bool({"_CHECKPOINT_METADATA", "commit_success.txt"} & {e.name for e in run.list_dir(name)})
+    """Whether Orbax finished writing the step directory `name`. On an object store it
+    writes the step in place and `commit_success.txt` last; on a local disk it renames a
+    finished step into place (its `_CHECKPOINT_METADATA` is there from the start)."""
+    names = {e.name for e in run.list_dir(name)}
+    return "commit_success.txt" in names or (run.is_local and "_CHECKPOINT_METADATA" in names)
 
 
 def _number(name: str) -> int | None:
+    """A step directory's number (Orbax may pad it with zeros)."""
     return int(name) if name.isascii() and name.isdigit() else None
 
 
@@ -116,19 +134,19 @@ def _item_tree(item: Location, prefix: str) -> Any:
     """The tree of one item, its arrays deferred (opened now, concurrently, for their
     shapes and dtypes). `prefix` names the item in errors."""
     ts = _tensorstore()
+    metadata = item.child("_METADATA").url
     meta = _json(item, "_METADATA")
     entries = meta.get("tree_metadata") if isinstance(meta, dict) else None
     if not isinstance(entries, dict):
-        raise CheckpointCorruptError(f"{item.child('_METADATA').url} has no tree_metadata")
+        raise CheckpointCorruptError(f"{metadata} has no tree_metadata")
     ocdbt = "manifest.ocdbt" in {e.name for e in item.list_dir()}  # else one directory per array
-    leaves: list[tuple[list[tuple[str, int]], dict[str, Any]]] = []
-    for key, entry in entries.items():
-        leaves.append((_key_path(entry, item, key), _value_metadata(entry, item, key)))
+    leaves = [(_key_path(entry, metadata, key, ocdbt), _value_metadata(entry, metadata, key))
+              for key, entry in entries.items()]
     strings = _json(item, "_strings.json") if any(v["value_type"] == "string" for _, v in leaves) else {}
     impls = _prng_impls(item)
     driver = "zarr3" if meta.get("use_zarr3") is True else "zarr"
-    base = (f"file://{os.path.abspath(item.path)}" if item.is_local else item.url).rstrip("/") + "/"
     context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+    base = _tensorstore_url(item)
     arrays = [".".join(k for k, _ in keys) for keys, value in leaves
               if value["value_type"] in ("jax.Array", "np.ndarray", "scalar")]
     opening = {name: ts.open({"driver": driver, "kvstore": {"driver": "ocdbt", "base": base, "path": name} if ocdbt
@@ -138,9 +156,8 @@ def _item_tree(item: Location, prefix: str) -> Any:
     for name, future in opening.items():
         try:
             opened[name] = future.result()
-        except Exception as e:  # TensorStore's own error kinds, all of them a bad or missing array
-            raise CheckpointCorruptError(f"array {prefix}{name} of the Orbax checkpoint {item.url} cannot be "
-                                         f"opened: {e}") from None
+        except Exception as e:  # TensorStore's own error kinds (see `_read_error`)
+            raise _read_error(e, f"opening array {prefix}{name} of the Orbax checkpoint {item.url}") from None
     built: dict[tuple[str, int], Any] = {}
     for keys, value in leaves:
         name = ".".join(k for k, _ in keys)
@@ -152,12 +169,16 @@ def _item_tree(item: Location, prefix: str) -> Any:
             if not isinstance(leaf, str):
                 raise CheckpointCorruptError(f"{item.child('_strings.json').url} lacks the str leaf {prefix}{name}")
         elif name in opened:
-            leaf = _deferred(opened[name], kind, impls.get(name), f"{prefix}{name}")
+            impl = impls.get(name)
+            leaf = _deferred(opened[name], kind, impl, f"{prefix}{name}")
+            if impl is not None and (problem := _reader.key_data_problem(impl, leaf.shape, leaf.dtype)) is not None:
+                raise CheckpointCorruptError(f"{item.child('array_metadatas/process_0').url} says array "
+                                             f"{prefix}{name} holds PRNG keys, but {problem}")
         else:
-            raise CheckpointCorruptError(f"leaf {prefix}{name} of {item.child('_METADATA').url} is of a kind "
-                                         f"zarrckpt does not know: {kind!r:.80}")
-        _put(built, keys, leaf, item)
-    return _sequences(built, item)
+            raise UnsupportedLeafError(f"leaf {prefix}{name} of the Orbax checkpoint {item.url} is a "
+                                       f"{kind!r:.80}, which zarrckpt cannot import")
+        _put(built, keys, leaf, metadata)
+    return _sequences(built, metadata)
 
 
 def _deferred(array: Any, value_type: str, prng_impl: str | None, shown: str) -> _tree.Deferred:
@@ -166,12 +187,14 @@ def _deferred(array: Any, value_type: str, prng_impl: str | None, shown: str) ->
     def read(box: tuple[tuple[int, int], ...]) -> np.ndarray:
         try:
             return np.asarray(array[tuple(slice(a, b) for a, b in box)].read().result())
-        except Exception as e:  # TensorStore's own error kinds: a chunk missing or unreadable
-            raise CheckpointCorruptError(f"reading array {shown} of an Orbax checkpoint: {e}") from None
+        except Exception as e:  # TensorStore's own error kinds (see `_read_error`)
+            raise _read_error(e, f"reading array {shown} of an Orbax checkpoint") from None
 
     if value_type == "scalar" and array.shape == ():
-        python = _PYTHON_KINDS.get(dtype.kind)
-        kind = python if python is not None and dtype == _tree.PYTHON_DTYPES[python] else "numpy_scalar"
+        # Orbax keeps no difference between 3 and np.int64(3): a Python scalar's dtype is
+        # taken for one, any other for a numpy scalar.
+        python = next((name for name, d in _tree.PYTHON_DTYPES.items() if d == dtype), None)
+        kind = python or "numpy_scalar"
     elif prng_impl is not None:
         kind = "prng_key"
     else:
@@ -181,57 +204,73 @@ def _deferred(array: Any, value_type: str, prng_impl: str | None, shown: str) ->
                           tuple(min(c, n) for c, n in zip(chunks, array.shape)) if chunks is not None else None)
 
 
-def _key_path(entry: Any, item: Location, key: str) -> list[tuple[str, int]]:
+def _read_error(e: Exception, what: str) -> Exception:
+    """A TensorStore error as zarrckpt's: damage (an array missing, or not what its
+    metadata says) is a CheckpointCorruptError; anything else (denied, unavailable) an
+    OSError."""
+    text = str(e).split(" [tensorstore_spec=", 1)[0]  # the spec repeats what the message says, at length
+    return (CheckpointCorruptError if text.split(":", 1)[0] in _DAMAGE else OSError)(f"{what}: {text}")
+
+
+def _tensorstore_url(item: Location) -> str:
+    """The item's URL as TensorStore names it, ending in '/'."""
+    if item.is_local:
+        return f"file://{os.path.abspath(item.path)}/"
+    scheme, sep, rest = item.url.partition("://")
+    return f"{_TENSORSTORE_SCHEMES.get(scheme, scheme)}{sep}{rest.rstrip('/')}/"
+
+
+def _key_path(entry: Any, metadata: str, key: str, ocdbt: bool) -> list[tuple[str, int]]:
+    """An entry's key path; without OCDBT every array is a directory named by its keys,
+    so a key that would name a path elsewhere is refused."""
     keys = entry.get("key_metadata") if isinstance(entry, dict) else None
     if not isinstance(keys, list) or not keys or len(keys) > _tree.MAX_DEPTH:
-        raise CheckpointCorruptError(f"{item.child('_METADATA').url}: the entry {key!r:.80} has no usable key path")
+        raise CheckpointCorruptError(f"{metadata}: the entry {key!r:.80} has no usable key path")
     out = []
     for k in keys:
-        if not isinstance(k, dict) or not isinstance(k.get("key"), str) or k.get("key_type") not in (_SEQUENCE,
-                                                                                                       _DICT):
-            raise CheckpointCorruptError(f"{item.child('_METADATA').url}: the entry {key!r:.80} has a malformed key")
+        if (not isinstance(k, dict) or not isinstance(k.get("key"), str) or k.get("key_type") not in (_SEQUENCE, _DICT)
+                or (k["key_type"] == _SEQUENCE and _chunks.canonical_ints([k["key"]]) is None)
+                or (not ocdbt and (k["key"] in ("", ".", "..") or "/" in k["key"] or "\\" in k["key"]))):
+            raise CheckpointCorruptError(f"{metadata}: the entry {key!r:.80} has a malformed key")
         out.append((k["key"], k["key_type"]))
     return out
 
 
-def _value_metadata(entry: dict[str, Any], item: Location, key: str) -> dict[str, Any]:
+def _value_metadata(entry: dict[str, Any], metadata: str, key: str) -> dict[str, Any]:
     value = entry.get("value_metadata")
     if not isinstance(value, dict) or not isinstance(value.get("value_type"), str):
-        raise CheckpointCorruptError(f"{item.child('_METADATA').url}: the entry {key!r:.80} says no value type")
+        raise CheckpointCorruptError(f"{metadata}: the entry {key!r:.80} says no value type")
     return value
 
 
-def _put(built: dict[tuple[str, int], Any], keys: list[tuple[str, int]], leaf: Any, item: Location) -> None:
+def _put(built: dict[tuple[str, int], Any], keys: list[tuple[str, int]], leaf: Any, metadata: str) -> None:
     """Puts `leaf` at `keys` in nested dicts (keyed by (key, kind), made lists later)."""
     node = built
     for key in keys[:-1]:
         node = node.setdefault(key, {})
-        if not isinstance(node, dict) or _LEAF in node:
-            raise CheckpointCorruptError(f"{item.child('_METADATA').url}: a leaf is also a subtree at "
+        if _LEAF in node:
+            raise CheckpointCorruptError(f"{metadata}: a leaf is also a subtree at "
                                          f"{'.'.join(k for k, _ in keys)!r:.200}")
     if keys[-1] in node:
-        raise CheckpointCorruptError(f"{item.child('_METADATA').url}: two entries for "
-                                     f"{'.'.join(k for k, _ in keys)!r:.200}")
+        raise CheckpointCorruptError(f"{metadata}: two entries for {'.'.join(k for k, _ in keys)!r:.200}")
     node[keys[-1]] = {_LEAF: leaf}
 
 
-def _sequences(node: dict[Any, Any], item: Location) -> Any:
+def _sequences(node: dict[Any, Any], metadata: str) -> Any:
     """The nested (key, kind) dicts as Orbax restores them: lists where every key is a
-    sequence index, 0 to n-1; dicts elsewhere."""
+    sequence index, 0 to n-1 (written as Orbax writes them); dicts elsewhere."""
     if _LEAF in node:
         return node[_LEAF]
-    children = {key: _sequences(child, item) for key, child in node.items()}
+    children = {key: _sequences(child, metadata) for key, child in node.items()}
     if children and all(kind == _SEQUENCE for _, kind in children):
-        indices = sorted(int(k) if k.isascii() and k.isdigit() else -1 for k, _ in children)
-        if indices != list(range(len(indices))):
-            raise CheckpointCorruptError(f"{item.child('_METADATA').url}: a sequence's indices are not 0 to "
-                                         f"{len(indices) - 1}")
+        indices = _chunks.canonical_ints([k for k, _ in children])
+        if indices is None or sorted(indices) != list(range(len(indices))):
+            raise CheckpointCorruptError(f"{metadata}: a sequence's indices are not 0 to {len(children) - 1}")
         return [children[(str(i), _SEQUENCE)] for i in range(len(indices))]
     out = {}
     for key, _ in children:
         if key in out:
-            raise CheckpointCorruptError(f"{item.child('_METADATA').url}: the key {key!r:.80} is both a sequence "
-                                         "index and a dict key")
+            raise CheckpointCorruptError(f"{metadata}: the key {key!r:.80} is both a sequence index and a dict key")
         out[key] = children[(key, _DICT)] if (key, _DICT) in children else children[(key, _SEQUENCE)]
     return out
 
@@ -242,8 +281,9 @@ def _prng_impls(item: Location) -> dict[str, str]:
     if "process_0" not in {e.name for e in item.list_dir("array_metadatas")}:
         return {}
     doc = _json(item, "array_metadatas/process_0")
-    found = {}
-    for entry in doc.get("array_metadatas", []) if isinstance(doc, dict) else []:
+    entries = doc.get("array_metadatas") if isinstance(doc, dict) else None
+    found: dict[str, str] = {}
+    for entry in entries if isinstance(entries, list) else []:
         meta = entry.get("array_metadata") if isinstance(entry, dict) else None
         ext = meta.get("ext_metadata") if isinstance(meta, dict) else None
         impl = ext.get("random_key_impl") if isinstance(ext, dict) else None

@@ -88,7 +88,8 @@ class WriteUnit:
 
     region: Region
     nbytes: int
-    host: np.ndarray | Deferred | None = None  # a host leaf: the whole array, or where to read it
+    # A host leaf: the whole array; an import's: where to read it (see `SourceChunk`).
+    host: np.ndarray | Deferred | SourceChunk | None = None
     # A jax.Array leaf: the parts of it that make up the chunk, read from the device the
     # plan deals it to. One, or several side by side when small shards are merged.
     sources: tuple[Part, ...] = ()
@@ -231,16 +232,74 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
         return ArrayPlan(leaf, shape, dtype, lay.chunks, units, checksum, mine.copy_from, mine.copy_all)
     # Host data (numpy, scalars, process-local jax arrays) is the same on every process
     # by contract; process 0 alone writes it so that no chunk has two writers.
-    # An import's chunks are parts of the source's, so that none is read twice.
-    whole = value.chunks if isinstance(value, Deferred) and value.chunks is not None else shape
-    chunks = split_chunk(whole, _pieces_for(_dtypes.nbytes(whole, dtype), 1, max_chunk_bytes))
+    source = value.chunks if isinstance(value, Deferred) else None
+    if source is not None:
+        chunks = _import_chunks(source, shape, dtype.itemsize, min_chunk_bytes, max_chunk_bytes)
+    else:
+        chunks = split_chunk(shape, _pieces_for(_dtypes.nbytes(shape, dtype), 1, max_chunk_bytes))
     writes = []
     if process == 0 or own or held:
         host = value if isinstance(value, Deferred) else np.asarray(value, dtype=dtype)
         full: Region = tuple((0, d) for d in shape)
         writes = [WriteUnit(r, _dtypes.nbytes(region_shape(r), dtype), host=host) for r in chunks_in(full, chunks)
                   if region_size(r)]
+        if source is not None and chunks != source and all(c <= s for c, s in zip(chunks, source)):
+            _share_source_chunks(writes, source)  # parts of source chunks
     return ArrayPlan(leaf, shape, dtype, chunks, writes, checksum)
+
+
+def _import_chunks(source: tuple[int, ...], shape: tuple[int, ...], itemsize: int, min_chunk_bytes: int,
+                   max_chunk_bytes: int) -> tuple[int, ...]:
+    """An import's chunk shape, from its source's (`Deferred.chunks`): a large source
+    chunk cut into parts of at most `max_chunk_bytes`, small ones put together, whole,
+    up to `min_chunk_bytes` (last axes first): either way each source chunk is read
+    once (see `SourceChunk`)."""
+    nbytes = math.prod(source) * itemsize
+    if nbytes > max_chunk_bytes:
+        return split_chunk(source, math.ceil(nbytes / max_chunk_bytes))
+    chunk = list(source)
+    for axis in reversed(range(len(chunk))):
+        size = math.prod(chunk) * itemsize
+        if size >= min_chunk_bytes or size == 0:
+            break
+        chunk[axis] = min(chunk[axis] * math.ceil(min_chunk_bytes / size), shape[axis])
+    return tuple(chunk)
+
+
+def _share_source_chunks(writes: list[WriteUnit], source: tuple[int, ...]) -> None:
+    """Points each unit, a part of one source chunk, at that chunk's `SourceChunk`."""
+    groups: dict[tuple[int, ...], list[WriteUnit]] = {}
+    for unit in writes:
+        groups.setdefault(tuple(a // c for (a, _), c in zip(unit.region, source)), []).append(unit)
+    for index, units in groups.items():
+        whole = units[0].host
+        assert isinstance(whole, Deferred)
+        region = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(index, source, whole.shape))
+        shared = SourceChunk(whole, region, len(units))
+        for unit in units:
+            unit.host = shared
+
+
+class SourceChunk:
+    """One chunk of an import's source that several write units are parts of: read whole
+    by the first of them to need it (decoding a compressed chunk costs as much for a
+    part as for all of it), and let go once each has taken its part."""
+
+    def __init__(self, source: Deferred, region: Region, parts: int) -> None:
+        self._source, self._region, self._left = source, region, parts
+        self._data: np.ndarray | None = None
+        self._lock = threading.Lock()
+
+    def __getitem__(self, take: Slices) -> np.ndarray:
+        """The values in `take` (slices of the whole array), a part of this chunk."""
+        with self._lock:  # the other parts wait for the one read
+            if self._data is None:
+                self._data = self._source.read(self._region)
+            data = self._data
+            self._left -= 1
+            if self._left == 0:
+                self._data = None  # each part's view keeps it until that part is written
+        return data[tuple(slice(s.start - a, s.stop - a) for s, (a, _) in zip(take, self._region))]
 
 
 @dataclasses.dataclass

@@ -34,7 +34,6 @@ import jax
 import numpy as np
 
 from .._concurrency import Hold
-from .._format.tree import Deferred
 from .._regions import Slices, region_slices
 from .plan import ArrayPlan, HostCopy, SharedHold, WriteUnit
 
@@ -71,7 +70,7 @@ def start(work: Sequence[tuple[ArrayPlan, WriteUnit]], *, snapshot: bool) -> Non
         if units[0].host is not None:
             for unit in units:
                 assert unit.host is not None
-                if isinstance(unit.host, Deferred):  # read by its writer, holding the unit's bytes of the budget
+                if not isinstance(unit.host, np.ndarray):  # an import's: read by its writer, within the budget
                     unit.copies = [(None, unit.host, None, region_slices(unit.region))]
                     continue
                 part = unit.host[region_slices(unit.region)]
