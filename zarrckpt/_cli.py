@@ -57,8 +57,8 @@ _EPILOG = """\
 storage options:
   -o/--storage-option KEY=VALUE applies to every URL of a command (repeatable; VALUE is
   parsed as JSON when it parses, e.g. anon=true, else taken as a string). cp also takes
-  --src-storage-option and --dst-storage-option, and import --src-storage-option, which
-  apply to one side on top of -o.
+  --src-storage-option and --dst-storage-option, as import does, which apply to one
+  side on top of -o.
   The usual environment variables of the storage libraries work as well:
   AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE, AWS_ENDPOINT_URL (s3fs),
   GOOGLE_APPLICATION_CREDENTIALS (gcsfs), and fsspec's FSSPEC_<PROTOCOL>_<OPTION>,
@@ -233,7 +233,10 @@ def _parser() -> _Parser:
     sub.add_argument("--step", metavar="N", type=_step, help="of an Orbax run, the step to import (default: its "
                      "newest); of anything else, the step it lands as (DST/<N, 10 digits>)")
     sub.add_argument("--src-storage-option", metavar="KEY=VALUE", action="append", type=_option, default=[],
-                     help="storage option for a safetensors SRC only (repeatable)")
+                     help="storage option for a safetensors SRC only (repeatable; TensorStore reads a remote Orbax "
+                     "SRC with its environment's credentials)")
+    sub.add_argument("--dst-storage-option", metavar="KEY=VALUE", action="append", type=_option, default=[],
+                     help="storage option for DST only (repeatable)")
     sub.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint where it lands")
     return parser
 
@@ -437,7 +440,7 @@ def _export_command(args: argparse.Namespace) -> int:
 
 def _import_command(args: argparse.Namespace) -> int:
     result = _import.import_checkpoint(args.src, args.dst, step=args.step, overwrite=args.overwrite,
-                                       storage_options=_options(args.storage_option),
+                                       storage_options=_options(args.storage_option, args.dst_storage_option),
                                        src_storage_options=_options(args.storage_option, args.src_storage_option),
                                        progress=args.progress)
     print(f"imported {result.leaves} leaves ({_size(result.nbytes)}) from {result.format} "

@@ -6,7 +6,8 @@ or set through `_restore.safetensors`, an Orbax step through `_restore.orbax`), 
 save path writes it as it writes any tree: each chunk is read from the source by the
 writer that writes it, holding its bytes of the save's budget until it is written, so
 an import holds the chunks `max_inflight_bytes` admits (and its readers' and writers'
-working copies of them), never the whole state.
+working copies of them), never the whole state. Each source chunk is read once: a
+large one whole, shared by the parts it is written as (`_save.plan.SourceChunk`).
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
     with its `model.safetensors.index.json` (tensor names nest on '.', as
     `load_safetensors` reads them); or an Orbax checkpoint: a run directory (one
     directory per step, as Orbax's CheckpointManager writes), one step of it, or one
-    item (what a Checkpointer saves). A step's single item (`default`) is its tree; a
-    step of several items is a dict of them by name.
+    item (what a Checkpointer saves). A step's item `default` (CheckpointManager's
+    single item) is its tree; named items (`ocp.args.Composite`) are a dict of them by
+    name, those that are no pytree of arrays (`JsonSave`) left out and listed.
 
     Where it lands: a step of an Orbax run lands as `dst/<step, zero-padded>`, so that
     `CheckpointManager(dst)` and `load_checkpoint_if_it_exists(dst, ...)` resume from it;
@@ -60,11 +62,16 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
     of a run lands at `dst` itself, or, given `step`, as `dst/<step, zero-padded>`.
 
     Leaves keep their dtypes (bfloat16 and float8 exactly), typed PRNG keys stay typed,
-    and Orbax's scalars, str leaves and empty nodes come back as they went in. The
-    source is read a chunk at a time: what is in memory at once is the chunks
+    str leaves and empty nodes come back as saved, and an Orbax scalar of a Python
+    scalar's dtype (int64, float64, bool, complex128) as that Python scalar (Orbax keeps
+    no difference between 3 and np.int64(3)), any other as a numpy scalar. The source
+    is read a chunk at a time: what is in memory at once is the chunks
     `max_inflight_bytes` admits, with the reader's and writer's working copies of them
     (measured: 2.6x the budget reading Orbax's compressed chunks, 1.1x reading
-    safetensors), whatever the source's size.
+    safetensors), and a source chunk larger than a checkpoint's chunks (64 MiB) whole
+    while its parts are written (twice its size, while TensorStore decodes it),
+    whatever the source's size. The values are the source's as read: checksums are
+    added as they are written, so `verify` vouches for the copy, not for the source.
 
     Not collective: call it in a job of one process (as `zarrckpt import` runs).
     Reading an Orbax checkpoint needs TensorStore (`pip install 'zarrckpt[orbax]'`; not
@@ -77,7 +84,10 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
       CheckpointNotFoundError: nothing at `src` is a safetensors file or set or an Orbax
         checkpoint, or an Orbax run has no finished step `step`.
       CheckpointCorruptError: the source's metadata is not what its format writes, or an
-        array cannot be read (named).
+        array is missing or damaged (named); nothing was committed (an uncommitted
+        group may be left where it was to land: the next save or import there clears it).
+      OSError: the source could not be read (denied, unavailable).
+      UnsupportedLeafError: an Orbax leaf of a kind zarrckpt does not know.
       CheckpointExistsError: a committed checkpoint is where it lands and `overwrite`
         is False.
       CheckpointWriteError: a write failed; nothing was committed.
