@@ -5,7 +5,7 @@ import multiprocess
 import pytest
 
 import zarrckpt
-from zarrckpt import _commit, _storage
+from zarrckpt import _commit
 
 MP_STORES = ["local", "s3", "gcs"]
 
@@ -43,17 +43,20 @@ def test_restore_on_one_process_other_device_count(saved, devices, mesh):
     assert result["step"] == 10 and result["checked"] > 0
 
 
+@pytest.mark.parametrize("failing", [0, 1], ids=["process 0 fails", "process 1 fails"])
 @pytest.mark.parametrize("store", MP_STORES, indirect=True)
-def test_failed_write_on_one_process_commits_nothing(store):
-    multiprocess.run("mp_checkpoint", "save", store.url, "1", storage_options=store.options)
-    results = multiprocess.run("mp_checkpoint", "fail", store.url, "2", storage_options=store.options)
+def test_failed_write_on_one_process_commits_nothing(store, failing):
+    """Process 0 is the one that commits: its own failure must stop the commit as
+    surely as another process's. The next save of the step commits, with its values."""
+    results = multiprocess.run("mp_checkpoint", "fail", store.url, str(failing), storage_options=store.options)
     for r in results:
         assert r["error"] is not None, r["output"]
-        assert "process 1" in r["error"] and "['both']" in r["error"] and "injected write failure" in r["error"]
-        assert "nothing was committed" in r["error"]
-        assert r["latest"] == 1
-    assert _commit.head(_storage.resolve(store.url, store.options).step(2)).state is _commit.State.UNCOMMITTED
-    assert zarrckpt.all_steps(store.url, storage_options=store.options) == [1]
+        # Every process is told which process failed, on which leaf, and why.
+        assert f"process {failing}: " in r["error"] and f"process {1 - failing}: " not in r["error"], r["error"]
+        assert "['both']" in r["error"] and "injected write failure" in r["error"], r["error"]
+        assert r["latest"] == 1 and r["state"] == _commit.State.UNCOMMITTED.name, r
+        assert r["latest_after"] == 2 and r["checked"] > 0, r
+    assert zarrckpt.all_steps(store.url, storage_options=store.options) == [1, 2]
 
 
 def test_manager_async_saves_and_restores_on_two_processes(tmp_path):
