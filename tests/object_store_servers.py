@@ -6,8 +6,10 @@ test process on a port the OS picks, and stopped by the fixture that started it:
 - GCS: gcp-storage-emulator (the GCS JSON API), reached by gcsfs with endpoint_url and
   token="anon".
 
-Both record every request they answer and can hold each one for a fixed delay, so
-the tests can count requests and see how many were in flight at once.
+Both record every request they answer (the object a GCS upload writes, which its URL
+does not name, appended as `&name=`), and can hold requests until enough of them are
+in flight at once, or until the test lets them go, so the tests can count requests
+and see how many a client keeps in flight, however busy the machine.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ import contextlib
 import email
 import functools
 import http.server
+import io
 import json
 import logging
 import os
 import re
 import threading
-import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -40,17 +42,18 @@ TEST_SECRET = "zarrckpt-test-SECRET-must-never-be-printed-31415"
 
 
 class Recorder:
-    """The requests a server answered, how many were in flight at most, and a delay
-    applied to each (a stand-in for a far-away store's latency)."""
+    """The requests a server answered, and how many were in flight at most."""
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, str]] = []  # (method, path?query)
         self.peak_in_flight = 0
-        self.delay_s = 0.0
         self._in_flight = 0
         self._lock = threading.Lock()
         self._stall: Callable[[str, str], bool] | None = None
         self._released = threading.Event()
+        self._gather: tuple[int, Callable[[str, str], bool], float] | None = None
+        self._gathering = 0
+        self._gathered = threading.Event()
 
     def reset(self) -> None:
         with self._lock:
@@ -59,19 +62,27 @@ class Recorder:
 
     @contextlib.contextmanager
     def request(self, method: str, target: str) -> Iterator[None]:
+        gather = self._gather
+        held = gather is not None and gather[1](method, target)
         with self._lock:
             self.requests.append((method, target))
             self._in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
+            if held:
+                self._gathering += 1
+                if self._gathering >= gather[0]:
+                    self._gathered.set()
         try:
-            if self.delay_s:
-                time.sleep(self.delay_s)
+            if held and not self._gathered.wait(gather[2]):
+                self._gathered.set()  # never that many at once: let every one go, the test sees the peak
             if self._stall is not None and self._stall(method, target):
                 self._released.wait(300)  # unanswered until the test lets go (or gives up)
             yield
         finally:
             with self._lock:
                 self._in_flight -= 1
+                if held:
+                    self._gathering -= 1
 
     @contextlib.contextmanager
     def stalled(self, which: Callable[[str, str], bool]) -> Iterator[None]:
@@ -86,12 +97,18 @@ class Recorder:
             self._released.set()
 
     @contextlib.contextmanager
-    def delayed(self, seconds: float) -> Iterator[None]:
-        self.delay_s = seconds
+    def gathered(self, count: int, which: Callable[[str, str], bool], timeout_s: float = 60.0) -> Iterator[None]:
+        """Holds each request `which(method, target)` picks until `count` of them are in
+        flight at once, then answers them all; a client that keeps fewer in flight
+        waits `timeout_s` once (then every request goes), and `peak_in_flight` shows it.
+        Unlike a delay on each request, nothing depends on how fast the client sends."""
+        self._gathered.clear()
+        self._gather = (count, which, timeout_s)
         try:
             yield
         finally:
-            self.delay_s = 0.0
+            self._gather = None
+            self._gathered.set()
 
 
 class S3Server:
@@ -203,8 +220,18 @@ class GCSServer:
 
         class Handler(RequestHandler):
             def _serve(self, method: str) -> None:
-                with recorder.request(method, self.path), storage_lock:
+                with recorder.request(method, self._target(method)), storage_lock:
                     getattr(RequestHandler, f"do_{method}")(self)
+
+            def _target(self, method: str) -> str:
+                """The path, and for an upload the object it writes (named in its body)."""
+                length = self.headers.get("Content-Length")
+                if method != "POST" or not self.path.startswith("/upload/") or not length:
+                    return self.path
+                body = self.rfile.read(int(length))
+                self.rfile = io.BytesIO(body)  # read again by the emulator
+                name = re.search(rb'"name":\s*"([^"]*)"', body)
+                return self.path if name is None else f"{self.path}&name={name.group(1).decode()}"
 
             def do_GET(self) -> None:
                 self._serve("GET")

@@ -15,7 +15,7 @@ def test_checkpoints_iterator_follows_a_training_run(tmp_path):
     run = str(tmp_path)
     zarrckpt.save_checkpoint(run, 1, train_state(1.0))
     zarrckpt.save_checkpoint(run, 2, train_state(2.0))
-    seen, values = [], []
+    seen, values, gone = [], [], []
     writer_may_go = threading.Event()
 
     def train():
@@ -26,18 +26,25 @@ def test_checkpoints_iterator_follows_a_training_run(tmp_path):
 
     trainer = threading.Thread(target=train)
     trainer.start()
-    for step in zarrckpt.checkpoints_iterator(run, timeout_s=3, poll_interval_s=0.05):
+    # The timeout only ends a test whose trainer never reaches step 6.
+    for step in zarrckpt.checkpoints_iterator(run, timeout_s=60, poll_interval_s=0.05):
         seen.append(step)
-        writer_may_go.set()
         try:
             back = zarrckpt.load_checkpoint(run, step, {"params": train_state()["params"]}, partial=True)
             values.append((step, float(back["params"]["w"][0, 0])))
         except zarrckpt.CheckpointNotFoundError:
-            pass  # deleted by retention while being read: never a false alarm of damage
+            gone.append(step)  # deleted by retention while being read: never a false alarm of damage
+        writer_may_go.set()  # after the first read, which nothing can delete yet
+        if step == 6:
+            break
     trainer.join()
     assert seen[0] == 2  # the newest step at the start, then every later one still there
     assert seen == sorted(set(seen)) and set(seen) <= {2, 3, 4, 5, 6} and seen[-1] == 6
     assert all(step == value for step, value in values)
+    # Step 2 was read before training went on, step 6 is never deleted (keep_last=2);
+    # a step found gone is one that retention did delete.
+    assert {2, 6} <= {step for step, _ in values}, values
+    assert not set(gone) & set(zarrckpt.all_steps(run)), (gone, zarrckpt.all_steps(run))
 
 
 def test_checkpoints_iterator_start_after_and_timeout(tmp_path):

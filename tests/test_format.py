@@ -2,6 +2,7 @@
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import jax
@@ -131,20 +132,36 @@ def test_every_chunk_is_written_even_zeros(tmp_path):
 
 
 def test_commit_marker_is_written_last(tmp_path, monkeypatch):
+    from zarrckpt import _commit, _storage
+
     url = str(tmp_path / "c")
-    from zarrckpt import _commit
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    tree = {f"l{i}": jax.device_put(jnp.full((8, 8), float(i)), NamedSharding(mesh, P("a", "b"))) for i in range(8)}
+    tree["host"] = np.ones(3)
+    events, lock = [], threading.Lock()
+    original = _storage.Location.write
 
-    seen = []
-    original = _commit.commit
+    def recorded(loc, key, *parts, **kwargs):
+        commits = key == "zarr.json" and _naming.COMMIT_ATTR in json.loads(b"".join(map(bytes, parts)))["attributes"]
+        with lock:
+            events.append(("begin", key, commits))
+        original(loc, key, *parts, **kwargs)
+        with lock:
+            events.append(("end", key, commits))
 
-    def spy(loc, doc):
-        seen.append(_commit.head(loc).state)
-        original(loc, doc)
-        seen.append(_commit.head(loc).state)
-
-    monkeypatch.setattr(_commit, "commit", spy)
-    zarrckpt.save_pytree(url, {"a": np.ones(3)})
-    assert seen == [_commit.State.UNCOMMITTED, _commit.State.COMMITTED]
+    monkeypatch.setattr(_storage.Location, "write", recorded)
+    zarrckpt.save_pytree(url, tree, min_chunk_bytes=1)  # 8 chunks per array, written concurrently
+    begun = [key for kind, key, commits in events if kind == "begin" and commits]
+    assert begun == ["zarr.json"], events
+    # Every other write, each of the 65 chunks among them, has returned (its object
+    # durable) before the commit begins.
+    commit_at = events.index(("begin", "zarr.json", True))
+    ended = {key for kind, key, _ in events[:commit_at] if kind == "end"}
+    others = {key for kind, key, commits in events if not commits}
+    assert others == ended, sorted(others - ended)
+    chunks = {f"l{i}/c.{row}.{col}" for i in range(8) for row in range(2) for col in range(4)} | {"host/c.0"}
+    assert chunks <= ended, sorted(chunks - ended)
+    assert _commit.head(_storage.resolve(url)).state is _commit.State.COMMITTED
     doc = json.loads((Path(url) / "zarr.json").read_text())
     assert doc["attributes"]["write_completed"] is True and "consolidated_metadata" in doc
 

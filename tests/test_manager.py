@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zarrckpt
 from zarrckpt import _commit, _manager, _retention, _storage
+from zarrckpt._save import plan as _planning, transfer as _transfer
 
 
 def small_state(value=0.0):
@@ -72,12 +73,40 @@ def test_async_save_is_a_true_snapshot_under_donation(tmp_path):
         np.testing.assert_array_equal(np.asarray(restored[key]), expected[key], err_msg=key)
 
 
-def test_staging_is_bounded_by_max_staged_bytes(tmp_path):
-    state = {f"l{i}": jnp.full((256, 256), float(i)) for i in range(8)}  # 256 KiB each
+class StagedBytes:
+    """Bytes of chunks copied to the host and not yet written: from the start of their
+    copies (`_transfer.start`) to their release once written (`WriteUnit.release`)."""
+
+    def __init__(self, monkeypatch):
+        self.now = self.peak = self.total = 0
+        self._lock = threading.Lock()
+        start, release = _transfer.start, _planning.WriteUnit.release
+
+        def counted_start(batch, **kwargs):
+            with self._lock:
+                self.now += sum(unit.nbytes for _, unit in batch)
+                self.total += sum(unit.nbytes for _, unit in batch)
+                self.peak = max(self.peak, self.now)
+            return start(batch, **kwargs)
+
+        def counted_release(unit):
+            if unit.copies is not None:  # once per unit: release empties it
+                with self._lock:
+                    self.now -= unit.nbytes
+            release(unit)  # after counting: the budget it gives back may admit the next copies
+
+        monkeypatch.setattr(_transfer, "start", counted_start)
+        monkeypatch.setattr(_planning.WriteUnit, "release", counted_release)
+
+
+def test_staging_is_bounded_by_max_staged_bytes(tmp_path, monkeypatch):
+    state = {f"l{i}": jnp.full((256, 256), float(i)) for i in range(8)}  # 256 KiB each, a chunk each
+    staged = StagedBytes(monkeypatch)
     with zarrckpt.CheckpointManager(str(tmp_path), max_staged_bytes=300 * 1024) as mgr:
         mgr.save(1, state, force=True)
         mgr.wait()
         restored, _ = mgr.restore(jax.tree_util.tree_map(lambda x: x.sharding, state))
+    assert staged.total == 8 * 256 * 1024 and staged.peak <= 300 * 1024, (staged.total, staged.peak)
     for k, v in state.items():
         np.testing.assert_array_equal(np.asarray(restored[k]), np.asarray(v))
 

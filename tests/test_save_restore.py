@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import zarr
 from builders import mesh, train_state
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
@@ -94,7 +95,14 @@ def place(x, layout):
 @pytest.mark.parametrize("store", ["local", "s3", "gcs"], indirect=True)
 def test_restore_onto_another_mesh(store, saved_as, restore_as):
     x = np.arange(16 * 32, dtype=np.float32).reshape(16, 32)
-    zarrckpt.save_pytree(store.url, {"x": place(x, SAVE_LAYOUTS[saved_as])[0]}, storage_options=store.options)
+    # By default shards this small are merged into one 16x32 chunk, and every target
+    # would read one whole chunk: min_chunk_bytes=1 keeps the shards' grid, and chunks
+    # of at most 512 bytes split even a replicated or single-device source into
+    # several, so each target shard is cut out of chunks laid out on another grid.
+    zarrckpt.save_pytree(store.url, {"x": place(x, SAVE_LAYOUTS[saved_as])[0]}, storage_options=store.options,
+                         min_chunk_bytes=1, max_chunk_bytes=512)
+    saved = zarr.open_array(f"{store.url}/x", mode="r", storage_options=store.options)
+    assert saved.nchunks > 1, (saved_as, saved.chunks)
     _, sharding = place(x, RESTORE_LAYOUTS[restore_as])
     back = zarrckpt.load_pytree(store.url, {"x": sharding}, storage_options=store.options)["x"]
     assert back.sharding == sharding

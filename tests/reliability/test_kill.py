@@ -1,5 +1,9 @@
 """SIGKILL at random moments while saving and while deleting: whatever is committed
-restores bit-exactly, nothing that was committed is lost, and saving goes on."""
+restores bit-exactly, nothing that was committed is lost, and saving goes on.
+
+Each launch of the worker is an attempt with values of its own (see
+workers/kill_target.py): the step a kill cut short is saved again with other values,
+so a committed step must hold exactly those of the attempt that committed it."""
 
 import random
 import shutil
@@ -7,6 +11,7 @@ import time
 
 import multiprocess
 import numpy as np
+from workers.common import distinct_values
 
 import zarrckpt
 from zarrckpt import _commit, _storage
@@ -40,8 +45,13 @@ class Watched:
         return [int(line.split()[1]) for line in self.lines if line.startswith("committed ")]
 
 
-def run_and_kill(mode, directory, *args, processes=1, delay, victim=0):
-    workers = [Watched(p) for p in multiprocess.launch("kill_target", mode, directory, *args,
+def run_and_kill(mode, directory, *args, attempt, committed_by, processes=1, delay, victim=0):
+    """Launches attempt number `attempt` and kills it after `delay`; records in
+    `committed_by` (step -> attempt) the steps it committed: those committed now that
+    were not before (once committed, a step is never saved again). Returns the steps
+    the workers said they committed."""
+    before = set(zarrckpt.all_steps(directory))
+    workers = [Watched(p) for p in multiprocess.launch("kill_target", mode, directory, *args, str(attempt),
                                                        processes=processes, devices=4)]
     try:
         for w in workers:
@@ -55,15 +65,22 @@ def run_and_kill(mode, directory, *args, processes=1, delay, victim=0):
             w.proc.wait()
     committed = sorted({s for w in workers for s in w.committed()})
     shutil.rmtree(workers[0].proc.said.parent, ignore_errors=True)
+    for step in set(zarrckpt.all_steps(directory)) - before:
+        committed_by[step] = attempt
     return committed
 
 
-def assert_committed_steps_are_whole(directory, must_have):
+def assert_committed_steps_are_whole(directory, must_have, committed_by):
+    """Every committed step restores exactly the values its attempt saved."""
     committed = zarrckpt.all_steps(directory)
     assert set(must_have) <= set(committed), (must_have, committed)
     for step in committed:
         tree = zarrckpt.load_pytree(_storage.resolve(directory).step(step).url)
-        assert all(np.all(leaf == step) for leaf in tree.values()), step
+        assert sorted(tree) == [f"leaf{i}" for i in range(6)], (step, sorted(tree))
+        for i in range(6):
+            leaf = tree[f"leaf{i}"]
+            assert np.array_equal(leaf, distinct_values(i, step, committed_by[step], leaf.shape)), \
+                (step, committed_by[step], i)
     return committed
 
 
@@ -71,10 +88,12 @@ def test_sigkill_while_saving_one_process(tmp_path):
     rng = random.Random(1)
     directory = str(tmp_path / "run")
     reported: list[int] = []
-    for _ in range(SINGLE_PROCESS_KILLS):
+    committed_by: dict[int, int] = {}
+    for attempt in range(SINGLE_PROCESS_KILLS):
         start = (zarrckpt.latest_step(directory) or 0) + 1  # the step that was cut short, saved again
-        reported += run_and_kill("saves", directory, str(start), delay=rng.uniform(0.0, 0.8))
-        assert_committed_steps_are_whole(directory, reported)
+        reported += run_and_kill("saves", directory, str(start), attempt=attempt, committed_by=committed_by,
+                                 delay=rng.uniform(0.0, 0.8))
+        assert_committed_steps_are_whole(directory, reported, committed_by)
     assert reported, "no save ever committed: the kill points are too early to test anything"
     after = (zarrckpt.latest_step(directory) or 0) + 1
     zarrckpt.save_checkpoint(directory, after, {"leaf0": np.full(3, after, np.float32)})
@@ -85,11 +104,12 @@ def test_sigkill_one_of_two_processes(tmp_path):
     rng = random.Random(2)
     directory = str(tmp_path / "run")
     reported: list[int] = []
-    for kill in range(TWO_PROCESS_KILLS):
+    committed_by: dict[int, int] = {}
+    for attempt in range(TWO_PROCESS_KILLS):
         start = (zarrckpt.latest_step(directory) or 0) + 1
-        reported += run_and_kill("saves", directory, str(start), processes=2,
-                                 delay=rng.uniform(0.3, 1.5), victim=kill % 2)
-        assert_committed_steps_are_whole(directory, reported)
+        reported += run_and_kill("saves", directory, str(start), attempt=attempt, committed_by=committed_by,
+                                 processes=2, delay=rng.uniform(0.3, 1.5), victim=attempt % 2)
+        assert_committed_steps_are_whole(directory, reported, committed_by)
     assert reported
 
 
@@ -97,10 +117,12 @@ def test_sigkill_during_retention(tmp_path):
     rng = random.Random(3)
     directory = str(tmp_path / "run")
     newest_reported = 0
-    for _ in range(RETENTION_KILLS):
-        reported = run_and_kill("manager", directory, delay=rng.uniform(0.2, 1.0))
+    committed_by: dict[int, int] = {}
+    for attempt in range(RETENTION_KILLS):
+        reported = run_and_kill("manager", directory, attempt=attempt, committed_by=committed_by,
+                                delay=rng.uniform(0.2, 1.0))
         newest_reported = max([newest_reported, *reported])
-        committed = assert_committed_steps_are_whole(directory, [])
+        committed = assert_committed_steps_are_whole(directory, [], committed_by)
         # keep_last=1: the reported step may already be gone if a newer one committed
         # (and its retention ran) before the kill cut the "committed" line short.
         assert max(committed, default=0) >= newest_reported, (newest_reported, committed)

@@ -376,55 +376,63 @@ def test_deep_json_is_a_one_line_error_naming_the_file_or_option(tmp_path, capsy
 # -- held before, kept as tests -----------------------------------------------------------------
 
 _MANAGER = """
-import json, sys, time, numpy as np, zarrckpt
-run, start, steps, out = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-done, held = [], []
-while time.time() < start:
-    time.sleep(0.001)
+import json, os, sys, time, numpy as np, zarrckpt
+from zarrckpt import _lease
+run, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+if len(sys.argv) > 4:  # BARRIER NAME: write the lease only once both managers have read it
+    barrier, name = sys.argv[4], sys.argv[5]
+    write = _lease.Lease._write
+
+    def write_together(self):
+        if self._beats == 0:  # the claim's write, not a renewal
+            open(os.path.join(barrier, name), "w").close()
+            deadline = time.monotonic() + 60
+            while len(os.listdir(barrier)) < 2:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the other manager never came to write its lease")
+                time.sleep(0.001)
+        write(self)
+
+    _lease.Lease._write = write_together
+done = []
 try:
     with zarrckpt.CheckpointManager(run, keep_last=2, heartbeat_s=0.1) as mgr:
-        held.append(time.time())
         for step in range(1, steps + 1):
             mgr.save(step, {"w": np.full(1000, float(step)), "step": step})
             mgr.wait()
             done.append(step)
-        held.append(time.time())
     outcome = "ok"
 except zarrckpt.DirectoryInUseError:
     outcome = "refused"
 except Exception as e:
     outcome = repr(e)
 with open(out, "w") as f:  # a channel nothing else writes to
-    json.dump({"outcome": outcome, "done": done, "held": held}, f)
+    json.dump({"outcome": outcome, "done": done}, f)
 """
 
 
 def test_two_managers_started_at_the_same_instant_never_interleave(tmp_path):
-    start = time.time() + 3  # both wait for the same moment, their imports done
-    procs = [subprocess.Popen([sys.executable, "-c", _MANAGER, str(tmp_path / "run"), str(start), "5",
-                               str(tmp_path / f"{i}.json")], env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    # Both have found no lease before either writes its own (a barrier of files): the
+    # claims overlap however the machine schedules them.
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _MANAGER, str(tmp_path / "run"), "5",
+                               str(tmp_path / f"{i}.json"), str(barrier), str(i)],
+                              env=dict(os.environ, JAX_PLATFORMS="cpu"))
              for i in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     results = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2)]
-    if "refused" in [r["outcome"] for r in results]:
-        assert sorted(r["outcome"] for r in results) == ["ok", "refused"], results
-        winner = next(r for r in results if r["outcome"] == "ok")
-    else:
-        # On a loaded machine one may have claimed the directory only once the other had
-        # let it go: their times of holding it never overlap, and the second, finding
-        # steps 4 and 5 committed, refuses to overwrite step 4 (nothing interleaved).
-        winner, second = sorted(results, key=lambda r: r["held"][0])
-        assert winner["outcome"] == "ok" and winner["held"][1] <= second["held"][0], results
-        assert second["done"] == [1, 2, 3], results
-        assert second["outcome"].startswith("CheckpointExistsError(") and "/0000000004 " in second["outcome"], results
-    assert winner["done"] == [1, 2, 3, 4, 5] and zarrckpt.all_steps(str(tmp_path / "run")) == [4, 5]
+    assert sorted(r["outcome"] for r in results) == ["ok", "refused"], results
+    winner, refused = sorted(results, key=lambda r: r["outcome"])
+    assert winner["done"] == [1, 2, 3, 4, 5] and refused["done"] == [], results
+    assert zarrckpt.all_steps(str(tmp_path / "run")) == [4, 5]
     for step in (4, 5):
         assert zarrckpt.load_checkpoint(str(tmp_path / "run"), step)["step"] == step
 
 
 def test_gc_by_hand_during_saves_never_loses_the_newest_step(tmp_path):
     run = tmp_path / "run"
-    saver = subprocess.Popen([sys.executable, "-c", _MANAGER, str(run), "0", "40", str(tmp_path / "saver.json")],
+    saver = subprocess.Popen([sys.executable, "-c", _MANAGER, str(run), "40", str(tmp_path / "saver.json")],
                              env=dict(os.environ, JAX_PLATFORMS="cpu"))
     collections = 0
     while saver.poll() is None:

@@ -109,6 +109,17 @@ def expected(name: str, shape, dtype="float32") -> np.ndarray:
     return (np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape) + offset).astype(dtype)
 
 
+def distinct_values(leaf: int, step: int, attempt: int, shape) -> np.ndarray:
+    """Every element of every leaf its own value, and other values at each step and at
+    each attempt at a step (leaf < 8, attempt < 16): a chunk read from the wrong place,
+    or left behind by another attempt at the same step, shows. uint32 (x64 is off),
+    so with 2**18 elements values repeat every 128 steps."""
+    assert 0 <= leaf < 8 and 0 <= attempt < 16, (leaf, attempt)
+    count = int(np.prod(shape))
+    first = ((step * 16 + attempt) * 8 + leaf) * count
+    return ((np.arange(count, dtype=np.uint64) + first) % 2**32).astype(np.uint32).reshape(shape)
+
+
 def check_shards(tree: dict, shapes: dict) -> int:
     """Checks every addressable shard of every restored leaf; returns how many were checked."""
     checked = 0

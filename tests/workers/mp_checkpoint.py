@@ -1,8 +1,6 @@
-"""Multi-process save / restore worker: `save DIR STEP`, `restore DIR MESH`, `fail DIR STEP`."""
+"""Multi-process save / restore worker: `save DIR STEP`, `restore DIR MESH`, `fail DIR PROCESS`."""
 
 from __future__ import annotations
-
-import sys
 
 from common import STORAGE_OPTIONS, check_shards, expected, init, report
 
@@ -10,6 +8,7 @@ args = init()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zarrckpt  # noqa: E402
@@ -27,15 +26,16 @@ RESTORE_MESHES = {
 }
 
 
-def global_array(name: str, sharding) -> jax.Array:
-    full = expected(name, SHAPES[name])
+def global_array(name: str, sharding, offset: float = 0.0) -> jax.Array:
+    full = expected(name, SHAPES[name]) + np.float32(offset)
     return jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx])
 
 
-def state_tree() -> dict:
+def state_tree(offset: float = 0.0) -> dict:
+    """The state `check_shards` expects, every value raised by `offset`."""
     mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
-    tree = {name: global_array(name, NamedSharding(mesh, spec)) for name, spec in SAVE_SPECS.items()}
-    tree["host"] = expected("host", SHAPES["host"])
+    tree = {name: global_array(name, NamedSharding(mesh, spec), offset) for name, spec in SAVE_SPECS.items()}
+    tree["host"] = expected("host", SHAPES["host"]) + np.float32(offset)
     tree["step"] = 7
     return tree
 
@@ -62,25 +62,44 @@ def restore(directory: str, mesh_name: str) -> None:
     report(step=step, checked=checked, step_value=state["step"])
 
 
-def fail(directory: str, step: str) -> None:
-    tree = state_tree()
-    if jax.process_index() == 1:
-        from zarrckpt import _storage
+def fail(directory: str, failing: str) -> None:
+    """Step 1 saved, then a save of step 2 whose chunk writes of leaf `both` fail on
+    process `failing`, then step 2 saved again: reports the failure, the newest step
+    and step 2's commit state after it, and whether the save after it restores
+    exactly (its own values, not the failed one's)."""
+    from zarrckpt import _commit, _storage
 
-        original = _storage.Location.write
+    zarrckpt.save_checkpoint(directory, 1, state_tree(), storage_options=STORAGE_OPTIONS)
+    original = _storage.Location.write
 
-        def broken(self, key, *parts, **kwargs):
-            if key.startswith("both/c."):
-                raise OSError("injected write failure")
-            return original(self, key, *parts, **kwargs)
+    def broken(self, key, *parts, **kwargs):
+        if key.startswith("both/c."):
+            raise OSError("injected write failure")
+        return original(self, key, *parts, **kwargs)
 
+    if jax.process_index() == int(failing):
         _storage.Location.write = broken
     try:
-        zarrckpt.save_checkpoint(directory, int(step), tree, storage_options=STORAGE_OPTIONS)
+        # Other values than the save after it, so a chunk of this attempt left in
+        # place and read back would show.
+        zarrckpt.save_checkpoint(directory, 2, state_tree(offset=1000), storage_options=STORAGE_OPTIONS)
     except zarrckpt.CheckpointWriteError as e:
-        report(error=str(e), latest=zarrckpt.latest_step(directory, storage_options=STORAGE_OPTIONS))
-        sys.exit(0)
-    report(error=None)
+        error = str(e)
+    else:
+        report(error=None)
+        return
+    finally:
+        _storage.Location.write = original
+    latest = zarrckpt.latest_step(directory, storage_options=STORAGE_OPTIONS)
+    state = _commit.head(_storage.resolve(directory, STORAGE_OPTIONS).step(2)).state.name
+    # Before process 0 clears the way for the next save: every process has looked.
+    multihost_utils.sync_global_devices("looked at the failed save")
+    zarrckpt.save_checkpoint(directory, 2, state_tree(), storage_options=STORAGE_OPTIONS)
+    target = {name: value.sharding for name, value in state_tree().items() if isinstance(value, jax.Array)}
+    target["host"], target["step"] = np.zeros(SHAPES["host"], np.float32), 0
+    restored = zarrckpt.load_checkpoint(directory, 2, target, storage_options=STORAGE_OPTIONS)
+    report(error=error, latest=latest, state=state, checked=check_shards(restored, SHAPES),
+           latest_after=zarrckpt.latest_step(directory, storage_options=STORAGE_OPTIONS))
 
 
 {"save": save, "restore": restore, "fail": fail}[args[0]](*args[1:])

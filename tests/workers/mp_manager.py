@@ -1,4 +1,4 @@
-"""Multi-process CheckpointManager worker: `train DIR` and `timeout DIR`."""
+"""Multi-process CheckpointManager worker: `train DIR`, `timeout DIR` and `late DIR TIMEOUT_S HOLD_S`."""
 
 from __future__ import annotations
 
@@ -59,21 +59,68 @@ def timeout(directory: str) -> None:
     report(error="no timeout")
 
 
-def late(directory: str) -> None:
-    """Process 0's store is slow twice in one save (2 s before clearing the way, 2 s
-    before the commit): process 1 waits 4 s in all for a save whose timeout is 3 s."""
-    from zarrckpt import _commit, _objects
+def late(directory: str, timeout_s: str, hold_s: str) -> None:
+    """One save with `timeout_s`. Process 0 clears the way only `hold_s` after process 1
+    has begun waiting for it, and never commits (it fails once process 1 has given up,
+    so nothing races process 1's timeout). Process 1 records each coordination wait:
+    its key, the timeout it was given and how long it took."""
+    from jax._src import distributed
 
+    from zarrckpt import _commit, _multihost, _objects
+
+    client = distributed.global_state.client
     if jax.process_index() == 0:
-        for module, name in ((_objects, "make_way"), (_commit, "commit")):
-            slow = getattr(module, name)
-            setattr(module, name, lambda *a, _slow=slow, **k: (time.sleep(2), _slow(*a, **k))[1])
-    started = time.monotonic()
+        clear = _objects.make_way
+
+        def late_make_way(*args, **kwargs):
+            client.blocking_key_value_get("test/waiting", 60_000)
+            time.sleep(float(hold_s))  # process 1 waits at least this long for the way to be cleared
+            return clear(*args, **kwargs)
+
+        def never_commit(*args, **kwargs):
+            client.blocking_key_value_get("test/gave-up", 60_000)
+            raise OSError("process 0 never commits")
+
+        _objects.make_way, _commit.commit = late_make_way, never_commit
+        try:
+            zarrckpt.save_checkpoint(directory, 1, {"w": np.ones(4)}, timeout_s=float(timeout_s))
+        except zarrckpt.CheckpointError as e:
+            report(error=type(e).__name__)
+        return
+
+    waits = []
+    real_client = _multihost._client
+
+    class Timed:
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            call = getattr(self._inner, name)
+            if name not in ("blocking_key_value_get", "wait_at_barrier"):
+                return call
+
+            def timed(key, timeout_ms):
+                started, timed_out = time.monotonic(), True  # before process 0 can begin its hold
+                if key.endswith("/prepare"):
+                    client.key_value_set("test/waiting", "")
+                try:
+                    result = call(key, timeout_ms)
+                    timed_out = False
+                    return result
+                finally:
+                    waits.append({"key": key, "timeout_ms": timeout_ms, "waited_s": time.monotonic() - started,
+                                  "timed_out": timed_out})
+            return timed
+
+    _multihost._client = lambda: Timed(real_client())
     try:
-        zarrckpt.save_checkpoint(directory, 1, {"w": np.ones(4)}, timeout_s=3)
-        report(error=None, waited=time.monotonic() - started)
-    except zarrckpt.CoordinationTimeoutError as e:
-        report(error=str(e), waited=time.monotonic() - started)
+        zarrckpt.save_checkpoint(directory, 1, {"w": np.ones(4)}, timeout_s=float(timeout_s))
+        report(error=None, waits=waits)
+    except zarrckpt.CheckpointError as e:
+        report(error=type(e).__name__, waits=waits)
+    finally:
+        client.key_value_set("test/gave-up", "")
 
 
 {"train": train, "timeout": timeout, "late": late}[args[0]](*args[1:])
