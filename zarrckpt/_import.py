@@ -104,12 +104,12 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
     source = _storage.resolve(src, src_storage_options)
     if not source.exists():
         raise CheckpointNotFoundError(f"nothing to import: {source.url} does not exist")
+    if src_storage_options and not source.is_local and _orbax.is_orbax(source):
+        raise ValueError(f"storage options for the source cannot reach {source.url}: TensorStore reads Orbax's "
+                         "arrays, with the credentials and endpoint of its environment (AWS_*, "
+                         "GOOGLE_APPLICATION_CREDENTIALS)")
     found = _orbax.open_step(source, step)
     if found is not None:
-        if src_storage_options and not source.is_local:
-            raise ValueError(f"storage options for the source cannot reach {source.url}: TensorStore reads Orbax's "
-                             "arrays, with the credentials and endpoint of its environment (AWS_*, "
-                             "GOOGLE_APPLICATION_CREDENTIALS)")
         format, tree, step, skipped = "orbax", _marked(found.tree), found.step, found.skipped
     else:
         try:
