@@ -20,6 +20,7 @@ import jax
 from . import _multihost, _options, _storage
 from ._format import naming as _naming, tree as _tree
 from ._options import SaveOptions
+from ._regions import Region
 from ._restore import checkpoint as _reader, orbax as _orbax
 from ._restore.safetensors import open_safetensors
 from ._save import protocol as _save
@@ -150,7 +151,7 @@ class _SourceFailed(Exception):
 def _marked(tree: Any) -> Any:
     """`tree`, each deferred leaf's reads raising `_SourceFailed` from their errors."""
     def marked(read: Any) -> Any:
-        def attempt(box: tuple[tuple[int, int], ...]) -> Any:
+        def attempt(box: Region) -> Any:
             try:
                 return read(box)
             except Exception as e:

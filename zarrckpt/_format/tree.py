@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._regions import Region, region_of
 from ..errors import UnsupportedLeafError
 from . import dtypes as _dtypes, naming as _naming, zarrjson as _zarrjson
 
@@ -138,13 +139,13 @@ class Deferred:
 
     shape: tuple[int, ...]
     dtype: np.dtype
-    read: Callable[[tuple[tuple[int, int], ...]], np.ndarray]
+    read: Callable[[Region], np.ndarray]
     kind: str = "numpy"
     prng_impl: str | None = None
     chunks: tuple[int, ...] | None = None
 
     def __getitem__(self, take: tuple[slice, ...]) -> np.ndarray:
-        return self.read(tuple((s.start, s.stop) for s in take))
+        return self.read(region_of(take, self.shape))
 
 
 @dataclasses.dataclass(frozen=True)

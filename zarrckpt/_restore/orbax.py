@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .._format import chunks as _chunks, tree as _tree, zarrjson as _zarrjson
+from .._regions import Region, region_slices
 from .._storage import Location
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, UnsupportedLeafError
 from . import checkpoint as _reader
@@ -184,9 +185,9 @@ def _item_tree(item: Location, prefix: str) -> Any:
 def _deferred(array: Any, value_type: str, prng_impl: str | None, shown: str) -> _tree.Deferred:
     dtype = np.dtype(array.dtype.numpy_dtype)
 
-    def read(box: tuple[tuple[int, int], ...]) -> np.ndarray:
+    def read(box: Region) -> np.ndarray:
         try:
-            return np.asarray(array[tuple(slice(a, b) for a, b in box)].read().result())
+            return np.asarray(array[region_slices(box)].read().result())
         except Exception as e:  # TensorStore's own error kinds (see `_read_error`)
             raise _read_error(e, f"reading array {shown} of an Orbax checkpoint") from None
 

@@ -39,9 +39,11 @@ from .._regions import (
     HostOf,
     Region,
     Slices,
+    aligned,
     chunks_in,
     intersect,
     process_of,
+    region_of,
     region_shape,
     region_size,
     relative,
@@ -268,14 +270,13 @@ def _import_chunks(source: tuple[int, ...], shape: tuple[int, ...], itemsize: in
 
 def _share_source_chunks(writes: list[WriteUnit], source: tuple[int, ...]) -> None:
     """Points each unit, a part of one source chunk, at that chunk's `SourceChunk`."""
-    groups: dict[tuple[int, ...], list[WriteUnit]] = {}
+    groups: dict[Region, list[WriteUnit]] = {}
     for unit in writes:
-        groups.setdefault(tuple(a // c for (a, _), c in zip(unit.region, source)), []).append(unit)
-    for index, units in groups.items():
-        whole = units[0].host
-        assert isinstance(whole, Deferred)
-        region = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(index, source, whole.shape))
-        shared = SourceChunk(whole, region, len(units))
+        assert isinstance(unit.host, Deferred)
+        groups.setdefault(aligned(unit.region, source, unit.host.shape), []).append(unit)
+    for region, units in groups.items():
+        assert isinstance(units[0].host, Deferred)
+        shared = SourceChunk(units[0].host, region, len(units))
         for unit in units:
             unit.host = shared
 
@@ -299,7 +300,7 @@ class SourceChunk:
             self._left -= 1
             if self._left == 0:
                 self._data = None  # each part's view keeps it until that part is written
-        return data[tuple(slice(s.start - a, s.stop - a) for s, (a, _) in zip(take, self._region))]
+        return data[relative(region_of(take, self._source.shape), self._region)]
 
 
 @dataclasses.dataclass
