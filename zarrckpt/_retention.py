@@ -79,7 +79,9 @@ def ranked(policy: Policy, metrics: Mapping[int, Mapping[str, Any]]) -> list[int
 
 
 def is_pinned(step_loc: Location) -> bool:
-    return step_loc.child(PIN_FILE).exists()
+    # One GET, where asking whether an absent object exists takes an object store two
+    # requests (a HEAD, then a listing in case it is a directory).
+    return step_loc.read_if_present([PIN_FILE])[0] is not None
 
 
 def apply(root: Location, policy: Policy, metrics: Mapping[int, Mapping[str, Any]], *,

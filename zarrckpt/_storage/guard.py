@@ -4,23 +4,32 @@ abort check, a deadline, retries with backoff, counting, and the error the calle
 
 - A request is abandoned after its deadline: `request_timeout_s` (a storage option,
   20 s by default) plus a second per MiB it moves, where the store can abandon one
-  (see `store.Store`). A timeout, the deadline's or the client's own, is tried once
-  more; other transient failures (dropped connections, throttling, server errors) up to
-  RETRIES more times, waiting 0.1 s, 0.2 s, ... (at most 5 s, with jitter) in between.
-  Every operation zarrckpt asks of a store is idempotent, so a retry is safe. The
-  clients' own retries are off (`remote`): a store that stops answering fails a
-  request in about two deadlines, not their product.
+  (see `store.Store`). Every failure is sorted once, the same way for every request
+  kind (read, ranged read, check, list, write, delete) and every store (`classify`):
+  by the HTTP status where the client keeps it (5xx but 501, 408 and 429 pass; other
+  4xx do not), by the store's error code (S3's SlowDown, GCS's rateLimitExceeded), and
+  by type and errno otherwise (s3fs turns an S3 500 into a plain OSError with
+  EREMOTEIO). A timeout, the deadline's or the client's own, is tried once more; other
+  transient failures up to RETRIES (10) more times, waiting 0.1 s, 0.2 s, ... (at most
+  5 s, jittered: about 20 s in all) in between, and after throttling (429, 503,
+  SlowDown) from 1 s on (about 30 s), since the store asked for fewer requests. Every
+  request zarrckpt makes may be made twice (a conditional write that finds its own
+  earlier attempt landed knows it by its content, see `Location.create`). The
+  clients' own retries are off where they can be (`remote`): a store that stops
+  answering fails a request in about two deadlines, not their product.
 - Nothing is tried (or tried again) once the operation the request is part of has
   failed elsewhere (`_concurrency.aborted`): a failed save stops talking to the store
   at once instead of retrying requests whose result no longer matters.
 - A failure that persists is an OSError (FileNotFoundError, PermissionError,
-  IsADirectoryError, NotADirectoryError or OSError) whose message names the object's
-  URL and leaves out every credential; a symbolic link met on a local disk is
+  FileExistsError, IsADirectoryError, NotADirectoryError or OSError) whose message
+  names the object's URL, the HTTP status where there was one, and the tries, and
+  leaves out every credential; a symbolic link met on a local disk is
   `LinkInCheckpoint`, a CheckpointCorruptError.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import random
@@ -37,16 +46,22 @@ log = logging.getLogger("zarrckpt")
 
 DEFAULT_REQUEST_TIMEOUT_S = 20.0
 _SECONDS_PER_MIB = 1.0  # on top of request_timeout_s: a request may move as slowly as 1 MiB/s
-RETRIES = 6
+RETRIES = 10
 TIMEOUT_RETRIES = 1
 _FIRST_BACKOFF_S = 0.1
+_FIRST_THROTTLED_BACKOFF_S = 1.0
 _MAX_BACKOFF_S = 5.0
 _TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ETIMEDOUT, errno.ECONNRESET,
-                               errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE})
-# What s3fs and gcsfs raise for throttling and server errors.
+                               errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE, errno.EREMOTEIO})
+# What aiohttp, botocore and the clients raise for a connection that failed or dropped.
 _TRANSIENT_NAMES = frozenset({"ServerDisconnectedError", "ClientOSError", "ClientConnectionError",
-                              "ClientPayloadError", "SlowDown", "ThrottlingException", "InternalError",
-                              "ServiceUnavailable", "EndpointConnectionError", "ConnectionClosedError"})
+                              "ClientPayloadError", "EndpointConnectionError", "ConnectionClosedError",
+                              "ProxyError", "ChecksumError"})
+# Error codes of S3 (and GCS's reasons) that mean "try again", whatever the status.
+_TRANSIENT_CODES = frozenset({"InternalError", "ServiceUnavailable", "RequestTimeout", "OperationAborted",
+                              "ConditionalRequestConflict", "backendError", "internalError"})
+_THROTTLED_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                              "TooManyRequestsException", "rateLimitExceeded", "userRateLimitExceeded"})
 # Timeouts, whoever's (DeadlinePassed, the deadline's, is a TimeoutError): botocore's and
 # aiohttp's, fsspec's, and S3's own "RequestTimeout" (the socket was idle too long).
 _TIMEOUT_NAMES = frozenset({"ReadTimeoutError", "ConnectTimeoutError", "ServerTimeoutError", "RequestTimeout",
@@ -58,17 +73,68 @@ class LinkInCheckpoint(CheckpointCorruptError, OSError):
     followed): the checkpoint is not what it claims."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """What a failed request's error means: `kind` is "timeout", "throttled" (the store
+    asked for fewer requests), "transient" (may pass if made again) or "permanent";
+    `status` what the store answered, for messages ("HTTP 503 SlowDown"), if known."""
+
+    kind: str
+    status: str | None = None
+
+    @property
+    def retried(self) -> bool:
+        return self.kind != "permanent"
+
+
+def classify(e: BaseException) -> Failure:
+    """How a request that raised `e` failed (see the module docstring): the HTTP status
+    and error code of the first error in its chain that carries one decide, then the
+    error's type and errno."""
+    code, status = _answer(e)
+    shown = None if status is None else " ".join(f"{x}" for x in ("HTTP", status, code) if x not in (None, str(status)))
+    if isinstance(e, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)):
+        return Failure("permanent", shown)
+    if is_timeout(e) or code in ("RequestTimeout",) or status == 408:
+        return Failure("timeout", shown)
+    if status == 429 or code in _THROTTLED_CODES or (status == 503 and code in (None, "SlowDown")):
+        return Failure("throttled", shown)
+    if code in _TRANSIENT_CODES or (status is not None and status >= 500 and status != 501):
+        return Failure("transient", shown)
+    if status is not None:
+        return Failure("permanent", shown)
+    if isinstance(e, ConnectionError) or type(e).__name__ in _TRANSIENT_NAMES:
+        return Failure("transient")
+    return Failure("transient" if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS else "permanent")
+
+
+def backoff_s(failure: Failure, attempt: int) -> float:
+    """How long to wait before trying again a request that failed `attempt + 1` times."""
+    first = _FIRST_THROTTLED_BACKOFF_S if failure.kind == "throttled" else _FIRST_BACKOFF_S
+    return min(_MAX_BACKOFF_S, first * 2**attempt) * random.uniform(0.5, 1.0)
+
+
 def is_timeout(e: BaseException) -> bool:
     return isinstance(e, TimeoutError) or type(e).__name__ in _TIMEOUT_NAMES
 
 
-def is_transient(e: BaseException) -> bool:
-    """Whether a failure may pass if the same request is made again."""
-    if isinstance(e, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)):
-        return False
-    if isinstance(e, ConnectionError) or is_timeout(e) or type(e).__name__ in _TRANSIENT_NAMES:
-        return True
-    return isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS
+def _answer(e: BaseException) -> tuple[str | None, int | None]:
+    """The store's error code and HTTP status, from the first error in `e`'s chain that
+    keeps them: botocore's ClientError (`response`), gcsfs's HttpError (`code`, and
+    its reason), aiohttp's ClientResponseError (`status`)."""
+    for error in _chain(e):
+        response = getattr(error, "response", None)
+        if isinstance(response, dict) and isinstance(response.get("Error"), dict):
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            code = response["Error"].get("Code")
+            return (code if isinstance(code, str) else None), (status if isinstance(status, int) else None)
+        if type(error).__name__ == "HttpError" and isinstance(getattr(error, "code", None), int):
+            errors = (getattr(error, "_error_response", None) or {}).get("errors") or [{}]
+            reason = errors[0].get("reason") if isinstance(errors[0], dict) else None
+            return (reason if isinstance(reason, str) else None), error.code  # type: ignore[attr-defined]
+        if type(error).__name__ == "ClientResponseError" and isinstance(getattr(error, "status", None), int):
+            return None, error.status  # type: ignore[attr-defined]
+    return None, None
 
 
 class Guarded:
@@ -91,13 +157,14 @@ class Guarded:
             try:
                 return fn(*args, timeout=timeout, **kwargs)
             except Exception as e:  # any failure inside the store's client library
-                timeouts += is_timeout(e)
-                if attempt < RETRIES and is_transient(e) and timeouts <= TIMEOUT_RETRIES:
-                    delay = min(_MAX_BACKOFF_S, _FIRST_BACKOFF_S * 2**attempt) * random.uniform(0.5, 1.0)
+                failure = classify(e)
+                timeouts += failure.kind == "timeout"
+                if attempt < RETRIES and failure.retried and timeouts <= TIMEOUT_RETRIES:
+                    delay = backoff_s(failure, attempt)
                     log.debug("retrying %s of %s in %.2fs after %s", action, where, delay, self.redact(repr(e)))
                     time.sleep(delay)
                     continue
-                error = self._error(e, action, where, attempt, timeout)
+                error = self._error(e, failure, action, where, attempt, timeout)
                 break
         # Raised outside the `except` block so that the original cannot ride along as
         # __context__ when it has to be dropped (see _error). The name is dropped as it
@@ -109,7 +176,8 @@ class Guarded:
         finally:
             del error
 
-    def _error(self, e: Exception, action: str, where: str, retries: int, timeout: float) -> OSError:
+    def _error(self, e: Exception, failure: Failure, action: str, where: str, retries: int,
+               timeout: float) -> OSError:
         if isinstance(e, LinkFound):
             return LinkInCheckpoint(e.strerror)  # it names the link; a local path holds no credential
         if isinstance(e, FileNotFoundError):
@@ -118,6 +186,8 @@ class Guarded:
             why = "the bucket does not exist" if action == "write" else "not found"
         elif isinstance(e, PermissionError):
             kind, why = PermissionError, "access denied (do the credentials in storage_options allow this?)"
+        elif isinstance(e, FileExistsError):
+            kind, why = FileExistsError, "already there"
         elif isinstance(e, IsADirectoryError):
             kind, why = IsADirectoryError, "a directory is where an object should be"
         elif isinstance(e, NotADirectoryError):
@@ -126,8 +196,12 @@ class Guarded:
             kind, why = TimeoutError, f"no answer in {timeout:.0f} s (storage_options request_timeout_s)"
         elif is_timeout(e):
             kind, why = TimeoutError, "no answer in time (the client's own timeouts)"
+        elif failure.kind == "throttled":
+            kind, why = OSError, "the store kept asking for fewer requests"
         else:
             kind, why = OSError, "the store failed"
+        if failure.status is not None:
+            why += f", {failure.status}"
         detail = f"{type(e).__name__}: {e}"
         tries = f", after {retries + 1} tries" if retries else ""
         error = kind(f"cannot {action} {where}: {why} ({self.redact(detail)}){tries}")
@@ -146,14 +220,19 @@ class Guarded:
 
 def _chain_texts(e: BaseException) -> list[str]:
     """The messages and arguments of `e` and every exception chained to it."""
-    texts: list[str] = []
+    return [text for current in _chain(e) for text in (str(current), repr(current.args))]
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """`e` and every exception chained to it (causes first, then contexts), each once."""
+    found: list[BaseException] = []
     seen: set[int] = set()
     todo: list[BaseException | None] = [e]
     while todo:
-        current = todo.pop()
+        current = todo.pop(0)
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        texts += [str(current), repr(current.args)]
+        found.append(current)
         todo += [current.__cause__, current.__context__]
-    return texts
+    return found

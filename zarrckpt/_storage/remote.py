@@ -4,8 +4,11 @@ to talk to the client library in as few round trips as possible.
 
 A request to an asynchronous client (s3fs, gcsfs) runs on fsspec's event loop with a
 deadline, past which it is cancelled: a store that stops answering costs a timeout,
-never a hang. Their own retries are turned off where they can be, so that retries are
-zarrckpt's alone (`guard`) and do not multiply.
+never a hang. Their own retries are turned off, so that every retry is zarrckpt's and
+follows one classification (`guard.classify`): one call here can be several HTTP
+requests (an S3 `exists` is a HEAD and a listing, a GCS `rm` a listing and a delete
+per object), so each HTTP request is also tried again on its own, REQUEST_TRIES
+times, inside the call's deadline; `guard` then tries the whole call again.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import asyncio
 import dataclasses
 import logging
 import posixpath
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,6 +25,7 @@ import fsspec
 import fsspec.asyn
 import numpy as np
 
+from . import guard as _guard
 from .store import DeadlinePassed, Entry, Store
 
 log = logging.getLogger("zarrckpt")
@@ -41,6 +46,10 @@ class Protocol:
     # The client's own attempts per request, set on the file system zarrckpt uses
     # (s3fs takes no such option): 1, so that retries are zarrckpt's alone.
     client_attempts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # The client's coroutine that makes every HTTP request (s3fs's `_call_s3`, gcsfs's
+    # `_request`): each request is tried again through it (`_retried`), gcsfs's own
+    # retrying decorator (six tries, sleeping up to 32 s) removed.
+    request_method: str | None = None
 
 
 # An object store answers each request in tens of milliseconds, mostly spent waiting:
@@ -69,16 +78,45 @@ S3 = Protocol(
         "retries": {"total_max_attempts": 1},
     }},
     client_attempts={"retries": 1},
+    request_method="_call_s3",
 )
 # gcsfs copies the body into its multipart upload anyway (or slices a memoryview for
 # resumable uploads of large objects), so a memoryview saves a copy. Its aiohttp
 # session opens at most 100 connections: more requests would only queue for them.
-GCS = Protocol(100, bytes_body=False)
+GCS = Protocol(100, bytes_body=False, request_method="_request")
 # The in-process memory file system: more threads would only contend for the GIL.
 MEMORY = Protocol(8, bytes_body=False)
 # Anything else (azure, http, a wrapper...) is assumed remote and given bytes.
 OTHER = Protocol(OBJECT_STORE_CONCURRENCY)
 PROTOCOLS = {"memory": MEMORY, "s3": S3, "s3a": S3, "gs": GCS, "gcs": GCS}
+
+
+REQUEST_TRIES = 4  # per HTTP request, within one call (see the module docstring)
+
+
+def _retry_each_request(fs: fsspec.AbstractFileSystem, name: str) -> None:
+    """Makes `fs.name`, the coroutine each HTTP request of `fs` goes through, try a
+    request that failed transiently again, up to REQUEST_TRIES times. On the file
+    system itself (fsspec shares one per set of options), once."""
+    made = getattr(fs, name)
+    if getattr(made, "zarrckpt_retried", False):
+        return
+    method = getattr(type(fs), name)
+    once = types.MethodType(getattr(method, "__wrapped__", method), fs)  # the client's own retries removed
+
+    async def retried(*args: Any, **kwargs: Any) -> Any:
+        for attempt in range(REQUEST_TRIES):
+            try:
+                return await once(*args, **kwargs)
+            except Exception as e:  # any failure inside the client library
+                failure = _guard.classify(e)
+                if attempt + 1 == REQUEST_TRIES or failure.kind in ("permanent", "timeout"):
+                    raise
+                await asyncio.sleep(_guard.backoff_s(failure, attempt))
+        raise AssertionError("unreachable")
+
+    retried.zarrckpt_retried = True  # type: ignore[attr-defined]
+    setattr(fs, name, retried)
 
 
 class Fsspec(Store):
@@ -93,6 +131,8 @@ class Fsspec(Store):
         for name, value in protocol.client_attempts.items():
             if hasattr(fs, name):
                 setattr(fs, name, value)
+        if protocol.request_method is not None and hasattr(fs, protocol.request_method):
+            _retry_each_request(fs, protocol.request_method)
 
     def _path(self, key: str) -> str:
         return posixpath.join(self.root, key) if key else self.root

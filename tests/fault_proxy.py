@@ -1,0 +1,215 @@
+"""A fault-injecting HTTP proxy on 127.0.0.1, in front of a real store server (moto's S3
+or the GCS emulator, tests/object_store_servers.py): the client talks to the proxy as
+it would to the store, and the proxy forwards each request, or answers it as a store
+that misbehaves would.
+
+`proxy.fault` decides, for each request, given its kind (read, ranged, check, list,
+write, delete, other: `kind_of`), method and target, what happens to it: None passes it
+on; `Answer(status)` answers with that error, spelled as the store spells it (S3's
+`<Error><Code>SlowDown</Code>` XML, GCS's JSON `error` with its reason), without
+forwarding; `RESET` drops the connection without an answer; `Late(seconds)` holds the
+request, answers nothing, and forwards it after `seconds`, long after the client gave
+up on it, as a store that applies a request late does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import http.server
+import json
+import random
+import socket
+import struct
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+# The error each status is answered with: S3's code, GCS's reason.
+_S3_CODES = {500: "InternalError", 503: "SlowDown", 429: "SlowDown", 412: "PreconditionFailed"}
+_GCS_REASONS = {500: "backendError", 503: "backendError", 429: "rateLimitExceeded", 412: "conditionNotMet"}
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "expect",
+               "proxy-connection", "content-length"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    status: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Late:
+    seconds: float
+
+
+RESET = "reset"
+Fault = Answer | Late | str | None
+
+
+def kind_of(protocol: str, method: str, target: str, headers: Any) -> str:
+    """What a request does, on S3 or GCS: read, ranged (a read of a byte range), check
+    (a HEAD, or GCS's object metadata), list, write, copy, delete or other."""
+    path, _, query = target.partition("?")
+    if protocol == "s3":
+        is_object = path.strip("/").count("/") >= 1
+        if method == "HEAD":
+            return "check"
+        if method == "GET":
+            if is_object:
+                return "ranged" if headers.get("Range") else "read"
+            return "list" if "list-type" in query or "prefix" in query else "other"
+        if method == "PUT" and is_object:
+            return "copy" if headers.get("x-amz-copy-source") else "write"
+        if method == "DELETE" or (method == "POST" and "delete" in query):
+            return "delete"
+        return "other"
+    if method == "GET":
+        if path.startswith("/download/") or "alt=media" in query:
+            return "ranged" if headers.get("Range") else "read"
+        return "list" if path.endswith("/o") else "check"
+    if method in ("POST", "PUT") and path.startswith("/upload/"):
+        return "write"
+    if method == "POST" and ("/rewriteTo/" in path or "/copyTo/" in path):
+        return "copy"
+    return "delete" if method == "DELETE" else "other"
+
+
+class FaultProxy:
+    """A proxy in front of the store server at `upstream` ("http://127.0.0.1:PORT"),
+    speaking as `protocol` ("s3" or "gs") when it answers for it. `injected` counts the
+    faults it made, by kind of request, `seen` the requests it had."""
+
+    def __init__(self, upstream: str, protocol: str) -> None:
+        self.protocol = protocol
+        self.fault: Callable[[str, str, str], Fault] | None = None
+        self.injected: dict[str, int] = {}
+        self.seen: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._late: list[threading.Thread] = []
+        parts = urllib.parse.urlsplit(upstream)
+        self._upstream = (parts.hostname, parts.port)
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _handle(self) -> None:
+                body = self._body()
+                kind = kind_of(proxy.protocol, self.command, self.path, self.headers)
+                fault = proxy.fault(kind, self.command, self.path) if proxy.fault is not None else None
+                with proxy._lock:
+                    proxy.seen[kind] = proxy.seen.get(kind, 0) + 1
+                    if fault is not None:
+                        proxy.injected[kind] = proxy.injected.get(kind, 0) + 1
+                if fault == RESET:
+                    # RST, not FIN: the client sees a connection reset mid-request.
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                    return
+                if isinstance(fault, Answer):
+                    self._answer(fault.status)
+                    return
+                if isinstance(fault, Late):
+                    headers = dict(self.headers.items())
+                    late = threading.Thread(target=proxy._forward_late, daemon=True,
+                                            args=(fault.seconds, self.command, self.path, headers, body))
+                    with proxy._lock:
+                        proxy._late.append(late)
+                    late.start()
+                    # Nothing is answered: the client waits until its deadline, and gives up.
+                    self.close_connection = True
+                    time.sleep(fault.seconds)
+                    return
+                status, headers, answer = proxy._send(self.command, self.path, dict(self.headers.items()), body)
+                self.send_response(status)
+                for name, value in headers:
+                    if name.lower() not in _HOP_BY_HOP:
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(answer)
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    data = b""
+                    while size := int(self.rfile.readline().split(b";")[0], 16):
+                        data += self.rfile.read(size)
+                        self.rfile.readline()
+                    self.rfile.readline()
+                    return data
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def _answer(self, status: int) -> None:
+                if proxy.protocol == "s3":
+                    code = _S3_CODES.get(status, "InternalError")
+                    body = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>injected "
+                            f"{status}</Message><RequestId>1</RequestId></Error>").encode()
+                    kind = "application/xml"
+                else:
+                    reason = _GCS_REASONS.get(status, "backendError")
+                    body = json.dumps({"error": {"code": status, "message": f"injected {status}",
+                                                 "errors": [{"reason": reason, "message": "injected"}]}}).encode()
+                    kind = "application/json"
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        for method in ("GET", "HEAD", "PUT", "POST", "DELETE", "PATCH"):
+            setattr(Handler, f"do_{method}", Handler._handle)
+        server_class = type("Server", (http.server.ThreadingHTTPServer,), {"daemon_threads": True})
+        self._server = server_class(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self._server.server_port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def at_random(self, share: float, make: Callable[[random.Random], Fault], seed: int = 0,
+                  kinds: frozenset[str] | None = None) -> None:
+        """Faults on `share` of the requests (of `kinds`, or all), each made by `make`."""
+        rng = random.Random(seed)
+        lock = threading.Lock()
+
+        def fault(kind: str, method: str, target: str) -> Fault:
+            with lock:
+                hit = rng.random() < share and (kinds is None or kind in kinds)
+                return make(rng) if hit else None
+
+        self.fault = fault
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Waits until every late request has been forwarded and answered."""
+        with self._lock:
+            late, self._late = self._late, []
+        for thread in late:
+            thread.join(timeout_s)
+
+    def _forward_late(self, seconds: float, method: str, target: str, headers: dict[str, str], body: bytes) -> None:
+        time.sleep(seconds)
+        self._send(method, target, headers, body)
+
+    def _send(self, method: str, target: str, headers: dict[str, str],
+              body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+        connection = http.client.HTTPConnection(*self._upstream, timeout=120)
+        try:
+            sent = {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
+            connection.request(method, target, body=body if body or method in ("PUT", "POST") else None,
+                               headers=sent)
+            response = connection.getresponse()
+            return response.status, response.getheaders(), response.read()
+        finally:
+            connection.close()
+
+    def stop(self) -> None:
+        self.fault = None
+        self.settle()
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
