@@ -9,7 +9,8 @@ on; `Answer(status)` answers with that error, spelled as the store spells it (S3
 `<Error><Code>SlowDown</Code>` XML, GCS's JSON `error` with its reason), without
 forwarding; `RESET` drops the connection without an answer; `Late(seconds)` holds the
 request, answers nothing, and forwards it after `seconds`, long after the client gave
-up on it, as a store that applies a request late does.
+up on it, as a store that applies a request late does; `Delay(seconds)` forwards it
+after `seconds` and answers (a slow store).
 """
 
 from __future__ import annotations
@@ -44,8 +45,13 @@ class Late:
     seconds: float
 
 
+@dataclasses.dataclass(frozen=True)
+class Delay:
+    seconds: float
+
+
 RESET = "reset"
-Fault = Answer | Late | str | None
+Fault = Answer | Late | Delay | str | None
 
 
 def kind_of(protocol: str, method: str, target: str, headers: Any) -> str:
@@ -103,6 +109,8 @@ class FaultProxy:
                     proxy.seen[kind] = proxy.seen.get(kind, 0) + 1
                     if fault is not None:
                         proxy.injected[kind] = proxy.injected.get(kind, 0) + 1
+                if isinstance(fault, Delay):
+                    time.sleep(fault.seconds)
                 if fault == RESET:
                     # RST, not FIN: the client sees a connection reset mid-request.
                     self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import threading
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -220,8 +221,32 @@ class GCSServer:
 
         class Handler(RequestHandler):
             def _serve(self, method: str) -> None:
-                with recorder.request(method, self._target(method)), storage_lock:
+                target = self._target(method)
+                with recorder.request(method, target), storage_lock:
+                    if self._precondition_fails(method, target):
+                        body = json.dumps({"error": {"code": 412, "message": "conditionNotMet",
+                                                     "errors": [{"reason": "conditionNotMet"}]}}).encode()
+                        self.send_response(412)
+                        self.send_header("Content-Type", "application/json")
+                        self.send_header("Content-Length", str(len(body)))
+                        self.end_headers()
+                        self.wfile.write(body)
+                        return
                     getattr(RequestHandler, f"do_{method}")(self)
+
+            def _precondition_fails(self, method: str, target: str) -> bool:
+                """GCS's "must not exist" precondition on an upload (ifGenerationMatch=0,
+                what gcsfs sends for mode="create"), which the emulator ignores."""
+                path, _, query = target.partition("?")
+                fields = urllib.parse.parse_qs(query)
+                if method != "POST" or fields.get("ifGenerationMatch") != ["0"] or "name" not in fields:
+                    return False
+                bucket = path.split("/b/", 1)[1].split("/", 1)[0]
+                try:
+                    self.storage.get_file_obj(bucket, fields["name"][-1])
+                except Exception:  # the emulator's NotFound
+                    return False
+                return True
 
             def _target(self, method: str) -> str:
                 """The path, and for an upload the object it writes (named in its body)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from . import _multihost, _options, _storage
+from . import _lease, _multihost, _options, _storage
 from ._format import naming as _naming, tree as _tree
 from ._options import SaveOptions
 from ._regions import Region
@@ -123,7 +123,8 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
     if step is not None:
         loc = loc.step(step)
     try:
-        job = _save.save(loc, tree, options)
+        with _lease.held_for(loc.url, storage_options, "zarrckpt import"):
+            job = _save.save(loc, tree, options)
     except CheckpointWriteError as e:
         failed = next((c for c in _causes(e) if isinstance(c, _SourceFailed)), None)
         if failed is None:

@@ -1,23 +1,35 @@
-"""One CheckpointManager per checkpoint directory.
+"""One writer per checkpoint directory: the lease, taken by compare-and-swap.
 
 A second training job started by mistake on the same directory would interleave its
-steps (and its retention) with the first one's. The manager that owns a directory
-keeps a lease file there and renews it every `heartbeat_s` from a background thread.
-A new manager that finds a lease not its own watches it for a few heartbeats: if it
-changes, its owner is alive and the new manager refuses to start; if not, the owner
-died (a crash, a preemption) and the lease is taken over. Watching for change, not
-comparing timestamps, keeps this correct whatever the hosts' clocks say. A lease
-whose writer is provably gone is taken over at once, so a job restarted in place
-after a crash does not wait: written on this very machine (its boot id) in this PID
-namespace, by a process id that is gone or now names another process (its start
-time). A process in another container (another PID namespace, perhaps with the same
-host name) cannot be seen from here, so its lease is watched like any other. A lease
-of this very process is another manager's here that was never closed: refused at once,
-saying so, unless that manager is garbage (its finalizer gives the lease back).
+steps (and its retention) with the first one's. The lease is a numbered object in
+`zarrckpt.leases/` (`0000000001`, `0000000002`, ...): whoever created the newest holds
+the directory. Taking it is creating the next number with `Location.create`, which
+fails if the number exists, so of two jobs that want it at the same moment exactly
+one gets it, whatever their timing and whatever request lands late: on a local disk
+(a hard link), S3 (If-None-Match), GCS (ifGenerationMatch=0) and memory://. A store
+without such a write (`Location.exclusive` false) is warned about at `claim`: two jobs
+racing there could both hold it.
+
+The holder renews its own object every `heartbeat_s` from a background thread (only
+it writes that number) and marks it released when it closes. A new claimant that
+finds the newest not released watches it for 2.5 of the heartbeats the holder says
+it keeps (the claimant's own if it says none; at most 10 minutes): if it changes, its owner is alive and the
+claimant is refused; if not, the owner died (a crash, a preemption) and the
+claimant takes the next number. Watching for change, not comparing timestamps, keeps
+this correct whatever the hosts' clocks say. A lease whose writer is provably gone is
+taken over at once, so a job restarted in place after a crash does not wait: written
+on this very machine (its boot id) in this PID namespace, by a process id that is
+gone or now names another process (its start time). A process in another container
+(another PID namespace, perhaps with the same host name) cannot be seen from here, so
+its lease is watched like any other. A lease of this very process is another manager's
+here that was never closed: refused at once, saying so, unless that manager is garbage
+(its finalizer gives the lease back). A holder that finds a newer number (it was
+taken over while it looked dead) stops saving: `check` runs before each save.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -26,116 +38,176 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
-from ._format import zarrjson as _zarrjson
+from . import _storage
+from ._format import naming as _naming, zarrjson as _zarrjson
 from ._storage import Location
 from .errors import DirectoryInUseError
 
 log = logging.getLogger("zarrckpt")
 
-LEASE_FILE = "zarrckpt.lease"
+LEASES = "zarrckpt.leases"
 DEFAULT_HEARTBEAT_S = 5.0
 _WATCH_BEATS = 2.5  # how many heartbeats a found lease must stay unchanged to count as dead
-_SETTLE_S = 0.02  # and twice the lease write's own time: then a rival's write has landed
+_MAX_WATCH_S = 600.0  # however slow a heartbeat a lease claims
+
+
+def lease_key(number: int) -> str:
+    return f"{LEASES}/{number:010d}"
+
+
+@contextlib.contextmanager
+def held_for(url: str, storage_options: dict[str, Any] | None, what: str) -> Iterator[None]:
+    """Holds, while inside, the lease of the directory of steps that the checkpoint at
+    `url` is a step of, if its name is a step's: a one-off writer into a run (`import`, `cp`)
+    is refused by a live manager there, and a manager started meanwhile by it. Raises
+    DirectoryInUseError naming the holder."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    if not parent or _naming.parse_step_dir_name(name) is None:
+        yield
+        return
+    lease = Lease(_storage.resolve(parent, storage_options), what=what)
+    lease.claim()
+    try:
+        yield
+    finally:
+        lease.release()
 
 
 class Lease:
-    """This manager's claim on `root`, renewed by a daemon thread. Process 0 only."""
+    """A claim on `root`, renewed by a daemon thread. Process 0 only. `what` says who
+    claims, in messages ("CheckpointManager", "zarrckpt import")."""
 
-    def __init__(self, root: Location, heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
+    def __init__(self, root: Location, heartbeat_s: float = DEFAULT_HEARTBEAT_S, *,
+                 what: str = "CheckpointManager") -> None:
         self._root = root
         self._heartbeat_s = heartbeat_s
+        self._what = what
         self._owner = uuid.uuid4().hex
+        self._number: int | None = None
         self._beats = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def claim(self) -> None:
         """Takes the lease and starts renewing it; raises DirectoryInUseError if a live
-        manager holds it."""
-        found = self._read()
-        if found is not None and found.get("owner") != self._owner and found.get("process") == _THIS_PROCESS:
+        holder has it, or another claimant took it at the same moment."""
+        if not self._root.exclusive:
+            log.warning("%s cannot create an object only if it is absent: two jobs started together on it could "
+                        "both take its lease and interleave their checkpoints", self._root.url)
+        number, found = self._newest()
+        if found is not None and not found.get("released") and found.get("process") == _THIS_PROCESS:
             gc.collect()  # a manager nobody holds (a notebook cell run again) gives its lease back
-            found = self._read()
-            if found is not None and found.get("process") == _THIS_PROCESS:
+            number, found = self._newest()
+            if found is not None and not found.get("released") and found.get("process") == _THIS_PROCESS:
                 raise DirectoryInUseError(
-                    f"{self._root.url} is held by another CheckpointManager in this process (pid {os.getpid()}) "
-                    "that is still open: call its close() first, or use `with zarrckpt.CheckpointManager(...) as "
-                    "mgr:` so that it is closed for you")
-        if found is not None and found.get("owner") != self._owner and not _dead_here(found):
-            wait = self._heartbeat_s * _WATCH_BEATS
-            log.warning("%s has a lease of another manager (host %s, pid %s): watching it for %.1fs",
-                        self._root.url, found.get("host"), found.get("pid"), wait)
+                    f"{self._root.url} is held by another {found.get('by', 'CheckpointManager')} in this process "
+                    f"(pid {os.getpid()}) that is still open: call its close() first, or use `with "
+                    "zarrckpt.CheckpointManager(...) as mgr:` so that it is closed for you")
+        if found is not None and not found.get("released") and not _dead_here(found):
+            wait = min(_MAX_WATCH_S, _WATCH_BEATS * (_number(found.get("heartbeat_s")) or self._heartbeat_s))
+            log.warning("%s has a lease of another %s (host %s, pid %s): watching it for %.1fs", self._root.url,
+                        found.get("by", "CheckpointManager"), found.get("host"), found.get("pid"), wait)
             time.sleep(wait)
-            if self._read() != found:
+            if self._newest() != (number, found):
                 raise DirectoryInUseError(
-                    f"{self._root.url} is in use by another CheckpointManager (host {found.get('host')}, pid "
-                    f"{found.get('pid')}) that is still alive: two jobs saving into one directory would "
-                    "interleave their checkpoints. Stop the other job, or use another directory.")
-        started = time.monotonic()
-        self._write()
-        # A manager started at the same moment may have read the same lease (or none)
-        # and be writing its own: wait about as long as a write takes, then see whose
-        # lease stands. Only one of them finds its own.
-        time.sleep(_SETTLE_S + 2 * (time.monotonic() - started))
-        found = self._read()
-        if found is None or found.get("owner") != self._owner:
-            raise DirectoryInUseError(
-                f"{self._root.url} was claimed at the same moment by another CheckpointManager (host "
-                f"{(found or {}).get('host')}, pid {(found or {}).get('pid')}): two jobs saving into one directory "
-                "would interleave their checkpoints. Stop the other job, or use another directory.")
+                    f"{self._root.url} is in use by {_holder(found)} that is still alive: two jobs saving into "
+                    "one directory would interleave their checkpoints. Stop the other job, or use another "
+                    "directory.")
+        self._take(number + 1)
         self._thread = threading.Thread(target=self._renew, name="zarrckpt-lease", daemon=True)
         self._thread.start()
 
     def check(self) -> None:
-        """Raises DirectoryInUseError if another manager has taken the lease over."""
-        found = self._read()
-        if found is None or found.get("owner") != self._owner:
-            raise DirectoryInUseError(
-                f"{self._root.url} was taken over by another CheckpointManager "
-                f"(host {(found or {}).get('host')}, pid {(found or {}).get('pid')}); not saving")
+        """Raises DirectoryInUseError if another claimant has taken the lease over."""
+        number, found = self._newest()
+        if number != self._number or found is None or found.get("owner") != self._owner:
+            raise DirectoryInUseError(f"{self._root.url} was taken over by {_holder(found or {})}; not saving")
 
     def release(self) -> None:
-        """Stops renewing the lease and removes it if it is still ours. Safe to call more
-        than once, and from any thread (a finalizer may run on the renewing one)."""
+        """Stops renewing the lease and marks it released if it is still ours. Safe to
+        call more than once, and from any thread (a finalizer may run on the renewing one)."""
         self._stop.set()
         if self._thread is None:
             return  # never claimed: nothing here is ours
         if self._thread is not threading.current_thread():
             self._thread.join()
-        found = self._read()
-        if found is not None and found.get("owner") == self._owner:
-            self._root.remove_file(LEASE_FILE)
+        if self._number is not None and self._newest()[0] == self._number:
+            self._root.write(lease_key(self._number), self._document(released=True), atomic=True)
+        self._number = None
+
+    def _take(self, number: int) -> None:
+        """Creates lease `number`; one claimant of it succeeds, whatever lands when."""
+        try:
+            self._root.create(lease_key(number), self._document())
+        except FileExistsError:
+            found = self._read(number)
+            if found is None or found.get("owner") != self._owner:  # not our own attempt that landed late
+                raise DirectoryInUseError(
+                    f"{self._root.url} was claimed at the same moment by {_holder(found or {})}: two jobs saving "
+                    "into one directory would interleave their checkpoints. Stop the other job, or use another "
+                    "directory.") from None
+        self._number = number
+        for entry in self._root.list_dir(LEASES):  # the ones before: nobody's any more
+            if (older := _parse_number(entry.name)) is not None and older < number:
+                self._root.remove_file(lease_key(older))
 
     def _renew(self) -> None:
-        while not self._stop.wait(self._heartbeat_s):
+        # Beats start a heartbeat apart however long each takes (a slow store), so that
+        # a watcher's 2.5 heartbeats always see two of them.
+        next_beat = time.monotonic() + self._heartbeat_s
+        while not self._stop.wait(max(0.0, next_beat - time.monotonic())):
+            next_beat += self._heartbeat_s
             try:
-                found = self._read()
-                if found is not None and found.get("owner") != self._owner:
+                number = self._number
+                if number is None or self._newest()[0] != number:
                     return  # taken over: `check` reports it before the next save
-                self._write()
+                self._root.write(lease_key(number), self._document(), atomic=True)
             except Exception as e:  # a flaky store must not kill the heartbeat
                 log.warning("could not renew the lease on %s: %s", self._root.url, e)
 
-    def _read(self) -> dict[str, Any] | None:
-        """The lease found, or None; a lease that is not a JSON object reads as `{}`
+    def _newest(self) -> tuple[int, dict[str, Any] | None]:
+        """The newest lease's number (0 if none) and what it says (None if there is none)."""
+        numbers = [n for entry in self._root.list_dir(LEASES) if (n := _parse_number(entry.name)) is not None]
+        if not numbers:
+            return 0, None
+        number = max(numbers)
+        found = self._read(number)
+        # Renewed as it was read (or removed by a newer holder): read the newest again.
+        return (number, found) if found is not None else self._newest()
+
+    def _read(self, number: int) -> dict[str, Any] | None:
+        """Lease `number`, or None if absent; one that is not a JSON object reads as `{}`
         (an owner that is not alive: watched, then taken over)."""
         try:
-            raw = self._root.read(LEASE_FILE)
+            raw = self._root.read(lease_key(number))
         except FileNotFoundError:
             return None
         found = _zarrjson.object_or_none(raw)
         if found is None:
-            log.warning("%s/%s is not a JSON object: treated as the lease of a manager that is not alive",
-                        self._root.url, LEASE_FILE)
+            log.warning("%s/%s is not a JSON object: treated as the lease of a job that is not alive",
+                        self._root.url, lease_key(number))
         return found or {}
 
-    def _write(self) -> None:
+    def _document(self, *, released: bool = False) -> bytes:
         self._beats += 1
-        doc = {"owner": self._owner, "host": socket.gethostname(), "pid": os.getpid(), "process": _THIS_PROCESS,
-               "beat": self._beats}
-        self._root.write(LEASE_FILE, json.dumps(doc).encode(), atomic=True)
+        return json.dumps({"owner": self._owner, "by": self._what, "host": socket.gethostname(), "pid": os.getpid(),
+                           "process": _THIS_PROCESS, "heartbeat_s": self._heartbeat_s, "beat": self._beats,
+                           "released": released}).encode()
+
+
+def _parse_number(name: str) -> int | None:
+    return int(name) if len(name) == 10 and name.isascii() and name.isdigit() else None
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else 0.0
+
+
+def _holder(found: dict[str, Any]) -> str:
+    return f"another {found.get('by', 'CheckpointManager')} (host {found.get('host')}, pid {found.get('pid')})"
 
 
 def _process_identity(pid: int) -> str | None:

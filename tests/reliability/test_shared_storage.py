@@ -336,7 +336,7 @@ def test_a_live_manager_in_another_pid_namespace_is_never_taken_over(tmp_path):
         stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     try:
         assert holder.stdout.readline().strip() == "holding"
-        lease = json.loads((tmp_path / _lease.LEASE_FILE).read_text())
+        lease = json.loads((tmp_path / _lease.lease_key(1)).read_text())
         assert lease["process"].split("/")[1] != _lease._THIS_PROCESS.split("/")[1]  # another namespace
         with pytest.raises(zarrckpt.DirectoryInUseError, match="still alive"):
             zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=0.2)
@@ -362,11 +362,12 @@ def test_a_step_with_bad_metrics_is_skipped_with_a_warning(tmp_path, caplog):
 
 
 def test_deep_json_is_a_one_line_error_naming_the_file_or_option(tmp_path, capsys, caplog):
-    (tmp_path / _lease.LEASE_FILE).write_text("[" * 100_000)
+    (tmp_path / _lease.LEASES).mkdir()
+    (tmp_path / _lease.lease_key(1)).write_text("[" * 100_000)
     with caplog.at_level(logging.WARNING, logger="zarrckpt"):
         with zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=0.05) as mgr:  # an unreadable lease: nobody's
             mgr.save(1, tree())
-    assert f"{tmp_path}/zarrckpt.lease is not a JSON object" in caplog.text
+    assert f"{tmp_path}/{_lease.lease_key(1)} is not a JSON object" in caplog.text
     assert _cli.main(["ls", str(tmp_path), "-o", "x=" + "[" * 100_000]) == 2  # a bad command line
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1].endswith(
@@ -379,21 +380,20 @@ _MANAGER = """
 import json, os, sys, time, numpy as np, zarrckpt
 from zarrckpt import _lease
 run, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-if len(sys.argv) > 4:  # BARRIER NAME: write the lease only once both managers have read it
+if len(sys.argv) > 4:  # BARRIER NAME: take the lease only once both managers have looked for one
     barrier, name = sys.argv[4], sys.argv[5]
-    write = _lease.Lease._write
+    take = _lease.Lease._take
 
-    def write_together(self):
-        if self._beats == 0:  # the claim's write, not a renewal
-            open(os.path.join(barrier, name), "w").close()
-            deadline = time.monotonic() + 60
-            while len(os.listdir(barrier)) < 2:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the other manager never came to write its lease")
-                time.sleep(0.001)
-        write(self)
+    def take_together(self, number):
+        open(os.path.join(barrier, name), "w").close()
+        deadline = time.monotonic() + 60
+        while len(os.listdir(barrier)) < 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the other manager never came to take the lease")
+            time.sleep(0.001)
+        take(self, number)
 
-    _lease.Lease._write = write_together
+    _lease.Lease._take = take_together
 done = []
 try:
     with zarrckpt.CheckpointManager(run, keep_last=2, heartbeat_s=0.1) as mgr:

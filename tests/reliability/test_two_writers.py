@@ -2,14 +2,27 @@
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+from fault_proxy import Delay, FaultProxy
 
 import zarrckpt
 from zarrckpt import _lease
 
 BEAT = 0.1
+
+
+def lease_file(tmp_path, number=1):
+    return tmp_path / _lease.lease_key(number)
+
+
+def plant(tmp_path, document, number=1):
+    lease_file(tmp_path, number).parent.mkdir(exist_ok=True)
+    lease_file(tmp_path, number).write_text(json.dumps(document))
 
 
 def test_second_live_manager_is_refused(tmp_path):
@@ -20,19 +33,19 @@ def test_second_live_manager_is_refused(tmp_path):
             zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=BEAT)
         first.save(2, {"a": np.ones(2)}, force=True)
     assert zarrckpt.all_steps(str(tmp_path)) == [1, 2]
-    assert not (tmp_path / _lease.LEASE_FILE).exists()  # released on close
+    assert json.loads(lease_file(tmp_path).read_text())["released"]  # released on close
 
 
 def test_lease_of_a_dead_job_is_taken_over(tmp_path):
     # What a killed job leaves behind: a lease nobody renews.
-    (tmp_path / _lease.LEASE_FILE).write_text(json.dumps({"owner": "dead", "host": "h", "pid": 1, "beat": 7}))
+    plant(tmp_path, {"owner": "dead", "host": "h", "pid": 1, "beat": 7})
     with zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=BEAT) as mgr:
         assert mgr.save(1, {"a": np.ones(2)}, force=True)
 
 
 def test_a_manager_whose_lease_was_taken_stops_saving(tmp_path):
     mgr = zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=BEAT, async_save=False)
-    (tmp_path / _lease.LEASE_FILE).write_text(json.dumps({"owner": "other", "host": "h", "pid": 2, "beat": 1}))
+    plant(tmp_path, {"owner": "other", "host": "h", "pid": 2, "beat": 1}, number=2)  # taken while it looked dead
     with pytest.raises(zarrckpt.DirectoryInUseError, match="was taken over by another CheckpointManager"):
         mgr.save(1, {"a": np.ones(2)}, force=True)
     assert zarrckpt.all_steps(str(tmp_path)) == []
@@ -49,7 +62,77 @@ def test_lease_of_a_killed_job_on_this_machine_is_taken_over_at_once(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os, sys, zarrckpt; mgr = zarrckpt.CheckpointManager("
                            "sys.argv[1], heartbeat_s=60); os._exit(0)", str(tmp_path)],
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert dead.returncode == 0 and (tmp_path / _lease.LEASE_FILE).exists()  # left behind, never released
+    assert dead.returncode == 0 and not json.loads(lease_file(tmp_path).read_text())["released"]  # left behind
     started = time.monotonic()
     with zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=60):
         assert time.monotonic() - started < 5  # no watching for 2.5 heartbeats of 60 s
+
+
+@pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
+def test_two_jobs_claiming_together_exactly_one_holds_every_round(kind, tmp_path, request):
+    """Two jobs open a manager on one run at the same moment, 20 rounds, with stalls
+    at every step of taking the lease: inside zarrckpt on a local disk (up to 300 ms:
+    a slow NFS, a paused VM), and in the store on S3 and GCS (every lease request
+    delayed up to 100 ms, nothing injected into zarrckpt). Each round exactly one holds it, and every
+    step it saved restores exactly."""
+    rounds = 20
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proxy = None
+    if kind == "local":
+        url, options, direct, heartbeat, stall = str(tmp_path / "run"), None, None, "0.05", "0.3"
+    else:
+        server = request.getfixturevalue(f"{kind}_server")
+        proxy = FaultProxy(server.endpoint, "s3" if kind == "s3" else "gs")
+        proxy.at_random(1.0, lambda rng: Delay(rng.uniform(0, 0.1)))
+        inner = proxy.fault
+        proxy.fault = lambda k, method, target: inner(k, method, target) if "zarrckpt.leases" in target else None
+        url, heartbeat, stall = f"{server.protocol}://{server.new_bucket()}/run", "0.25", "0"
+        direct = server.options()
+        options = {**direct, "endpoint_url": proxy.endpoint}
+        env["ZARRCKPT_TEST_STORAGE_OPTIONS"] = json.dumps(options)
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    worker = Path(__file__).parent.parent / "workers" / "lease_race.py"
+    try:
+        jobs = [subprocess.Popen([sys.executable, str(worker), url, str(rounds), str(barrier), name,
+                                  str(tmp_path / f"{name}.json"), heartbeat, stall], env=env) for name in ("a", "b")]
+        assert [job.wait(timeout=300) for job in jobs] == [0, 0]
+    finally:
+        if proxy is not None:
+            proxy.stop()
+    said = [json.loads((tmp_path / f"{name}.json").read_text()) for name in ("a", "b")]
+    for r, pair in enumerate(zip(*said)):
+        assert sorted(o["outcome"] for o in pair) == ["ok", "refused"], (r, pair)
+    assert zarrckpt.all_steps(url, storage_options=direct) == list(range(1, rounds + 1))
+    for r, pair in enumerate(zip(*said)):
+        value = next(o["value"] for o in pair if o["outcome"] == "ok")
+        assert np.array_equal(zarrckpt.load_checkpoint(url, r + 1, storage_options=direct)["w"],
+                              np.full(256, value)), r
+
+
+def test_import_and_cp_into_a_run_a_live_job_holds_are_refused_naming_it(tmp_path):
+    import safetensors.numpy
+
+    run = tmp_path / "run"
+    weights = tmp_path / "model.safetensors"
+    safetensors.numpy.save_file({"w": np.ones(4, np.float32)}, str(weights))
+    zarrckpt.save_pytree(str(tmp_path / "elsewhere"), {"w": np.ones(4)})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, numpy, zarrckpt; m = zarrckpt.CheckpointManager(sys.argv[1], "
+         "heartbeat_s=0.1); m.save(1, {'w': numpy.zeros(4)}, force=True); m.wait(); print('holding', flush=True); "
+         "time.sleep(60)", str(run)],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        named = rf"in use by another CheckpointManager \(host [^,]+, pid {holder.pid}\) that is still alive"
+        with pytest.raises(zarrckpt.DirectoryInUseError, match=named):
+            zarrckpt.import_checkpoint(str(weights), str(run), step=5)
+        with pytest.raises(zarrckpt.DirectoryInUseError, match=named):
+            zarrckpt.copy_checkpoint(str(tmp_path / "elsewhere"), str(run / "0000000007"))
+        assert zarrckpt.all_steps(str(run)) == [1]
+    finally:
+        holder.kill()
+        holder.wait()
+    # Once the job is gone, its lease is taken over and the import lands.
+    zarrckpt.import_checkpoint(str(weights), str(run), step=5)
+    assert zarrckpt.all_steps(str(run)) == [1, 5]

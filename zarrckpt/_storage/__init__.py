@@ -140,6 +140,21 @@ class Location:
         _stats.add("store_bytes_written", nbytes)
         self._call("write", key, self.store.write, parts, atomic=atomic, durable=durable, nbytes=nbytes)
 
+    def create(self, key: str, *parts: Any) -> None:
+        """Writes the object `key` (the concatenation of `parts`), durably, only if
+        nothing is there: FileExistsError if something is. Of two creates of one key,
+        from any processes, at most one succeeds where `exclusive` is true (a local disk:
+        a hard link; S3: If-None-Match; GCS: ifGenerationMatch=0). A create retried after
+        its first attempt landed unseen finds its own object: compare the content."""
+        nbytes = sum(memoryview(p).nbytes for p in parts)
+        _stats.add("store_bytes_written", nbytes)
+        self._call("write", key, self.store.create, parts, nbytes=nbytes)
+
+    @property
+    def exclusive(self) -> bool:
+        """Whether `create` here is exclusive against writers in other processes."""
+        return self.store.exclusive
+
     def read(self, key: str, *, limit: int | None = None) -> bytes:
         """The whole object `key` below this location (its first `limit` bytes with a
         limit), in one request; FileNotFoundError if absent."""

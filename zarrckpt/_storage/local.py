@@ -20,6 +20,7 @@ import contextlib
 import errno
 import functools
 import os
+import posixpath
 import shutil
 import stat
 import uuid
@@ -57,6 +58,9 @@ class LocalDisk(Store):
     def write(self, key: str, parts: Sequence[object], *, atomic: bool, durable: bool,
               timeout: float | None) -> None:
         write(self.root, key, parts, atomic=atomic, durable=durable)
+
+    def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> None:
+        create(self.root, key, parts)
 
     def read(self, key: str, limit: int | None, *, timeout: float | None) -> bytes:
         return read(self.root, key, limit)
@@ -288,6 +292,21 @@ def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable
                 raise
         if durable:
             os.fsync(fd)  # the file's entry in its directory
+
+
+def create(root: str, key: str, parts: Sequence[object]) -> None:
+    """Writes `root/key` durably if nothing is there, else FileExistsError: written
+    aside, then hard-linked to its name, which fails if the name exists (a link
+    included) on every POSIX file system, NFS too; a reader never sees it in part."""
+    parent, name = _split(key)
+    aside = f"{name}.{uuid.uuid4().hex}.tmp"
+    write(root, posixpath.join(parent, aside) if parent else aside, parts, atomic=False, durable=True)
+    with directory(root, parent) as fd:
+        try:
+            os.link(aside, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+        finally:
+            os.unlink(aside, dir_fd=fd)
+        os.fsync(fd)
 
 
 def remove_file(root: str, key: str) -> None:

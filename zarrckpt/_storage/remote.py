@@ -14,9 +14,11 @@ times, inside the call's deadline; `guard` then tries the whole call again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import posixpath
+import threading
 import types
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -50,6 +52,11 @@ class Protocol:
     # `_request`): each request is tried again through it (`_retried`), gcsfs's own
     # retrying decorator (six tries, sleeping up to 32 s) removed.
     request_method: str | None = None
+    # How `create` (write only if absent) is made exclusive: "store" (the store checks
+    # a precondition: S3's If-None-Match, GCS's ifGenerationMatch=0), "process" (the
+    # store lives in this process: a lock around the check and the write), or "none"
+    # (a check, then a write: two jobs can both succeed).
+    create: str = "none"
 
 
 # An object store answers each request in tens of milliseconds, mostly spent waiting:
@@ -79,18 +86,20 @@ S3 = Protocol(
     }},
     client_attempts={"retries": 1},
     request_method="_call_s3",
+    create="store",
 )
 # gcsfs copies the body into its multipart upload anyway (or slices a memoryview for
 # resumable uploads of large objects), so a memoryview saves a copy. Its aiohttp
 # session opens at most 100 connections: more requests would only queue for them.
-GCS = Protocol(100, bytes_body=False, request_method="_request")
+GCS = Protocol(100, bytes_body=False, request_method="_request", create="store")
 # The in-process memory file system: more threads would only contend for the GIL.
-MEMORY = Protocol(8, bytes_body=False)
+MEMORY = Protocol(8, bytes_body=False, create="process")
 # Anything else (azure, http, a wrapper...) is assumed remote and given bytes.
 OTHER = Protocol(OBJECT_STORE_CONCURRENCY)
 PROTOCOLS = {"memory": MEMORY, "s3": S3, "s3a": S3, "gs": GCS, "gcs": GCS}
 
 
+_CREATING = threading.Lock()  # for stores in this process (see Protocol.create)
 REQUEST_TRIES = 4  # per HTTP request, within one call (see the module docstring)
 
 
@@ -184,6 +193,22 @@ class Fsspec(Store):
         data = parts[0] if len(parts) == 1 else b"".join(parts)  # type: ignore[arg-type]
         body = bytes(data) if self.protocol.bytes_body else data  # type: ignore[call-overload]
         self._run("pipe_file", self._path(key), body, timeout=timeout)
+
+    def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> None:
+        path = self._path(key)
+        body = b"".join(bytes(memoryview(p).cast("B")) for p in parts)  # type: ignore[arg-type]
+        if self.protocol.create == "store":
+            self._run("pipe_file", path, body, mode="create", timeout=timeout)
+            return
+        with _CREATING if self.protocol.create == "process" else contextlib.nullcontext():
+            self.fs.invalidate_cache(path)
+            if self._run("exists", path, timeout=timeout):
+                raise FileExistsError(path)
+            self._run("pipe_file", path, body, timeout=timeout)
+
+    @property
+    def exclusive(self) -> bool:
+        return self.protocol.create != "none"
 
     def read(self, key: str, limit: int | None, *, timeout: float | None) -> bytes:
         if limit is not None:

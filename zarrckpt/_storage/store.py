@@ -66,6 +66,17 @@ class Store(abc.ABC):
         """Writes the object `key`, the concatenation of `parts` (see `Location.write`)."""
 
     @abc.abstractmethod
+    def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> None:
+        """Writes the object `key`, the concatenation of `parts`, durably, only if nothing
+        is there (FileExistsError if something is): of two creates of one key, whenever
+        made, at most one succeeds, where `exclusive` says the store guarantees it."""
+
+    @property
+    def exclusive(self) -> bool:
+        """Whether `create` is exclusive against every other writer, in any process."""
+        return True
+
+    @abc.abstractmethod
     def read(self, key: str, limit: int | None, *, timeout: float | None) -> bytes:
         """The object `key` (its first `limit` bytes, with a limit)."""
 
