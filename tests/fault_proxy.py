@@ -4,7 +4,7 @@ it would to the store, and the proxy forwards each request, or answers it as a s
 that misbehaves would.
 
 `proxy.fault` decides, for each request, given its kind (read, ranged, check, list,
-write, delete, other: `kind_of`), method and target, what happens to it: None passes it
+write, delete, other: `kind_of`), method, target and body, what happens to it: None passes it
 on; `Answer(status)` answers with that error, spelled as the store spells it (S3's
 `<Error><Code>SlowDown</Code>` XML, GCS's JSON `error` with its reason), without
 forwarding; `RESET` drops the connection without an answer; `Late(seconds)` holds the
@@ -89,7 +89,7 @@ class FaultProxy:
 
     def __init__(self, upstream: str, protocol: str) -> None:
         self.protocol = protocol
-        self.fault: Callable[[str, str, str], Fault] | None = None
+        self.fault: Callable[[str, str, str, bytes], Fault] | None = None
         self.injected: dict[str, int] = {}
         self.seen: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -104,7 +104,7 @@ class FaultProxy:
             def _handle(self) -> None:
                 body = self._body()
                 kind = kind_of(proxy.protocol, self.command, self.path, self.headers)
-                fault = proxy.fault(kind, self.command, self.path) if proxy.fault is not None else None
+                fault = proxy.fault(kind, self.command, self.path, body) if proxy.fault is not None else None
                 with proxy._lock:
                     proxy.seen[kind] = proxy.seen.get(kind, 0) + 1
                     if fault is not None:
@@ -185,10 +185,25 @@ class FaultProxy:
         rng = random.Random(seed)
         lock = threading.Lock()
 
-        def fault(kind: str, method: str, target: str) -> Fault:
+        def fault(kind: str, method: str, target: str, body: bytes) -> Fault:
             with lock:
                 hit = rng.random() < share and (kinds is None or kind in kinds)
                 return make(rng) if hit else None
+
+        self.fault = fault
+
+    def once(self, make: Fault, which: Callable[[str, str, bytes], bool], times: int = 1) -> None:
+        """The fault `make` on the first `times` requests that `which(kind, target,
+        body)` picks; every other request passes."""
+        left = [times]
+        lock = threading.Lock()
+
+        def fault(kind: str, method: str, target: str, body: bytes) -> Fault:
+            with lock:
+                if left[0] and which(kind, target, body):
+                    left[0] -= 1
+                    return make
+            return None
 
         self.fault = fault
 

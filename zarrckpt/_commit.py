@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import json
 import logging
 import re
 import uuid
@@ -157,8 +158,60 @@ def commit(loc: Location, group_document: dict[str, Any]) -> None:
     costs one read whatever its leaf count.
     """
     attributes = {_naming.COMMIT_ATTR: True, **group_document["attributes"]}
-    loc.write("zarr.json", _zarrjson.encode_document({**group_document, "attributes": attributes}), atomic=True,
-              durable=True)
+    write_marker(loc, "zarr.json", _zarrjson.encode_document({**group_document, "attributes": attributes}))
+
+
+def write_marker(loc: Location, key: str, document: bytes) -> None:
+    """Writes `document`, the committed group metadata, over the uncommitted one at
+    `key` (see the module docstring), so that whatever the store does late, the save
+    is committed exactly when this returns: raises if it is not.
+
+    On a local disk and memory:// that is one atomic write. Where a request may land
+    after it was abandoned (S3, GCS), a commit whose requests failed might still land
+    after the save reported failure: there the uncommitted document is deleted and the
+    committed one created only if absent, and a failed commit is settled by creating
+    an abandoned (uncommitted) document in its place only if absent. Whichever is
+    created first stands, and a later one fails on arrival: if the commit stands, it
+    landed after all, and the save has committed."""
+    if not (loc.late and loc.exclusive):
+        loc.write(key, document, atomic=True, durable=True)
+        return
+    try:
+        loc.remove_file(key)
+        loc.write_new(key, document)
+    except Exception:
+        abandoned = _abandoned(document)
+        try:
+            if _is_uncommitted_of(loc, key, document):
+                loc.remove_file(key)
+            loc.create(key, abandoned)
+        except FileExistsError:
+            if loc.read_if_present([key])[0] == document:
+                log.warning("the commit of %s landed after its request had failed: it is committed", loc.url)
+                return
+        except Exception:  # the store still fails: the outcome is unknown, and said so
+            log.warning("%s: the commit's request failed, and so did making sure it never lands late; if it does, "
+                        "the checkpoint (whole: every chunk was written) will read as committed", loc.url)
+        raise
+
+
+def _abandoned(document: bytes) -> bytes:
+    """The uncommitted group metadata of the save whose committed metadata is `document`,
+    marked abandoned (its identity kept, so that `head` reads it as uncommitted)."""
+    doc = json.loads(document)
+    attributes = {name: value for name, value in doc["attributes"].items() if name != _naming.COMMIT_ATTR}
+    meta = attributes.get(_naming.META_ATTR) or {}
+    attributes[_naming.META_ATTR] = {SAVE_ID: meta.get(SAVE_ID), "abandoned": True}
+    return _zarrjson.encode_document({"zarr_format": 3, "node_type": "group", "attributes": attributes})
+
+
+def _is_uncommitted_of(loc: Location, key: str, document: bytes) -> bool:
+    """Whether `key` holds this save's uncommitted metadata (a late request of its own)."""
+    raw = loc.read_if_present([key])[0]
+    if raw is None or raw == document:
+        return False
+    group = parse_group(key, raw)
+    return group.state is State.UNCOMMITTED and group.save_id == parse_group(key, document).save_id
 
 
 def remove(loc: Location) -> None:

@@ -101,7 +101,7 @@ def copy_checkpoint(
         _objects.make_way(target, overwrite=overwrite)
         total = sum(o.nbytes for o in objects) + len(marker)
         with _progress.bar(f"copying to {target.url}", total, progress) as advance:
-            target.write(first_key, first, atomic=True, durable=True)
+            target.write_new(first_key, first, atomic=True)
             try:
                 _copy_all(source, target, objects, max_workers or max(source.concurrency, target.concurrency),
                           _concurrency.ByteBudget(max_inflight_bytes), advance)
@@ -112,7 +112,7 @@ def copy_checkpoint(
                 raise CheckpointWriteError(f"copying {source.url} to {target.url} failed; {target.url} holds an "
                                            f"uncommitted partial copy: {e}") from e
             _check_unchanged(ckpt, marker_key, marker, target)
-            target.write(marker_key, marker, atomic=True, durable=True)
+            _commit.write_marker(target, marker_key, marker)
             advance(len(marker))
     return CopyResult(source.url, target.url, len(objects) + len({first_key, marker_key}), total,
                       time.perf_counter() - started)
@@ -159,7 +159,7 @@ def _copy_all(source: Location, target: Location, objects: list[_objects.Owned],
             raise _reader.MissingObject(f"{obj.key!r} is missing from checkpoint {source.url}") from None
         if obj.codec is not None and (damage := obj.codec.damage(data)) is not None:
             raise DamagedChunk(obj.key, source.url, damage)
-        target.write(obj.key, data, durable=True)
+        target.write_new(obj.key, data)
 
     with _concurrency.Operation(workers, "copy") as op:
         op.fan_out(objects, copy, budget=budget, nbytes=lambda obj: obj.nbytes,

@@ -78,7 +78,7 @@ def test_a_third_of_every_request_kind_failing_is_absorbed(proxied, fault, capsy
 def test_every_request_failing_fails_cleanly_then_the_next_save_works(proxied, fault):
     url, options, proxy, direct = proxied
     zarrckpt.save_checkpoint(url, 1, state(1), storage_options=options)
-    proxy.fault = lambda kind, method, target: FAULTS[fault](random)
+    proxy.fault = lambda kind, method, target, body: FAULTS[fault](random)
     started = time.monotonic()
     with pytest.raises((zarrckpt.CheckpointWriteError, OSError)) as info:
         zarrckpt.save_checkpoint(url, 2, state(2), storage_options=options)

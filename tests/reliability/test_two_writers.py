@@ -85,7 +85,8 @@ def test_two_jobs_claiming_together_exactly_one_holds_every_round(kind, tmp_path
         proxy = FaultProxy(server.endpoint, "s3" if kind == "s3" else "gs")
         proxy.at_random(1.0, lambda rng: Delay(rng.uniform(0, 0.1)))
         inner = proxy.fault
-        proxy.fault = lambda k, method, target: inner(k, method, target) if "zarrckpt.leases" in target else None
+        proxy.fault = lambda k, method, target, body: (
+            inner(k, method, target, body) if "zarrckpt.leases" in target or b"zarrckpt.leases" in body else None)
         url, heartbeat, stall = f"{server.protocol}://{server.new_bucket()}/run", "0.25", "0"
         direct = server.options()
         options = {**direct, "endpoint_url": proxy.endpoint}

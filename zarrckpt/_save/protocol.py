@@ -310,7 +310,7 @@ class SaveJob:
         _objects.make_way(self.loc, overwrite=self.options.overwrite)
         meta = self.group["attributes"][_naming.META_ATTR]
         self.group = _zarrjson.group_document({_naming.META_ATTR: {_commit.SAVE_ID: save_id, **meta}})
-        self.loc.write("zarr.json", _zarrjson.encode_document(self.group), atomic=True, durable=True)
+        self.loc.write_new("zarr.json", _zarrjson.encode_document(self.group), atomic=True)
         return save_id
 
 
@@ -379,14 +379,13 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
 
 def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str, Any]) -> None:
     with _as_write_error(plan, "metadata"):
-        loc.write(_naming.object_key(plan.codec.array, "zarr.json"), _zarrjson.encode_document(document),
-                  durable=True)
+        loc.write_new(_naming.object_key(plan.codec.array, "zarr.json"), _zarrjson.encode_document(document))
 
 
 def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit) -> None:
     try:
         with _as_write_error(plan, f"chunk {plan.codec.coords(unit.region)}"):
-            loc.write(plan.codec.key(unit.region), *plan.codec.encode(unit.host_array()), durable=True)
+            loc.write_new(plan.codec.key(unit.region), *plan.codec.encode(unit.host_array()))
     finally:
         unit.release()
 

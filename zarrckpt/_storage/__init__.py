@@ -44,6 +44,7 @@ __all__ = ["DEFAULT_REQUEST_TIMEOUT_S", "LOCAL_CONCURRENCY", "OBJECT_STORE_CONCU
            "LinkInCheckpoint", "Location", "redacted_url", "resolve"]
 
 REQUEST_TIMEOUT_OPTION = "request_timeout_s"  # zarrckpt's own storage option (not passed to fsspec)
+_LATE_TRIES = 8  # each conflict consumes one late request: a save has at most a few for a key
 
 # gcsfs's token modes: not credentials, and too common as words to scrub from messages.
 _NOT_SECRETS = frozenset({"anon", "google_default", "cache", "cloud", "browser"})
@@ -154,6 +155,36 @@ class Location:
     def exclusive(self) -> bool:
         """Whether `create` here is exclusive against writers in other processes."""
         return self.store.exclusive
+
+    @property
+    def late(self) -> bool:
+        """Whether a request abandoned here (at its deadline) may still be applied later:
+        S3, GCS and other remote stores, not a local disk or memory://."""
+        return self.store.late
+
+    def write_new(self, key: str, *parts: Any, atomic: bool = False) -> None:
+        """Writes the object `key`, which the save or copy in progress makes (a chunk, an
+        array's or the group's metadata), durably.
+
+        Where requests may land late and `create` is exclusive (S3, GCS), it is created
+        only if absent, so that no request of this or an earlier save that lands later
+        can change it: such a request that landed before is found (an object that is
+        not these bytes), deleted, and the object created again. Elsewhere it is a
+        `write` (`atomic` as there)."""
+        if not (self.late and self.exclusive):
+            self.write(key, *parts, atomic=atomic, durable=True)
+            return
+        data = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+        for _ in range(_LATE_TRIES):
+            try:
+                self.create(key, data)
+                return
+            except FileExistsError:
+                if self.read_if_present([key])[0] == data:
+                    return  # an earlier attempt of this very write landed after all
+                self.remove_file(key)  # a late request of another save: it has landed, and is gone
+        raise OSError(f"cannot write {self.url.rstrip('/')}/{key}: another writer keeps writing it (tried "
+                      f"{_LATE_TRIES} times)")
 
     def read(self, key: str, *, limit: int | None = None) -> bytes:
         """The whole object `key` below this location (its first `limit` bytes with a

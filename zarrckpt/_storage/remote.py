@@ -210,6 +210,10 @@ class Fsspec(Store):
     def exclusive(self) -> bool:
         return self.protocol.create != "none"
 
+    @property
+    def late(self) -> bool:
+        return self.protocol.create != "process"  # all but memory://, which lives in this process
+
     def read(self, key: str, limit: int | None, *, timeout: float | None) -> bytes:
         if limit is not None:
             return self._run("cat_file", self._path(key), start=0, end=limit, timeout=timeout)

@@ -76,6 +76,12 @@ class Store(abc.ABC):
         """Whether `create` is exclusive against every other writer, in any process."""
         return True
 
+    @property
+    def late(self) -> bool:
+        """Whether a request this store was sent can still be applied after it was
+        abandoned (a remote store: the deadline bounds the wait, not the landing)."""
+        return False
+
     @abc.abstractmethod
     def read(self, key: str, limit: int | None, *, timeout: float | None) -> bytes:
         """The object `key` (its first `limit` bytes, with a limit)."""

@@ -1,0 +1,103 @@
+"""Requests a store applies after zarrckpt gave up on them: S3 (moto) and GCS (the
+emulator) behind a proxy (tests/fault_proxy.py) that holds a request past zarrckpt's
+deadline, answers nothing, and forwards it to the store seconds later.
+
+Whatever lands late: no save reported committed ever reads as uncommitted, none
+reported failed ever reads as committed, and no read returns values of two saves."""
+
+import numpy as np
+import pytest
+from fault_proxy import FaultProxy, Late
+
+import zarrckpt
+from zarrckpt import _storage
+
+DEADLINE_S = 1.0
+LATE = Late(3 * DEADLINE_S)  # lands well after zarrckpt abandoned it, and after what follows it
+
+
+@pytest.fixture(autouse=True)
+def fast_backoff(monkeypatch):
+    monkeypatch.setattr(_storage.guard, "_FIRST_BACKOFF_S", 0.001)
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def proxied(request):
+    """A run in a new bucket, the storage options through the proxy (a request deadline
+    of DEADLINE_S), the proxy, and options straight to the server."""
+    server = request.getfixturevalue(f"{request.param}_server")
+    proxy = FaultProxy(server.endpoint, "s3" if request.param == "s3" else "gs")
+    url = f"{server.protocol}://{server.new_bucket()}/run"
+    yield url, {**server.options(), "endpoint_url": proxy.endpoint, "request_timeout_s": DEADLINE_S}, proxy, \
+        server.options()
+    proxy.stop()
+
+
+def writes(key: str, *, committing: bool | None = None):
+    """Picks the writes of the object `key` (below the bucket), S3's PUTs (the key in
+    the path) and GCS's uploads (the key in the body); with `committing`, only those
+    whose body does (or does not) carry the commit marker."""
+    def which(kind, target, body):
+        if kind != "write" or (key not in target and key.encode() not in body):
+            return False
+        return committing is None or (b'"write_completed":true' in body) == committing
+    return which
+
+
+def tree(seed):
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((64, 16)).astype(np.float32), "b": rng.standard_normal(5)}
+
+
+def exact(a, b):
+    return all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in b)
+
+
+def test_a_late_first_metadata_never_uncommits_a_committed_save(proxied):
+    url, options, proxy, direct = proxied
+    zarrckpt.save_checkpoint(url, 1, tree(1), storage_options=options)
+    proxy.once(LATE, writes("run/0000000002/zarr.json", committing=False))
+    zarrckpt.save_checkpoint(url, 2, tree(2), storage_options=options)  # its first attempt abandoned, retried
+    proxy.settle()  # the abandoned attempt lands now, after the commit
+    assert proxy.injected == {"write": 1}
+    assert zarrckpt.all_steps(url, storage_options=direct) == [1, 2]
+    assert exact(zarrckpt.load_checkpoint(url, 2, tree(0), storage_options=direct), tree(2))
+
+
+def test_a_commit_that_failed_never_lands_late(proxied):
+    url, options, proxy, direct = proxied
+    zarrckpt.save_checkpoint(url, 1, tree(1), storage_options=options)
+    proxy.once(LATE, writes("run/0000000002/zarr.json", committing=True), times=10)  # every try
+    with pytest.raises(zarrckpt.CheckpointWriteError, match="nothing was committed"):
+        zarrckpt.save_checkpoint(url, 2, tree(2), storage_options=options)
+    proxy.settle()  # both tries land now
+    assert proxy.injected["write"] >= 2
+    assert zarrckpt.all_steps(url, storage_options=direct) == [1]
+    proxy.fault = None
+    zarrckpt.save_checkpoint(url, 2, tree(3), storage_options=options)  # the step can be saved again
+    assert exact(zarrckpt.load_checkpoint(url, 2, tree(0), storage_options=direct), tree(3))
+
+
+def test_a_late_chunk_of_an_overwritten_save_never_mixes_into_the_next(proxied):
+    url, options, proxy, direct = proxied
+    proxy.once(LATE, writes("run/w/c.0.0"))
+    zarrckpt.save_pytree(url, tree(1), storage_options=options, max_chunk_bytes=1024)  # the chunk retried
+    proxy.fault = None
+    zarrckpt.save_pytree(url, tree(2), storage_options=options, max_chunk_bytes=1024, overwrite=True)
+    proxy.settle()  # save 1's first attempt at the chunk lands now, on save 2's
+    assert proxy.injected == {"write": 1}
+    assert exact(zarrckpt.load_pytree(url, tree(0), storage_options=direct), tree(2))
+
+
+def test_a_late_object_of_an_overwritten_copy_never_mixes_into_the_next(proxied):
+    url, options, proxy, direct = proxied
+    for name, seed in (("a", 1), ("b", 2)):
+        zarrckpt.save_pytree(f"{url}-{name}", tree(seed), storage_options=direct, max_chunk_bytes=1024)
+    proxy.once(LATE, writes("run-copy/w/c.0.0"))
+    zarrckpt.copy_checkpoint(f"{url}-a", f"{url}-copy", src_storage_options=options, dst_storage_options=options)
+    proxy.fault = None
+    zarrckpt.copy_checkpoint(f"{url}-b", f"{url}-copy", src_storage_options=options, dst_storage_options=options,
+                             overwrite=True)
+    proxy.settle()
+    assert proxy.injected == {"write": 1}
+    assert exact(zarrckpt.load_pytree(f"{url}-copy", tree(0), storage_options=direct), tree(2))
