@@ -97,23 +97,23 @@ def copy_checkpoint(
         raise _reader.MissingObject(f"{found.some_missing[0]!r} is missing from checkpoint {source.url}" + (
             f" ({found.missing:,} objects it records are missing)" if found.missing > 1 else "") + "; nothing copied")
     objects = [o for o in found.owned if o.key not in (marker_key, first_key)]
-    with _lease.held_for(target.url, dst_storage_options, "zarrckpt cp"):
-        _objects.make_way(target, overwrite=overwrite)
-        total = sum(o.nbytes for o in objects) + len(marker)
-        with _progress.bar(f"copying to {target.url}", total, progress) as advance:
-            target.write_new(first_key, first, atomic=True)
-            try:
-                _copy_all(source, target, objects, max_workers or max(source.concurrency, target.concurrency),
-                          _concurrency.ByteBudget(max_inflight_bytes), advance)
-            except CheckpointCorruptError as e:  # the source's damage, named
-                _check_unchanged(ckpt, marker_key, marker, target)
-                raise CheckpointCorruptError(f"{e}; not copied: {target.url} holds an uncommitted partial copy") from e
-            except Exception as e:
-                raise CheckpointWriteError(f"copying {source.url} to {target.url} failed; {target.url} holds an "
-                                           f"uncommitted partial copy: {e}") from e
+    _lease.refuse_if_held(target.url, dst_storage_options, "zarrckpt cp")
+    _objects.make_way(target, overwrite=overwrite)
+    total = sum(o.nbytes for o in objects) + len(marker)
+    with _progress.bar(f"copying to {target.url}", total, progress) as advance:
+        target.write_new(first_key, first, atomic=True)
+        try:
+            _copy_all(source, target, objects, max_workers or max(source.concurrency, target.concurrency),
+                      _concurrency.ByteBudget(max_inflight_bytes), advance)
+        except CheckpointCorruptError as e:  # the source's damage, named
             _check_unchanged(ckpt, marker_key, marker, target)
-            _commit.write_marker(target, marker_key, marker)
-            advance(len(marker))
+            raise CheckpointCorruptError(f"{e}; not copied: {target.url} holds an uncommitted partial copy") from e
+        except Exception as e:
+            raise CheckpointWriteError(f"copying {source.url} to {target.url} failed; {target.url} holds an "
+                                       f"uncommitted partial copy: {e}") from e
+        _check_unchanged(ckpt, marker_key, marker, target)
+        _commit.write_marker(target, marker_key, marker)
+        advance(len(marker))
     return CopyResult(source.url, target.url, len(objects) + len({first_key, marker_key}), total,
                       time.perf_counter() - started)
 

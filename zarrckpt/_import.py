@@ -122,9 +122,9 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
     loc = _storage.resolve(dst, storage_options)
     if step is not None:
         loc = loc.step(step)
+    _lease.refuse_if_held(loc.url, storage_options, "zarrckpt import")
     try:
-        with _lease.held_for(loc.url, storage_options, "zarrckpt import"):
-            job = _save.save(loc, tree, options)
+        job = _save.save(loc, tree, options)
     except CheckpointWriteError as e:
         failed = next((c for c in _causes(e) if isinstance(c, _SourceFailed)), None)
         if failed is None:

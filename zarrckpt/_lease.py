@@ -29,7 +29,6 @@ taken over while it looked dead) stops saving: `check` runs before each save.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import logging
@@ -38,7 +37,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 from . import _storage
@@ -58,22 +56,19 @@ def lease_key(number: int) -> str:
     return f"{LEASES}/{number:010d}"
 
 
-@contextlib.contextmanager
-def held_for(url: str, storage_options: dict[str, Any] | None, what: str) -> Iterator[None]:
-    """Holds, while inside, the lease of the directory of steps that the checkpoint at
-    `url` is a step of, if its name is a step's: a one-off writer into a run (`import`, `cp`)
-    is refused by a live manager there, and a manager started meanwhile by it. Raises
-    DirectoryInUseError naming the holder."""
+def refuse_if_held(url: str, storage_options: dict[str, Any] | None, what: str) -> None:
+    """Raises DirectoryInUseError, naming the holder, if the checkpoint at `url` is a
+    step of a directory of steps (by its name) whose lease a live job holds: a one-off
+    writer into a run (`import`, `cp`) must not write beside a training job (whose
+    retention would delete what it wrote, or whose restart would resume from it).
+    Watches a lease found unreleased as a claimant does; takes nothing, so one-off
+    writers never hold each other up."""
     parent, _, name = url.rstrip("/").rpartition("/")
     if not parent or _naming.parse_step_dir_name(name) is None:
-        yield
         return
-    lease = Lease(_storage.resolve(parent, storage_options), what=what)
-    lease.claim()
-    try:
-        yield
-    finally:
-        lease.release()
+    run = _storage.resolve(parent, storage_options)
+    if run.list_dir(LEASES):  # else no manager ever ran there
+        Lease(run, what=what).free()
 
 
 class Lease:
@@ -97,6 +92,15 @@ class Lease:
         if not self._root.exclusive:
             log.warning("%s cannot create an object only if it is absent: two jobs started together on it could "
                         "both take its lease and interleave their checkpoints", self._root.url)
+        self._take(self.free() + 1)
+        self._thread = threading.Thread(target=self._renew, name="zarrckpt-lease", daemon=True)
+        self._thread.start()
+
+    def free(self) -> int:
+        """The number of the newest lease once no live holder has it (0 if there is
+        none): at once if it is released or its writer is provably gone, else after
+        watching it for 2.5 of its heartbeats. Raises DirectoryInUseError, naming the
+        holder, if it is renewed meanwhile (released meanwhile is free)."""
         number, found = self._newest()
         if found is not None and not found.get("released") and found.get("process") == _THIS_PROCESS:
             gc.collect()  # a manager nobody holds (a notebook cell run again) gives its lease back
@@ -106,19 +110,18 @@ class Lease:
                     f"{self._root.url} is held by another {found.get('by', 'CheckpointManager')} in this process "
                     f"(pid {os.getpid()}) that is still open: call its close() first, or use `with "
                     "zarrckpt.CheckpointManager(...) as mgr:` so that it is closed for you")
-        if found is not None and not found.get("released") and not _dead_here(found):
-            wait = min(_MAX_WATCH_S, _WATCH_BEATS * (_number(found.get("heartbeat_s")) or self._heartbeat_s))
-            log.warning("%s has a lease of another %s (host %s, pid %s): watching it for %.1fs", self._root.url,
-                        found.get("by", "CheckpointManager"), found.get("host"), found.get("pid"), wait)
-            time.sleep(wait)
-            if self._newest() != (number, found):
-                raise DirectoryInUseError(
-                    f"{self._root.url} is in use by {_holder(found)} that is still alive: two jobs saving into "
-                    "one directory would interleave their checkpoints. Stop the other job, or use another "
-                    "directory.")
-        self._take(number + 1)
-        self._thread = threading.Thread(target=self._renew, name="zarrckpt-lease", daemon=True)
-        self._thread.start()
+        if found is None or found.get("released") or _dead_here(found):
+            return number
+        wait = min(_MAX_WATCH_S, _WATCH_BEATS * (_number(found.get("heartbeat_s")) or self._heartbeat_s))
+        log.warning("%s has a lease of another %s (host %s, pid %s): watching it for %.1fs", self._root.url,
+                    found.get("by", "CheckpointManager"), found.get("host"), found.get("pid"), wait)
+        time.sleep(wait)
+        now, again = self._newest()
+        if (now, again) == (number, found) or again is None or again.get("released"):
+            return now  # its holder died, or gave it back meanwhile
+        raise DirectoryInUseError(
+            f"{self._root.url} is in use by {_holder(again)} that is still alive: two jobs saving into one "
+            "directory would interleave their checkpoints. Stop the other job, or use another directory.")
 
     def check(self) -> None:
         """Raises DirectoryInUseError if another claimant has taken the lease over."""
