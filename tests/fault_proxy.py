@@ -94,6 +94,7 @@ class FaultProxy:
         self.seen: dict[str, int] = {}
         self._lock = threading.Lock()
         self._late: list[threading.Thread] = []
+        self._stopping = threading.Event()
         parts = urllib.parse.urlsplit(upstream)
         self._upstream = (parts.hostname, parts.port)
         proxy = self
@@ -126,9 +127,10 @@ class FaultProxy:
                     with proxy._lock:
                         proxy._late.append(late)
                     late.start()
-                    # Nothing is answered: the client waits until its deadline, and gives up.
+                    # Nothing is answered, whenever the request lands: the client waits until
+                    # its deadline, and gives up.
                     self.close_connection = True
-                    time.sleep(fault.seconds)
+                    proxy._stopping.wait(fault.seconds + 60)
                     return
                 status, headers, answer = proxy._send(self.command, self.path, dict(self.headers.items()), body)
                 self.send_response(status)
@@ -233,6 +235,7 @@ class FaultProxy:
     def stop(self) -> None:
         self.fault = None
         self.settle()
+        self._stopping.set()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()

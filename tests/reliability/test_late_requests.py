@@ -101,3 +101,17 @@ def test_a_late_object_of_an_overwritten_copy_never_mixes_into_the_next(proxied)
     proxy.settle()
     assert proxy.injected == {"write": 1}
     assert exact(zarrckpt.load_pytree(f"{url}-copy", tree(0), storage_options=direct), tree(2))
+
+
+@pytest.mark.parametrize("lands_s", [0.8 * DEADLINE_S, 3 * DEADLINE_S], ids=["before-the-retry", "after-it"])
+def test_a_late_claim_of_the_lease_is_known_as_its_own(proxied, lands_s):
+    """The lease's creation abandoned and tried again: landed before the retry, the retry
+    finds it and reads it back as its own; landed after, it fails on arrival. Either
+    way the manager holds the run."""
+    url, options, proxy, direct = proxied
+    proxy.once(Late(lands_s), writes("run/zarrckpt.leases/0000000001"))
+    with zarrckpt.CheckpointManager(url, storage_options=options, heartbeat_s=0.2) as mgr:
+        mgr.save(1, tree(1))
+    proxy.settle()
+    assert proxy.injected == {"write": 1}
+    assert exact(zarrckpt.load_checkpoint(url, 1, tree(0), storage_options=direct), tree(1))
