@@ -7,8 +7,13 @@ seqax's zarr v2 layout), and writing one object is atomic on local disks
 GCS (a PUT is all or nothing) alike, so no reader can see a half-committed
 checkpoint and no rename of the checkpoint is needed.
 
+Where a store may apply a request after zarrckpt abandoned it (S3, GCS), nothing a
+request lands late may change a save: there every object is created only if absent,
+the commit too, and a save writes no uncommitted group metadata before it (see
+`write_marker`): the step reads as absent until it commits.
+
 Every save also gets an identity, `save_id` (random), written into the group metadata
-before any chunk. A reader that notes it when it opens a checkpoint and finds it
+before any chunk (at the commit, on S3 and GCS). A reader that notes it when it opens a checkpoint and finds it
 unchanged after its last read has read one save, not parts of two. zarrckpt writes the
 commit marker and the identity at the start of `zarr.json`, so `head` learns both
 from its first bytes, however large the document (5 MB at 10,000 leaves).
@@ -19,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import json
 import logging
 import re
 import uuid
@@ -161,30 +165,36 @@ def commit(loc: Location, group_document: dict[str, Any]) -> None:
     write_marker(loc, "zarr.json", _zarrjson.encode_document({**group_document, "attributes": attributes}))
 
 
-def write_marker(loc: Location, key: str, document: bytes) -> None:
-    """Writes `document`, the committed group metadata, over the uncommitted one at
-    `key` (see the module docstring), so that whatever the store does late, the save
-    is committed exactly when this returns: raises if it is not.
+def late_safe(loc: Location) -> bool:
+    """Whether saves at `loc` follow the protocol against late requests (see
+    `write_marker`): a store that may apply a request after it was abandoned, and can
+    create an object only if absent (S3, GCS)."""
+    return loc.late and loc.exclusive
 
-    On a local disk and memory:// that is one atomic write. Where a request may land
-    after it was abandoned (S3, GCS), a commit whose requests failed might still land
-    after the save reported failure: there the uncommitted document is deleted and the
-    committed one created only if absent, and a failed commit is settled by creating
-    an abandoned (uncommitted) document in its place only if absent. Whichever is
-    created first stands, and a later one fails on arrival: if the commit stands, it
-    landed after all, and the save has committed."""
-    if not (loc.late and loc.exclusive):
+
+def write_marker(loc: Location, key: str, document: bytes) -> None:
+    """Writes `document`, the committed group metadata, at `key`, so that whatever the
+    store does late, the save is committed exactly when this returns: raises if it is
+    not.
+
+    On a local disk and memory:// that is one atomic write over the uncommitted
+    document. Where a request may land after it was abandoned (`late_safe`: S3, GCS),
+    no uncommitted document was written (see `SaveJob`), and the committed one is
+    created only if absent; a commit whose requests failed is settled by creating an
+    abandoned (uncommitted) `zarr.json` in its place, only if absent. Whichever is
+    created first stands and the other fails on arrival: if the commit stands, it
+    landed after all, and the save has committed. No request of the commit is a
+    delete, which could land late on the commit itself."""
+    if not late_safe(loc):
         loc.write(key, document, atomic=True, durable=True)
         return
     try:
-        loc.remove_file(key)
         loc.write_new(key, document)
     except Exception:
-        abandoned = _abandoned(document)
+        if key != "zarr.json":
+            raise  # seqax's layout (a copy of one): nothing is settled
         try:
-            if _is_uncommitted_of(loc, key, document):
-                loc.remove_file(key)
-            loc.create(key, abandoned)
+            loc.create(key, _abandoned(document))
         except FileExistsError:
             if loc.read_if_present([key])[0] == document:
                 log.warning("the commit of %s landed after its request had failed: it is committed", loc.url)
@@ -196,22 +206,11 @@ def write_marker(loc: Location, key: str, document: bytes) -> None:
 
 
 def _abandoned(document: bytes) -> bytes:
-    """The uncommitted group metadata of the save whose committed metadata is `document`,
-    marked abandoned (its identity kept, so that `head` reads it as uncommitted)."""
-    doc = json.loads(document)
-    attributes = {name: value for name, value in doc["attributes"].items() if name != _naming.COMMIT_ATTR}
-    meta = attributes.get(_naming.META_ATTR) or {}
-    attributes[_naming.META_ATTR] = {SAVE_ID: meta.get(SAVE_ID), "abandoned": True}
-    return _zarrjson.encode_document({"zarr_format": 3, "node_type": "group", "attributes": attributes})
-
-
-def _is_uncommitted_of(loc: Location, key: str, document: bytes) -> bool:
-    """Whether `key` holds this save's uncommitted metadata (a late request of its own)."""
-    raw = loc.read_if_present([key])[0]
-    if raw is None or raw == document:
-        return False
-    group = parse_group(key, raw)
-    return group.state is State.UNCOMMITTED and group.save_id == parse_group(key, document).save_id
+    """The uncommitted group metadata of the save whose committed metadata is `document`:
+    its identity, marked abandoned (`head` reads it as uncommitted)."""
+    save_id = parse_group("zarr.json", document).save_id
+    return _zarrjson.encode_document({"zarr_format": 3, "node_type": "group", "attributes": {
+        _naming.META_ATTR: {SAVE_ID: save_id, "abandoned": True}}})
 
 
 def remove(loc: Location) -> None:

@@ -97,11 +97,12 @@ def copy_checkpoint(
         raise _reader.MissingObject(f"{found.some_missing[0]!r} is missing from checkpoint {source.url}" + (
             f" ({found.missing:,} objects it records are missing)" if found.missing > 1 else "") + "; nothing copied")
     objects = [o for o in found.owned if o.key not in (marker_key, first_key)]
-    _lease.refuse_if_held(target.url, dst_storage_options, "zarrckpt cp")
+    _lease.refuse_if_held(target, "zarrckpt cp")
     _objects.make_way(target, overwrite=overwrite)
     total = sum(o.nbytes for o in objects) + len(marker)
     with _progress.bar(f"copying to {target.url}", total, progress) as advance:
-        target.write_new(first_key, first, atomic=True)
+        if not _commit.late_safe(target):  # else the commit alone is written (see `_commit.write_marker`)
+            target.write(first_key, first, atomic=True, durable=True)
         try:
             _copy_all(source, target, objects, max_workers or max(source.concurrency, target.concurrency),
                       _concurrency.ByteBudget(max_inflight_bytes), advance)

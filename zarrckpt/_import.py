@@ -122,7 +122,7 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
     loc = _storage.resolve(dst, storage_options)
     if step is not None:
         loc = loc.step(step)
-    _lease.refuse_if_held(loc.url, storage_options, "zarrckpt import")
+    _lease.refuse_if_held(loc, "zarrckpt import")
     try:
         job = _save.save(loc, tree, options)
     except CheckpointWriteError as e:

@@ -39,7 +39,6 @@ import time
 import uuid
 from typing import Any
 
-from . import _storage
 from ._format import naming as _naming, zarrjson as _zarrjson
 from ._storage import Location
 from .errors import DirectoryInUseError
@@ -50,23 +49,23 @@ LEASES = "zarrckpt.leases"
 DEFAULT_HEARTBEAT_S = 5.0
 _WATCH_BEATS = 2.5  # how many heartbeats a found lease must stay unchanged to count as dead
 _MAX_WATCH_S = 600.0  # however slow a heartbeat a lease claims
+_LOOKS = 10
 
 
 def lease_key(number: int) -> str:
     return f"{LEASES}/{number:010d}"
 
 
-def refuse_if_held(url: str, storage_options: dict[str, Any] | None, what: str) -> None:
-    """Raises DirectoryInUseError, naming the holder, if the checkpoint at `url` is a
-    step of a directory of steps (by its name) whose lease a live job holds: a one-off
+def refuse_if_held(step: Location, what: str) -> None:
+    """Raises DirectoryInUseError, naming the holder, if the checkpoint `step` is a step
+    of a directory of steps (by its name) whose lease a live job holds: a one-off
     writer into a run (`import`, `cp`) must not write beside a training job (whose
     retention would delete what it wrote, or whose restart would resume from it).
     Watches a lease found unreleased as a claimant does; takes nothing, so one-off
     writers never hold each other up."""
-    parent, _, name = url.rstrip("/").rpartition("/")
-    if not parent or _naming.parse_step_dir_name(name) is None:
+    run = step.parent()
+    if run is None or _naming.parse_step_dir_name(step.url.rstrip("/").rpartition("/")[2]) is None:
         return
-    run = _storage.resolve(parent, storage_options)
     if run.list_dir(LEASES):  # else no manager ever ran there
         Lease(run, what=what).free()
 
@@ -93,8 +92,6 @@ class Lease:
             log.warning("%s cannot create an object only if it is absent: two jobs started together on it could "
                         "both take its lease and interleave their checkpoints", self._root.url)
         self._take(self.free() + 1)
-        self._thread = threading.Thread(target=self._renew, name="zarrckpt-lease", daemon=True)
-        self._thread.start()
 
     def free(self) -> int:
         """The number of the newest lease once no live holder has it (0 if there is
@@ -153,9 +150,14 @@ class Lease:
                     "into one directory would interleave their checkpoints. Stop the other job, or use another "
                     "directory.") from None
         self._number = number
-        for entry in self._root.list_dir(LEASES):  # the ones before: nobody's any more
-            if (older := _parse_number(entry.name)) is not None and older < number:
-                self._root.remove_file(lease_key(older))
+        self._thread = threading.Thread(target=self._renew, name="zarrckpt-lease", daemon=True)
+        self._thread.start()
+        try:
+            for entry in self._root.list_dir(LEASES):  # the ones before: nobody's any more
+                if (older := _parse_number(entry.name)) is not None and older < number:
+                    self._root.remove_file(lease_key(older))
+        except Exception as e:  # left for the next holder to remove: the lease is ours all the same
+            log.warning("could not remove the older leases of %s: %s", self._root.url, e)
 
     def _renew(self) -> None:
         # Beats start a heartbeat apart however long each takes (a slow store), so that
@@ -173,13 +175,16 @@ class Lease:
 
     def _newest(self) -> tuple[int, dict[str, Any] | None]:
         """The newest lease's number (0 if none) and what it says (None if there is none)."""
-        numbers = [n for entry in self._root.list_dir(LEASES) if (n := _parse_number(entry.name)) is not None]
-        if not numbers:
-            return 0, None
-        number = max(numbers)
-        found = self._read(number)
-        # Renewed as it was read (or removed by a newer holder): read the newest again.
-        return (number, found) if found is not None else self._newest()
+        for _ in range(_LOOKS):
+            numbers = [n for entry in self._root.list_dir(LEASES)
+                       if entry.type == "file" and (n := _parse_number(entry.name)) is not None]
+            if not numbers:
+                return 0, None
+            found = self._read(max(numbers))
+            if found is not None:
+                return max(numbers), found
+            # Removed between the listing and the read (by a newer holder): look again.
+        raise DirectoryInUseError(f"{self._root.url}: its lease changed {_LOOKS} times while being read")
 
     def _read(self, number: int) -> dict[str, Any] | None:
         """Lease `number`, or None if absent; one that is not a JSON object reads as `{}`

@@ -79,7 +79,7 @@ def test_two_jobs_claiming_together_exactly_one_holds_every_round(kind, tmp_path
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proxy = None
     if kind == "local":
-        url, options, direct, heartbeat, stall = str(tmp_path / "run"), None, None, "0.05", "0.3"
+        url, options, direct, heartbeat, stall = str(tmp_path / "run"), None, None, "0.2", "0.3"
     else:
         server = request.getfixturevalue(f"{kind}_server")
         proxy = FaultProxy(server.endpoint, "s3" if kind == "s3" else "gs")
@@ -87,7 +87,7 @@ def test_two_jobs_claiming_together_exactly_one_holds_every_round(kind, tmp_path
         inner = proxy.fault
         proxy.fault = lambda k, method, target, body: (
             inner(k, method, target, body) if "zarrckpt.leases" in target or b"zarrckpt.leases" in body else None)
-        url, heartbeat, stall = f"{server.protocol}://{server.new_bucket()}/run", "0.25", "0"
+        url, heartbeat, stall = f"{server.protocol}://{server.new_bucket()}/run", "0.5", "0"
         direct = server.options()
         options = {**direct, "endpoint_url": proxy.endpoint}
         env["ZARRCKPT_TEST_STORAGE_OPTIONS"] = json.dumps(options)

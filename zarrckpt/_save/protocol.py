@@ -303,14 +303,15 @@ class SaveJob:
 
     def _prepare(self, save_id: str) -> str:
         """Process 0 (every process, for its local copy): clears the way and writes the
-        group metadata, uncommitted, with the save's identity first (see `_commit`);
-        returns the identity."""
+        group metadata, uncommitted, with the save's identity first (not on S3 and GCS:
+        see `_commit`); returns the identity."""
         if self.before_prepare is not None:
             self.before_prepare()
         _objects.make_way(self.loc, overwrite=self.options.overwrite)
         meta = self.group["attributes"][_naming.META_ATTR]
         self.group = _zarrjson.group_document({_naming.META_ATTR: {_commit.SAVE_ID: save_id, **meta}})
-        self.loc.write_new("zarr.json", _zarrjson.encode_document(self.group), atomic=True)
+        if not _commit.late_safe(self.loc):  # else the commit alone is written (see `_commit.write_marker`)
+            self.loc.write("zarr.json", _zarrjson.encode_document(self.group), atomic=True, durable=True)
         return save_id
 
 

@@ -11,9 +11,10 @@ Three layers, imported only through this package:
   of zarrckpt reads and writes through, and `resolve`, which makes one of a URL.
 
 Every failure of the store surfaces as an OSError (FileNotFoundError, PermissionError,
-TimeoutError or OSError) whose message names the object's URL and leaves out every
-credential passed in `storage_options` or the URL; a symbolic link met on a local disk
-as `LinkInCheckpoint`, a CheckpointCorruptError.
+FileExistsError for a `create` of an object that is there, TimeoutError or OSError)
+whose message names the object's URL and leaves out every credential passed in
+`storage_options` or the URL; a symbolic link met on a local disk as
+`LinkInCheckpoint`, a CheckpointCorruptError.
 """
 
 from __future__ import annotations
@@ -92,6 +93,14 @@ class Location:
         parent, parent_url = posixpath.dirname(self.path.rstrip("/")), self.url.rstrip("/").rpartition("/")[0]
         return Location(url=posixpath.join(parent_url, name) if parent_url else name,
                         store=self.store.moved(posixpath.join(parent, name)), guard=self.guard)
+
+    def parent(self) -> Location | None:
+        """The place this one is directly in, in the same store; None at the store's root
+        (the URL the user gave names no parent then)."""
+        parent, parent_url = posixpath.dirname(self.path.rstrip("/")), self.url.rstrip("/").rpartition("/")[0]
+        if not parent or not parent_url or parent_url.endswith(":/") or parent_url.endswith(":"):
+            return None
+        return Location(url=parent_url, store=self.store.moved(parent), guard=self.guard)
 
     def step(self, step: int) -> Location:
         """The directory of `step` in this checkpoint directory (ValueError for a bad step)."""
@@ -174,13 +183,13 @@ class Location:
         if not (self.late and self.exclusive):
             self.write(key, *parts, atomic=atomic, durable=True)
             return
-        data = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
         for _ in range(_LATE_TRIES):
             try:
-                self.create(key, data)
+                self.create(key, *parts)
                 return
             except FileExistsError:
-                if self.read_if_present([key])[0] == data:
+                found = self.read_if_present([key])[0]
+                if found is not None and found == b"".join(memoryview(p).cast("B") for p in parts):
                     return  # an earlier attempt of this very write landed after all
                 self.remove_file(key)  # a late request of another save: it has landed, and is gone
         raise OSError(f"cannot write {self.url.rstrip('/')}/{key}: another writer keeps writing it (tried "

@@ -6,17 +6,18 @@ abort check, a deadline, retries with backoff, counting, and the error the calle
   20 s by default) plus a second per MiB it moves, where the store can abandon one
   (see `store.Store`). Every failure is sorted once, the same way for every request
   kind (read, ranged read, check, list, write, delete) and every store (`classify`):
-  by the HTTP status where the client keeps it (5xx but 501, 408 and 429 pass; other
-  4xx do not), by the store's error code (S3's SlowDown, GCS's rateLimitExceeded), and
-  by type and errno otherwise (s3fs turns an S3 500 into a plain OSError with
-  EREMOTEIO). A timeout, the deadline's or the client's own, is tried once more; other
-  transient failures up to RETRIES (10) more times, waiting 0.1 s, 0.2 s, ... (at most
-  5 s, jittered: about 20 s in all) in between, and after throttling (429, 503,
-  SlowDown) from 1 s on (about 30 s), since the store asked for fewer requests. Every
-  request zarrckpt makes may be made twice (a conditional write that finds its own
-  earlier attempt landed knows it by its content, see `Location.create`). The
-  clients' own retries are off where they can be (`remote`): a store that stops
-  answering fails a request in about two deadlines, not their product.
+  by the HTTP status where the client keeps it (5xx but 501, 408, 429 and 401, an
+  access token that expired, pass; other 4xx do not), by the store's error code (S3's
+  SlowDown, GCS's rateLimitExceeded), and by type and errno otherwise (s3fs turns an
+  S3 500 into a plain OSError with EREMOTEIO). A timeout, the deadline's or the
+  client's own, is tried once more; other transient failures up to RETRIES (10) more
+  times, waiting 0.1 s, 0.2 s, ... (at most 5 s, jittered) in between, and after
+  throttling (429, 503, SlowDown) from 1 s on, since the store asked for fewer
+  requests. Every request zarrckpt makes may be made twice (a create that finds its
+  own earlier attempt landed knows it by its content, see `Location.write_new`). The
+  clients' own retries are off (`remote`, which also tries each of their HTTP
+  requests again, briefly, inside one call): a store that stops answering fails a
+  request in about two deadlines, not their product.
 - Nothing is tried (or tried again) once the operation the request is part of has
   failed elsewhere (`_concurrency.aborted`): a failed save stops talking to the store
   at once instead of retrying requests whose result no longer matters.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import logging
 import random
 import time
@@ -81,6 +83,7 @@ class Failure:
 
     kind: str
     status: str | None = None
+    http_status: int | None = None
 
     @property
     def retried(self) -> bool:
@@ -93,16 +96,18 @@ def classify(e: BaseException) -> Failure:
     error's type and errno."""
     code, status = _answer(e)
     shown = None if status is None else " ".join(f"{x}" for x in ("HTTP", status, code) if x not in (None, str(status)))
+    answered = functools.partial(Failure, status=shown, http_status=status)
     if isinstance(e, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)):
-        return Failure("permanent", shown)
+        return answered("permanent")
     if is_timeout(e) or code in ("RequestTimeout",) or status == 408:
-        return Failure("timeout", shown)
+        return answered("timeout")
     if status == 429 or code in _THROTTLED_CODES or (status == 503 and code in (None, "SlowDown")):
-        return Failure("throttled", shown)
-    if code in _TRANSIENT_CODES or (status is not None and status >= 500 and status != 501):
-        return Failure("transient", shown)
+        return answered("throttled")
+    # 401 from GCS is an access token that expired meanwhile: the client fetches a new one.
+    if code in _TRANSIENT_CODES or status == 401 or (status is not None and status >= 500 and status != 501):
+        return answered("transient")
     if status is not None:
-        return Failure("permanent", shown)
+        return answered("permanent")
     if isinstance(e, ConnectionError) or type(e).__name__ in _TRANSIENT_NAMES:
         return Failure("transient")
     return Failure("transient" if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS else "permanent")

@@ -31,6 +31,7 @@ from .store import Entry, LinkFound, Store
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "link"}
 
 
@@ -273,16 +274,7 @@ def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable
     parent, name = _split(key)
     with directory(root, parent, create=True, durable=durable) as fd:
         target = f"{name}.{uuid.uuid4().hex}.tmp" if atomic else name
-        f = _open_below(fd, target, _WRITE, os.path.join(root, key))
-        try:
-            for part in parts:  # as they are: no copy to join them
-                view = memoryview(part).cast("B")  # type: ignore[arg-type]
-                while view:
-                    view = view[os.write(f, view):]
-            if durable:
-                os.fdatasync(f)
-        finally:
-            os.close(f)
+        _write_file(fd, target, _WRITE, parts, os.path.join(root, key), durable=durable)
         if atomic:
             try:
                 os.replace(target, name, src_dir_fd=fd, dst_dir_fd=fd)  # replaces a link itself, never its target
@@ -297,16 +289,37 @@ def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable
 def create(root: str, key: str, parts: Sequence[object]) -> None:
     """Writes `root/key` durably if nothing is there, else FileExistsError: written
     aside, then hard-linked to its name, which fails if the name exists (a link
-    included) on every POSIX file system, NFS too; a reader never sees it in part."""
+    included) on every POSIX file system, NFS too; a reader never sees it in part.
+    Where hard links are not supported (gcsfuse, Mountpoint for S3, blobfuse), the
+    file is created with O_EXCL and written in place (a reader may see it in part)."""
     parent, name = _split(key)
     aside = f"{name}.{uuid.uuid4().hex}.tmp"
     write(root, posixpath.join(parent, aside) if parent else aside, parts, atomic=False, durable=True)
     with directory(root, parent) as fd:
         try:
             os.link(aside, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+                raise
+            _write_file(fd, name, _CREATE, parts, os.path.join(root, key), durable=True)
         finally:
             os.unlink(aside, dir_fd=fd)
         os.fsync(fd)
+
+
+def _write_file(fd: int, name: str, flags: int, parts: Sequence[object], path: str, *, durable: bool) -> None:
+    """Opens `name` in the directory `fd` with `flags` and writes `parts` into it, as they
+    are (no copy to join them); with `durable`, on stable storage before returning."""
+    f = _open_below(fd, name, flags, path)
+    try:
+        for part in parts:
+            view = memoryview(part).cast("B")  # type: ignore[arg-type]
+            while view:
+                view = view[os.write(f, view):]
+        if durable:
+            os.fdatasync(f)
+    finally:
+        os.close(f)
 
 
 def remove_file(root: str, key: str) -> None:

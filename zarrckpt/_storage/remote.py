@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import posixpath
 import threading
@@ -121,7 +122,9 @@ def _retry_each_request(fs: fsspec.AbstractFileSystem, name: str) -> None:
                 failure = _guard.classify(e)
                 if attempt + 1 == REQUEST_TRIES or failure.kind in ("permanent", "timeout"):
                     raise
-                await asyncio.sleep(_guard.backoff_s(failure, attempt))
+                # Short waits only: throttling's longer ones are `guard`'s, between calls,
+                # so that they never eat the call's deadline.
+                await asyncio.sleep(_guard.backoff_s(_guard.Failure("transient"), attempt))
         raise AssertionError("unreachable")
 
     retried.zarrckpt_retried = True  # type: ignore[attr-defined]
@@ -190,21 +193,29 @@ class Fsspec(Store):
     def write(self, key: str, parts: Sequence[object], *, atomic: bool, durable: bool,
               timeout: float | None) -> None:
         # A PUT is atomic, and durable once acknowledged (docs/pytree-zarr-checkpoint.md).
+        self._run("pipe_file", self._path(key), self._body(parts), timeout=timeout)
+
+    def _body(self, parts: Sequence[object]) -> object:
+        """`parts` as one body the client takes, copied only where it must be."""
         data = parts[0] if len(parts) == 1 else b"".join(parts)  # type: ignore[arg-type]
-        body = bytes(data) if self.protocol.bytes_body else data  # type: ignore[call-overload]
-        self._run("pipe_file", self._path(key), body, timeout=timeout)
+        return bytes(data) if self.protocol.bytes_body else data  # type: ignore[call-overload]
 
     def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> None:
         path = self._path(key)
-        body = b"".join(bytes(memoryview(p).cast("B")) for p in parts)  # type: ignore[arg-type]
         if self.protocol.create == "store":
-            self._run("pipe_file", path, body, mode="create", timeout=timeout)
+            try:
+                self._run("pipe_file", path, self._body(parts), mode="create", timeout=timeout)
+            except OSError as e:
+                # s3fs says FileExistsError only where S3 names the condition; any 412 is one.
+                if not isinstance(e, FileExistsError) and _guard.classify(e).http_status == 412:
+                    raise FileExistsError(errno.EEXIST, f"{path} exists") from e
+                raise
             return
         with _CREATING if self.protocol.create == "process" else contextlib.nullcontext():
             self.fs.invalidate_cache(path)
             if self._run("exists", path, timeout=timeout):
-                raise FileExistsError(path)
-            self._run("pipe_file", path, body, timeout=timeout)
+                raise FileExistsError(errno.EEXIST, f"{path} exists")
+            self._run("pipe_file", path, self._body(parts), timeout=timeout)
 
     @property
     def exclusive(self) -> bool:
