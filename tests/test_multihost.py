@@ -54,7 +54,9 @@ def test_failed_write_on_one_process_commits_nothing(store, failing):
         # Every process is told which process failed, on which leaf, and why.
         assert f"process {failing}: " in r["error"] and f"process {1 - failing}: " not in r["error"], r["error"]
         assert "['both']" in r["error"] and "injected write failure" in r["error"], r["error"]
-        assert r["latest"] == 1 and r["state"] == _commit.State.UNCOMMITTED.name, r
+        # Uncommitted; on S3 and GCS absent, as no group metadata is written before the commit.
+        left = _commit.State.ABSENT if store.kind in ("s3", "gcs") else _commit.State.UNCOMMITTED
+        assert r["latest"] == 1 and r["state"] == left.name, r
         assert r["latest_after"] == 2 and r["checked"] > 0, r
     assert zarrckpt.all_steps(store.url, storage_options=store.options) == [1, 2]
 

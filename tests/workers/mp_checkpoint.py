@@ -70,7 +70,7 @@ def fail(directory: str, failing: str) -> None:
     from zarrckpt import _commit, _storage
 
     zarrckpt.save_checkpoint(directory, 1, state_tree(), storage_options=STORAGE_OPTIONS)
-    original = _storage.Location.write
+    original = _storage.Location.write_new  # every chunk a save writes goes through it
 
     def broken(self, key, *parts, **kwargs):
         if key.startswith("both/c."):
@@ -78,7 +78,7 @@ def fail(directory: str, failing: str) -> None:
         return original(self, key, *parts, **kwargs)
 
     if jax.process_index() == int(failing):
-        _storage.Location.write = broken
+        _storage.Location.write_new = broken
     try:
         # Other values than the save after it, so a chunk of this attempt left in
         # place and read back would show.
@@ -89,7 +89,7 @@ def fail(directory: str, failing: str) -> None:
         report(error=None)
         return
     finally:
-        _storage.Location.write = original
+        _storage.Location.write_new = original
     latest = zarrckpt.latest_step(directory, storage_options=STORAGE_OPTIONS)
     state = _commit.head(_storage.resolve(directory, STORAGE_OPTIONS).step(2)).state.name
     # Before process 0 clears the way for the next save: every process has looked.
