@@ -10,7 +10,8 @@ abort check, a deadline, retries with backoff, counting, and the error the calle
   access token that expired, pass; other 4xx do not), by the store's error code (S3's
   SlowDown, GCS's rateLimitExceeded), and by type and errno otherwise (s3fs turns an
   S3 500 into a plain OSError with EREMOTEIO). A timeout, the deadline's or the
-  client's own, is tried once more; other transient failures up to RETRIES (10) more
+  client's own, and a refused connection (nothing listens: a wrong endpoint, or a
+  server down) are tried once more; other transient failures up to RETRIES (10) more
   times, waiting 0.1 s, 0.2 s, ... (at most 5 s, jittered) in between, and after
   throttling (429, 503, SlowDown) from 1 s on, since the store asked for fewer
   requests. Every request zarrckpt makes may be made twice (a create that finds its
@@ -77,8 +78,9 @@ class LinkInCheckpoint(CheckpointCorruptError, OSError):
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
-    """What a failed request's error means: `kind` is "timeout", "throttled" (the store
-    asked for fewer requests), "transient" (may pass if made again) or "permanent";
+    """What a failed request's error means: `kind` is "timeout", "unreachable" (the
+    connection was refused), "throttled" (the store asked for fewer requests),
+    "transient" (may pass if made again) or "permanent";
     `status` what the store answered, for messages ("HTTP 503 SlowDown"), if known."""
 
     kind: str
@@ -101,6 +103,9 @@ def classify(e: BaseException) -> Failure:
         return answered("permanent")
     if is_timeout(e) or code in ("RequestTimeout",) or status == 408:
         return answered("timeout")
+    if status is None and any(isinstance(x, ConnectionRefusedError) or getattr(x, "errno", None) == errno.ECONNREFUSED
+                              for x in _chain(e)):
+        return Failure("unreachable")  # nothing listens there: a wrong endpoint, or a server down
     if status == 429 or code in _THROTTLED_CODES or (status == 503 and code in (None, "SlowDown")):
         return answered("throttled")
     # 401 from GCS is an access token that expired meanwhile: the client fetches a new one.
@@ -163,7 +168,7 @@ class Guarded:
                 return fn(*args, timeout=timeout, **kwargs)
             except Exception as e:  # any failure inside the store's client library
                 failure = classify(e)
-                timeouts += failure.kind == "timeout"
+                timeouts += failure.kind in ("timeout", "unreachable")  # tried once more, as no answer is
                 if attempt < RETRIES and failure.retried and timeouts <= TIMEOUT_RETRIES:
                     delay = backoff_s(failure, attempt)
                     log.debug("retrying %s of %s in %.2fs after %s", action, where, delay, self.redact(repr(e)))

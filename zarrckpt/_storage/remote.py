@@ -120,7 +120,7 @@ def _retry_each_request(fs: fsspec.AbstractFileSystem, name: str) -> None:
                 return await once(*args, **kwargs)
             except Exception as e:  # any failure inside the client library
                 failure = _guard.classify(e)
-                if attempt + 1 == REQUEST_TRIES or failure.kind in ("permanent", "timeout"):
+                if attempt + 1 == REQUEST_TRIES or failure.kind in ("permanent", "timeout", "unreachable"):
                     raise
                 # Short waits only: throttling's longer ones are `guard`'s, between calls,
                 # so that they never eat the call's deadline.
