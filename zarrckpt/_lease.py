@@ -13,9 +13,9 @@ racing there could both hold it.
 The holder renews its own object every `heartbeat_s` from a background thread (only
 it writes that number) and marks it released when it closes. A new claimant that
 finds the newest not released watches it for 2.5 of the heartbeats the holder says
-it keeps (the claimant's own if it says none; at most 10 minutes): if it changes, its owner is alive and the
-claimant is refused; if not, the owner died (a crash, a preemption) and the
-claimant takes the next number. Watching for change, not comparing timestamps, keeps
+it keeps (the claimant's own if it says none; at most 10 minutes): if it changes,
+its owner is alive and the claimant is refused; if not, the owner died (a crash, a
+preemption) and the claimant takes the next number. Watching for change, not comparing timestamps, keeps
 this correct whatever the hosts' clocks say. A lease whose writer is provably gone is
 taken over at once, so a job restarted in place after a crash does not wait: written
 on this very machine (its boot id) in this PID namespace, by a process id that is
@@ -49,7 +49,7 @@ LEASES = "zarrckpt.leases"
 DEFAULT_HEARTBEAT_S = 5.0
 _WATCH_BEATS = 2.5  # how many heartbeats a found lease must stay unchanged to count as dead
 _MAX_WATCH_S = 600.0  # however slow a heartbeat a lease claims
-_LOOKS = 10
+_LOOKS = 10  # listings of the leases before giving up on one that keeps changing
 
 
 def lease_key(number: int) -> str:
