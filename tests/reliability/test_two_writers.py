@@ -11,7 +11,7 @@ import pytest
 from fault_proxy import Delay, FaultProxy
 
 import zarrckpt
-from zarrckpt import _lease
+from zarrckpt import _lease, _storage
 
 BEAT = 0.1
 
@@ -137,3 +137,21 @@ def test_import_and_cp_into_a_run_a_live_job_holds_are_refused_naming_it(tmp_pat
     # Once the job is gone, its lease is taken over and the import lands.
     zarrckpt.import_checkpoint(str(weights), str(run), step=5)
     assert zarrckpt.all_steps(str(run)) == [1, 5]
+
+
+def test_a_disk_without_hard_links_still_takes_the_lease_only_once(tmp_path, monkeypatch):
+    """gcsfuse, Mountpoint for S3 and blobfuse refuse link(2): the lease is then created
+    with O_EXCL, still only if absent."""
+    import errno
+
+    def no_links(*args, **kwargs):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    with zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=BEAT) as mgr:
+        assert mgr.save(1, {"a": np.ones(2)}, force=True)
+    assert json.loads(lease_file(tmp_path).read_text())["released"]
+    root = _storage.resolve(str(tmp_path))
+    with pytest.raises(FileExistsError):
+        root.create(_lease.lease_key(1), b"{}")  # there: refused, not replaced
+    assert json.loads(lease_file(tmp_path).read_text())["released"]
