@@ -13,8 +13,9 @@ the commit too, and a save writes no uncommitted group metadata before it (see
 `write_marker`): the step reads as absent until it commits.
 
 Every save also gets an identity, `save_id` (random), written into the group metadata
-before any chunk (at the commit, on S3 and GCS). A reader that notes it when it opens a checkpoint and finds it
-unchanged after its last read has read one save, not parts of two. zarrckpt writes the
+before any chunk (at the commit, on S3 and GCS). A reader that notes it when it opens
+a checkpoint and finds it unchanged after its last read has read one save, not parts
+of two. zarrckpt writes the
 commit marker and the identity at the start of `zarr.json`, so `head` learns both
 from its first bytes, however large the document (5 MB at 10,000 leaves).
 """
@@ -165,27 +166,20 @@ def commit(loc: Location, group_document: dict[str, Any]) -> None:
     write_marker(loc, "zarr.json", _zarrjson.encode_document({**group_document, "attributes": attributes}))
 
 
-def late_safe(loc: Location) -> bool:
-    """Whether saves at `loc` follow the protocol against late requests (see
-    `write_marker`): a store that may apply a request after it was abandoned, and can
-    create an object only if absent (S3, GCS)."""
-    return loc.late and loc.exclusive
-
-
 def write_marker(loc: Location, key: str, document: bytes) -> None:
     """Writes `document`, the committed group metadata, at `key`, so that whatever the
     store does late, the save is committed exactly when this returns: raises if it is
     not.
 
     On a local disk and memory:// that is one atomic write over the uncommitted
-    document. Where a request may land after it was abandoned (`late_safe`: S3, GCS),
+    document. Where a request may land after it was abandoned (`Location.late_safe`: S3, GCS),
     no uncommitted document was written (see `SaveJob`), and the committed one is
     created only if absent; a commit whose requests failed is settled by creating an
     abandoned (uncommitted) `zarr.json` in its place, only if absent. Whichever is
     created first stands and the other fails on arrival: if the commit stands, it
     landed after all, and the save has committed. No request of the commit is a
     delete, which could land late on the commit itself."""
-    if not late_safe(loc):
+    if not loc.late_safe:
         loc.write(key, document, atomic=True, durable=True)
         return
     try:

@@ -101,7 +101,7 @@ def copy_checkpoint(
     _objects.make_way(target, overwrite=overwrite)
     total = sum(o.nbytes for o in objects) + len(marker)
     with _progress.bar(f"copying to {target.url}", total, progress) as advance:
-        if not _commit.late_safe(target):  # else the commit alone is written (see `_commit.write_marker`)
+        if not target.late_safe:  # else the commit alone is written (see `_commit.write_marker`)
             target.write(first_key, first, atomic=True, durable=True)
         try:
             _copy_all(source, target, objects, max_workers or max(source.concurrency, target.concurrency),

@@ -15,8 +15,8 @@ it writes that number) and marks it released when it closes. A new claimant that
 finds the newest not released watches it for 2.5 of the heartbeats the holder says
 it keeps (the claimant's own if it says none; at most 10 minutes): if it changes,
 its owner is alive and the claimant is refused; if not, the owner died (a crash, a
-preemption) and the claimant takes the next number. Watching for change, not comparing timestamps, keeps
-this correct whatever the hosts' clocks say. A lease whose writer is provably gone is
+preemption) and the claimant takes the next number. Watching for change, not
+comparing timestamps, keeps this correct whatever the hosts' clocks say. A lease whose writer is provably gone is
 taken over at once, so a job restarted in place after a crash does not wait: written
 on this very machine (its boot id) in this PID namespace, by a process id that is
 gone or now names another process (its start time). A process in another container
@@ -180,9 +180,10 @@ class Lease:
                        if entry.type == "file" and (n := _parse_number(entry.name)) is not None]
             if not numbers:
                 return 0, None
-            found = self._read(max(numbers))
+            number = max(numbers)
+            found = self._read(number)
             if found is not None:
-                return max(numbers), found
+                return number, found
             # Removed between the listing and the read (by a newer holder): look again.
         raise DirectoryInUseError(f"{self._root.url}: its lease changed {_LOOKS} times while being read")
 

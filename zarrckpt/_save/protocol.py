@@ -310,7 +310,7 @@ class SaveJob:
         _objects.make_way(self.loc, overwrite=self.options.overwrite)
         meta = self.group["attributes"][_naming.META_ATTR]
         self.group = _zarrjson.group_document({_naming.META_ATTR: {_commit.SAVE_ID: save_id, **meta}})
-        if not _commit.late_safe(self.loc):  # else the commit alone is written (see `_commit.write_marker`)
+        if not self.loc.late_safe:  # else the commit alone is written (see `_commit.write_marker`)
             self.loc.write("zarr.json", _zarrjson.encode_document(self.group), atomic=True, durable=True)
         return save_id
 

@@ -166,10 +166,11 @@ class Location:
         return self.store.exclusive
 
     @property
-    def late(self) -> bool:
-        """Whether a request abandoned here (at its deadline) may still be applied later:
-        S3, GCS and other remote stores, not a local disk or memory://."""
-        return self.store.late
+    def late_safe(self) -> bool:
+        """Whether a request abandoned here (at its deadline) may still be applied later,
+        and `create` is exclusive (S3, GCS): saves and copies here then follow the
+        protocol against late requests (`write_new`, `_commit.write_marker`)."""
+        return self.store.late and self.store.exclusive
 
     def write_new(self, key: str, *parts: Any, atomic: bool = False) -> None:
         """Writes the object `key`, which the save or copy in progress makes (a chunk, an
@@ -180,7 +181,7 @@ class Location:
         can change it: such a request that landed before is found (an object that is
         not these bytes), deleted, and the object created again. Elsewhere it is a
         `write` (`atomic` as there)."""
-        if not (self.late and self.exclusive):
+        if not self.late_safe:
             self.write(key, *parts, atomic=atomic, durable=True)
             return
         for _ in range(_LATE_TRIES):

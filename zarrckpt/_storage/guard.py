@@ -81,15 +81,22 @@ class Failure:
     """What a failed request's error means: `kind` is "timeout", "unreachable" (the
     connection was refused), "throttled" (the store asked for fewer requests),
     "transient" (may pass if made again) or "permanent";
-    `status` what the store answered, for messages ("HTTP 503 SlowDown"), if known."""
+    `http_status` and `code` what the store answered, if known."""
 
     kind: str
-    status: str | None = None
     http_status: int | None = None
+    code: str | None = None
 
     @property
     def retried(self) -> bool:
         return self.kind != "permanent"
+
+    @property
+    def status(self) -> str | None:
+        """What the store answered, for messages ("HTTP 503 SlowDown"), if known."""
+        if self.http_status is None:
+            return None
+        return " ".join(str(x) for x in ("HTTP", self.http_status, self.code) if x not in (None, str(self.http_status)))
 
 
 def classify(e: BaseException) -> Failure:
@@ -97,8 +104,7 @@ def classify(e: BaseException) -> Failure:
     and error code of the first error in its chain that carries one decide, then the
     error's type and errno."""
     code, status = _answer(e)
-    shown = None if status is None else " ".join(f"{x}" for x in ("HTTP", status, code) if x not in (None, str(status)))
-    answered = functools.partial(Failure, status=shown, http_status=status)
+    answered = functools.partial(Failure, http_status=status, code=code)
     if isinstance(e, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)):
         return answered("permanent")
     if is_timeout(e) or code in ("RequestTimeout",) or status == 408:

@@ -50,7 +50,7 @@ class Protocol:
     # (s3fs takes no such option): 1, so that retries are zarrckpt's alone.
     client_attempts: Mapping[str, int] = dataclasses.field(default_factory=dict)
     # The client's coroutine that makes every HTTP request (s3fs's `_call_s3`, gcsfs's
-    # `_request`): each request is tried again through it (`_retried`), gcsfs's own
+    # `_request`): each request is tried again through it (`_retry_each_request`), gcsfs's own
     # retrying decorator (six tries, sleeping up to 32 s) removed.
     request_method: str | None = None
     # How `create` (write only if absent) is made exclusive: "store" (the store checks
