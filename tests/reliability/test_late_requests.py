@@ -117,3 +117,27 @@ def test_a_late_claim_of_the_lease_is_known_as_its_own(proxied, lands_s):
     proxy.settle()
     assert proxy.injected == {"write": 1}
     assert exact(zarrckpt.load_checkpoint(url, 1, tree(0), storage_options=direct), tree(1))
+
+
+def test_a_late_commit_of_a_step_retention_deleted_never_reads_as_values(proxied):
+    """Step 1's first commit request is abandoned and lands after retention deleted the
+    step (a delete cannot be made conditional on what lands later). The newest step is
+    untouched; step 1 reads as damaged, never as values; the next retention deletes it."""
+    url, options, proxy, direct = proxied
+    proxy.once(LATE, writes("run/0000000001/zarr.json", committing=True))
+    with zarrckpt.CheckpointManager(url, storage_options=options, keep_last=1, max_chunk_bytes=1024) as mgr:
+        mgr.save(1, tree(1))  # committed by the retry
+        mgr.save(2, tree(2))  # retention deletes step 1
+        mgr.wait()
+        assert zarrckpt.all_steps(url, storage_options=direct) == [2]
+        proxy.settle()  # step 1's abandoned commit lands now, on a deleted step
+        assert proxy.injected == {"write": 1}
+        assert zarrckpt.all_steps(url, storage_options=direct)[-1] == 2
+        assert exact(zarrckpt.load_checkpoint_if_it_exists(url, tree(0), storage_options=direct)[0], tree(2))
+        if 1 in zarrckpt.all_steps(url, storage_options=direct):
+            assert not zarrckpt.verify(f"{url}/0000000001", storage_options=direct).ok
+            with pytest.raises(zarrckpt.CheckpointCorruptError):
+                zarrckpt.load_checkpoint(url, 1, tree(0), storage_options=direct)
+        mgr.save(3, tree(3))
+    assert zarrckpt.all_steps(url, storage_options=direct) == [3]
+    assert exact(zarrckpt.load_checkpoint(url, 3, tree(0), storage_options=direct), tree(3))
