@@ -11,8 +11,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import dataclasses  # noqa: E402
+import shutil  # noqa: E402
+import socket  # noqa: E402
+import stat  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import uuid  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import fsspec  # noqa: E402
@@ -88,3 +93,33 @@ def store(request, new_store):
         fs = fsspec.filesystem("memory")
         if fs.exists(made.url):
             fs.rm(made.url, recursive=True)
+
+
+@pytest.fixture
+def special_file():
+    """Makes a path a FIFO, a listening Unix socket or a device file (/dev/zero's);
+    closes the sockets at the end."""
+    sockets = []
+
+    def make(path: Path, kind: str) -> None:
+        if path.exists():
+            path.unlink()
+        if kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "socket":  # bound where its path is short enough for AF_UNIX, then linked into place
+            short = Path(tempfile.mkdtemp(prefix="zs")) / "s"
+            sock = socket.socket(socket.AF_UNIX)
+            sock.bind(str(short))
+            sock.listen()
+            sockets.append((sock, short))
+            os.link(short, path)
+        else:
+            try:
+                os.mknod(path, 0o644 | stat.S_IFCHR, os.makedev(1, 5))
+            except PermissionError:
+                pytest.skip("making a device file needs root")
+
+    yield make
+    for sock, short in sockets:
+        sock.close()
+        shutil.rmtree(short.parent)

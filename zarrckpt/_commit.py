@@ -32,7 +32,7 @@ from typing import Any
 
 from . import _seqax
 from ._format import naming as _naming, zarrjson as _zarrjson
-from ._storage import Location
+from ._storage import Location, NotAFileInCheckpoint
 
 log = logging.getLogger("zarrckpt")
 
@@ -88,7 +88,8 @@ def read_group(loc: Location) -> Group | None:
 
     One read for zarrckpt's layout; only where `zarr.json` is absent are seqax's two
     v2 files asked for, together. A document that cannot be understood (not JSON, a
-    directory) reads as a group without attributes, and says why in `problem`.
+    directory, a symbolic link or a FIFO) reads as a group without attributes, and
+    says why in `problem`.
     """
     try:
         return _v3_group(loc.read("zarr.json"))
@@ -96,6 +97,8 @@ def read_group(loc: Location) -> Group | None:
         pass
     except IsADirectoryError:
         return Group(3, {}, {}, "is a directory")
+    except NotAFileInCheckpoint:
+        return Group(3, {}, {}, "is not a regular file")
     attributes, there = _seqax.read_group(loc)
     if attributes is not None:
         return parse_group(_seqax.MARKER, attributes)
@@ -126,7 +129,7 @@ def head(loc: Location) -> Head:
     step skips them."""
     try:
         raw = loc.read("zarr.json", limit=_HEAD_BYTES)
-    except (FileNotFoundError, IsADirectoryError):
+    except (FileNotFoundError, IsADirectoryError, NotAFileInCheckpoint):
         raw = None
     if raw is not None and (found := _HEAD.match(raw)):
         return Head(State.COMMITTED if found.group(1) else State.UNCOMMITTED, found.group(2).decode())

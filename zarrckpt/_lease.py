@@ -40,7 +40,7 @@ import uuid
 from typing import Any
 
 from ._format import naming as _naming, zarrjson as _zarrjson
-from ._storage import Location
+from ._storage import Location, NotAFileInCheckpoint
 from .errors import DirectoryInUseError
 
 log = logging.getLogger("zarrckpt")
@@ -177,7 +177,7 @@ class Lease:
         """The newest lease's number (0 if none) and what it says (None if there is none)."""
         for _ in range(_LOOKS):
             numbers = [n for entry in self._root.list_dir(LEASES)
-                       if entry.type == "file" and (n := _parse_number(entry.name)) is not None]
+                       if entry.type != "dir" and (n := _parse_number(entry.name)) is not None]
             if not numbers:
                 return 0, None
             number = max(numbers)
@@ -188,12 +188,16 @@ class Lease:
         raise DirectoryInUseError(f"{self._root.url}: its lease changed {_LOOKS} times while being read")
 
     def _read(self, number: int) -> dict[str, Any] | None:
-        """Lease `number`, or None if absent; one that is not a JSON object reads as `{}`
-        (an owner that is not alive: watched, then taken over)."""
+        """Lease `number`, or None if absent; one that is not a JSON object, or not a
+        regular file (a FIFO, a link: never opened), reads as `{}` (an owner that is not
+        alive: watched, then taken over)."""
         try:
             raw = self._root.read(lease_key(number))
         except FileNotFoundError:
             return None
+        except NotAFileInCheckpoint as e:
+            log.warning("%s: treated as the lease of a job that is not alive", e)
+            return {}
         found = _zarrjson.object_or_none(raw)
         if found is None:
             log.warning("%s/%s is not a JSON object: treated as the lease of a job that is not alive",

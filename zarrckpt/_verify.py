@@ -162,7 +162,7 @@ def _per_process_arrays(loc: Location, leaf: _reader.StoredLeaf, top: set[str]
             arrays.append(_reader.read_own_array(loc, leaf, process)[0])
         except _reader.MissingObject:
             problems.append(Problem(key, f"missing (process {process}'s value)", leaf.where))
-        except _storage.LinkInCheckpoint:
+        except _storage.NotAFileInCheckpoint:
             problems.append(Problem(key, _SYMLINK, leaf.where))
         except CheckpointCorruptError as e:
             problems.append(Problem(key, f"malformed: {e}", leaf.where))
@@ -190,7 +190,7 @@ def _check_chunks(loc: Location, leaf: _reader.StoredLeaf, wanted: bool) -> tupl
             problems.append(Problem(f"{leaf.name}/", f"the array's directory is missing (all {expected:,} "
                                                      "chunks)", leaf.where))
         return problems, expected, []
-    except _storage.LinkInCheckpoint:
+    except _storage.NotAFileInCheckpoint:
         return problems + [Problem(f"{leaf.name}/", _SYMLINK, leaf.where)], expected, []
     sized, found = [], set()
     for entry in listed:
@@ -225,7 +225,7 @@ def _check_array_document(loc: Location, leaf: _reader.StoredLeaf, path: _tree.K
         raw = loc.read(key)
     except FileNotFoundError:
         return [Problem(key, "missing", leaf.where)]
-    except _storage.LinkInCheckpoint:
+    except _storage.NotAFileInCheckpoint:
         return [Problem(key, _SYMLINK, leaf.where)]
     if raw == _as_written(document):
         return []

@@ -135,7 +135,7 @@ class Checkpoint:
         note = f"while reading leaf {leaf.where} (array {leaf.name!r}) of {self.loc.url}"
         try:
             yield
-        except (MissingObject, DamagedChunk, _storage.LinkInCheckpoint) as e:
+        except (MissingObject, DamagedChunk, _storage.NotAFileInCheckpoint) as e:
             self.check_unchanged()
             e.add_note(note)
             e.add_note(f"the checkpoint is damaged: `zarrckpt verify {self.loc.url}` lists every damaged object; "

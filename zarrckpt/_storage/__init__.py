@@ -13,8 +13,8 @@ Three layers, imported only through this package:
 Every failure of the store surfaces as an OSError (FileNotFoundError, PermissionError,
 FileExistsError for a `create` of an object that is there, TimeoutError or OSError)
 whose message names the object's URL and leaves out every credential passed in
-`storage_options` or the URL; a symbolic link met on a local disk as
-`LinkInCheckpoint`, a CheckpointCorruptError.
+`storage_options` or the URL; a symbolic link or a special file met on a local
+disk as `NotAFileInCheckpoint`, a CheckpointCorruptError.
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ import fsspec
 from .. import _concurrency, _stats
 from .._format import naming as _naming
 from ..errors import CheckpointLocationError
-from .guard import DEFAULT_REQUEST_TIMEOUT_S, RETRIES, Guarded, LinkInCheckpoint
+from .guard import DEFAULT_REQUEST_TIMEOUT_S, RETRIES, Guarded, NotAFileInCheckpoint
 from .local import LOCAL_CONCURRENCY, LocalDisk, UnsafeDirectory
 from .remote import OBJECT_STORE_CONCURRENCY, OTHER, PROTOCOLS, Fsspec
 from .store import Entry, Store
 
 __all__ = ["DEFAULT_REQUEST_TIMEOUT_S", "LOCAL_CONCURRENCY", "OBJECT_STORE_CONCURRENCY", "RETRIES", "Entry",
-           "LinkInCheckpoint", "Location", "redacted_url", "resolve"]
+           "NotAFileInCheckpoint", "Location", "redacted_url", "resolve"]
 
 REQUEST_TIMEOUT_OPTION = "request_timeout_s"  # zarrckpt's own storage option (not passed to fsspec)
 _LATE_TRIES = 8  # each conflict consumes one late request: a save has at most a few for a key

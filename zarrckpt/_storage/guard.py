@@ -25,8 +25,8 @@ abort check, a deadline, retries with backoff, counting, and the error the calle
 - A failure that persists is an OSError (FileNotFoundError, PermissionError,
   FileExistsError, IsADirectoryError, NotADirectoryError or OSError) whose message
   names the object's URL, the HTTP status where there was one, and the tries, and
-  leaves out every credential; a symbolic link met on a local disk is
-  `LinkInCheckpoint`, a CheckpointCorruptError.
+  leaves out every credential; a symbolic link or a special file met on a local
+  disk is `NotAFileInCheckpoint`, a CheckpointCorruptError.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 from .. import _concurrency, _stats
 from ..errors import CheckpointCorruptError
-from .store import DeadlinePassed, LinkFound
+from .store import DeadlinePassed, NotAFile
 
 _T = TypeVar("_T")
 log = logging.getLogger("zarrckpt")
@@ -71,9 +71,10 @@ _TIMEOUT_NAMES = frozenset({"ReadTimeoutError", "ConnectTimeoutError", "ServerTi
                             "FSTimeoutError"})
 
 
-class LinkInCheckpoint(CheckpointCorruptError, OSError):
-    """A symbolic link where a checkpoint's object or directory should be (never
-    followed): the checkpoint is not what it claims."""
+class NotAFileInCheckpoint(CheckpointCorruptError, OSError):
+    """A symbolic link (never followed) or a special file (a FIFO, a socket, a device:
+    never opened) where a checkpoint's object or directory should be: the checkpoint is
+    not what it claims."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,8 +195,8 @@ class Guarded:
 
     def _error(self, e: Exception, failure: Failure, action: str, where: str, retries: int,
                timeout: float) -> OSError:
-        if isinstance(e, LinkFound):
-            return LinkInCheckpoint(e.strerror)  # it names the link; a local path holds no credential
+        if isinstance(e, NotAFile):
+            return NotAFileInCheckpoint(e.strerror)  # it names the file; a local path holds no credential
         if isinstance(e, FileNotFoundError):
             kind: type[OSError] = FileNotFoundError
             # A write creates any missing "directory", so only the bucket can be missing.

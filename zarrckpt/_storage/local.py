@@ -6,7 +6,9 @@ steps), followed as the operating system resolves it. Everything below the root 
 reached one path component at a time from the root's directory, each opened with
 O_NOFOLLOW: a symbolic link planted anywhere inside (a chunk, an array directory, a
 step directory, a marker) is never followed by a read, a write or a deletion, so no
-call reads, writes or deletes outside the root. Meeting one raises `LinkFound`.
+call reads, writes or deletes outside the root. Meeting one raises `NotAFile`, as
+does reading what is not a regular file (a FIFO, a socket, a device): it is opened
+without blocking and refused, where opening a FIFO would wait for a writer forever.
 
 A durable write reaches stable storage before it returns, with every directory entry
 leading to it: the file's data is synced (`fdatasync`) before it is closed, its
@@ -26,10 +28,11 @@ import stat
 import uuid
 from collections.abc import Iterator, Sequence
 
-from .store import Entry, LinkFound, Store
+from .store import Entry, NotAFile, Store
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_SPECIAL = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "link"}
@@ -91,7 +94,10 @@ class LocalDisk(Store):
         private_directory(os.path.join(self.root, key))
 
     def free_bytes(self, key: str) -> int:
-        return shutil.disk_usage(os.path.join(self.root, key)).free
+        path = os.path.join(self.root, key)
+        while not os.path.isdir(path) and os.path.dirname(path) != path:  # not made yet: its disk is its parent's
+            path = os.path.dirname(path)
+        return shutil.disk_usage(path).free
 
 
 def _parts(key: str) -> list[str]:
@@ -124,16 +130,19 @@ def _open_below(fd: int, name: str, flags: int, path: str, mode: int = 0o666) ->
     try:
         return os.open(name, flags, mode, dir_fd=fd)
     except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK) and _is_link(fd, name):
-            raise LinkFound(path) from None
+        if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK) and _mode(fd, name) == stat.S_IFLNK:
+            raise NotAFile(path) from None
+        if e.errno == errno.ENXIO and (special := _SPECIAL.get(_mode(fd, name) or 0)):  # a socket: no opening it
+            raise NotAFile(path, special) from None
         raise
 
 
-def _is_link(fd: int, name: str) -> bool:
+def _mode(fd: int, name: str) -> int | None:
+    """The file type of `name` in the directory `fd` (S_IFLNK for a link), if it is there."""
     try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+        return stat.S_IFMT(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
     except OSError:
-        return False
+        return None
 
 
 @contextlib.contextmanager
@@ -213,6 +222,8 @@ def _opened(root: str, key: str) -> Iterator[tuple[int, int]]:
         info = os.fstat(f)
         if stat.S_ISDIR(info.st_mode):
             raise IsADirectoryError(errno.EISDIR, f"{os.path.join(root, key)} is a directory")
+        if not stat.S_ISREG(info.st_mode):
+            raise NotAFile(os.path.join(root, key), _SPECIAL.get(stat.S_IFMT(info.st_mode), "a special file"))
         yield f, info.st_size
     finally:
         os.close(f)

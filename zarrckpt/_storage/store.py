@@ -5,7 +5,7 @@ One class per kind of storage implements it (`local.LocalDisk`, `remote.Fsspec`)
 `guard.Guarded` wraps every request of either with what all of them need (deadline,
 retries, the abort check, counting, errors as zarrckpt raises them). A backend raises
 what its storage raises, as OSError subclasses (FileNotFoundError for what is absent),
-`LinkFound` for a symbolic link it will not follow, and `DeadlinePassed` for a request
+`NotAFile` for a symbolic link it will not follow or a special file it will not open, and `DeadlinePassed` for a request
 it abandoned.
 """
 
@@ -27,13 +27,14 @@ class Entry:
     size: int = 0
 
 
-class LinkFound(OSError):
-    """A symbolic link where zarrckpt expected a file or directory of a checkpoint (a
+class NotAFile(OSError):
+    """A symbolic link, or what is neither a regular file nor a directory (a FIFO, a
+    socket, a device), where zarrckpt expected a file or directory of a checkpoint (a
     backend's error; `guard` makes it a CheckpointCorruptError naming its URL)."""
 
-    def __init__(self, path: str) -> None:
-        super().__init__(errno.ELOOP, f"{path} is a symbolic link (zarrckpt never follows one inside a "
-                                      "checkpoint)")
+    def __init__(self, path: str, what: str = "a symbolic link") -> None:
+        super().__init__(errno.ELOOP, f"{path} is {what} (zarrckpt never follows a link inside a checkpoint, nor "
+                                      "opens what is not a regular file)")
 
 
 class DeadlinePassed(TimeoutError):
