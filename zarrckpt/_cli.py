@@ -101,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # The library's messages name its keyword arguments; the command line's flags instead.
 _FLAGS = (("overwrite=True", "--overwrite"), ("allow_uncommitted=True", "--allow-uncommitted"),
-          ("format='npz' or format='safetensors'", "--format npz or --format safetensors"))
+          ("format='npz' or format='safetensors'", "--format npz or --format safetensors"),
+          ("max_inflight_bytes", "--max-inflight-bytes"))
 
 
 def _describe(e: BaseException) -> str:
@@ -238,6 +239,9 @@ def _parser() -> _Parser:
     sub.add_argument("--dst-storage-option", metavar="KEY=VALUE", action="append", type=_option, default=[],
                      help="storage option for DST only (repeatable)")
     sub.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint where it lands")
+    sub.add_argument("--max-inflight-bytes", metavar="N", type=_positive,
+                     default=_concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
+                     help="source bytes held at once (default: 2 GiB); a source chunk is read whole")
     return parser
 
 
@@ -442,7 +446,7 @@ def _import_command(args: argparse.Namespace) -> int:
     result = _import.import_checkpoint(args.src, args.dst, step=args.step, overwrite=args.overwrite,
                                        storage_options=_options(args.storage_option, args.dst_storage_option),
                                        src_storage_options=_options(args.storage_option, args.src_storage_option),
-                                       progress=args.progress)
+                                       max_inflight_bytes=args.max_inflight_bytes, progress=args.progress)
     print(f"imported {result.leaves} leaves ({_size(result.nbytes)}) from {result.format} "
           f"{'step ' + str(result.step) + ' ' if result.step is not None else ''}to {result.url}")
     for name, why in sorted(result.skipped.items()):

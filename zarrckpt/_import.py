@@ -13,11 +13,12 @@ large one whole, shared by the parts it is written as (`_save.plan.SourceChunk`)
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 
-from . import _lease, _multihost, _options, _storage
+from . import _lease, _multihost, _options, _progress, _storage
 from ._format import naming as _naming, tree as _tree
 from ._options import SaveOptions
 from ._regions import Region
@@ -122,6 +123,7 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
     loc = _storage.resolve(dst, storage_options)
     if step is not None:
         loc = loc.step(step)
+    _check_claims(tree, source.url, loc, options.max_inflight_bytes)
     _lease.refuse_if_held(loc, "zarrckpt import")
     try:
         job = _save.save(loc, tree, options)
@@ -133,6 +135,27 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
         kind = CheckpointCorruptError if isinstance(failed.__cause__, CheckpointCorruptError) else OSError
         raise kind(f"{failed.__cause__}; nothing was committed at {loc.url}") from failed.__cause__
     return ImportResult(loc.url, step, format, len(job.plans), job.nbytes, skipped)
+
+
+def _check_claims(tree: Any, src: str, loc: _storage.Location, budget: int) -> None:
+    """Refuses, before anything is written, a source whose arrays cannot be written
+    within the byte budget (a source chunk is read whole: one over the budget would be
+    held beside it, or abort the process when it cannot be allocated) or whose bytes
+    do not fit the local disk they land on."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    deferred = [(_tree.name_of(path), leaf) for path, leaf in leaves if isinstance(leaf, _tree.Deferred)]
+    size = _progress.size
+    for name, leaf in deferred:
+        chunk = math.prod(leaf.chunks or ()) * leaf.dtype.itemsize
+        if leaf.chunks is not None and chunk > budget:
+            raise ValueError(f"array {name} of {src} is stored in chunks of {size(chunk)} {leaf.chunks}, each read "
+                             f"whole, more than max_inflight_bytes ({size(budget)}): give max_inflight_bytes of at "
+                             f"least {chunk} to import it")
+    if loc.is_local:
+        needed = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for _, leaf in deferred)
+        if needed > (free := loc.free_bytes()):
+            raise CheckpointWriteError(f"{src} holds {size(needed)} of arrays, more than the {size(free)} free where "
+                                       f"it would land ({loc.url}); nothing was written")
 
 
 def _deferred_tree(ckpt: _reader.Checkpoint) -> Any:

@@ -15,9 +15,12 @@ never names a path outside the item.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import logging
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -27,6 +30,8 @@ from .._regions import Region, region_slices
 from .._storage import Location
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, UnsupportedLeafError
 from . import checkpoint as _reader
+
+log = logging.getLogger("zarrckpt")
 
 # What Orbax writes at the top of an item or a step, which no zarrckpt directory holds.
 MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt", "_METADATA", "manifest.ocdbt")
@@ -44,7 +49,7 @@ _LEAF = ("", 0)  # a key no entry has (kinds are 1 and 2): marks a leaf's value 
 # TensorStore's error codes that say the data is not what it should be; others (denied,
 # unavailable...) are failures to read it.
 _DAMAGE = frozenset({"NOT_FOUND", "DATA_LOSS", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "OUT_OF_RANGE"})
-_TENSORSTORE_SCHEMES = {"gcs": "gs", "s3a": "s3"}  # fsspec's other names for them
+_TENSORSTORE_DRIVERS = {"gs": "gcs", "gcs": "gcs", "s3": "s3", "s3a": "s3"}  # by fsspec's names
 
 
 @dataclasses.dataclass
@@ -133,25 +138,34 @@ def _number(name: str) -> int | None:
 
 def _item_tree(item: Location, prefix: str) -> Any:
     """The tree of one item, its arrays deferred (opened now, concurrently, for their
-    shapes and dtypes). `prefix` names the item in errors."""
+    shapes and dtypes). `prefix` names the item in errors.
+
+    What the item claims is checked against what it holds before anything is read:
+    only regular files, no symbolic link (TensorStore would follow one out of the
+    item), and every chunk of every array, unless Orbax wrote the item sparse."""
     ts = _tensorstore()
+    files = _regular_files(item)
     metadata = item.child("_METADATA").url
     meta = _json(item, "_METADATA")
     entries = meta.get("tree_metadata") if isinstance(meta, dict) else None
     if not isinstance(entries, dict):
         raise CheckpointCorruptError(f"{metadata} has no tree_metadata")
-    ocdbt = "manifest.ocdbt" in {e.name for e in item.list_dir()}  # else one directory per array
+    ocdbt = "manifest.ocdbt" in files  # else one directory per array
     leaves = [(_key_path(entry, metadata, key, ocdbt), _value_metadata(entry, metadata, key))
               for key, entry in entries.items()]
     strings = _json(item, "_strings.json") if any(v["value_type"] == "string" for _, v in leaves) else {}
     impls = _prng_impls(item)
     driver = "zarr3" if meta.get("use_zarr3") is True else "zarr"
+    # An older Orbax left out chunks equal to the fill value; a newer one writes every
+    # chunk and says so, and then a missing one is damage, not zeros.
+    sparse = meta.get("store_array_data_equal_to_fill_value") is not True
     context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
-    base = _tensorstore_url(item)
+    base = _kvstore(item)
     arrays = [".".join(k for k, _ in keys) for keys, value in leaves
               if value["value_type"] in ("jax.Array", "np.ndarray", "scalar")]
-    opening = {name: ts.open({"driver": driver, "kvstore": {"driver": "ocdbt", "base": base, "path": name} if ocdbt
-                              else f"{base}{name}/"}, read=True, open=True, context=context)
+    opening = {name: ts.open({"driver": driver, "fill_missing_data_reads": sparse,
+                              "kvstore": {"driver": "ocdbt", "base": base, "path": name} if ocdbt
+                              else {**base, "path": f"{base['path']}{name}/"}}, read=True, open=True, context=context)
                for name in arrays}
     opened = {}
     for name, future in opening.items():
@@ -159,6 +173,18 @@ def _item_tree(item: Location, prefix: str) -> Any:
             opened[name] = future.result()
         except Exception as e:  # TensorStore's own error kinds (see `_read_error`)
             raise _read_error(e, f"opening array {prefix}{name} of the Orbax checkpoint {item.url}") from None
+    stored = _stored_chunks(ts.KvStore.open({"driver": "ocdbt", "base": base}, context=context).result().list()
+                            .result() if ocdbt else [name.encode() for name in files])
+    missing = {name: m for name, array in opened.items() if (m := _missing_chunks(array, stored.get(name, 0)))}
+    if missing and not sparse:
+        name, m = next(iter(missing.items()))
+        others = f" (and {len(missing) - 1} other arrays lack chunks)" if len(missing) > 1 else ""
+        raise CheckpointCorruptError(f"array {prefix}{name} of the Orbax checkpoint {item.url} lacks {m} of its "
+                                     f"chunks{others}")
+    if missing:
+        log.warning("%s: %d arrays lack chunks (%s): the Orbax that wrote it left out chunks equal to the fill value, "
+                    "so they are imported as the fill value (a deleted chunk cannot be told from one left out)",
+                    item.url, len(missing), ", ".join(sorted(prefix + n for n in missing)[:3]))
     built: dict[tuple[str, int], Any] = {}
     for keys, value in leaves:
         name = ".".join(k for k, _ in keys)
@@ -213,12 +239,56 @@ def _read_error(e: Exception, what: str) -> Exception:
     return (CheckpointCorruptError if text.split(":", 1)[0] in _DAMAGE else OSError)(f"{what}: {text}")
 
 
-def _tensorstore_url(item: Location) -> str:
-    """The item's URL as TensorStore names it, ending in '/'."""
+def _kvstore(item: Location) -> dict[str, Any]:
+    """The item's place as TensorStore's JSON spec, its path as data: TensorStore would
+    percent-decode a URL, so that a name holding '%', '#' or '?' (or a planted '%2F..')
+    would name another place."""
     if item.is_local:
-        return f"file://{os.path.abspath(item.path)}/"
-    scheme, sep, rest = item.url.partition("://")
-    return f"{_TENSORSTORE_SCHEMES.get(scheme, scheme)}{sep}{rest.rstrip('/')}/"
+        return {"driver": "file", "path": f"{os.path.abspath(item.path)}/"}
+    scheme, _, rest = item.url.partition("://")
+    bucket, _, path = rest.partition("/")
+    if scheme not in _TENSORSTORE_DRIVERS:
+        raise ValueError(f"TensorStore cannot read the Orbax checkpoint {item.url}: it reads gs:// and s3:// URLs "
+                         "and local paths")
+    return {"driver": _TENSORSTORE_DRIVERS[scheme], "bucket": bucket, "path": f"{path.strip('/')}/"}
+
+
+def _regular_files(item: Location) -> set[str]:
+    """Every file below the item, by key; CheckpointCorruptError at a symbolic link or
+    anything else that is not a regular file (a FIFO, a socket, a device), which no
+    Orbax checkpoint holds and TensorStore would follow or block on."""
+    files = set()
+    for entry in item.walk():
+        if entry.type != "file":
+            raise CheckpointCorruptError(f"{item.child(entry.name).url} is "
+                                         f"{'a symbolic link' if entry.type == 'link' else 'not a regular file'}: an "
+                                         "Orbax checkpoint holds only regular files, and zarrckpt reads nothing "
+                                         "outside it")
+        files.add(entry.name)
+    return files
+
+
+# The objects of a zarr array that are not chunks.
+_ARRAY_METADATA = frozenset({".zarray", ".zattrs", "zarr.json"})
+
+
+def _stored_chunks(keys: Iterable[bytes]) -> collections.Counter[str]:
+    """How many chunk objects each array has, by name, among the item's `keys` (one
+    directory per array, or OCDBT's keys: the same layout)."""
+    counts: collections.Counter[str] = collections.Counter()
+    for key in keys:
+        name, sep, rest = key.decode("utf-8", "replace").partition("/")
+        if sep and rest.rsplit("/", 1)[-1] not in _ARRAY_METADATA:
+            counts[name] += 1
+    return counts
+
+
+def _missing_chunks(array: Any, stored: int) -> int:
+    """How many chunks the array's metadata claims beyond the `stored` ones: a deleted
+    chunk would read as zeros, and a claim of 32 GiB in a kilobyte of metadata would be
+    written out as zeros."""
+    grid = array.chunk_layout.write_chunk.shape or array.shape
+    return max(0, math.prod(-(-n // max(c, 1)) for n, c in zip(array.shape, grid)) - stored)
 
 
 def _key_path(entry: Any, metadata: str, key: str, ocdbt: bool) -> list[tuple[str, int]]:
