@@ -229,6 +229,19 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def reset_peak_rss() -> None:
+    """Starts the peak resident size (VmHWM) again from the current one (Linux)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_bytes() -> int:
+    """The resident size's peak since `reset_peak_rss` (VmHWM)."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
 _SAMPLER = """
 import select, sys
 path, peak = f"/proc/{sys.argv[1]}/statm", 0

@@ -161,8 +161,8 @@ def header_file(path: Path, header: dict, data: bytes = b"\0" * 16, length: int 
     ({"w": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, None, "dtype 'F4', which zarrckpt does not read"),
     ({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, None, "of shape [-2]"),
     ({"w": [1, 2]}, None, "described by [1, 2]"),
-    ({"a.b": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
-      "a.b.c": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}}, None, "one is inside the other"),
+    ({"a.b": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]},
+      "a.b.c": {"dtype": "U8", "shape": [8], "data_offsets": [8, 16]}}, None, "one is inside the other"),
     ({"__metadata__": {"n": 1}}, None, "__metadata__"),
 ])
 def test_a_hostile_file_is_refused_naming_what_is_wrong(tmp_path: Path, header: dict, length: int | None,
@@ -219,3 +219,43 @@ def test_a_hugging_face_cache_snapshot_of_links_into_its_blobs_is_read(tmp_path:
         assert_exact(at(back, name), want, name)
     one = zarrckpt.load_safetensors(str(snapshot / "model-00001-of-00002.safetensors"))
     assert sorted(one) and all(isinstance(x, np.ndarray) for x in jax.tree.leaves(one))
+
+
+def test_thousands_of_tensors_of_every_size_load_bit_for_bit_each_in_memory_of_its_own(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    # Without a target the file is read as it lies: small tensors together, a large one
+    # in parts. Parts of 4 KiB make a few MiB of tensors exercise both.
+    monkeypatch.setattr(_format, "PART_BYTES", 4096)
+    rng = np.random.default_rng(0)
+    kinds = [np.uint8, np.float32, ml_dtypes.bfloat16, np.int64, np.bool_]
+    every = {f"layers.{i // 100}.t{i % 100}": rng.integers(0, 100, rng.integers(0, 40, i % 3)).astype(kinds[i % 5])
+             for i in range(3000)}  # 0-d, 1-d and 2-d, some with no element
+    every.update({"big.weight": rng.standard_normal((100, 50)).astype(np.float32),  # 5 parts of 4 KiB
+                  "big.empty": np.zeros((0, 7), np.float16)})
+    path = tmp_path / "model.safetensors"
+    safetensors.numpy.save_file(every, str(path))
+    back = zarrckpt.load_safetensors(str(path), max_workers=4)
+    want = safetensors.numpy.load_file(str(path))
+    for name in every:
+        assert_exact(at(back, name), want[name], name)
+        assert at(back, name).flags.owndata, name  # no tensor keeps a buffer of others alive
+    assert list(back) == sorted(back) and list(back["layers"]["7"]) == sorted(back["layers"]["7"])  # as saved
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("cut", r"model.safetensors ends at byte .* before the end of tensor 'b' .*: it was cut short after it was opened"),
+    ("removed", r"model.safetensors was removed while it was being read"),
+])
+def test_a_file_cut_short_or_removed_once_opened_is_damage_named(tmp_path: Path, change: str, message: str) -> None:
+    from zarrckpt._options import LoadOptions
+    from zarrckpt._restore import safetensors as opening
+
+    path = tmp_path / "model.safetensors"
+    safetensors.numpy.save_file({"a": np.ones(64, np.float32), "b": np.ones(64, np.float32)}, str(path))
+    opened = opening._open(str(path), None)  # its header checked against the whole file
+    if change == "cut":
+        path.write_bytes(path.read_bytes()[:-100])
+    else:
+        path.unlink()
+    with pytest.raises(zarrckpt.CheckpointCorruptError, match=message):
+        opening._load_on_host(opened, LoadOptions())

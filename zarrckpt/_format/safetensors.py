@@ -7,25 +7,38 @@ A `.safetensors` file is an 8-byte little-endian header length N, N bytes of JSO
 `8 + N + begin`. A sharded set has `model.safetensors.index.json` beside its files:
 `{"metadata": {...}, "weight_map": {name: file name}}`. Tensor names nest on '.'
 (`model.layers.0.mlp.up_proj.weight`).
+
+What a file says is checked against what it is, as Hugging Face's own reader checks it:
+the tensors tile the data section exactly (every byte one tensor's, none past the end),
+each tensor's bytes are exactly its shape's, its shape is one numpy can hold, and no
+JSON object names a key twice. A file that passes describes no more bytes than it has:
+a 1 MiB file cannot load as 256 MiB. Names are cut to 100 characters in messages.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar
+import operator
+from typing import Any, ClassVar, NamedTuple
 
 import ml_dtypes
 import numpy as np
 
 from .._regions import Region
-from . import zarrjson as _zarrjson
+from . import tree as _tree, zarrjson as _zarrjson
 
 LAYOUT = "safetensors"  # a Checkpoint's `layout` when it is a safetensors file or set
 PREFIX_BYTES = 8
 # More header than any real file has (a few hundred bytes per tensor): a larger
 # length is damage, or a file that would make a reader allocate without bound.
 MAX_HEADER_BYTES = 100 * 2**20
+# The most dimensions a numpy array has (NPY_MAXDIMS); a tensor of more cannot be read.
+MAX_RANK = 64
+# Each dimension is below this: numpy's shapes are int64, and a zero-size tensor's other
+# dimensions are bound by nothing else (a [2**64, 0] tensor would be written by an
+# import that nothing can then read back).
+MAX_DIMENSION = 2**63
 INDEX_NAME = "model.safetensors.index.json"
 EXTENSION = ".safetensors"
 DTYPES = {
@@ -41,19 +54,16 @@ class Malformed(ValueError):
     """What is wrong with a file or index (its message); the reader names the file."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Tensor:
+class Tensor(NamedTuple):
     """One tensor of a file: its name, dtype and shape, and where its bytes are in the
-    file (`start`, from the file's first byte)."""
+    file (`start`, from the file's first byte; `nbytes` of them). A tuple: a header
+    describes up to millions, each made in a few microseconds."""
 
     name: str
     dtype: np.dtype
     shape: tuple[int, ...]
     start: int
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+    nbytes: int
 
 
 # Tensors are read in parts of whole rows of at most this size, one range request
@@ -83,6 +93,9 @@ class TensorCodec:
     def of(cls, tensor: Tensor, file: str) -> TensorCodec:
         if not tensor.shape:
             return cls(tensor.name, file, tensor.dtype, (), tensor.start, 1)
+        if not tensor.nbytes:  # no element, so no part is ever read; a part is never empty
+            return cls(tensor.name, file, tensor.dtype, tuple(max(1, d) for d in tensor.shape), tensor.start,
+                       tensor.shape[0])
         rows = tensor.shape[0]
         row_bytes = max(1, math.prod(tensor.shape[1:]) * tensor.dtype.itemsize)
         part = (min(rows, 1 << max(0, (PART_BYTES // row_bytes).bit_length() - 1)), *tensor.shape[1:])
@@ -117,10 +130,16 @@ def header_length(prefix: bytes, file_size: int) -> int:
 
 
 def parse_header(raw: bytes, file_size: int) -> tuple[list[Tensor], dict[str, str]]:
-    """The tensors a header describes, in file order, and its `__metadata__`;
-    Malformed naming the first thing that is not as the format says."""
+    """The tensors the header `raw` of a file of `file_size` bytes describes, in file
+    order, and its `__metadata__`. Malformed naming the first thing that is not as the
+    format says: a key twice in one object (a tensor listed twice), a tensor of a dtype
+    zarrckpt does not read, of a shape no numpy array has, or whose bytes are not its
+    shape's; tensors that do not tile the data section exactly."""
     try:
-        header = _zarrjson.decode(raw)
+        header = _zarrjson.decode(raw, unique_keys=True)
+    except _zarrjson.DuplicateKey as e:
+        raise Malformed(f"has a header naming {e.key!r:.100} twice in one object (a reader keeping the first "
+                        "would read another file than one keeping the last)") from None
     except ValueError as e:
         raise Malformed(f"has a header that is not JSON ({e})") from None
     if not isinstance(header, dict):
@@ -128,36 +147,75 @@ def parse_header(raw: bytes, file_size: int) -> tuple[list[Tensor], dict[str, st
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise Malformed(f"has __metadata__ {metadata!r:.100}, not a map of strings")
-    data = file_size - PREFIX_BYTES - len(raw)
-    tensors = [_tensor(name, entry, PREFIX_BYTES + len(raw), data) for name, entry in header.items()]
-    return sorted(tensors, key=lambda t: t.start), metadata
+    base = PREFIX_BYTES + len(raw)
+    tensors = [_tensor(name, entry, base, file_size - base) for name, entry in header.items()]
+    tensors.sort(key=operator.attrgetter("start", "nbytes"))  # an empty tensor first of those starting there
+    _check_tiling(tensors, base, file_size)
+    return tensors, metadata
 
 
 def _tensor(name: str, entry: Any, base: int, data: int) -> Tensor:
-    if not name or not isinstance(entry, dict):
+    """The header's `entry` for tensor `name`, whose offsets count from byte `base` of the
+    file, in a data section of `data` bytes. Called for each of up to millions of
+    tensors: the common case costs a few checks."""
+    if not name or type(entry) is not dict:
         raise Malformed(f"has a tensor {name!r:.100} described by {entry!r:.100}")
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")  # type: Any, Any, Any
-    if dtype not in DTYPES:
-        raise Malformed(f"has tensor {name!r} of dtype {dtype!r:.40}, which zarrckpt does not read (it reads "
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if type(dtype) is not str or dtype not in DTYPES:
+        raise Malformed(f"has tensor {name!r:.100} of dtype {dtype!r:.40}, which zarrckpt does not read (it reads "
                         f"{', '.join(DTYPES)})")
-    if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
-        raise Malformed(f"has tensor {name!r} of shape {shape!r:.100} at {offsets!r:.100}")
-    tensor = Tensor(name, DTYPES[dtype], tuple(shape), base + offsets[0])
-    if not 0 <= offsets[0] <= offsets[1] <= data or offsets[1] - offsets[0] != tensor.nbytes:
-        raise Malformed(f"has tensor {name!r} of {tensor.nbytes:,} bytes ({dtype} {list(shape)}) at bytes "
-                        f"{offsets} of a data section of {data:,}")
-    return tensor
+    if type(shape) is not list or not all(type(d) is int and 0 <= d < MAX_DIMENSION for d in shape):
+        raise Malformed(f"has tensor {name!r:.100} of shape {shape!r:.100}, not a list of ints from 0 to 2**63 - 1")
+    if len(shape) > MAX_RANK:
+        raise Malformed(f"has tensor {name!r:.100} of {len(shape)} dimensions, more than an array has ({MAX_RANK})")
+    if type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int or type(offsets[1]) is not int:
+        raise Malformed(f"has tensor {name!r:.100} at data_offsets {offsets!r:.100}, not two ints")
+    begin, end = offsets
+    nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+    if not 0 <= begin <= end <= data or end - begin != nbytes:
+        raise Malformed(f"has tensor {name!r:.100} of {nbytes:,} bytes ({dtype} {shape}) at bytes {offsets} of a data "
+                        f"section of {data:,}")
+    return Tensor(name, DTYPES[dtype], tuple(shape), base + begin, nbytes)
 
 
-def _ints(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value)
+def _check_tiling(tensors: list[Tensor], base: int, file_size: int) -> None:
+    """Malformed unless `tensors` (in file order) cover the data section, bytes `base` to
+    `file_size`, exactly: each byte one tensor's. Tensors sharing bytes would make a
+    small file load as a large one (256 tensors over one MiB: 256 MiB), and bytes no
+    tensor holds are damage, or data hidden from a reader that checks."""
+    at = base
+    for i, tensor in enumerate(tensors):
+        if tensor.start != at:
+            raise Malformed(_tiling_fault(tensors, i, at, base))
+        at += tensor.nbytes
+    if at != file_size:
+        raise Malformed(f"has {file_size - at:,} bytes after its last tensor {tensors[-1].name!r:.100} that no tensor "
+                        "holds" if tensors else f"has {file_size - at:,} bytes of data and no tensor")
+
+
+def _tiling_fault(tensors: list[Tensor], i: int, at: int, base: int) -> str:
+    """Why tensor `i` (in file order) does not start where the ones before it end, `at`."""
+    tensor = tensors[i]
+
+    def where(t: Tensor) -> str:
+        return f"{t.name!r:.100} (bytes [{t.start - base:,}, {t.start - base + t.nbytes:,}])"
+
+    if tensor.start > at:
+        before = f"between tensors {tensors[i - 1].name!r:.100} and" if i else "before its first tensor"
+        return f"has {tensor.start - at:,} bytes {before} {tensor.name!r:.100} that no tensor holds"
+    other = next(t for t in reversed(tensors[:i]) if t.start <= tensor.start < t.start + t.nbytes)
+    return f"has tensors {where(other)} and {where(tensor)} over the same bytes: a byte is one tensor's"
 
 
 def parse_index(raw: bytes) -> dict[str, str]:
     """The file holding each tensor, from a sharded set's index; Malformed if it is not
-    one, or names a file anywhere but beside it."""
+    one, lists a tensor twice, or names a file anywhere but beside it."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise Malformed(f"is over {MAX_HEADER_BYTES:,} bytes, more than any index needs (a few hundred per tensor)")
     try:
-        index = _zarrjson.decode(raw)
+        index = _zarrjson.decode(raw, unique_keys=True)
+    except _zarrjson.DuplicateKey as e:
+        raise Malformed(f"lists {e.key!r:.100} twice") from None
     except ValueError as e:
         raise Malformed(f"is not JSON ({e})") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -170,27 +228,32 @@ def parse_index(raw: bytes) -> dict[str, str]:
     return weight_map
 
 
-def tree_record(names: list[str]) -> dict[str, Any]:
-    """The tree record (see `tree`) of tensors named `names`, nested on '.'; each leaf's
-    array name is its tensor's name. Malformed if one name is a prefix of another's
-    path (`a.b` and `a.b.c`), which no tree can hold."""
+def nested(names: list[str]) -> dict[str, Any]:
+    """Tensors named `names` as dicts nested on '.', each leaf its tensor's name.
+    Malformed if one name is a prefix of another's path (`a.b` and `a.b.c`), which no
+    tree can hold, has an empty part, or nests deeper than a tree zarrckpt saves."""
     root: dict[str, Any] = {}
     for name in names:
         node, parts = root, name.split(".")
+        if len(parts) > _tree.MAX_DEPTH:  # every reader of the tree recurses: a stray RecursionError
+            raise Malformed(f"has tensor {name!r:.100} of {len(parts):,} parts between dots, deeper than a tree "
+                            f"zarrckpt saves ({_tree.MAX_DEPTH})")
         for i, part in enumerate(parts):
             if not part:
-                raise Malformed(f"has tensor {name!r}, with an empty part between dots")
+                raise Malformed(f"has tensor {name!r:.100}, with an empty part between dots")
             last = i == len(parts) - 1
             found = node.get(part)
             if isinstance(found, str) or (found is not None and last):
                 other = found if isinstance(found, str) else f"{'.'.join(parts)}.*"
-                raise Malformed(f"has tensors {other!r} and {name!r}: one is inside the other")
+                raise Malformed(f"has tensors {other!r:.100} and {name!r:.100}: one is inside the other")
             node = node.setdefault(part, name if last else {})
-    return _record(root)
+    return root
 
 
-def _record(node: dict[str, Any]) -> dict[str, Any]:
+def tree_record(node: dict[str, Any]) -> dict[str, Any]:
+    """The tree record (see `tree`) of tensors nested as `nested` nests them; each leaf's
+    array name is its tensor's name."""
     keys = sorted(node)
     return {"kind": "dict", "keys": keys,
-            "children": [{"kind": "leaf", "name": node[k]} if isinstance(node[k], str) else _record(node[k])
+            "children": [{"kind": "leaf", "name": node[k]} if isinstance(node[k], str) else tree_record(node[k])
                          for k in keys]}

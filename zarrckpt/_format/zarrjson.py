@@ -61,14 +61,35 @@ class TooDeep(ValueError):
     """JSON nested deeper than the parser goes."""
 
 
-def decode(raw: bytes | str) -> Any:
+class DuplicateKey(ValueError):
+    """A JSON object naming a key twice (`key`): json keeps the last one, silently."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"key {key!r:.100} appears twice in one object")
+        self.key = key
+
+
+def decode(raw: bytes | str, *, unique_keys: bool = False) -> Any:
     """JSON text as Python values. Every JSON zarrckpt reads comes through here (metadata,
     leases, options), so anything that is not JSON is one ValueError with a one-line
-    reason, nesting deeper than the parser goes (TooDeep) included."""
+    reason, nesting deeper than the parser goes (TooDeep) included. With `unique_keys`,
+    an object naming a key twice is refused (DuplicateKey): where another reader may
+    keep the first, the two would not read the same document."""
     try:
-        return json.loads(raw)
+        return json.loads(raw, object_pairs_hook=_unique if unique_keys else None)
     except RecursionError:
         raise TooDeep("JSON nested too deeply") from None
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(key)
+            seen.add(key)
+    return obj
 
 
 def object_or_none(raw: bytes | str) -> dict[str, Any] | None:
