@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -19,9 +20,26 @@ WORKERS = Path(__file__).parent / "workers"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now that nothing else of this test run will take before the job's
+    coordinator binds it: below the kernel's ephemeral range, where no connection's own
+    port and no `bind(0)` (the store servers') is ever put, and in a slice of its own
+    for each pytest-xdist worker."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    span = (low - _FIRST_PORT) // workers
+    first = _FIRST_PORT + worker * span
+    for port in random.sample(range(first, first + span), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # another program's
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + span - 1}")
+
+
+_FIRST_PORT = 12000
 
 
 def launch(worker: str, *args: str, processes: int = 2, devices: int = 4,
