@@ -112,7 +112,10 @@ def special_file():
             sock.bind(str(short))
             sock.listen()
             sockets.append((sock, short))
-            os.link(short, path)
+            try:
+                os.link(short, path)
+            except OSError as e:  # the temporary directory on another file system than the test's
+                pytest.skip(f"cannot link a socket into {path.parent}: {e}")
         else:
             try:
                 os.mknod(path, 0o644 | stat.S_IFCHR, os.makedev(1, 5))

@@ -8,8 +8,9 @@ write, delete, other: `kind_of`), method, target and body, what happens to it: N
 on; `Answer(status)` answers with that error, spelled as the store spells it (S3's
 `<Error><Code>SlowDown</Code>` XML, GCS's JSON `error` with its reason), without
 forwarding; `RESET` drops the connection without an answer; `Late(seconds)` holds the
-request, answers nothing, and forwards it after `seconds`, long after the client gave
-up on it, as a store that applies a request late does; `Delay(seconds)` forwards it
+request, answers nothing, and forwards it after `seconds` (or at `settle()`, if that
+comes first), long after the client gave up on it, as a store that applies a request
+late does; `Delay(seconds)` forwards it
 after `seconds` and answers (a slow store).
 """
 
@@ -93,7 +94,7 @@ class FaultProxy:
         self.injected: dict[str, int] = {}
         self.seen: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._late: list[threading.Thread] = []
+        self._late: list[tuple[threading.Thread, threading.Event]] = []
         self._stopping = threading.Event()
         parts = urllib.parse.urlsplit(upstream)
         self._upstream = (parts.hostname, parts.port)
@@ -122,10 +123,11 @@ class FaultProxy:
                     return
                 if isinstance(fault, Late):
                     headers = dict(self.headers.items())
+                    land = threading.Event()
                     late = threading.Thread(target=proxy._forward_late, daemon=True,
-                                            args=(fault.seconds, self.command, self.path, headers, body))
+                                            args=(land, fault.seconds, self.command, self.path, headers, body))
                     with proxy._lock:
-                        proxy._late.append(late)
+                        proxy._late.append((late, land))
                     late.start()
                     # Nothing is answered, whenever the request lands: the client waits until
                     # its deadline, and gives up.
@@ -210,14 +212,17 @@ class FaultProxy:
         self.fault = fault
 
     def settle(self, timeout_s: float = 60.0) -> None:
-        """Waits until every late request has been forwarded and answered."""
+        """Forwards every late request held so far now, and waits until each has been
+        answered."""
         with self._lock:
             late, self._late = self._late, []
-        for thread in late:
+        for thread, land in late:
+            land.set()
             thread.join(timeout_s)
 
-    def _forward_late(self, seconds: float, method: str, target: str, headers: dict[str, str], body: bytes) -> None:
-        time.sleep(seconds)
+    def _forward_late(self, land: threading.Event, seconds: float, method: str, target: str,
+                      headers: dict[str, str], body: bytes) -> None:
+        land.wait(seconds)
         self._send(method, target, headers, body)
 
     def _send(self, method: str, target: str, headers: dict[str, str],

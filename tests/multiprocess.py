@@ -28,6 +28,10 @@ def free_port() -> int:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
     span = (low - _FIRST_PORT) // workers
+    if span < 1000:  # an ephemeral range starting low (1024-65535): no room below it, take the kernel's pick
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
     first = _FIRST_PORT + worker * span
     for port in random.sample(range(first, first + span), 200):
         with socket.socket() as s:

@@ -155,3 +155,36 @@ def test_python_scalars_restore_into_abstract_targets_from_eval_shape(tmp_path):
     with pytest.raises(zarrckpt.CheckpointMismatchError, match="dtype int64 in the checkpoint, float32"):
         zarrckpt.load_pytree(str(tmp_path / "b"), {"step": jax.ShapeDtypeStruct((), jnp.float32), "lr": 0.0,
                                                   "tiny": 0.0})
+
+
+def test_a_state_fresh_from_optax_init_restores_and_trains_on_a_mesh_at_once(tmp_path):
+    """`adam.init` makes `count` (and `jax.random.key` a key) without a placement: they
+    come back so, and the jitted step meeting them beside sharded arrays runs."""
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    opt = optax.adam(1e-2)
+
+    def fresh(seed):
+        params = {"w": jax.device_put(jnp.full((16, 4), float(seed)), NamedSharding(mesh, P("x")))}
+        return {"params": params, "opt_state": opt.init(params), "rng": jax.random.key(seed)}
+
+    @jax.jit
+    def step(state):
+        grads = jax.tree.map(jnp.ones_like, state["params"])
+        updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+                "rng": jax.random.split(state["rng"])[0]}
+
+    saved = step(step(fresh(1)))
+    with zarrckpt.CheckpointManager(str(tmp_path / "run")) as mgr:
+        mgr.save(2, saved)
+    target = fresh(0)
+    assert not target["opt_state"][0].count.committed and not target["rng"].committed
+    with zarrckpt.CheckpointManager(str(tmp_path / "run")) as mgr:
+        restored, at = mgr.restore(target)
+    assert at == 2
+    assert not restored["opt_state"][0].count.committed and not restored["rng"].committed
+    assert restored["params"]["w"].sharding == target["params"]["w"].sharding
+    for got, want in zip(jax.tree.leaves(step(restored)), jax.tree.leaves(step(saved))):
+        if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+            got, want = jax.random.key_data(got), jax.random.key_data(want)
+        assert np.array_equal(np.asarray(got), np.asarray(want))

@@ -97,8 +97,8 @@ def read_group(loc: Location) -> Group | None:
         pass
     except IsADirectoryError:
         return Group(3, {}, {}, "is a directory")
-    except NotAFileInCheckpoint:
-        return Group(3, {}, {}, "is not a regular file")
+    except NotAFileInCheckpoint as e:
+        return Group(3, {}, {}, f"is {e.what}")
     attributes, there = _seqax.read_group(loc)
     if attributes is not None:
         return parse_group(_seqax.MARKER, attributes)

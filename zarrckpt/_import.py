@@ -72,8 +72,15 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
     (measured: 2.6x the budget reading Orbax's compressed chunks, 1.1x reading
     safetensors), and a source chunk larger than a checkpoint's chunks (64 MiB) whole
     while its parts are written (twice its size, while TensorStore decodes it),
-    whatever the source's size. The values are the source's as read: checksums are
-    added as they are written, so `verify` vouches for the copy, not for the source.
+    whatever the source's size; a source chunk larger than `max_inflight_bytes` is
+    refused. The values are the source's as read: checksums are added as they are
+    written, so `verify` vouches for the copy, not for the source.
+
+    The source is untrusted, and checked before anything is written: an Orbax item
+    holds only regular files, every chunk its arrays' metadata claims is there (unless
+    the Orbax that wrote it says it left out chunks of fill values: then up to 4x the
+    bytes it holds, plus 1 GiB, with a warning); a safetensors header tiles its file
+    exactly; and the arrays fit the free space of a local destination.
 
     Not collective: call it in a job of one process (as `zarrckpt import` runs).
     Reading an Orbax checkpoint needs TensorStore (`pip install 'zarrckpt[orbax]'`; not
@@ -85,17 +92,20 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
     Raises:
       CheckpointNotFoundError: nothing at `src` is a safetensors file or set or an Orbax
         checkpoint, or an Orbax run has no finished step `step`.
-      CheckpointCorruptError: the source's metadata is not what its format writes, or an
-        array is missing or damaged (named); nothing was committed (an uncommitted
-        group may be left where it was to land: the next save or import there clears it).
+      CheckpointCorruptError: the source's metadata is not what its format writes, an
+        array is missing or damaged or claims chunks the source does not hold (named), or
+        the source holds a symbolic link or a special file; nothing was committed (an
+        uncommitted group may be left where it was to land: the next save or import
+        there clears it).
       OSError: the source could not be read (denied, unavailable).
       UnsupportedLeafError: an Orbax leaf of a kind zarrckpt does not know.
       CheckpointExistsError: a committed checkpoint is where it lands and `overwrite`
         is False.
-      CheckpointWriteError: a write failed; nothing was committed.
+      CheckpointWriteError: a write failed, or the arrays would not fit a local
+        destination's free space (then before anything is written); nothing was committed.
       ModuleNotFoundError: an Orbax source without TensorStore installed.
-      TypeError, ValueError: an option of the wrong type or value (named); a job of
-        several processes.
+      TypeError, ValueError: an option of the wrong type or value (named); a source
+        chunk larger than `max_inflight_bytes`; a job of several processes.
     """
     if step is not None:
         _naming.step_dir_name(step)  # a bad step is an error before anything is read

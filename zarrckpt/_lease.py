@@ -189,7 +189,7 @@ class Lease:
 
     def _read(self, number: int) -> dict[str, Any] | None:
         """Lease `number`, or None if absent; one that is not a JSON object, or not a
-        regular file (a FIFO, a link: never opened), reads as `{}` (an owner that is not
+        regular file (a FIFO, a link: never read), reads as `{}` (an owner that is not
         alive: watched, then taken over)."""
         try:
             raw = self._root.read(lease_key(number))

@@ -39,6 +39,12 @@ _SHOWN = 10  # missing chunks named one by one per array; the rest are counted
 _SYMLINK = "symlink: a symbolic link, never followed (zarrckpt writes none)"
 
 
+def _not_a_file(e: _storage.NotAFileInCheckpoint) -> str:
+    if e.what == "a symbolic link":
+        return _SYMLINK
+    return f"{e.what}, not a regular file: never read (zarrckpt writes none)"
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """One thing wrong with a checkpoint.
@@ -162,8 +168,8 @@ def _per_process_arrays(loc: Location, leaf: _reader.StoredLeaf, top: set[str]
             arrays.append(_reader.read_own_array(loc, leaf, process)[0])
         except _reader.MissingObject:
             problems.append(Problem(key, f"missing (process {process}'s value)", leaf.where))
-        except _storage.NotAFileInCheckpoint:
-            problems.append(Problem(key, _SYMLINK, leaf.where))
+        except _storage.NotAFileInCheckpoint as e:
+            problems.append(Problem(key, _not_a_file(e), leaf.where))
         except CheckpointCorruptError as e:
             problems.append(Problem(key, f"malformed: {e}", leaf.where))
     if absent > _SHOWN:
@@ -190,8 +196,8 @@ def _check_chunks(loc: Location, leaf: _reader.StoredLeaf, wanted: bool) -> tupl
             problems.append(Problem(f"{leaf.name}/", f"the array's directory is missing (all {expected:,} "
                                                      "chunks)", leaf.where))
         return problems, expected, []
-    except _storage.NotAFileInCheckpoint:
-        return problems + [Problem(f"{leaf.name}/", _SYMLINK, leaf.where)], expected, []
+    except _storage.NotAFileInCheckpoint as e:
+        return problems + [Problem(f"{leaf.name}/", _not_a_file(e), leaf.where)], expected, []
     sized, found = [], set()
     for entry in listed:
         coords = codec.coords_of(entry.name)
@@ -225,8 +231,8 @@ def _check_array_document(loc: Location, leaf: _reader.StoredLeaf, path: _tree.K
         raw = loc.read(key)
     except FileNotFoundError:
         return [Problem(key, "missing", leaf.where)]
-    except _storage.NotAFileInCheckpoint:
-        return [Problem(key, _SYMLINK, leaf.where)]
+    except _storage.NotAFileInCheckpoint as e:
+        return [Problem(key, _not_a_file(e), leaf.where)]
     if raw == _as_written(document):
         return []
     try:

@@ -16,6 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from test_cli import run_together
+from test_special_files import within_seconds
 
 import zarrckpt
 
@@ -63,7 +64,7 @@ def test_a_percent_encoded_key_never_reads_an_array_outside_the_item(tmp_path):
 @pytest.mark.parametrize("layout", ["ocdbt", "per-array"])
 def test_a_percent_encoded_item_directory_never_reads_another_run(tmp_path, layout):
     """A step's item directory named `p%2F..%2F..%2F..%2Fvictim`: decoded, another run's
-    item; as data, an item whose arrays are missing."""
+    item; as data, an item whose arrays are missing (opening them fails)."""
     orbax_item(tmp_path / "victim", VICTIM, layout)
     step = tmp_path / "run" / "5"
     item = orbax_item(step / "p%2F..%2F..%2F..%2Fvictim", {"w": jnp.zeros(8)}, layout)
@@ -71,7 +72,7 @@ def test_a_percent_encoded_item_directory_never_reads_another_run(tmp_path, layo
     for entry in item.iterdir():
         if entry.name not in ("_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt"):
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-    with pytest.raises(zarrckpt.CheckpointCorruptError):
+    with pytest.raises(zarrckpt.CheckpointCorruptError, match=r"opening array \S*victim\.w of"):
         zarrckpt.import_checkpoint(str(step), str(tmp_path / "dst"))
     assert nothing_landed(tmp_path / "dst" / "0000000005")
 
@@ -118,7 +119,7 @@ def test_a_missing_chunk_is_damage_named_not_zeros(tmp_path, layout):
     meta = json.loads((item / "_METADATA").read_text())
     assert meta["store_array_data_equal_to_fill_value"] is True  # Orbax says it wrote every chunk
     chunk_files(item / "w")[0].unlink()
-    with pytest.raises(zarrckpt.CheckpointCorruptError, match=r"array w of .* lacks 1 of its chunks"):
+    with pytest.raises(zarrckpt.CheckpointCorruptError, match=r"array w of .* lacks chunks of 16.0 KiB"):
         zarrckpt.import_checkpoint(str(item), str(tmp_path / "dst"))
     assert not (tmp_path / "dst").exists()
 
@@ -144,22 +145,31 @@ def test_a_huge_claim_in_small_metadata_is_refused_before_anything_is_written(tm
     meta = json.loads(meta_file.read_text())
     meta["shape"] = [2**32]
     meta_file.write_text(json.dumps(meta))
-    with pytest.raises(zarrckpt.CheckpointCorruptError, match="lacks 536870911 of its chunks"):
+    with pytest.raises(zarrckpt.CheckpointCorruptError, match=r"lacks chunks of 16.0 GiB"):
         zarrckpt.import_checkpoint(str(item), str(tmp_path / "dst"))
     assert not (tmp_path / "dst").exists()
 
 
-def test_a_sparse_claim_larger_than_the_free_disk_is_refused_before_anything_is_written(tmp_path):
+def test_a_sparse_claim_larger_than_fill_values_could_be_is_refused_before_anything_is_written(tmp_path):
+    """An item that says it was written sparse may lack chunks of fill values, up to 4x
+    what it stores plus 1 GiB: an 4 PiB claim is refused (and would not fit the disk)."""
     item = orbax_item(tmp_path / "item", {"w": jnp.arange(8.0)}, "per-array")
     meta = json.loads((item / "_METADATA").read_text())
     meta["store_array_data_equal_to_fill_value"] = False
     (item / "_METADATA").write_text(json.dumps(meta))
     zarray = json.loads((item / "w" / ".zarray").read_text())
-    zarray["shape"], zarray["chunks"] = [2**50], [2**20]  # 8 PiB, chunks of 8 MiB
+    zarray["shape"], zarray["chunks"] = [2**50], [2**20]  # 4 PiB, chunks of 4 MiB
     (item / "w" / ".zarray").write_text(json.dumps(zarray))
-    with pytest.raises(zarrckpt.CheckpointWriteError, match="free where it would land"):
+    with pytest.raises(zarrckpt.CheckpointCorruptError, match="lacks chunks of 4.0 PiB .* more than chunks of fill"):
         zarrckpt.import_checkpoint(str(item), str(tmp_path / "dst"))
     assert not (tmp_path / "dst").exists()
+
+
+def test_arrays_larger_than_the_free_local_disk_are_refused_before_anything_is_written(tmp_path, small_disk):
+    item = orbax_item(tmp_path / "item", {"w": jnp.arange(2**20, dtype=jnp.float32)}, "per-array")  # 4 MiB
+    with pytest.raises(zarrckpt.CheckpointWriteError, match=r"holds 4.0 MiB of arrays, more than the .* free"):
+        zarrckpt.import_checkpoint(str(item), str(small_disk / "dst"))
+    assert not (small_disk / "dst").exists()
 
 
 def test_a_source_chunk_over_the_byte_budget_is_refused_naming_the_option(tmp_path):
@@ -176,9 +186,10 @@ def test_a_source_chunk_over_the_byte_budget_is_refused_naming_the_option(tmp_pa
 
 @pytest.mark.parametrize("kind", ["fifo", "socket", "device"])
 @pytest.mark.parametrize("where", ["_METADATA", "chunk"])
-def test_a_special_file_in_an_item_is_refused_without_opening_it(tmp_path, special_file, kind, where):
+def test_a_special_file_in_an_item_is_refused_before_tensorstore_opens_it(tmp_path, special_file, kind, where):
     item = orbax_item(tmp_path / "item", {"w": jnp.arange(8.0)}, "per-array")
     special_file(item / "_METADATA" if where == "_METADATA" else chunk_files(item / "w")[0], kind)
-    with pytest.raises(zarrckpt.CheckpointCorruptError, match="not a regular file"):
-        zarrckpt.import_checkpoint(str(item), str(tmp_path / "dst"))
+    error = within_seconds(lambda: zarrckpt.import_checkpoint(str(item), str(tmp_path / "dst")))
+    assert isinstance(error, zarrckpt.CheckpointCorruptError) and "Orbax checkpoint holds only regular files" in \
+        str(error), error
     assert not (tmp_path / "dst").exists()

@@ -179,6 +179,8 @@ def test_tensors_with_a_zero_size_dimension_load_exactly_as_empty_arrays(tmp_pat
     ([True, 0], "'h' of shape [True, 0]"),
     ([1] * 65, "'h' of 65 dimensions, more than an array has (64)"),
     ([1] * 100, "'h' of 100 dimensions"),
+    ([2**62, 2, 0], "'h' of shape [4611686018427387904, 2, 0]: its other dimensions span 2**63 bytes"),
+    ([2**32, 2**32, 0], "'h' of shape [4294967296, 4294967296, 0]: its other dimensions"),
 ])
 @pytest.mark.parametrize("way", ["load", "import"])
 def test_a_shape_no_array_has_is_refused_before_anything_is_committed(tmp_path: Path, shape: list, message: str,

@@ -168,6 +168,10 @@ def _tensor(name: str, entry: Any, base: int, data: int) -> Tensor:
         raise Malformed(f"has tensor {name!r:.100} of shape {shape!r:.100}, not a list of ints from 0 to 2**63 - 1")
     if len(shape) > MAX_RANK:
         raise Malformed(f"has tensor {name!r:.100} of {len(shape)} dimensions, more than an array has ({MAX_RANK})")
+    if 0 in shape and math.prod(d for d in shape if d) * DTYPES[dtype].itemsize >= MAX_DIMENSION:
+        # numpy sizes an empty array as if its zero dimensions were not there
+        raise Malformed(f"has tensor {name!r:.100} of shape {shape!r:.100}: its other dimensions span 2**63 bytes or "
+                        "more, more than an array has")
     if type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int or type(offsets[1]) is not int:
         raise Malformed(f"has tensor {name!r:.100} at data_offsets {offsets!r:.100}, not two ints")
     begin, end = offsets

@@ -246,7 +246,7 @@ def sharded(dtype: np.dtype, sharding: jax.sharding.Sharding, stored: _reader.St
         if _plan.summable(dtype):
             readers = _plan.one_readers(sharding, stored.shape, stored.chunks, stored.name)
             return OneReader(dtype, sharding, readers), Share(sharding, summed=True)
-    cpu = all(device.platform == "cpu" for device in sharding.device_set)
+    cpu = all(getattr(device, "platform", None) == "cpu" for device in sharding.device_set)
     large = _dtypes.nbytes(stored.shape, dtype) >= (_CPU_READER_PLACEMENT_BYTES if cpu else _READER_PLACEMENT_BYTES)
     return (ShardedByReaders if large else Sharded)(dtype, sharding), None
 
@@ -404,7 +404,14 @@ def _request_for(leaf: Any, stored: _reader.StoredLeaf, where: str,
         # Typed keys are stored as their key data: compare that shape, and rebuild keys.
         data_shape = tuple(jax.eval_shape(jax.random.key_data, leaf).shape)
         old = leaf if isinstance(leaf, jax.Array) else None
-        return Request(stored, PrngKeys(stored.dtype, leaf.sharding), old=old), data_shape
+        placed = None if old is not None and not old.committed else leaf.sharding
+        return Request(stored, PrngKeys(stored.dtype, placed), old=old), data_shape
+    if isinstance(leaf, jax.Array) and not leaf.committed:
+        # Made without a placement (optax's `count` from `init`, `jnp.zeros(...)`): it
+        # comes back the same, so that jit places it beside the arrays it meets, as it
+        # did the original; committed to its device, a step meeting it with arrays on a
+        # mesh would fail on incompatible devices.
+        return Request(stored, DefaultDevice(np.dtype(leaf.dtype)), old=leaf), tuple(leaf.shape)
     if isinstance(leaf, jax.Array):
         return Request(stored, *sharded(np.dtype(leaf.dtype), leaf.sharding, stored, broadcast), old=leaf), \
             tuple(leaf.shape)

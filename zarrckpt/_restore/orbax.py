@@ -15,16 +15,17 @@ never names a path outside the item.
 
 from __future__ import annotations
 
-import collections
+import bisect
 import dataclasses
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from .. import _progress
 from .._format import chunks as _chunks, tree as _tree, zarrjson as _zarrjson
 from .._regions import Region, region_slices
 from .._storage import Location
@@ -173,18 +174,15 @@ def _item_tree(item: Location, prefix: str) -> Any:
             opened[name] = future.result()
         except Exception as e:  # TensorStore's own error kinds (see `_read_error`)
             raise _read_error(e, f"opening array {prefix}{name} of the Orbax checkpoint {item.url}") from None
-    stored = _stored_chunks(ts.KvStore.open({"driver": "ocdbt", "base": base}, context=context).result().list()
-                            .result() if ocdbt else [name.encode() for name in files])
-    missing = {name: m for name, array in opened.items() if (m := _missing_chunks(array, stored.get(name, 0)))}
-    if missing and not sparse:
-        name, m = next(iter(missing.items()))
-        others = f" (and {len(missing) - 1} other arrays lack chunks)" if len(missing) > 1 else ""
-        raise CheckpointCorruptError(f"array {prefix}{name} of the Orbax checkpoint {item.url} lacks {m} of its "
-                                     f"chunks{others}")
-    if missing:
-        log.warning("%s: %d arrays lack chunks (%s): the Orbax that wrote it left out chunks equal to the fill value, "
-                    "so they are imported as the fill value (a deleted chunk cannot be told from one left out)",
-                    item.url, len(missing), ", ".join(sorted(prefix + n for n in missing)[:3]))
+    if ocdbt:
+        try:
+            keys = sorted(k.decode("utf-8", "replace") for k in
+                          ts.KvStore.open({"driver": "ocdbt", "base": base}, context=context).result().list().result())
+        except Exception as e:  # TensorStore's own error kinds (see `_read_error`)
+            raise _read_error(e, f"listing the arrays of the Orbax checkpoint {item.url}") from None
+    else:
+        keys = sorted(files)
+    _check_claims(opened, keys, sparse, sum(files.values()), prefix, item.url)
     built: dict[tuple[str, int], Any] = {}
     for keys, value in leaves:
         name = ".".join(k for k, _ in keys)
@@ -250,45 +248,69 @@ def _kvstore(item: Location) -> dict[str, Any]:
     if scheme not in _TENSORSTORE_DRIVERS:
         raise ValueError(f"TensorStore cannot read the Orbax checkpoint {item.url}: it reads gs:// and s3:// URLs "
                          "and local paths")
-    return {"driver": _TENSORSTORE_DRIVERS[scheme], "bucket": bucket, "path": f"{path.strip('/')}/"}
+    path = path.strip("/")
+    return {"driver": _TENSORSTORE_DRIVERS[scheme], "bucket": bucket, "path": f"{path}/" if path else ""}
 
 
-def _regular_files(item: Location) -> set[str]:
-    """Every file below the item, by key; CheckpointCorruptError at a symbolic link or
-    anything else that is not a regular file (a FIFO, a socket, a device), which no
-    Orbax checkpoint holds and TensorStore would follow or block on."""
-    files = set()
+def _regular_files(item: Location) -> dict[str, int]:
+    """The size of every file below the item, by key; CheckpointCorruptError at a symbolic
+    link or anything else that is not a regular file (a FIFO, a socket, a device), which
+    no Orbax checkpoint holds and TensorStore would follow or block on. (Checked before
+    TensorStore reads: what is swapped in between is the swapper's own doing.)"""
+    files = {}
     for entry in item.walk():
         if entry.type != "file":
             raise CheckpointCorruptError(f"{item.child(entry.name).url} is "
                                          f"{'a symbolic link' if entry.type == 'link' else 'not a regular file'}: an "
                                          "Orbax checkpoint holds only regular files, and zarrckpt reads nothing "
                                          "outside it")
-        files.add(entry.name)
+        files[entry.name] = entry.size
     return files
 
 
 # The objects of a zarr array that are not chunks.
 _ARRAY_METADATA = frozenset({".zarray", ".zattrs", "zarr.json"})
+# What an item Orbax wrote sparse may leave out as fill values, beyond what it stores:
+# a freshly initialised optimizer's moments are zeros twice the size of the weights.
+_FILL_ALLOWANCE = (4, 2**30)  # times the stored bytes, plus bytes
 
 
-def _stored_chunks(keys: Iterable[bytes]) -> collections.Counter[str]:
-    """How many chunk objects each array has, by name, among the item's `keys` (one
+def _check_claims(opened: dict[str, Any], keys: list[str], sparse: bool, stored_bytes: int, prefix: str,
+                  url: str) -> None:
+    """Refuses arrays whose metadata claims chunks the item does not hold (`keys`,
+    sorted): a deleted chunk would read as zeros, and a claim of 32 GiB in a kilobyte of
+    metadata would be written out as zeros. An item Orbax wrote sparse may lack chunks,
+    up to `_FILL_ALLOWANCE`; that is said."""
+    missing: dict[str, int] = {}
+    for name, array in opened.items():
+        grid = array.chunk_layout.write_chunk.shape or array.shape
+        needed = math.prod(-(-n // max(c, 1)) for n, c in zip(array.shape, grid))
+        if (lacking := needed - _chunks_stored(keys, name)) > 0:
+            missing[name] = lacking * math.prod(grid) * np.dtype(array.dtype.numpy_dtype).itemsize
+    if not missing:
+        return
+    first = next(iter(missing))
+    others = f" (and {len(missing) - 1} other arrays lack chunks)" if len(missing) > 1 else ""
+    if not sparse:
+        raise CheckpointCorruptError(f"array {prefix}{first} of the Orbax checkpoint {url} lacks chunks of "
+                                     f"{_progress.size(missing[first])}{others}")
+    times, plus = _FILL_ALLOWANCE
+    if (total := sum(missing.values())) > times * stored_bytes + plus:
+        raise CheckpointCorruptError(f"the Orbax checkpoint {url} lacks chunks of {_progress.size(total)} (array "
+                                     f"{prefix}{first}{others}), more than chunks of fill values left out could be "
+                                     f"beside the {_progress.size(stored_bytes)} it holds ({times}x that, plus "
+                                     f"{_progress.size(plus)})")
+    log.warning("%s: %d arrays lack chunks of %s (%s): the Orbax that wrote it left out chunks equal to the fill "
+                "value, so they are imported as the fill value (a deleted chunk cannot be told from one left out)",
+                url, len(missing), _progress.size(total), ", ".join(sorted(prefix + n for n in missing)[:3]))
+
+
+def _chunks_stored(keys: list[str], name: str) -> int:
+    """How many chunk objects the array `name` has among the item's sorted `keys` (one
     directory per array, or OCDBT's keys: the same layout)."""
-    counts: collections.Counter[str] = collections.Counter()
-    for key in keys:
-        name, sep, rest = key.decode("utf-8", "replace").partition("/")
-        if sep and rest.rsplit("/", 1)[-1] not in _ARRAY_METADATA:
-            counts[name] += 1
-    return counts
-
-
-def _missing_chunks(array: Any, stored: int) -> int:
-    """How many chunks the array's metadata claims beyond the `stored` ones: a deleted
-    chunk would read as zeros, and a claim of 32 GiB in a kilobyte of metadata would be
-    written out as zeros."""
-    grid = array.chunk_layout.write_chunk.shape or array.shape
-    return max(0, math.prod(-(-n // max(c, 1)) for n, c in zip(array.shape, grid)) - stored)
+    first = bisect.bisect_left(keys, f"{name}/")
+    end = bisect.bisect_left(keys, f"{name}0")  # '0' follows '/'
+    return sum(1 for key in keys[first:end] if key.rsplit("/", 1)[-1] not in _ARRAY_METADATA)
 
 
 def _key_path(entry: Any, metadata: str, key: str, ocdbt: bool) -> list[tuple[str, int]]:

@@ -150,15 +150,15 @@ def _held(loc: Location, files: list[str], headers: list[list[_format.Tensor]],
     for name, tensors in zip(files, headers):
         for tensor in tensors:
             if held.setdefault(tensor.name, name) != name:
-                raise CheckpointCorruptError(f"tensor {tensor.name!r} is in two files of {loc.url}: "
+                raise CheckpointCorruptError(f"tensor {tensor.name!r:.100} is in two files of {loc.url}: "
                                              f"{held[tensor.name]!r} and {name!r}")
             if weight_map is not None and weight_map.get(tensor.name, name) != name:
-                raise CheckpointCorruptError(f"tensor {tensor.name!r} is in {name!r}, but the index of {loc.url} puts "
-                                             f"it in {weight_map[tensor.name]!r}")
+                raise CheckpointCorruptError(f"tensor {tensor.name!r:.100} is in {name!r}, but the index of {loc.url} "
+                                             f"puts it in {weight_map[tensor.name]!r}")
     lost = sorted(set(weight_map or ()) - set(held))
     if lost:
         raise CheckpointCorruptError(f"the index of {loc.url} names tensors that are in no file: "
-                                     f"{', '.join(map(repr, lost[:5]))}{' ...' if len(lost) > 5 else ''}")
+                                     f"{', '.join(f'{n!r:.100}' for n in lost[:5])}{' ...' if len(lost) > 5 else ''}")
     return held
 
 
@@ -286,8 +286,8 @@ def _read_run(src: Location, run: _Run) -> None:
     for tensor, part in run.parts:
         if at + len(part) > done:
             raise CheckpointCorruptError(f"{run.shown} ends at byte {run.start + done:,}, before the end of tensor "
-                                         f"{tensor.name!r} (byte {tensor.start + tensor.nbytes:,}): it was cut short "
-                                         "after it was opened")
+                                         f"{tensor.name!r:.100} (byte {tensor.start + tensor.nbytes:,}): it was cut "
+                                         "short after it was opened")
         if len(run.parts) > 1:
             part[...] = whole[at:at + len(part)]
         at += len(part)

@@ -73,8 +73,12 @@ _TIMEOUT_NAMES = frozenset({"ReadTimeoutError", "ConnectTimeoutError", "ServerTi
 
 class NotAFileInCheckpoint(CheckpointCorruptError, OSError):
     """A symbolic link (never followed) or a special file (a FIFO, a socket, a device:
-    never opened) where a checkpoint's object or directory should be: the checkpoint is
-    not what it claims."""
+    never read or written) where a checkpoint's object or directory should be: the
+    checkpoint is not what it claims. `what` says which ("a symbolic link", "a FIFO")."""
+
+    def __init__(self, message: str, what: str) -> None:
+        super().__init__(message)
+        self.what = what
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +200,8 @@ class Guarded:
     def _error(self, e: Exception, failure: Failure, action: str, where: str, retries: int,
                timeout: float) -> OSError:
         if isinstance(e, NotAFile):
-            return NotAFileInCheckpoint(e.strerror)  # it names the file; a local path holds no credential
+            # It names the file: a local path holds no credential.
+            return NotAFileInCheckpoint(e.strerror or str(e), e.what)
         if isinstance(e, FileNotFoundError):
             kind: type[OSError] = FileNotFoundError
             # A write creates any missing "directory", so only the bucket can be missing.

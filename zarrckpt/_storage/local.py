@@ -7,8 +7,9 @@ reached one path component at a time from the root's directory, each opened with
 O_NOFOLLOW: a symbolic link planted anywhere inside (a chunk, an array directory, a
 step directory, a marker) is never followed by a read, a write or a deletion, so no
 call reads, writes or deletes outside the root. Meeting one raises `NotAFile`, as
-does reading what is not a regular file (a FIFO, a socket, a device): it is opened
-without blocking and refused, where opening a FIFO would wait for a writer forever.
+does reading or writing what is not a regular file (a FIFO, a socket, a device): it is
+opened without blocking and refused before a byte moves, where opening a FIFO would
+wait for its other end forever.
 
 A durable write reaches stable storage before it returns, with every directory entry
 leading to it: the file's data is synced (`fdatasync`) before it is closed, its
@@ -32,8 +33,10 @@ from .store import Entry, NotAFile, Store
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _SPECIAL = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
-_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-_WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+# Without blocking (a FIFO would wait for its other end forever) or taking a terminal:
+# what is opened is then refused unless it is a regular file.
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+_WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "link"}
 
@@ -132,7 +135,9 @@ def _open_below(fd: int, name: str, flags: int, path: str, mode: int = 0o666) ->
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK) and _mode(fd, name) == stat.S_IFLNK:
             raise NotAFile(path) from None
-        if e.errno == errno.ENXIO and (special := _SPECIAL.get(_mode(fd, name) or 0)):  # a socket: no opening it
+        # A socket cannot be opened, a FIFO without a reader cannot be for writing, a
+        # device on a `nodev` mount cannot be at all.
+        if e.errno in (errno.ENXIO, errno.EACCES) and (special := _SPECIAL.get(_mode(fd, name) or 0)):
             raise NotAFile(path, special) from None
         raise
 
@@ -323,6 +328,8 @@ def _write_file(fd: int, name: str, flags: int, parts: Sequence[object], path: s
     are (no copy to join them); with `durable`, on stable storage before returning."""
     f = _open_below(fd, name, flags, path)
     try:
+        if not stat.S_ISREG(mode := os.fstat(f).st_mode):  # a planted FIFO or device: never written into
+            raise NotAFile(path, _SPECIAL.get(stat.S_IFMT(mode), "a special file"))
         for part in parts:
             view = memoryview(part).cast("B")  # type: ignore[arg-type]
             while view:

@@ -33,8 +33,9 @@ class NotAFile(OSError):
     backend's error; `guard` makes it a CheckpointCorruptError naming its URL)."""
 
     def __init__(self, path: str, what: str = "a symbolic link") -> None:
-        super().__init__(errno.ELOOP, f"{path} is {what} (zarrckpt never follows a link inside a checkpoint, nor "
-                                      "opens what is not a regular file)")
+        why = "never followed inside a checkpoint" if what == "a symbolic link" else "not a regular file: never read"
+        super().__init__(errno.ELOOP, f"{path} is {what} ({why})")
+        self.what = what
 
 
 class DeadlinePassed(TimeoutError):
