@@ -312,7 +312,7 @@ def test_wait_and_sync_saves_cover_retention(tmp_path, async_save):
         assert mgr.all_steps() == [4, 5]
 
 
-def test_an_interrupted_wait_names_the_step_left_uncommitted_and_what_becomes_of_it(tmp_path, monkeypatch, caplog):
+def test_an_interrupted_wait_names_the_step_and_says_its_save_goes_on(tmp_path, monkeypatch, caplog):
     from zarrckpt import _save
 
     gate = threading.Event()
@@ -336,7 +336,7 @@ def test_an_interrupted_wait_names_the_step_left_uncommitted_and_what_becomes_of
         gate.set()
         mgr.close()
     (said,) = [r.getMessage() for r in caplog.records if "interrupted" in r.getMessage()]
-    assert f"{tmp_path}/0000000005 was being saved: it is left uncommitted; every reader skips it" in said
+    assert f"{tmp_path}/0000000005" in said and "goes on" in said
     assert zarrckpt.all_steps(str(tmp_path)) == [5]  # here the save went on, and committed
     # Ctrl-C in the training loop: leaving the `with` block says it waits for the save.
     gate.clear()
@@ -346,6 +346,6 @@ def test_an_interrupted_wait_names_the_step_left_uncommitted_and_what_becomes_of
             assert mgr.save(6, small_state(6))
             threading.Timer(0.5, gate.set).start()
             raise KeyboardInterrupt
-    assert any(f"waiting for {tmp_path}/0000000006 to commit before leaving (Ctrl-C again leaves it uncommitted)"
-               in r.getMessage() for r in caplog.records), caplog.text
+    assert any(f"waiting for {tmp_path}/0000000006 to commit before leaving" in r.getMessage()
+               for r in caplog.records), caplog.text
     assert zarrckpt.all_steps(str(tmp_path)) == [5, 6]

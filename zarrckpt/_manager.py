@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import threading
@@ -184,6 +185,7 @@ class CheckpointManager:
         # back; the leases' threads never hold the manager.
         self._release = weakref.finalize(self, _release, self._lease, self._tier)
         self._closed = False
+        _close_at_exit.register(self)
 
     # -- saving ----------------------------------------------------------------
 
@@ -321,8 +323,8 @@ class CheckpointManager:
         except KeyboardInterrupt:
             for save in in_flight:
                 if not save.done:
-                    log.warning("interrupted while %s was being saved: it is left uncommitted; every reader skips "
-                                "it, and it is deleted once a later step commits or when it is saved again", save.url)
+                    log.warning("interrupted while waiting for %s to be saved: the save goes on, and the next "
+                                "save, wait() or close() waits for it, as does this program's exit", save.url)
             raise
         with self._lock:
             if self._in_flight is in_flight:
@@ -417,15 +419,52 @@ class CheckpointManager:
     # -- lifetime ----------------------------------------------------------------
 
     def close(self) -> None:
-        """Waits for the save in flight and pending deletions; raises their errors."""
+        """Waits for the save in flight and pending deletions; raises their errors.
+
+        Interrupted (Ctrl-C), it leaves the manager open with the save going on: the
+        next `close`, or this program's exit, waits for it again. A manager never
+        closed is closed at exit, its save in flight waited for (at most `timeout_s`)."""
         if self._closed:
             return
         try:
             self.wait()
-        finally:
+        except KeyboardInterrupt:
+            with self._lock:
+                going_on = any(not save.done for save in self._in_flight)
+            if not going_on:
+                self._closed = True
+                self._release()
+            raise
+        except BaseException:
             self._closed = True
             self._release()
+            raise
+        self._closed = True
+        self._release()
         self._raise_errors()
+
+    def _close_at_exit(self) -> None:
+        """`close`, at this program's exit, for a manager nobody closed: its save in
+        flight commits (or, after `timeout_s` or another Ctrl-C, is left uncommitted,
+        said by a warning naming it), never cut off by the interpreter's end."""
+        if self._closed:
+            return
+        with self._lock:
+            in_flight = [save for save in self._in_flight if not save.done]
+        for save in in_flight:
+            log.warning("exiting while %s is being saved by a CheckpointManager nobody closed: waiting for it "
+                        "(close() the manager, or use `with`, to wait where you choose)", save.url)
+            try:
+                finished = save.join(self._timeout_s)
+            except KeyboardInterrupt:
+                finished = False
+            if not finished:
+                log.error("%s left uncommitted at exit: its save did not finish (every reader skips it)", save.url)
+                return  # the rest is cut off with the interpreter, as it would be without this
+        try:
+            self.close()
+        except BaseException as e:
+            log.error("closing the CheckpointManager of %s at exit: %s", self._root.url, e)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -435,8 +474,8 @@ class CheckpointManager:
             with self._lock:
                 pending = [save.url for save in self._in_flight if not save.done]
             if pending:
-                log.warning("waiting for %s to commit before leaving (Ctrl-C again leaves it uncommitted)",
-                            ", ".join(pending))
+                log.warning("waiting for %s to commit before leaving (Ctrl-C again stops waiting here; the program's "
+                            "exit then waits for it)", ", ".join(pending))
         self.close()
 
     def _claim_lease(self, tiers: bool) -> str | None:
@@ -532,3 +571,29 @@ def _metric_values(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
                             f"jax array), got {type(value).__name__} {value!r}")
         values[name] = value if math.isfinite(value) else _NON_FINITE[str(value)]
     return values
+
+
+class _AtExit:
+    """Closes, at this program's exit, every manager still open (see `_close_at_exit`).
+
+    It runs where the interpreter's shutdown begins, with the hooks `concurrent.futures`
+    uses (threading's own; Python's `atexit` where that is missing): after them thread
+    pools take no more work, so a save still writing could not finish, and `atexit`
+    comes later still, after `jax.distributed`'s own shutdown."""
+
+    def __init__(self) -> None:
+        self._managers: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+        self._registered = False
+
+    def register(self, manager: CheckpointManager) -> None:
+        if not self._registered:
+            getattr(threading, "_register_atexit", atexit.register)(self._close_all)
+            self._registered = True
+        self._managers.add(manager)
+
+    def _close_all(self) -> None:
+        for manager in list(self._managers):
+            manager._close_at_exit()
+
+
+_close_at_exit = _AtExit()

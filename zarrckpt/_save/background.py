@@ -41,6 +41,10 @@ class BackgroundSave:
         self.staged: float | None = None  # when `start` had dispatched every copy (perf_counter)
         self._name = name
         self._thread: threading.Thread | None = None
+        # Set by the save itself when it has committed or failed: a `Thread.join` that a
+        # KeyboardInterrupt cut short leaves the thread reading as stopped while it
+        # still writes (python/cpython#90882).
+        self._finished = threading.Event()
 
     def start(self) -> None:
         """Stages every write of the job and returns once the copies are dispatched; the
@@ -59,7 +63,7 @@ class BackgroundSave:
         except BaseException:
             self._staging_failed = True
             self._queue.put(_STOPPED)
-            self._thread.join()
+            self._finished.wait()
             raise
         self.staged = time.perf_counter()  # before the end: the commit comes after it
         self._queue.put(_END)
@@ -71,16 +75,17 @@ class BackgroundSave:
         with contextlib.closing(job.admitted()) as work:
             self._run(job, work)
 
-    def join(self) -> None:
-        """Waits until the save has committed (and `on_commit` has run) or failed."""
-        if self._thread is not None:
-            self._thread.join()
+    def join(self, timeout: float | None = None) -> bool:
+        """Waits until the save has committed (and `on_commit` has run) or failed, at most
+        `timeout` seconds; returns whether it has. A KeyboardInterrupt leaves the save
+        going on, and a later `join` waits for it again."""
+        return self._thread is None or self._finished.wait(timeout)
 
     @property
     def done(self) -> bool:
         """Whether the save has committed or failed (a save run on the calling thread
         is done when `run` returns)."""
-        return self._thread is None or not self._thread.is_alive()
+        return self._thread is None or self._finished.is_set()
 
     def _run(self, job: SaveJob, work: Work) -> None:
         try:
@@ -90,6 +95,8 @@ class BackgroundSave:
             self._drop_staged()
             if not self._staging_failed:
                 self._on_failure(e)
+        finally:
+            self._finished.set()
 
     def _staged(self) -> Iterator[Any]:
         while (item := self._queue.get()) is not _END:

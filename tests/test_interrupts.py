@@ -1,0 +1,55 @@
+"""Ctrl-C and exit never lose a save silently: a script (tests/workers/interrupted.py)
+whose save's commit is held until 1.5 s in gets a SIGINT inside `wait`, `save`, `close`
+and a `with` block, or exits without closing its manager. The save goes on and commits;
+a later call waits for it; no second save runs beside it; the exit waits for it.
+
+A `Thread.join` cut short by KeyboardInterrupt leaves the thread reading as stopped
+while it still writes (python/cpython#90882): before the fix, the second `wait` and
+`close` returned at once and the script exited with the step uncommitted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import zarrckpt
+
+WORKER = Path(__file__).parent / "workers" / "interrupted.py"
+
+
+def run(scenario: str, run_dir: Path) -> tuple[int, list[str]]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).parent.parent))
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run([sys.executable, str(WORKER), scenario, str(run_dir)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    return done.returncode, done.stdout.splitlines()
+
+
+@pytest.mark.parametrize("where", ["wait", "save", "close"])
+def test_ctrl_c_inside_a_call_leaves_the_save_going_on_and_the_next_call_waits_for_it(tmp_path, where):
+    code, lines = run(where, tmp_path / "run")
+    assert code == 0, lines
+    assert f"interrupted {where}" in lines  # the Ctrl-C landed while the save was in flight
+    assert any("the save goes on" in line for line in lines)
+    events = [line for line in lines if line.split()[0] in ("enter", "leave")]
+    steps = [1, 2] if where != "close" else [1]
+    assert events == [f"{e} {s}" for s in steps for e in ("enter", "leave")]  # one save at a time, in order
+    assert zarrckpt.all_steps(str(tmp_path / "run")) == steps
+
+
+def test_ctrl_c_twice_in_a_with_block_leaves_the_save_to_the_exit_which_commits_it(tmp_path):
+    code, lines = run("with", tmp_path / "run")
+    assert code == 0, lines
+    assert lines.index("interrupted with") < lines.index("done") < lines.index("leave 1")
+    assert zarrckpt.all_steps(str(tmp_path / "run")) == [1]
+
+
+def test_a_script_that_never_closes_its_manager_commits_its_last_save_at_exit(tmp_path):
+    code, lines = run("exit", tmp_path / "run")
+    assert code == 0, lines
+    assert any(line.startswith("log exiting while") and "0000000001" in line for line in lines)
+    assert lines[-1] == "leave 1" and zarrckpt.all_steps(str(tmp_path / "run")) == [1]
