@@ -1,4 +1,4 @@
-"""Ctrl-C and exit never lose a save silently: a script (tests/workers/interrupted.py)
+"""Ctrl-C, exit and preemption never lose a save silently: a script (tests/workers/interrupted.py)
 whose save's commit is held until 1.5 s in gets a SIGINT inside `wait`, `save`, `close`
 and a `with` block, or exits without closing its manager. The save goes on and commits;
 a later call waits for it; no second save runs beside it; the exit waits for it.
@@ -18,14 +18,15 @@ import pytest
 
 import zarrckpt
 
-WORKER = Path(__file__).parent / "workers" / "interrupted.py"
+WORKERS = Path(__file__).parent / "workers"
 
 
-def run(scenario: str, run_dir: Path) -> tuple[int, list[str]]:
+def run(scenario: str, run_dir: Path, worker: str = "interrupted") -> tuple[int, list[str]]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).parent.parent))
     env.pop("XLA_FLAGS", None)
-    done = subprocess.run([sys.executable, str(WORKER), scenario, str(run_dir)], env=env, capture_output=True,
-                          text=True, timeout=120)
+    args = [scenario] if scenario else []
+    done = subprocess.run([sys.executable, str(WORKERS / f"{worker}.py"), *args, str(run_dir)], env=env,
+                          capture_output=True, text=True, timeout=120)
     return done.returncode, done.stdout.splitlines()
 
 
@@ -53,3 +54,16 @@ def test_a_script_that_never_closes_its_manager_commits_its_last_save_at_exit(tm
     assert code == 0, lines
     assert any(line.startswith("log exiting while") and "0000000001" in line for line in lines)
     assert lines[-1] == "leave 1" and zarrckpt.all_steps(str(tmp_path / "run")) == [1]
+
+
+def test_sigterm_to_a_one_process_loop_saves_the_next_step_stops_it_and_the_restart_resumes_there(tmp_path):
+    """SIGTERM after step 25 of a loop saving every 10 steps: step 26 is saved,
+    `reached_preemption(26)` stops the loop, exit 0, nothing lost; the restart resumes
+    at 26 and finishes."""
+    code, lines = run("", tmp_path / "run", worker="preempted")
+    assert code == 0, lines
+    assert lines == ["resumed 0", "stopped 26"], lines
+    assert zarrckpt.all_steps(str(tmp_path / "run")) == [10, 20, 26]
+    code, lines = run("", tmp_path / "run", worker="preempted")
+    assert code == 0 and lines == ["resumed 26", "finished"], lines
+    assert zarrckpt.all_steps(str(tmp_path / "run")) == [10, 20, 26, 30, 40]

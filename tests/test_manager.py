@@ -45,12 +45,6 @@ def test_interval_seconds(tmp_path, monkeypatch):
         assert mgr.save(4, small_state())
 
 
-def test_preemption_notice_saves(tmp_path, monkeypatch):
-    monkeypatch.setattr(_manager.multihost_utils, "reached_preemption_sync_point", lambda step: step == 7)
-    with zarrckpt.CheckpointManager(str(tmp_path), save_interval_steps=100) as mgr:
-        assert [s for s in range(1, 10) if mgr.save(s, small_state(s))] == [7]
-
-
 def test_async_save_is_a_true_snapshot_under_donation(tmp_path):
     @functools.partial(jax.jit, donate_argnums=0)
     def train_step(state):

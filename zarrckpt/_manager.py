@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from . import (
     _commit,
@@ -21,6 +20,7 @@ from . import (
     _lease,
     _multihost,
     _options,
+    _preemption,
     _progress,
     _retention,
     _save,
@@ -70,7 +70,8 @@ class CheckpointManager:
         on a background thread (at most one save in flight).
       max_staged_bytes: bound on host memory holding staged snapshots; a larger state
         makes `save` wait for writes to drain before it has copied everything.
-      save_on_preemption: save at JAX's preemption sync point.
+      save_on_preemption: save at a preemption notice (JAX's preemption sync point; in
+        a job of one process, SIGTERM), and say so by `reached_preemption`.
       heartbeat_s: how often process 0 renews its lease on the directory; a second
         manager on a directory whose lease is alive is refused (see `zarrckpt._lease`).
       progress: progress bars on process 0 (default: when stderr is a terminal).
@@ -155,7 +156,7 @@ class CheckpointManager:
         self._interval_steps = save_interval_steps
         self._interval_seconds = save_interval_seconds
         self._async = async_save
-        self._save_on_preemption = save_on_preemption
+        self._preemption = _preemption.Notice(listen=save_on_preemption)
         self._progress = progress
         self._timeout_s = timeout_s
         self._last_save = time.monotonic()
@@ -274,8 +275,9 @@ class CheckpointManager:
                 return False
         every_call = self._interval_steps is None and self._interval_seconds is None
         due = force or every_call or bool(self._interval_steps and step % self._interval_steps == 0)
-        if self._save_on_preemption and multihost_utils.reached_preemption_sync_point(step):
-            log.warning("preemption notice at step %d: saving", step)
+        if self._preemption.first_seen(step):
+            log.warning("preemption notice at step %d: saving it; `if mgr.reached_preemption(step): break` stops the "
+                        "loop there", step)
             due = True
         if not due and (interval := self._interval_seconds) is not None:
             # Clocks differ across hosts: process 0 decides for everyone.
@@ -418,6 +420,21 @@ class CheckpointManager:
 
     # -- lifetime ----------------------------------------------------------------
 
+    def reached_preemption(self, step: int) -> bool:
+        """Whether a preemption notice came, and `step` is at or past the step saved for
+        it; then the save has committed (this waits for it) and the loop should stop:
+        `if mgr.reached_preemption(step): break` after `mgr.save(step, state)`. The same
+        on every process. The notice is JAX's preemption sync point under
+        `jax.distributed`, and in a job of one process SIGTERM (taken from the first
+        `save` until `close`, unless something else handles it; a second SIGTERM ends the
+        process).
+        Always False with `save_on_preemption=False`."""
+        at = self._preemption.at
+        if at is None or step < at:
+            return False
+        self.wait()
+        return True
+
     def close(self) -> None:
         """Waits for the save in flight and pending deletions; raises their errors.
 
@@ -432,16 +449,18 @@ class CheckpointManager:
             with self._lock:
                 going_on = any(not save.done for save in self._in_flight)
             if not going_on:
-                self._closed = True
-                self._release()
+                self._end()
             raise
         except BaseException:
-            self._closed = True
-            self._release()
+            self._end()
             raise
-        self._closed = True
-        self._release()
+        self._end()
         self._raise_errors()
+
+    def _end(self) -> None:
+        self._closed = True
+        self._preemption.close()
+        self._release()
 
     def _close_at_exit(self) -> None:
         """`close`, at this program's exit, for a manager nobody closed: its save in

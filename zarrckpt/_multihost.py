@@ -55,6 +55,13 @@ def process_count() -> int:
     return jax.process_count()
 
 
+def coordinated() -> bool:
+    """Whether this process belongs to a `jax.distributed` job (has a coordination client)."""
+    from jax._src import distributed  # the coordination client has no public handle
+
+    return distributed.global_state.client is not None
+
+
 def _client() -> Any:
     from jax._src import distributed  # the coordination client has no public handle
 
