@@ -180,7 +180,9 @@ def _parser() -> _Parser:
         return sub
 
     sub = command("ls", _ls, "list the step directories under a checkpoint directory (or, in a local tier's "
-                  "directory, under each process's), newest last", as_json)
+                  "directory, under each process's), newest last; a step's state is committed (whole: it restores), "
+                  "uncommitted (a save in flight or cut short: never restored) or absent (a directory without group "
+                  "metadata: a save that has not reached its commit on S3 or GCS, or one cut short)", as_json)
     sub.add_argument("dir", metavar="DIR", help="checkpoint directory: one subdirectory per step")
     sub = command("info", _info, "show one checkpoint's leaves: shape, dtype, chunk shape, size (the totals "
                   "first)", as_json)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import difflib
 import logging
 import math
 import threading
@@ -157,6 +158,7 @@ class CheckpointManager:
         self._interval_seconds = save_interval_seconds
         self._async = async_save
         self._preemption = _preemption.Notice(listen=save_on_preemption)
+        self._warned_unranked = False
         self._progress = progress
         self._timeout_s = timeout_s
         self._last_save = time.monotonic()
@@ -211,6 +213,7 @@ class CheckpointManager:
         self._check_open()
         location = self._root.step(step)  # a bad step is refused here
         values = _metric_values(metrics)
+        self._warn_unranked(step, values)
         self._raise_errors()
         persistent = self._should_save(step, force)
         copy = self._tier is not None and self._tier.due(step)
@@ -232,6 +235,18 @@ class CheckpointManager:
             save.start() if self._async else save.run()
         self._raise_errors()  # without async_save: the persistent save's error
         return True
+
+    def _warn_unranked(self, step: int, metrics: Mapping[str, float] | None) -> None:
+        """Warns, once, when `keep_best` cannot rank a save: its metrics lack
+        `best_metric` (a misspelling deletes the best step as unranked)."""
+        name = self._policy.best_metric
+        if name is None or self._warned_unranked or (metrics is not None and name in metrics):
+            return
+        self._warned_unranked = True
+        close = difflib.get_close_matches(name, list(metrics or ()), n=1)
+        log.warning("step %d is saved without best_metric %r in its metrics (%s): keep_best cannot rank it, and "
+                    "keeps only steps that have it%s", step, name, ", ".join(map(repr, metrics or ())) or "none",
+                    f"; did you mean {close[0]!r}?" if close else "")
 
     def _persistent_save(self, step: int, location: _storage.Location, state: Any,
                          metrics: Mapping[str, float] | None, called: float) -> _save.BackgroundSave:

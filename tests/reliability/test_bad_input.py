@@ -96,3 +96,25 @@ def test_hostile_metadata_fails_before_allocating(tmp_path, edit, message):
     edit_record(url, edit)
     with pytest.raises(zarrckpt.CheckpointCorruptError, match=re.escape(message)):
         zarrckpt.load_pytree(str(url))
+
+
+@pytest.mark.parametrize("url", ["gs:/bucket/run", "s3:/bucket/run", "memory:/run"])
+def test_a_url_with_one_slash_after_its_scheme_is_refused_naming_the_url_meant(tmp_path, monkeypatch, url):
+    """fsspec would read `gs:/bucket/run` as the local path ./gs:/bucket/run, and the
+    checkpoints would go to the working directory."""
+    monkeypatch.chdir(tmp_path)
+    meant = url.replace(":/", "://", 1)
+    for call in (lambda: zarrckpt.CheckpointManager(url), lambda: zarrckpt.save_pytree(url, {"w": np.ones(2)}),
+                 lambda: zarrckpt.all_steps(url)):
+        with pytest.raises(ValueError, match=re.escape(repr(meant))):
+            call()
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_best_metric_no_save_carries_is_warned_about_naming_the_close_one(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="zarrckpt"), \
+            zarrckpt.CheckpointManager(str(tmp_path), keep_best=1, best_metric="val_loss") as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": np.ones(2)}, metrics={"val_los": 1.0 / step})
+    said = [r.getMessage() for r in caplog.records if "best_metric 'val_loss'" in r.getMessage()]
+    assert len(said) == 1 and "'val_los'" in said[0], caplog.text

@@ -44,6 +44,7 @@ from .store import Entry, Store
 __all__ = ["DEFAULT_REQUEST_TIMEOUT_S", "LOCAL_CONCURRENCY", "OBJECT_STORE_CONCURRENCY", "RETRIES", "Entry",
            "NotAFileInCheckpoint", "Location", "redacted_url", "resolve"]
 
+_ONE_SLASH = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):/(?!/)")
 REQUEST_TIMEOUT_OPTION = "request_timeout_s"  # zarrckpt's own storage option (not passed to fsspec)
 _LATE_TRIES = 8  # each conflict consumes one late request: a save has at most a few for a key
 
@@ -300,6 +301,10 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None) -> Location
         raise ValueError(f"checkpoint URL must be a non-empty string, got {reprlib.repr(url)}")
     if storage_options is not None and not isinstance(storage_options, Mapping):
         raise TypeError(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
+    if (one := _ONE_SLASH.match(url)) and one.group(1).lower() in fsspec.available_protocols() and \
+            one.group(1).lower() != "file":  # else fsspec reads `gs:/bucket/run` as the local path ./gs:/bucket/run
+        raise ValueError(f"checkpoint URL {reprlib.repr(url)} has one slash after '{one.group(1)}:': write "
+                         f"{reprlib.repr(one.group(1) + '://' + url[len(one.group(0)):])}")
     given = dict(storage_options or {})
     request_timeout_s = _request_timeout(given.pop(REQUEST_TIMEOUT_OPTION, DEFAULT_REQUEST_TIMEOUT_S))
     scheme = fsspec.core.split_protocol(url)[0] or "file"
