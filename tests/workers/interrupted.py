@@ -56,29 +56,16 @@ def state(step: int) -> dict:
 later(RELEASE_S, release.set)
 mgr = zarrckpt.CheckpointManager(run_dir)
 mgr.save(1, state(1))
-if scenario == "wait":  # Ctrl-C in wait(); wait again; the next save follows the first
+calls = {"wait": mgr.wait, "save": lambda: mgr.save(2, state(2)), "close": mgr.close}
+if scenario in calls:  # Ctrl-C in the call (save(2) waits for save 1), then the call again: it waits
     ctrl_c_at(0.5)
     try:
-        mgr.wait()
+        calls[scenario]()
     except KeyboardInterrupt:
-        print("interrupted wait", flush=True)
-    mgr.wait()
-    mgr.save(2, state(2))
-    mgr.close()
-elif scenario == "save":  # Ctrl-C in save(2), waiting for save 1
-    ctrl_c_at(0.5)
-    try:
+        print(f"interrupted {scenario}", flush=True)
+    calls[scenario]()
+    if scenario == "wait":  # the next save follows the first
         mgr.save(2, state(2))
-    except KeyboardInterrupt:
-        print("interrupted save", flush=True)
-    mgr.save(2, state(2))
-    mgr.close()
-elif scenario == "close":  # Ctrl-C in close(); close again
-    ctrl_c_at(0.5)
-    try:
-        mgr.close()
-    except KeyboardInterrupt:
-        print("interrupted close", flush=True)
     mgr.close()
 elif scenario == "with":  # Ctrl-C in a with block's body, then again while leaving it: the exit waits
     ctrl_c_at(0.5)
