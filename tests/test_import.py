@@ -337,3 +337,21 @@ def test_the_step_directory_name_is_the_managers(tmp_path):
     orbax_run(tmp_path / "orbax", [3])
     result = zarrckpt.import_checkpoint(str(tmp_path / "orbax" / "3"), str(tmp_path / "run"))
     assert Path(result.url).name == _naming.step_dir_name(3) and result.step == 3
+
+
+def test_weights_imported_as_step_0_under_a_prefix_survive_a_fine_tunes_retention(tmp_path):
+    """The README's recipe: `--step 0 --prefix params` puts the weights where a training
+    state keeps them, pinned, so keep_last never deletes what the run started from."""
+    src = tmp_path / "model.safetensors"
+    safetensors.numpy.save_file({"model.w": np.arange(6, dtype=np.float32)}, str(src))
+    result = zarrckpt.import_checkpoint(str(src), str(tmp_path / "ft"), step=0, prefix="params")
+    assert result.step == 0
+    with zarrckpt.CheckpointManager(str(tmp_path / "ft"), keep_last=1) as mgr:
+        weights, _ = mgr.restore({"params": {"model": {"w": np.zeros(6, np.float32)}}})
+        for step in (1, 2):
+            mgr.save(step, {"params": weights["params"], "opt_state": {"count": np.int32(step)}})
+    assert zarrckpt.all_steps(str(tmp_path / "ft")) == [0, 2]
+    assert weights["params"]["model"]["w"].tolist() == list(range(6))
+    for bad in ("", "params.", ".params", 3):
+        with pytest.raises(ValueError, match="prefix must be a dotted key path"):
+            zarrckpt.import_checkpoint(str(src), str(tmp_path / "bad"), prefix=bad)

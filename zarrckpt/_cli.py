@@ -241,6 +241,8 @@ def _parser() -> _Parser:
     sub.add_argument("--dst-storage-option", metavar="KEY=VALUE", action="append", type=_option, default=[],
                      help="storage option for DST only (repeatable)")
     sub.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint where it lands")
+    sub.add_argument("--prefix", metavar="KEY", help="nest the imported tree under this dotted key path, where a "
+                     "training state keeps its weights (params)")
     sub.add_argument("--max-inflight-bytes", metavar="N", type=_positive,
                      default=_concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
                      help="source bytes held at once (default: 2 GiB); a source chunk is read whole")
@@ -445,12 +447,15 @@ def _export_command(args: argparse.Namespace) -> int:
 
 
 def _import_command(args: argparse.Namespace) -> int:
-    result = _import.import_checkpoint(args.src, args.dst, step=args.step, overwrite=args.overwrite,
+    result = _import.import_checkpoint(args.src, args.dst, step=args.step, prefix=args.prefix,
+                                       overwrite=args.overwrite,
                                        storage_options=_options(args.storage_option, args.dst_storage_option),
                                        src_storage_options=_options(args.storage_option, args.src_storage_option),
                                        max_inflight_bytes=args.max_inflight_bytes, progress=args.progress)
+    pinned = " (pinned: retention and gc leave it; delete its PINNED file to let them)"
     print(f"imported {result.leaves} leaves ({_size(result.nbytes)}) from {result.format} "
-          f"{'step ' + str(result.step) + ' ' if result.step is not None else ''}to {result.url}")
+          f"{'step ' + str(result.step) + ' ' if result.step is not None else ''}to {result.url}"
+          f"{pinned if result.step is not None else ''}")
     for name, why in sorted(result.skipped.items()):
         print(f"  {name}: left out ({why})")
     return 0

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from . import _lease, _multihost, _options, _progress, _storage
+from . import _lease, _multihost, _options, _progress, _retention, _storage
 from ._format import naming as _naming, tree as _tree
 from ._options import SaveOptions
 from ._regions import Region
@@ -31,8 +31,8 @@ from .errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointW
 @dataclasses.dataclass(frozen=True)
 class ImportResult:
     """What `import_checkpoint` wrote: the checkpoint's URL, its step (None where it is
-    no step of a directory), its leaves and bytes, the source's format ("safetensors" or
-    "orbax"), and what was left out of the source, with why."""
+    no step of a directory; a step is pinned), its leaves and bytes, the source's format
+    ("safetensors" or "orbax"), and what was left out of the source, with why."""
 
     url: str
     step: int | None
@@ -42,8 +42,8 @@ class ImportResult:
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite: bool = False,
-                      storage_options: dict[str, Any] | None = None,
+def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: str | None = None,
+                      overwrite: bool = False, storage_options: dict[str, Any] | None = None,
                       src_storage_options: dict[str, Any] | None = None,
                       max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
                       progress: bool | None = None) -> ImportResult:
@@ -61,7 +61,11 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
     Where it lands: a step of an Orbax run lands as `dst/<step, zero-padded>`, so that
     `CheckpointManager(dst)` and `load_checkpoint_if_it_exists(dst, ...)` resume from it;
     a run's newest finished step, unless `step` names another. A source that is no step
-    of a run lands at `dst` itself, or, given `step`, as `dst/<step, zero-padded>`.
+    of a run lands at `dst` itself, or, given `step`, as `dst/<step, zero-padded>`. A
+    step it lands as is pinned (a `PINNED` file: retention and `zarrckpt gc` leave it),
+    since a fine-tune's `keep_last` would otherwise delete the weights it started from.
+    With `prefix` (a dotted key path, "params"), the tree lands under it, where a
+    training state keeps its weights: `{"params": <the source's tree>}`.
 
     Leaves keep their dtypes (bfloat16 and float8 exactly), typed PRNG keys stay typed,
     str leaves and empty nodes come back as saved, and an Orbax scalar of a Python
@@ -109,6 +113,8 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
     """
     if step is not None:
         _naming.step_dir_name(step)  # a bad step is an error before anything is read
+    if prefix is not None and (not isinstance(prefix, str) or not all(prefix.split("."))):
+        raise ValueError(f"prefix must be a dotted key path such as 'params' or 'model.params', got {prefix!r:.100}")
     if _multihost.process_count() > 1:
         raise ValueError("import_checkpoint runs in a job of one process (it reads the whole source itself); "
                          "run `zarrckpt import` before the job starts")
@@ -130,6 +136,8 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
             raise CheckpointNotFoundError(f"{source.url} is neither an Orbax checkpoint nor a safetensors file or "
                                           f"set: {e}") from None
         format, tree, skipped = "safetensors", _marked(_deferred_tree(ckpt)), {}
+    for key in reversed(prefix.split(".") if prefix else []):
+        tree = {key: tree}
     loc = _storage.resolve(dst, storage_options)
     if step is not None:
         loc = loc.step(step)
@@ -144,6 +152,8 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, overwrite:
         # Reading the source failed, not writing: its error is what the caller hears.
         kind = CheckpointCorruptError if isinstance(failed.__cause__, CheckpointCorruptError) else OSError
         raise kind(f"{failed.__cause__}; nothing was committed at {loc.url}") from failed.__cause__
+    if step is not None:
+        loc.write(_retention.PIN_FILE, b"", durable=True)
     return ImportResult(loc.url, step, format, len(job.plans), job.nbytes, skipped)
 
 
