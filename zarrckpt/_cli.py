@@ -455,7 +455,7 @@ def _import_command(args: argparse.Namespace) -> int:
     pinned = " (pinned: retention and gc leave it; delete its PINNED file to let them)"
     print(f"imported {result.leaves} leaves ({_size(result.nbytes)}) from {result.format} "
           f"{'step ' + str(result.step) + ' ' if result.step is not None else ''}to {result.url}"
-          f"{pinned if result.step is not None else ''}")
+          f"{pinned if result.pinned else ''}")
     for name, why in sorted(result.skipped.items()):
         print(f"  {name}: left out ({why})")
     return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import itertools
+import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar, cast
@@ -98,6 +99,28 @@ class Hold:
             budget._give_back(self.nbytes)
 
 
+class _Pool(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool that goes on where no thread can be started: at the interpreter's
+    exit (Python 3.12 starts none once it has begun), a save a manager never closed is
+    finished by the exit's wait, with the threads the pool has, or on the thread that
+    asks when it has none (`_adjust_thread_count` is the pool's own hook for starting a
+    thread, called as each item is queued)."""
+
+    def _adjust_thread_count(self) -> None:
+        try:
+            super()._adjust_thread_count()
+        except RuntimeError:
+            if self._threads:
+                return  # they take what is queued
+            while True:
+                try:
+                    item = self._work_queue.get_nowait()
+                except queue.Empty:
+                    return
+                if item is not None:
+                    item.run()
+
+
 class Operation:
     """A pool of `workers` threads doing the items of one job, which fails as a whole.
 
@@ -107,7 +130,7 @@ class Operation:
 
     def __init__(self, workers: int, name: str) -> None:
         self._workers = max(1, workers)
-        self._pool = concurrent.futures.ThreadPoolExecutor(self._workers, thread_name_prefix=f"zarrckpt-{name}")
+        self._pool = _Pool(self._workers, thread_name_prefix=f"zarrckpt-{name}")
         self._lock = threading.Lock()
         self.error: BaseException | None = None
         self._budgets: list[ByteBudget] = []

@@ -31,8 +31,8 @@ from .errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointW
 @dataclasses.dataclass(frozen=True)
 class ImportResult:
     """What `import_checkpoint` wrote: the checkpoint's URL, its step (None where it is
-    no step of a directory; a step is pinned), its leaves and bytes, the source's format
-    ("safetensors" or "orbax"), and what was left out of the source, with why."""
+    no step of a directory), its leaves and bytes, the source's format ("safetensors" or
+    "orbax"), what was left out of the source, with why, and whether the step is pinned."""
 
     url: str
     step: int | None
@@ -40,6 +40,7 @@ class ImportResult:
     leaves: int
     nbytes: int
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    pinned: bool = False
 
 
 def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: str | None = None,
@@ -61,9 +62,10 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
     Where it lands: a step of an Orbax run lands as `dst/<step, zero-padded>`, so that
     `CheckpointManager(dst)` and `load_checkpoint_if_it_exists(dst, ...)` resume from it;
     a run's newest finished step, unless `step` names another. A source that is no step
-    of a run lands at `dst` itself, or, given `step`, as `dst/<step, zero-padded>`. A
-    step it lands as is pinned (a `PINNED` file: retention and `zarrckpt gc` leave it),
-    since a fine-tune's `keep_last` would otherwise delete the weights it started from.
+    of a run lands at `dst` itself, or, given `step`, as `dst/<step, zero-padded>`.
+    Safetensors weights landing as a step are pinned (a `PINNED` file, written after the
+    commit: retention and `zarrckpt gc` leave the step), since a fine-tune's `keep_last`
+    would otherwise delete the weights it started from; an Orbax run's step is not.
     With `prefix` (a dotted key path, "params"), the tree lands under it, where a
     training state keeps its weights: `{"params": <the source's tree>}`.
 
@@ -152,9 +154,10 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
         # Reading the source failed, not writing: its error is what the caller hears.
         kind = CheckpointCorruptError if isinstance(failed.__cause__, CheckpointCorruptError) else OSError
         raise kind(f"{failed.__cause__}; nothing was committed at {loc.url}") from failed.__cause__
-    if step is not None:
+    pinned = step is not None and format == "safetensors"  # a fine-tune's base weights, not a run's step
+    if pinned:
         loc.write(_retention.PIN_FILE, b"", durable=True)
-    return ImportResult(loc.url, step, format, len(job.plans), job.nbytes, skipped)
+    return ImportResult(loc.url, step, format, len(job.plans), job.nbytes, skipped, pinned)
 
 
 def _check_claims(tree: Any, src: str, loc: _storage.Location, budget: int) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before ours: see _AtExit)
 import difflib
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -213,12 +215,18 @@ class CheckpointManager:
         self._check_open()
         location = self._root.step(step)  # a bad step is refused here
         values = _metric_values(metrics)
-        self._warn_unranked(step, values)
+        # Asked at every call, before anything can return early: under jax.distributed
+        # the notice is agreed at one step, which every process must ask about.
+        if notice := self._preemption.first_seen(step):
+            log.warning("preemption notice at step %d: saving it; `if mgr.reached_preemption(step): break` stops the "
+                        "loop there", step)
         self._raise_errors()
-        persistent = self._should_save(step, force)
+        persistent = self._should_save(step, force or notice)
         copy = self._tier is not None and self._tier.due(step)
         if not (persistent or copy):
             return False
+        if persistent:
+            self._warn_unranked(step, values)
         called = time.perf_counter()
         self.wait()
         saves = []  # the persistent save first: the one that must not fail
@@ -290,10 +298,6 @@ class CheckpointManager:
                 return False
         every_call = self._interval_steps is None and self._interval_seconds is None
         due = force or every_call or bool(self._interval_steps and step % self._interval_steps == 0)
-        if self._preemption.first_seen(step):
-            log.warning("preemption notice at step %d: saving it; `if mgr.reached_preemption(step): break` stops the "
-                        "loop there", step)
-            due = True
         if not due and (interval := self._interval_seconds) is not None:
             # Clocks differ across hosts: process 0 decides for everyone.
             op = _multihost.Agreement("manager-decide", self._timeout_s)
@@ -441,9 +445,10 @@ class CheckpointManager:
         `if mgr.reached_preemption(step): break` after `mgr.save(step, state)`. The same
         on every process. The notice is JAX's preemption sync point under
         `jax.distributed`, and in a job of one process SIGTERM (taken from the first
-        `save` until `close`, unless something else handles it; a second SIGTERM ends the
-        process).
+        call of this until `close`, unless something else handles it; a second SIGTERM
+        ends the process).
         Always False with `save_on_preemption=False`."""
+        self._preemption.take_sigterm()
         at = self._preemption.at
         if at is None or step < at:
             return False
@@ -610,24 +615,29 @@ def _metric_values(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
 class _AtExit:
     """Closes, at this program's exit, every manager still open (see `_close_at_exit`).
 
-    It runs where the interpreter's shutdown begins, with the hooks `concurrent.futures`
-    uses (threading's own; Python's `atexit` where that is missing): after them thread
-    pools take no more work, so a save still writing could not finish, and `atexit`
-    comes later still, after `jax.distributed`'s own shutdown."""
+    It runs where the interpreter's shutdown begins, with threading's own exit hooks
+    (Python's `atexit` where those are missing), registered after `concurrent.futures`
+    registered its own, so before it (they run last registered first): after it thread
+    pools take no more work, and a save still writing could not finish. `atexit` comes
+    later still, after `jax.distributed`'s shutdown. A forked child leaves its parent's
+    managers alone."""
 
     def __init__(self) -> None:
         self._managers: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
-        self._registered = False
+        self._pid = os.getpid()
+        getattr(threading, "_register_atexit", atexit.register)(self._close_all)
 
     def register(self, manager: CheckpointManager) -> None:
-        if not self._registered:
-            getattr(threading, "_register_atexit", atexit.register)(self._close_all)
-            self._registered = True
         self._managers.add(manager)
 
     def _close_all(self) -> None:
+        if os.getpid() != self._pid:
+            return
         for manager in list(self._managers):
-            manager._close_at_exit()
+            try:
+                manager._close_at_exit()
+            except BaseException as e:  # a Ctrl-C here must not stop the rest of the shutdown
+                log.error("closing the CheckpointManager of %s at exit: %r", manager._root.url, e)
 
 
 _close_at_exit = _AtExit()

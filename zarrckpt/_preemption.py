@@ -2,9 +2,9 @@
 `jax.distributed` job at one step (its preemption sync point); in a job of one process
 without `jax.distributed`, SIGTERM itself, which schedulers send before they kill.
 
-SIGTERM is taken from the first save on (a manager that only restores, in an evaluator
-say, leaves it alone), only where nothing else handles it, and a second SIGTERM ends the
-process as SIGTERM does: a loop that never stops at the notice can still be stopped.
+SIGTERM is taken only once a loop asks `reached_preemption` (it then stops where told),
+only from the main thread, only where nothing else handles it; while no open manager
+listens, or at a second SIGTERM, the handler ends the process as SIGTERM does.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import weakref
 from typing import Any
 
 from jax.experimental import multihost_utils
@@ -26,41 +27,46 @@ class Notice:
     def __init__(self, *, listen: bool) -> None:
         self.at: int | None = None
         self._listen = listen
-        self._signalled = threading.Event()
-        self._previous: Any = None
-        self._ours = False
-        self._tried = False
+        self.signalled = False  # set by the handler: a plain attribute, no lock to take there
 
     def first_seen(self, step: int) -> bool:
         """Whether the notice is seen for the first time at `step` (then `at` is `step`),
-        called at each save. Under `jax.distributed`, collective: every process calls it
-        at every step."""
+        asked at each save. Under `jax.distributed`, collective: every process asks at
+        every step."""
         if not self._listen or self.at is not None:
             return False
-        if not self._tried:
-            self._tried = True
-            if not _multihost.coordinated() and threading.current_thread() is threading.main_thread() and \
-                    signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-                self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-                self._ours = True
         if _multihost.coordinated():
-            seen = multihost_utils.reached_preemption_sync_point(step)
+            from jax._src import distributed  # is the preemption service on?
+
+            seen = distributed.global_state.preemption_sync_manager is not None and \
+                multihost_utils.reached_preemption_sync_point(step)
         else:
-            seen = self._signalled.is_set()
+            seen = self.signalled
         if seen:
             self.at = step
-        return seen
+        return bool(seen)
+
+    def take_sigterm(self) -> None:
+        """Listens for SIGTERM, in a job of one process, if nothing else handles it."""
+        if not self._listen or _multihost.coordinated() or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, _on_sigterm):
+            return
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        _listening.add(self)
 
     def close(self) -> None:
-        """Gives SIGTERM back to what handled it before, if the handler is still ours."""
-        if self._ours and threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-            signal.signal(signal.SIGTERM, self._previous)
-        self._ours = False
+        _listening.discard(self)
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        # Nothing that takes a lock here (logging would): the main thread may hold it.
-        if self._signalled.is_set():
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-        self._signalled.set()
+
+_listening: weakref.WeakSet[Notice] = weakref.WeakSet()
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    listening = list(_listening)
+    if not listening or any(notice.signalled for notice in listening):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nobody listens, or a second one: as SIGTERM does
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    for notice in listening:
+        notice.signalled = True

@@ -115,10 +115,17 @@ class PythonScalar(Form):
 
 @dataclasses.dataclass(frozen=True)
 class DefaultDevice(Form):
+    """An array placed as jax places what is given no placement (uncommitted), on the
+    default device, or on `device` where an uncommitted target leaf was."""
+
     dtype: np.dtype
+    device: Any = None
 
     def convert(self, data: np.ndarray) -> Any:
-        return jax.device_put(data)
+        if self.device is None:
+            return jax.device_put(data)
+        with jax.default_device(self.device):
+            return jax.device_put(data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,12 +413,13 @@ def _request_for(leaf: Any, stored: _reader.StoredLeaf, where: str,
         old = leaf if isinstance(leaf, jax.Array) else None
         placed = None if old is not None and not old.committed else leaf.sharding
         return Request(stored, PrngKeys(stored.dtype, placed), old=old), data_shape
-    if isinstance(leaf, jax.Array) and not leaf.committed:
-        # Made without a placement (optax's `count` from `init`, `jnp.zeros(...)`): it
+    if isinstance(leaf, jax.Array) and not leaf.committed and leaf.nbytes < _READER_PLACEMENT_BYTES:
+        # Made without a placement (optax's `count` from `init`, a step counter): it
         # comes back the same, so that jit places it beside the arrays it meets, as it
         # did the original; committed to its device, a step meeting it with arrays on a
-        # mesh would fail on incompatible devices.
-        return Request(stored, DefaultDevice(np.dtype(leaf.dtype)), old=leaf), tuple(leaf.shape)
+        # mesh would fail on incompatible devices. (Large ones keep the readers' path.)
+        return Request(stored, DefaultDevice(np.dtype(leaf.dtype), next(iter(leaf.devices()))), old=leaf), \
+            tuple(leaf.shape)
     if isinstance(leaf, jax.Array):
         return Request(stored, *sharded(np.dtype(leaf.dtype), leaf.sharding, stored, broadcast), old=leaf), \
             tuple(leaf.shape)

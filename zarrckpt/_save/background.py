@@ -53,20 +53,22 @@ class BackgroundSave:
         reporting it again); a failure of the writer is its own (`on_failure`)."""
         job, self._job = self._job, None
         assert job is not None, "a save starts once"
-        self._thread = threading.Thread(target=self._run, args=(job, self._staged()), name=self._name, daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, args=(job, self._staged()), name=self._name, daemon=True)
+        self._thread = thread
         try:
+            thread.start()
             stage(job, self._queue.put)
+            self.staged = time.perf_counter()  # before the end: the commit comes after it
+            self._queue.put(_END)
         except _concurrency.Aborted:  # the writer failed first, and reports it
             self._queue.put(_STOPPED)
-            return
-        except BaseException:
+        except BaseException:  # a Ctrl-C anywhere here included: the writer is told, and waited for
             self._staging_failed = True
-            self._queue.put(_STOPPED)
+            self._queue.put(_STOPPED)  # after an _END, never read
+            if thread.ident is None:  # interrupted before it started: nothing else will end it
+                self._finished.set()
             self._finished.wait()
             raise
-        self.staged = time.perf_counter()  # before the end: the commit comes after it
-        self._queue.put(_END)
 
     def run(self) -> None:
         """The whole save on the calling thread: writes as it copies, then commits."""

@@ -302,9 +302,9 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None) -> Location
     if storage_options is not None and not isinstance(storage_options, Mapping):
         raise TypeError(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
     if (one := _ONE_SLASH.match(url)) and one.group(1).lower() in fsspec.available_protocols() and \
-            one.group(1).lower() != "file":  # else fsspec reads `gs:/bucket/run` as the local path ./gs:/bucket/run
-        raise ValueError(f"checkpoint URL {reprlib.repr(url)} has one slash after '{one.group(1)}:': write "
-                         f"{reprlib.repr(one.group(1) + '://' + url[len(one.group(0)):])}")
+            one.group(1).lower() not in ("file", "local"):  # else `gs:/bucket/run` is the local ./gs:/bucket/run
+        raise ValueError(f"checkpoint URL {url!r:.300} has one slash after '{one.group(1)}:': write "
+                         f"{one.group(1) + '://' + url[len(one.group(0)):]!r:.300}")
     given = dict(storage_options or {})
     request_timeout_s = _request_timeout(given.pop(REQUEST_TIMEOUT_OPTION, DEFAULT_REQUEST_TIMEOUT_S))
     scheme = fsspec.core.split_protocol(url)[0] or "file"
