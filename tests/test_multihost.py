@@ -68,6 +68,14 @@ def test_manager_async_saves_and_restores_on_two_processes(tmp_path):
     assert zarrckpt.all_steps(str(tmp_path / "run")) == [4, 6]
 
 
+def test_sigterm_to_one_process_of_two_stops_both_loops_at_one_saved_step(tmp_path):
+    results = multiprocess.run("mp_manager", "preempted", str(tmp_path / "run"))
+    stops = {result["stopped"] for result in results}
+    assert len(stops) == 1 and None not in stops, results  # the same step on both, and they stopped
+    (stop,) = stops
+    assert stop > 15 and results[0]["steps"][-1] == stop, results  # nothing trained after the notice is lost
+
+
 def test_manager_background_barrier_times_out_naming_the_missing_process(tmp_path):
     results = multiprocess.run("mp_manager", "timeout", str(tmp_path / "run"))
     error = results[0]["error"]

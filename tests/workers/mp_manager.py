@@ -1,7 +1,10 @@
-"""Multi-process CheckpointManager worker: `train DIR`, `timeout DIR` and `late DIR TIMEOUT_S HOLD_S`."""
+"""Multi-process CheckpointManager worker: `train DIR`, `timeout DIR`, `late DIR TIMEOUT_S HOLD_S`
+and `preempted DIR`."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 from common import init, report
@@ -123,4 +126,23 @@ def late(directory: str, timeout_s: str, hold_s: str) -> None:
         client.key_value_set("test/gave-up", "")
 
 
-{"train": train, "timeout": timeout, "late": late}[args[0]](*args[1:])
+def preempted(directory: str) -> None:
+    """Process 1 gets SIGTERM after step 15 (as a scheduler sends it to one host): JAX's
+    preemption service agrees on a step, both save it, and both loops stop there."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
+    update = jax.jit(lambda s: jax.tree_util.tree_map(lambda x: x + 1, s), donate_argnums=0)
+    state, stopped = state_on(mesh, 0.0), None
+    with zarrckpt.CheckpointManager(directory, save_interval_steps=10) as mgr:
+        for step in range(1, 200):
+            state = update(state)
+            mgr.save(step, state)
+            if step == 15 and jax.process_index() == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if mgr.reached_preemption(step):
+                stopped = step
+                break
+            time.sleep(0.02)
+    report(stopped=stopped, steps=zarrckpt.all_steps(directory))
+
+
+{"train": train, "timeout": timeout, "late": late, "preempted": preempted}[args[0]](*args[1:])
