@@ -466,9 +466,7 @@ class CheckpointManager:
         try:
             self.wait()
         except KeyboardInterrupt:
-            with self._lock:
-                going_on = any(not save.done for save in self._in_flight)
-            if not going_on:
+            if not self._unfinished():
                 self._end()
             raise
         except BaseException:
@@ -476,6 +474,11 @@ class CheckpointManager:
             raise
         self._end()
         self._raise_errors()
+
+    def _unfinished(self) -> list[_save.BackgroundSave]:
+        """The saves of the last `save` call still writing or committing."""
+        with self._lock:
+            return [save for save in self._in_flight if not save.done]
 
     def _end(self) -> None:
         self._closed = True
@@ -488,9 +491,7 @@ class CheckpointManager:
         said by a warning naming it), never cut off by the interpreter's end."""
         if self._closed:
             return
-        with self._lock:
-            in_flight = [save for save in self._in_flight if not save.done]
-        for save in in_flight:
+        for save in self._unfinished():
             log.warning("exiting while %s is being saved by a CheckpointManager nobody closed: waiting for it "
                         "(close() the manager, or use `with`, to wait where you choose)", save.url)
             try:
@@ -500,19 +501,14 @@ class CheckpointManager:
             if not finished:
                 log.error("%s left uncommitted at exit: its save did not finish (every reader skips it)", save.url)
                 return  # the rest is cut off with the interpreter, as it would be without this
-        try:
-            self.close()
-        except BaseException as e:
-            log.error("closing the CheckpointManager of %s at exit: %s", self._root.url, e)
+        self.close()  # its error is logged by the exit hook
 
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: Any) -> None:
         if kind is KeyboardInterrupt:
-            with self._lock:
-                pending = [save.url for save in self._in_flight if not save.done]
-            if pending:
+            if pending := [save.url for save in self._unfinished()]:
                 log.warning("waiting for %s to commit before leaving (Ctrl-C again stops waiting here; the program's "
                             "exit then waits for it)", ", ".join(pending))
         self.close()
@@ -637,7 +633,7 @@ class _AtExit:
             try:
                 manager._close_at_exit()
             except BaseException as e:  # a Ctrl-C here must not stop the rest of the shutdown
-                log.error("closing the CheckpointManager of %s at exit: %r", manager._root.url, e)
+                log.error("closing the CheckpointManager of %s at exit: %s", manager._root.url, e)
 
 
 _close_at_exit = _AtExit()

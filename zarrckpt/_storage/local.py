@@ -142,6 +142,11 @@ def _open_below(fd: int, name: str, flags: int, path: str, mode: int = 0o666) ->
         raise
 
 
+def _not_regular(mode: int, path: str) -> NotAFile:
+    """The error for `path`, opened and found to be of `mode`, not a regular file."""
+    return NotAFile(path, _SPECIAL.get(stat.S_IFMT(mode), "a special file"))
+
+
 def _mode(fd: int, name: str) -> int | None:
     """The file type of `name` in the directory `fd` (S_IFLNK for a link), if it is there."""
     try:
@@ -228,7 +233,7 @@ def _opened(root: str, key: str) -> Iterator[tuple[int, int]]:
         if stat.S_ISDIR(info.st_mode):
             raise IsADirectoryError(errno.EISDIR, f"{os.path.join(root, key)} is a directory")
         if not stat.S_ISREG(info.st_mode):
-            raise NotAFile(os.path.join(root, key), _SPECIAL.get(stat.S_IFMT(info.st_mode), "a special file"))
+            raise _not_regular(info.st_mode, os.path.join(root, key))
         yield f, info.st_size
     finally:
         os.close(f)
@@ -329,7 +334,7 @@ def _write_file(fd: int, name: str, flags: int, parts: Sequence[object], path: s
     f = _open_below(fd, name, flags, path)
     try:
         if not stat.S_ISREG(mode := os.fstat(f).st_mode):  # a planted FIFO or device: never written into
-            raise NotAFile(path, _SPECIAL.get(stat.S_IFMT(mode), "a special file"))
+            raise _not_regular(mode, path)
         for part in parts:
             view = memoryview(part).cast("B")  # type: ignore[arg-type]
             while view:

@@ -5,8 +5,8 @@ One class per kind of storage implements it (`local.LocalDisk`, `remote.Fsspec`)
 `guard.Guarded` wraps every request of either with what all of them need (deadline,
 retries, the abort check, counting, errors as zarrckpt raises them). A backend raises
 what its storage raises, as OSError subclasses (FileNotFoundError for what is absent),
-`NotAFile` for a symbolic link it will not follow or a special file it will not open, and `DeadlinePassed` for a request
-it abandoned.
+`NotAFile` for a symbolic link it will not follow or a special file it will not read,
+and `DeadlinePassed` for a request it abandoned.
 """
 
 from __future__ import annotations
