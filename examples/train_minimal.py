@@ -5,7 +5,8 @@
 
 Saves are asynchronous: `mgr.save` returns once the copies of the state to host memory
 are dispatched, so the next (buffer-donating) training step can run while the
-checkpoint is written.
+checkpoint is written. A SIGTERM (what a scheduler sends before it preempts a job)
+makes the manager save the step it is at, and the loop stop there.
 
 The state (parameters, optimizer moments, step, RNG key) is sharded over the host's
 devices; on a CPU-only machine the example asks XLA for 8 fake devices.
@@ -80,6 +81,9 @@ def train(url: str, steps: int, save_every: int, *, keep_last: int = 3,
             step += 1
             if mgr.save(step, state):
                 print(f"step {step}: loss {float(loss):.4f}, saving to {url}", flush=True)
+            if mgr.reached_preemption(step):  # a SIGTERM came: this step is saved; stop here
+                print(f"preempted: step {step} saved, stopping", flush=True)
+                break
     # Leaving the `with` block waited for the last save to commit.
     return step
 

@@ -230,6 +230,23 @@ def test_gc_dry_run_then_for_real(tmp_path):
     assert zarrckpt.all_steps(root) == [2, 3, 5, 6]
 
 
+def test_gc_keeps_every_kth_alone_and_the_best_as_the_manager_does(tmp_path):
+    root = str(tmp_path / "run")
+    with zarrckpt.CheckpointManager(root, async_save=False) as mgr:
+        for step in range(1, 8):
+            mgr.save(step, {"x": step}, metrics={"val_loss": abs(step - 3)})  # step 3 is the best
+    every = run("gc", root, "--keep-every", "2", "--json")
+    assert every.returncode == 0, every.stderr
+    assert json.loads(every.stdout)["kept"] == [2, 4, 6, 7]  # every 2nd, and the newest
+    best = run("gc", root, "--keep-last", "1", "--keep-best", "1", "--best-metric", "val_loss", "--json")
+    assert best.returncode == 0, best.stderr
+    assert json.loads(best.stdout)["kept"] == [4, 7]  # 2 and 4 tie for the best left: the newer ranks first
+    nothing, unnamed = run_together([["gc", root], ["gc", root, "--keep-best", "1"]])
+    assert nothing.returncode == 1 and "--keep-last N, --keep-every K or --keep-best N" in nothing.stderr
+    assert unnamed.returncode == 1 and "--keep-best N and --best-metric NAME go together" in unnamed.stderr
+    assert zarrckpt.all_steps(root) == [4, 7]
+
+
 def test_cp_local_to_local(run_dir, tmp_path):
     src, dst = f"{run_dir}/0000000030", str(tmp_path / "copy")
     first = run("cp", src, dst)
@@ -354,6 +371,42 @@ def test_export_npz_and_safetensors(run_dir, tmp_path):
     np.testing.assert_array_equal(w, np.asarray(expected["params"]["w"]))
 
 
+def test_export_writes_back_the_imported_metadata_and_a_sharded_set_with_its_index(tmp_path):
+    """A Hugging Face model imported, then exported: its `__metadata__` comes back
+    (transformers loads no file without "format"), and a set split as transformers
+    splits one, with the index naming each tensor's file, reads back as the source."""
+    source = {f"model.layers.{i}.weight": np.full((64, 64), i, np.float32) for i in range(5)}  # 16 KiB each
+    safetensors.numpy.save_file(source, str(tmp_path / "model.safetensors"), metadata={"format": "pt", "x": "y"})
+    zarrckpt.import_checkpoint(str(tmp_path / "model.safetensors"), str(tmp_path / "ckpt"))
+    out = tmp_path / "out"
+    out.mkdir()
+    result = run("export", str(tmp_path / "ckpt"), str(out / "model.safetensors"), "--max-shard-bytes", "40000")
+    assert result.returncode == 0, result.stderr
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+                     "model-00003-of-00003.safetensors", "model.safetensors.index.json"]  # 2 + 2 + 1 tensors
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 5 * 64 * 64 * 4
+    assert index["weight_map"]["model.layers.4.weight"] == "model-00003-of-00003.safetensors"
+    for name in files[:3]:
+        with safetensors.safe_open(str(out / name), "np") as f:
+            assert f.metadata() == {"format": "pt", "x": "y"}
+    back = zarrckpt.load_safetensors(str(out))  # through the index
+    for i in range(5):
+        np.testing.assert_array_equal(back["model"]["layers"][str(i)]["weight"], source[f"model.layers.{i}.weight"])
+    # A checkpoint that came from elsewhere is marked as transformers expects; a set that
+    # fits in one file is that one file.
+    zarrckpt.save_pytree(str(tmp_path / "plain"), {"w": np.ones(3, np.float32)})
+    one = zarrckpt.export_checkpoint(str(tmp_path / "plain"), str(out / "plain.safetensors"), max_shard_bytes=40000)
+    assert one.path == str(out / "plain.safetensors")
+    with safetensors.safe_open(one.path, "np") as f:
+        assert f.metadata() == {"format": "pt"}
+    with pytest.raises(FileExistsError, match="model-00001-of-00003.safetensors already exists"):
+        zarrckpt.export_checkpoint(str(tmp_path / "ckpt"), str(out / "model.safetensors"), max_shard_bytes=40000)
+    with pytest.raises(ValueError, match="max_shard_bytes splits a .safetensors export"):
+        zarrckpt.export_checkpoint(str(tmp_path / "ckpt"), str(out / "m.npz"), max_shard_bytes=40000)
+
+
 def test_export_refuses_what_the_format_cannot_hold(tmp_path):
     url = str(tmp_path / "c")
     zarrckpt.save_pytree(url, {"z": np.ones(2, np.complex128), "i4": np.arange(3).astype(ml_dtypes.int4)})
@@ -395,7 +448,7 @@ def test_export_select_writes_a_subtree_named_inside_it_and_leaves_out_text(tmp_
 
 
 @pytest.mark.parametrize(("args", "complaint", "hint"), [
-    (["gc", "D", "--keep_last", "2"], "the following arguments are required: --keep-last",
+    (["gc", "D", "--keep_last", "2"], "unrecognized arguments: --keep_last 2",
      "--keep_last is not an option of zarrckpt gc: did you mean --keep-last?"),
     (["gc", "D", "--keep-last", "2", "--dryrun"], "unrecognized arguments: --dryrun",
      "--dryrun is not an option of zarrckpt gc: did you mean --dry-run?"),
@@ -411,6 +464,23 @@ def test_a_mistyped_flag_gets_the_commands_usage_and_the_flag_it_resembles(args,
     lines = err.getvalue().splitlines()
     assert status == 2 and lines[0].startswith("usage: zarrckpt gc ")  # gc's usage, not the top level's
     assert f"zarrckpt gc: error: {complaint}" in lines and f"  {hint}" in lines, lines
+
+
+def test_a_storage_option_for_a_local_path_is_refused_in_the_flags_words(tmp_path):
+    import contextlib
+    import io
+
+    zarrckpt.save_pytree(str(tmp_path / "src"), {"a": np.ones(3)})
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = _cli.main(["ls", str(tmp_path), "-o", "anon=true"])
+    assert status == 1 and "--storage-option ['anon'] do nothing for the local path" in err.getvalue()
+    # With two URLs, -o is for the remote side: a local side takes none of it.
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert _cli.main(["cp", str(tmp_path / "src"), str(tmp_path / "dst"), "-o", "anon=true"]) == 0
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        status = _cli.main(["cp", str(tmp_path / "src"), str(tmp_path / "dst2"), "--dst-storage-option", "anon=true"])
+    assert status == 1 and "--dst-storage-option ['anon']" in err.getvalue()
 
 
 def test_errors_are_one_line(tmp_path):

@@ -255,3 +255,28 @@ def test_chunks_that_share_a_copy_give_their_budget_back_together():
     assert job.budget._used == b[0].nbytes
     b[0].release()
     assert job.budget._used == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_a_chunk_read_from_a_pinned_copy_keeps_the_copy_alive(dtype):
+    """A writer may drop the last unit of a copy while another thread still reads a
+    chunk of it: the chunk's view must keep the buffer it reads (and the copy) alive,
+    and must hold it by nothing but Python references: on the GPU runtime, a buffer
+    destroyed while a numpy view held it through the runtime aborted the process."""
+    from zarrckpt._save.plan import HostCopy
+
+    values = np.arange(4096, dtype=np.float32).reshape(64, 64).astype(dtype)
+    pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=_transfer.PINNED)
+    (array,) = jax.device_put([jnp.asarray(values)], [pinned], may_alias=False)
+    copy = HostCopy(array)
+    chunk = copy.view(None, (slice(8, 16), slice(None)))
+    alive = weakref.ref(array)
+    del copy, array
+    gc.collect()
+    assert alive() is not None  # the view holds it
+    again = jax.device_put([jnp.asarray(values) + 1], [pinned], may_alias=False)  # memory that may be reused
+    np.testing.assert_array_equal(chunk, values[8:16])
+    assert chunk.base is not None and not chunk.flags.writeable
+    del chunk, again
+    gc.collect()
+    assert alive() is None  # and lets it go with the last view

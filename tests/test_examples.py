@@ -1,5 +1,6 @@
 """The examples run as a user would run them; each takes seconds on a laptop CPU."""
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,27 @@ def test_train_minimal_resumes_after_being_killed(tmp_path):
     resumed = int(out.split("resumed from step ")[1].split(":")[0])
     assert resumed >= 10 and resumed % 5 == 0, out
     assert f"done at step {resumed + 10}" in out
+
+
+def test_train_minimal_stops_at_a_sigterm_with_that_step_saved(tmp_path):
+    """What a scheduler does before preempting a job: the loop saves the step it is at,
+    stops, and exits 0; the next run resumes from that step, none lost."""
+    ckpt = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "train_minimal.py"), "--checkpoint-dir", ckpt,
+                             "--steps", "1000000", "--save-every", "10"], stdout=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # the loop has asked reached_preemption: SIGTERM is a notice from then on
+            if line.startswith("step 10:"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        out = proc.stdout.read()
+        assert proc.wait(timeout=120) == 0, out
+    finally:
+        proc.kill()
+    stopped = int(out.split("preempted: step ")[1].split(" ")[0])
+    assert f"committed steps: [{stopped}]" in out or f", {stopped}]" in out, out
+    again = run_example("--checkpoint-dir", ckpt, "--steps", "3")
+    assert f"resumed from step {stopped}: training to step {stopped + 3}" in again
 
 
 def test_restore_other_mesh(tmp_path):

@@ -89,8 +89,33 @@ def test_split_chunk():
     assert _planning.split_chunk((8, 8), 2) == (4, 8)
     assert _planning.split_chunk((8, 8), 8) == (1, 8)
     assert _planning.split_chunk((8, 8), 16) == (1, 4)
-    assert _planning.split_chunk((7, 6), 2) == (1, 6)  # only exact divisors
     assert _planning.split_chunk((), 4) == ()
+    # A shard's parts must tile it: only exact divisors, and where the leading axis has
+    # none near the count, the next axis takes the split (never 7 single rows).
+    assert _planning.split_chunk((7, 6), 2) == (7, 3)
+    assert _planning.split_chunk((101, 13), 4) == (101, 13)  # prime both ways: one part, not 1,313
+    # Spanning the whole array, an axis is cut anywhere, the last part at the edge.
+    assert _planning.split_chunk((7, 6), 2, (7, 6)) == (4, 6)
+    assert _planning.split_chunk((104_729, 8), 26, (104_729, 8)) == (4029, 8)
+    assert _planning.split_chunk((7, 6), 2, (14, 6)) == (7, 3)  # 7 of 14 rows: a shard, constrained
+
+
+@pytest.mark.parametrize("rows, spec", [(104_729, P()), (8 * 10_007, P("a"))])  # primes: 104,729 and 10,007
+def test_awkward_lengths_make_few_chunks(tmp_path, rows, spec):
+    """A leaf whose length has no divisor near the split it needs is still cut into about
+    max_chunk_bytes parts (it once became one chunk object per row), and comes back whole."""
+    mesh = Mesh(np.array(jax.devices()), ("a",))
+    x = jax.device_put(jnp.arange(rows * 8, dtype=jnp.float32).reshape(rows, 8), NamedSharding(mesh, spec))
+    host = np.arange(rows * 8, dtype=np.float32).reshape(rows, 8)
+    url = str(tmp_path / "c")
+    zarrckpt.save_pytree(url, {"x": x, "host": host}, max_chunk_bytes=2**18)
+    for name in ("x", "host"):
+        files = [p for p in (Path(url) / name).rglob("*") if p.is_file() and p.name != "zarr.json"]
+        parts = -(-host.nbytes // 2**18)
+        assert parts <= len(files) <= 4 * max(parts, jax.device_count()), (name, len(files))
+    out = zarrckpt.load_pytree(url)
+    np.testing.assert_array_equal(np.asarray(out["x"]), host)
+    np.testing.assert_array_equal(out["host"], host)
 
 
 def plan(x, **kw):

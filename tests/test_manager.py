@@ -191,6 +191,64 @@ def test_manager_retention_keeps_newest_best_and_pinned(tmp_path):
     assert zarrckpt.all_steps(str(tmp_path)) == [2, 3, 7]
 
 
+def test_a_diverged_run_never_rotates_out_its_last_finite_step(tmp_path, caplog):
+    """Steps holding NaN or infinities are saved, logged with their leaves, and marked;
+    retention keeps the newest step without them until a newer one commits, also for a
+    manager opened later. The check runs on the devices, each set of devices apart (a
+    leaf on one device beside leaves on the mesh)."""
+    def state(w, single):
+        return {"w": jax.device_put(jnp.full((8, 16), w), NamedSharding(mesh(names=("a", "b")), P("a", "b"))),
+                "single": jax.device_put(jnp.full(3, single), jax.devices()[1]),
+                "count": jnp.array(1, jnp.int32), "host": np.full(2, np.nan)}  # host leaves are not looked at
+
+    with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+        with zarrckpt.CheckpointManager(str(tmp_path), keep_last=1) as mgr:
+            mgr.save(1, state(1.0, 1.0))
+            mgr.save(2, state(np.nan, 1.0))
+            mgr.save(3, state(1.0, -np.inf))
+            mgr.wait()
+            assert mgr.all_steps() == [1, 3]
+    warned = [r.getMessage() for r in caplog.records if "NaN or infinities" in r.getMessage()]
+    assert len(warned) == 2 and "['w']" in warned[0] and "['single']" in warned[1], warned
+    assert "['host']" not in " ".join(warned)
+    with zarrckpt.CheckpointManager(str(tmp_path), keep_last=1) as mgr:
+        mgr.save(4, state(np.nan, np.nan))
+        mgr.wait()
+        assert mgr.all_steps() == [1, 4]
+        mgr.save(5, state(2.0, 2.0))
+        mgr.wait()
+        assert mgr.all_steps() == [5]  # a newer finite step: the old one may go
+    restored, step = zarrckpt.load_checkpoint_if_it_exists(str(tmp_path), state(0.0, 0.0))
+    assert step == 5 and float(restored["w"][0, 0]) == 2.0
+
+
+def test_delete_and_unpin_by_hand(tmp_path):
+    with zarrckpt.CheckpointManager(str(tmp_path), keep_last=2, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, small_state(step))
+            if step == 1:
+                mgr.pin(1)
+        assert mgr.all_steps() == [1, 2, 3]  # 1 pinned
+        mgr.unpin(1)
+        mgr.save(4, small_state(4))
+        assert mgr.all_steps() == [3, 4]  # unpinned, retention took it
+        mgr.pin(3)
+        mgr.delete(3)  # pinned or not, by hand
+        assert mgr.all_steps() == [4] and zarrckpt.all_steps(str(tmp_path)) == [4]
+        with pytest.raises(zarrckpt.CheckpointNotFoundError, match="step 3 is not a committed checkpoint"):
+            mgr.delete(3)
+        with pytest.raises(zarrckpt.CheckpointNotFoundError, match="step 9 is not a committed checkpoint"):
+            mgr.unpin(9)
+        mgr.delete(4)  # the newest too: the run is then empty
+        assert mgr.latest_step() is None
+        mgr.save(5, small_state(5))
+        (tmp_path / "0000000005" / "notes.txt").write_text("mine")
+        with pytest.raises(zarrckpt.CheckpointWriteError, match="not the checkpoint's"):
+            mgr.delete(5)  # nothing outside a checkpoint is ever deleted
+    assert (tmp_path / "0000000005" / "notes.txt").read_text() == "mine"
+    assert zarrckpt.all_steps(str(tmp_path)) == [5]
+
+
 def test_retention_cleans_old_leftovers_but_not_newer_ones(tmp_path):
     root = str(tmp_path)
     for step in (1, 2):
@@ -285,6 +343,24 @@ def test_no_policy_saves_at_every_call(tmp_path):
     with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
         assert all(mgr.save(step, train_state(step)) for step in (1, 2, 3))
     assert zarrckpt.all_steps(str(tmp_path)) == [1, 2, 3]
+
+
+def test_a_step_older_than_the_newest_committed_is_not_saved_and_says_why(tmp_path, caplog):
+    """A loop whose step counter went back (not restored with the state) would save
+    steps a restore never picks: refused, with one warning naming both steps."""
+    with zarrckpt.CheckpointManager(str(tmp_path), async_save=False) as mgr:
+        assert mgr.save(2, train_state(2))
+        with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+            assert not mgr.save(1, train_state(1))
+            assert not mgr.save(0, train_state(0))
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "step 1 " in warned[0].getMessage() and "step 2," in warned[0].getMessage()
+        assert mgr.save(1, train_state(1), force=True)  # on purpose
+        assert mgr.save(5, train_state(5))
+    with zarrckpt.CheckpointManager(str(tmp_path), async_save=False) as mgr:
+        mgr.restore(train_state(0), step=1)  # a rollback, on purpose: the loop saves on from there
+        assert mgr.save(3, train_state(3))
+    assert zarrckpt.all_steps(str(tmp_path)) == [1, 2, 3, 5]
 
 
 def test_restore_with_a_step_where_the_target_goes_says_how(tmp_path):

@@ -58,3 +58,16 @@ def test_every_public_call_spells_out_its_options():
             continue
         kinds = {p.kind for p in inspect.signature(call).parameters.values()}
         assert inspect.Parameter.VAR_KEYWORD not in kinds, call
+
+
+def test_storage_options_on_a_local_path_are_refused_not_ignored(tmp_path):
+    """fsspec options do nothing for a path zarrckpt writes itself: a misspelled or
+    misplaced one is an error naming it, at the call."""
+    url = str(tmp_path / "run")
+    for call in (lambda: zarrckpt.CheckpointManager(url, storage_options={"endpoint_ur": "http://x"}),
+                 lambda: zarrckpt.save_checkpoint(url, 1, train_state(), storage_options={"anon": True})):
+        with pytest.raises(ValueError, match=r"storage_options \['(endpoint_ur|anon)'\] do nothing for the local"):
+            call()
+    assert not any(tmp_path.iterdir())
+    zarrckpt.save_checkpoint(url, 1, train_state(), storage_options={"request_timeout_s": 30})  # zarrckpt's own
+    assert zarrckpt.all_steps(url) == [1]

@@ -136,6 +136,11 @@ def test_mismatches_are_listed_as_for_a_checkpoint(tmp_path: Path) -> None:
     assert "['lm_head']['bias']: shape (10,) in the checkpoint, (3,) in the target" in message
     assert "['lm_head']['scale']: in the target but not in the checkpoint" in message
     assert "['model']['norm']['eps']: in the checkpoint but not in the target" in message and "partial=True" in message
+    # Named as the user named it: the folder, or the one file of it.
+    assert message.startswith(f"checkpoint {tmp_path} does not match")
+    with pytest.raises(zarrckpt.CheckpointMismatchError) as info:
+        zarrckpt.load_safetensors(str(tmp_path / "model.safetensors"), target)
+    assert str(info.value).startswith(f"checkpoint {tmp_path / 'model.safetensors'} does not match")
 
 
 def test_a_directory_without_one_file_or_an_index_is_not_found(tmp_path: Path) -> None:

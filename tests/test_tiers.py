@@ -160,6 +160,19 @@ def test_one_process_restores_the_newer_tier(tmp_path: Path) -> None:
                                                          [run, "0", "-", "9", "committed"]]
 
 
+def test_a_step_deleted_by_hand_never_comes_back_from_the_local_tier(tmp_path: Path) -> None:
+    persistent, local = str(tmp_path / "run"), str(tmp_path / "local")
+    with zarrckpt.CheckpointManager(persistent, save_interval_steps=4, local_directory=local,
+                                    local_save_interval_steps=4, local_keep_last=2) as mgr:
+        for step in range(1, 9):
+            mgr.save(step, one_state(1, step))
+        mgr.delete(8)  # say, it holds what training should not go on from
+    assert zarrckpt.all_steps(persistent) == [4] and zarrckpt.all_steps(str(copies(persistent, local))) == [4]
+    with zarrckpt.CheckpointManager(persistent, local_directory=local, local_save_interval_steps=4) as mgr:
+        _, step = mgr.restore(one_state(1, 0))
+        assert step == 4
+
+
 def test_a_local_copy_that_does_not_fit_is_skipped(tmp_path: Path, small_disk: Path,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     persistent, local = str(tmp_path / "run"), str(small_disk / "local")

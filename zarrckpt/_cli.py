@@ -3,7 +3,7 @@
     zarrckpt ls DIR                  steps under a checkpoint directory
     zarrckpt info URL                one checkpoint's leaves: shapes, dtypes, chunks, sizes
     zarrckpt verify URL              is it whole? (exit 0 only when it is)
-    zarrckpt gc DIR --keep-last N    retention by hand
+    zarrckpt gc DIR --keep-last N    retention by hand (--keep-every, --keep-best)
     zarrckpt cp SRC DST              copy one checkpoint anywhere, commit marker last
     zarrckpt export URL OUT          to .npz or .safetensors
     zarrckpt import SRC DST          from safetensors or Orbax, as a committed checkpoint
@@ -21,6 +21,7 @@ import difflib
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -55,10 +56,11 @@ _SHOWN_PROBLEMS = 100  # verify lists at most this many; --json lists all
 
 _EPILOG = """\
 storage options:
-  -o/--storage-option KEY=VALUE applies to every URL of a command (repeatable; VALUE is
-  parsed as JSON when it parses, e.g. anon=true, else taken as a string). cp also takes
-  --src-storage-option and --dst-storage-option, as import does, which apply to one
-  side on top of -o.
+  -o/--storage-option KEY=VALUE applies to the command's URL (repeatable; VALUE is
+  parsed as JSON when it parses, e.g. anon=true, else taken as a string); a local path
+  takes none but request_timeout_s. cp and import apply -o to each side that is not a
+  local path, and take --src-storage-option and --dst-storage-option for one side, on
+  top of -o.
   The usual environment variables of the storage libraries work as well:
   AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE, AWS_ENDPOINT_URL (s3fs),
   GOOGLE_APPLICATION_CREDENTIALS (gcsfs), and fsspec's FSSPEC_<PROTOCOL>_<OPTION>,
@@ -102,15 +104,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 # The library's messages name its keyword arguments; the command line's flags instead.
 _FLAGS = (("overwrite=True", "--overwrite"), ("allow_uncommitted=True", "--allow-uncommitted"),
           ("format='npz' or format='safetensors'", "--format npz or --format safetensors"),
-          ("max_inflight_bytes", "--max-inflight-bytes"))
+          ("max_inflight_bytes", "--max-inflight-bytes"), ("src_storage_options", "--src-storage-option"),
+          ("dst_storage_options", "--dst-storage-option"), ("storage_options", "--storage-option"),
+          ("max_shard_bytes", "--max-shard-bytes"))
 
 
 def _describe(e: BaseException) -> str:
     text = str(e) or type(e).__name__
     notes = getattr(e, "__notes__", None)
     text = f"{text} ({'; '.join(notes)})" if notes else text
-    for keyword, flag in _FLAGS:
-        text = text.replace(keyword, flag)
+    for keyword, flag in _FLAGS:  # whole words: storage_options is not src_storage_options
+        text = re.sub(rf"(?<![\w-]){re.escape(keyword)}(?!\w)", flag, text)
     return text
 
 
@@ -200,10 +204,14 @@ def _parser() -> _Parser:
     sub = command("gc", _gc, "delete old steps by the manager's retention rules (the newest committed "
                   "step and pinned steps are always kept)", as_json)
     sub.add_argument("dir", metavar="DIR", help="checkpoint directory: one subdirectory per step")
-    sub.add_argument("--keep-last", metavar="N", type=_positive, required=True,
-                     help="keep the newest N committed steps")
+    sub.add_argument("--keep-last", metavar="N", type=_positive, help="keep the newest N committed steps")
     sub.add_argument("--keep-every", metavar="K", type=_positive,
-                     help="also keep every step divisible by K")
+                     help="keep every step divisible by K (alone: those and the newest)")
+    sub.add_argument("--keep-best", metavar="N", type=_positive,
+                     help="keep the N best steps by --best-metric, as the manager's keep_best does")
+    sub.add_argument("--best-metric", metavar="NAME", help="the metric saved with each step to rank by")
+    sub.add_argument("--best-mode", choices=("min", "max"), default="min",
+                     help="whether the lowest (default) or the highest value is best")
     sub.add_argument("--dry-run", action="store_true", help="say what would be deleted; delete nothing")
     sub = command("cp", _cp, "copy one checkpoint to another URL; the commit marker is written last",
                   progress)
@@ -218,7 +226,7 @@ def _parser() -> _Parser:
     sub.add_argument("--allow-uncommitted", action="store_true",
                      help="copy an uncommitted SRC (the copy is uncommitted too)")
     sub.add_argument("--workers", metavar="N", type=_positive, help="objects copied at once")
-    sub = command("export", _export_command, "write every leaf to one .npz or .safetensors file, arrays "
+    sub = command("export", _export_command, "write every leaf to one .npz or .safetensors file (or set), arrays "
                   "named as `info` lists them", progress)
     sub.add_argument("url", metavar="URL", help="one checkpoint, e.g. DIR/0000001000")
     sub.add_argument("out", metavar="OUT", help="local file, *.npz or *.safetensors")
@@ -226,6 +234,9 @@ def _parser() -> _Parser:
     sub.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     sub.add_argument("--select", metavar="SUBTREE", help="only this subtree, named as `info` lists it (params, "
                      "params.encoder); arrays are named inside it")
+    sub.add_argument("--max-shard-bytes", metavar="N", type=_positive,
+                     help="a .safetensors export larger than N bytes is a set as transformers writes one: "
+                     "OUT's name -00001-of-0000K.safetensors files and OUT.index.json")
     sub = command("import", _import_command, "write a Hugging Face .safetensors file or set, or an Orbax "
                   "checkpoint, as a committed zarrckpt checkpoint", progress)
     sub.add_argument("src", metavar="SRC", help="a .safetensors file, a directory holding a sharded set and its "
@@ -280,6 +291,12 @@ def _positive(text: str) -> int:
 def _options(*lists: list[tuple[str, Any]]) -> dict[str, Any] | None:
     merged = dict(pair for pairs in lists for pair in pairs)
     return merged or None
+
+
+def _side(url: str, common: list[tuple[str, Any]], own: list[tuple[str, Any]]) -> dict[str, Any] | None:
+    """One side's options in a command of two URLs: -o is meant for the remote one (a
+    local side takes none), the side's own flag for that side alone."""
+    return _options([] if _storage.is_local_url(url) else common, own)
 
 
 # -- commands ------------------------------------------------------------------
@@ -400,11 +417,19 @@ def _chunks_checked(report: _verify.VerifyReport, quick: bool) -> str:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    options = _options(args.storage_option)
-    root = _storage.resolve(args.dir, options)
+    if args.keep_last is None and args.keep_every is None and args.keep_best is None:
+        raise ValueError("say what to keep: --keep-last N, --keep-every K or --keep-best N (with --best-metric)")
+    if (args.keep_best is None) != (args.best_metric is None):
+        raise ValueError("--keep-best N and --best-metric NAME go together: keep the N best steps by the metric "
+                         "NAME they were saved with")
+    # --keep-every alone keeps those steps and the newest, which is always kept.
+    keep_last = 1 if args.keep_last is None and args.keep_best is None else args.keep_last
+    policy = _retention.Policy(keep_last=keep_last, keep_every=args.keep_every, keep_best=args.keep_best,
+                               best_metric=args.best_metric, best_mode=args.best_mode)
+    root = _storage.resolve(args.dir, _options(args.storage_option))
     committed = set(_steps.scan(root)[1])
-    deleted = _retention.apply(root, _retention.Policy(keep_last=args.keep_last, keep_every=args.keep_every), {},
-                               dry_run=args.dry_run)
+    metrics = _retention.load_metrics(root, committed) if args.keep_best is not None else {}
+    deleted = _retention.apply(root, policy, metrics, dry_run=args.dry_run)
     kept = sorted(committed - set(deleted))
     if args.json:
         _print_json({"dry_run": args.dry_run, "deleted": deleted, "kept": kept})
@@ -419,14 +444,14 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _cp(args: argparse.Namespace) -> int:
-    dst_options = _options(args.storage_option, args.dst_storage_option)
+    dst_options = _side(args.dst, args.storage_option, args.dst_storage_option)
     dst = args.dst
-    into = _storage.resolve(dst, dst_options)
+    into = _storage.resolve(dst, dst_options, option="dst_storage_options")
     if _commit.head(into).state is _commit.State.ABSENT and into.exists():
         # An existing directory that holds no checkpoint: as `cp -r`, the copy goes inside it.
         dst = f"{dst.rstrip('/')}/{args.src.rstrip('/').rpartition('/')[2]}"
     result = _copy.copy_checkpoint(
-        args.src, dst, src_storage_options=_options(args.storage_option, args.src_storage_option),
+        args.src, dst, src_storage_options=_side(args.src, args.storage_option, args.src_storage_option),
         dst_storage_options=dst_options, overwrite=args.overwrite,
         allow_uncommitted=args.allow_uncommitted, max_workers=args.workers, progress=args.progress)
     print(f"copied {result.objects} objects ({_size(result.nbytes)}) from {result.source} to "
@@ -436,7 +461,7 @@ def _cp(args: argparse.Namespace) -> int:
 
 def _export_command(args: argparse.Namespace) -> int:
     result = _export.export_checkpoint(args.url, args.out, select=args.select, format=args.format,
-                                       overwrite=args.overwrite,
+                                       overwrite=args.overwrite, max_shard_bytes=args.max_shard_bytes,
                                        storage_options=_options(args.storage_option), progress=args.progress)
     print(f"exported {result.arrays} arrays ({_size(result.nbytes)}) to {result.path}")
     for name, (stored, exported) in sorted(result.widened.items()):
@@ -447,12 +472,12 @@ def _export_command(args: argparse.Namespace) -> int:
 
 
 def _import_command(args: argparse.Namespace) -> int:
-    result = _import.import_checkpoint(args.src, args.dst, step=args.step, prefix=args.prefix,
-                                       overwrite=args.overwrite,
-                                       storage_options=_options(args.storage_option, args.dst_storage_option),
-                                       src_storage_options=_options(args.storage_option, args.src_storage_option),
-                                       max_inflight_bytes=args.max_inflight_bytes, progress=args.progress)
-    pinned = " (pinned: retention and gc leave it; delete its PINNED file to let them)"
+    result = _import.import_checkpoint(
+        args.src, args.dst, step=args.step, prefix=args.prefix, overwrite=args.overwrite,
+        storage_options=_side(args.dst, args.storage_option, args.dst_storage_option),
+        src_storage_options=_side(args.src, args.storage_option, args.src_storage_option),
+        max_inflight_bytes=args.max_inflight_bytes, progress=args.progress)
+    pinned = " (pinned: retention and gc leave it; mgr.unpin(step), or deleting its PINNED file, lets them)"
     print(f"imported {result.leaves} leaves ({_size(result.nbytes)}) from {result.format} "
           f"{'step ' + str(result.step) + ' ' if result.step is not None else ''}to {result.url}"
           f"{pinned if result.pinned else ''}")

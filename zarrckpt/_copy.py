@@ -76,8 +76,8 @@ def copy_checkpoint(
         inside the other.
     """
     started = time.perf_counter()
-    source = _storage.resolve(src, src_storage_options)
-    target = _storage.resolve(dst, dst_storage_options)
+    source = _storage.resolve(src, src_storage_options, option="src_storage_options")
+    target = _storage.resolve(dst, dst_storage_options, option="dst_storage_options")
     _check_apart(source, target)
     # The commit marker's object is read once: the copy ends with these very bytes.
     marker_key, marker = next(((key, raw) for key, raw in zip(_MARKERS, source.read_if_present(_MARKERS))

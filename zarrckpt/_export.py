@@ -1,4 +1,4 @@
-"""Exporting a checkpoint's arrays to one `.npz` or `.safetensors` file, for use outside JAX.
+"""Exporting a checkpoint's arrays to one `.npz` or `.safetensors` file (or set), for use outside JAX.
 
 Each leaf becomes one array named by its array name in the checkpoint, as `zarrckpt
 info` lists it: `params.dense.kernel`, `opt_state.0.mu` (the dotted style of PyTorch
@@ -17,16 +17,20 @@ and float8_e5m2, only the others. Complex numbers cannot go to `.safetensors`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
+import json
+import math
 import os
 import secrets
 import zipfile
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
-from . import _concurrency, _progress, _storage
-from ._format import dtypes as _dtypes, naming as _naming
+from . import _concurrency, _options, _progress, _storage
+from ._format import dtypes as _dtypes, naming as _naming, safetensors as _safetensors_format
 from ._restore import checkpoint as _reader
 
 FORMATS = ("npz", "safetensors")
@@ -62,7 +66,7 @@ def format_of(path: str) -> str:
 
 
 def export_checkpoint(url: str, path: str, *, select: str | None = None, format: str | None = None,
-                      overwrite: bool = False,
+                      overwrite: bool = False, max_shard_bytes: int | None = None,
                       storage_options: dict[str, Any] | None = None,
                       max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
                       progress: bool | None = None) -> ExportResult:
@@ -70,29 +74,41 @@ def export_checkpoint(url: str, path: str, *, select: str | None = None, format:
 
     `select` is a subtree, by its name as `zarrckpt info` lists it (`params`,
     `params.encoder`): only its leaves are written, named inside it. `format` is "npz"
-    or "safetensors" (default: from `path`'s extension). The file
-    appears whole or not at all: it is written aside, to a new file of a random name in
-    the same folder (created exclusively, so a link planted there is never followed),
-    then renamed over `path`; an existing `path` is replaced only with `overwrite`, a
-    link at `path` itself is replaced, never written through. `.npz` is written one
-    leaf at a time (about `max_inflight_bytes` in memory); `.safetensors` needs the
-    whole checkpoint in memory.
+    or "safetensors" (default: from `path`'s extension). A `.safetensors` file carries
+    the `__metadata__` of the safetensors the checkpoint was imported from, with
+    `"format": "pt"` unless it says otherwise (transformers loads no file without it). With
+    `max_shard_bytes`, a `.safetensors` export larger than that is a set as
+    transformers writes one: `model-00001-of-00003.safetensors`... beside `path` (for
+    `path` model.safetensors), each at most `max_shard_bytes` unless one array is
+    larger, and `model.safetensors.index.json` naming the file of each tensor, written
+    last; `path` is then not written (a file there is removed), and
+    `ExportResult.path` is the index; if one of its files cannot be written, those
+    already written are removed.
+
+    Each file appears whole or not at all: it is written aside, to a new file of a
+    random name in the same folder (created exclusively, so a link planted there is
+    never followed), then renamed over its name; an existing file is replaced only with
+    `overwrite` (checked for every file before any is written), a link there is
+    replaced, never written through. `.npz` is written one leaf at a time (about
+    `max_inflight_bytes` in memory); `.safetensors` needs a whole file in memory.
 
     Raises CheckpointNotFoundError if there is no committed checkpoint at `url`,
-    CheckpointCorruptError if data is missing, FileExistsError if `path` exists and
+    CheckpointCorruptError if data is missing, FileExistsError if a file exists and
     `overwrite` is False, ValueError for an unknown format, a `select` that names no
-    subtree, or a dtype the format cannot hold, ModuleNotFoundError if `safetensors` is not
-    installed (`pip install 'zarrckpt[export]'`), OSError if a file cannot be written.
+    subtree, a dtype the format cannot hold, or `max_shard_bytes` with `.npz`,
+    ModuleNotFoundError if `safetensors` is not installed (`pip install
+    'zarrckpt[export]'`), OSError if a file cannot be written.
     """
     format = format or format_of(path)
     if format not in FORMATS:
         raise ValueError(f"export format must be one of {', '.join(FORMATS)}, got {format!r}")
+    if max_shard_bytes is not None:
+        _options.check("max_shard_bytes", max_shard_bytes, _options.COUNT)
+        if format != "safetensors":
+            raise ValueError("max_shard_bytes splits a .safetensors export into a set; a .npz export is one file")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"cannot write {path}: the folder {folder} does not exist")
-    if os.path.lexists(path) and not overwrite:
-        raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it")
-    writer = _write_npz if format == "npz" else _write_safetensors
     ckpt = _reader.open_checkpoint(_storage.resolve(url, storage_options))
     named = _selected(ckpt, select)
     skipped = {named[leaf.name]: why for leaf in ckpt.leaves.values()
@@ -102,21 +118,82 @@ def export_checkpoint(url: str, path: str, *, select: str | None = None, format:
     widened = {named[leaf.name]: (leaf.dtype.name, dtypes[leaf.name].name) for leaf in leaves
                if dtypes[leaf.name] != leaf.dtype}
     total = sum(leaf.nbytes for leaf in leaves)
-    # A new file (O_EXCL: never an existing one, nor through a link) of a name nobody
-    # could have planted, with the mode the user's umask gives any new file.
-    partial = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(8)}.partial")
+    sizes = [math.prod(leaf.shape) * dtypes[leaf.name].itemsize for leaf in leaves]
+    files = _files(path, sizes, max_shard_bytes)
+    index = None if len(files) == 1 else os.path.join(folder, f"{os.path.basename(path)}.index.json")
+    # A set replaces a single file of `path`'s name too: transformers would load that first.
+    targets = [name for name, _ in files] + ([index, path] if index else [])
+    for target in targets:
+        if os.path.lexists(target) and not overwrite:
+            raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
+    found = ckpt.meta.get(_safetensors_format.METADATA_KEY)
+    metadata: dict[str, str] = {"format": "pt", **(found if _strings(found) else {})}
+    weight_map: dict[str, str] = {}
+    with _progress.bar(f"exporting {ckpt.loc.url}", total, progress) as advance:
+        arrays = ((named[leaf.name], array.astype(dtypes[leaf.name], copy=False))
+                  for leaf, array in _read_leaves(ckpt, leaves, max_inflight_bytes, advance))
+        if format == "npz":
+            _write_aside(path, lambda fd, _: _write_npz(fd, arrays))
+        if index is not None:  # no old index may name a mix of old and new files meanwhile
+            for old in (index, path):
+                if os.path.lexists(old):
+                    os.remove(old)
+        written = []
+        try:
+            for name, count in files if format == "safetensors" else []:
+                part = list(itertools.islice(arrays, count))
+                _write_aside(name, functools.partial(_write_safetensors, part, metadata))
+                written.append(name)
+                weight_map.update((tensor, os.path.basename(name)) for tensor, _ in part)
+                del part  # a file's arrays at a time in memory
+            if index is not None:
+                document = json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2)
+                _write_aside(index, lambda fd, _: _write_bytes(fd, document.encode()))
+        except BaseException:
+            if index is not None:  # a set without its index is no set: none of it is left
+                for name in written:
+                    os.remove(name)
+            raise
+    return ExportResult(index or path, format, len(leaves), total, widened, skipped)
+
+
+def _files(path: str, sizes: list[int], max_bytes: int | None) -> list[tuple[str, int]]:
+    """Each file of the export and how many arrays (in order) go in it: `path` alone,
+    or a set named as transformers names one, each at most `max_bytes` (an array larger
+    than that alone in its file)."""
+    counts = [0]
+    filled = 0
+    for size in sizes:
+        if max_bytes is not None and counts[-1] and filled + size > max_bytes:
+            counts.append(0)
+            filled = 0
+        counts[-1] += 1
+        filled += size
+    if len(counts) == 1:
+        return [(path, counts[0])]
+    stem = os.path.join(os.path.dirname(path), os.path.basename(path).removesuffix(".safetensors"))
+    return [(f"{stem}-{i:05d}-of-{len(counts):05d}.safetensors", n) for i, n in enumerate(counts, 1)]
+
+
+def _strings(value: Any) -> TypeGuard[dict[str, str]]:
+    """Whether `value` is a map of strings to strings (safetensors' `__metadata__`)."""
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+def _write_aside(path: str, write: Callable[[int, str], object]) -> None:
+    """Writes the file `path` whole or not at all: `write(fd, partial)` fills a new file
+    (O_EXCL: never an existing one, nor through a link) of a name nobody could have
+    planted, with the mode the user's umask gives any new file, renamed over `path`."""
+    partial = os.path.join(os.path.dirname(os.path.abspath(path)),
+                           f".{os.path.basename(path)}.{secrets.token_hex(8)}.partial")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
-        with _progress.bar(f"exporting {ckpt.loc.url}", total, progress) as advance:
-            arrays = ((named[leaf.name], array.astype(dtypes[leaf.name], copy=False))
-                      for leaf, array in _read_leaves(ckpt, leaves, max_inflight_bytes, advance))
-            writer(fd, partial, arrays)
+        write(fd, partial)
         os.replace(partial, path)
     finally:
         os.close(fd)
         if os.path.lexists(partial):
             os.remove(partial)
-    return ExportResult(path, format, len(leaves), total, widened, skipped)
 
 
 def _selected(ckpt: _reader.Checkpoint, select: str | None) -> dict[str, str]:
@@ -162,7 +239,12 @@ def _read_leaves(ckpt: _reader.Checkpoint, leaves: list[_reader.StoredLeaf], max
             advance(leaf.nbytes)
 
 
-def _write_npz(fd: int, path: str, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
+def _write_bytes(fd: int, data: bytes) -> None:
+    with os.fdopen(os.dup(fd), "wb") as file:
+        file.write(data)
+
+
+def _write_npz(fd: int, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
     """An uncompressed `.npz` as `numpy.savez` writes it, one array at a time, to the
     open file `fd`."""
     with os.fdopen(os.dup(fd), "wb") as file, \
@@ -172,13 +254,14 @@ def _write_npz(fd: int, path: str, arrays: Iterable[tuple[str, np.ndarray]]) -> 
                 np.lib.format.write_array(member, array, allow_pickle=False)
 
 
-def _write_safetensors(fd: int, path: str, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
-    """A `.safetensors` file at `path`, the new file `fd` is open on (safetensors takes a
-    name only; the name is one nobody else could have chosen)."""
+def _write_safetensors(arrays: list[tuple[str, np.ndarray]], metadata: dict[str, str], fd: int, path: str) -> None:
+    """A `.safetensors` file at `path`, the new file `fd` is open on, of a name nobody
+    else could have chosen (safetensors takes a name, not an open file)."""
     try:
         import safetensors.numpy
     except ModuleNotFoundError:
         raise ModuleNotFoundError("exporting to .safetensors needs the safetensors package: "
                                   "pip install 'zarrckpt[export]'") from None
     # safetensors reads each array's memory in place: they must stay alive and contiguous.
-    safetensors.numpy.save_file({name: np.require(a, requirements="C") for name, a in arrays}, path)
+    safetensors.numpy.save_file({name: np.require(a, requirements="C") for name, a in arrays}, path,
+                                metadata=metadata)

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from . import _lease, _multihost, _options, _progress, _retention, _storage
-from ._format import naming as _naming, tree as _tree
+from ._format import naming as _naming, safetensors as _safetensors_format, tree as _tree
 from ._options import SaveOptions
 from ._regions import Region
 from ._restore import checkpoint as _reader, orbax as _orbax
@@ -121,7 +121,7 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
         raise ValueError("import_checkpoint runs in a job of one process (it reads the whole source itself); "
                          "run `zarrckpt import` before the job starts")
     options = SaveOptions(overwrite=overwrite, max_inflight_bytes=max_inflight_bytes, progress=progress)
-    source = _storage.resolve(src, src_storage_options)
+    source = _storage.resolve(src, src_storage_options, option="src_storage_options")
     if not source.exists():
         raise CheckpointNotFoundError(f"nothing to import: {source.url} does not exist")
     if src_storage_options and not source.is_local and _orbax.is_orbax(source):
@@ -129,6 +129,7 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
                          "arrays, with the credentials and endpoint of its environment (AWS_*, "
                          "GOOGLE_APPLICATION_CREDENTIALS)")
     found = _orbax.open_step(source, step)
+    extra: dict[str, Any] | None = None
     if found is not None:
         format, tree, step, skipped = "orbax", _marked(found.tree), found.step, found.skipped
     else:
@@ -138,6 +139,9 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
             raise CheckpointNotFoundError(f"{source.url} is neither an Orbax checkpoint nor a safetensors file or "
                                           f"set: {e}") from None
         format, tree, skipped = "safetensors", _marked(_deferred_tree(ckpt)), {}
+        # Kept for an export to write back: transformers loads no file without its "format".
+        if metadata := ckpt.meta.get(_safetensors_format.METADATA_KEY):
+            extra = {_safetensors_format.METADATA_KEY: metadata}
     for key in reversed(prefix.split(".") if prefix else []):
         tree = {key: tree}
     loc = _storage.resolve(dst, storage_options)
@@ -146,7 +150,7 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
     _check_claims(tree, source.url, loc, options.max_inflight_bytes)
     _lease.refuse_if_held(loc, "zarrckpt import")
     try:
-        job = _save.save(loc, tree, options)
+        job = _save.save(loc, tree, options, extra_metadata=extra)
     except CheckpointWriteError as e:
         failed = next((c for c in _causes(e) if isinstance(c, _SourceFailed)), None)
         if failed is None:

@@ -97,7 +97,8 @@ class Lease:
         """The number of the newest lease once no live holder has it (0 if there is
         none): at once if it is released or its writer is provably gone, else after
         watching it for 2.5 of its heartbeats. Raises DirectoryInUseError, naming the
-        holder, if it is renewed meanwhile (released meanwhile is free)."""
+        holder, if it is renewed meanwhile (released meanwhile is free), or at once if
+        its writer is a live process of this machine."""
         number, found = self._newest()
         if found is not None and not found.get("released") and found.get("process") == _THIS_PROCESS:
             gc.collect()  # a manager nobody holds (a notebook cell run again) gives its lease back
@@ -107,8 +108,13 @@ class Lease:
                     f"{self._root.url} is held by another {found.get('by', 'CheckpointManager')} in this process "
                     f"(pid {os.getpid()}) that is still open: call its close() first, or use `with "
                     "zarrckpt.CheckpointManager(...) as mgr:` so that it is closed for you")
-        if found is None or found.get("released") or _dead_here(found):
+        if found is None or found.get("released") or (alive := _alive_here(found)) is False:
             return number
+        if alive:  # no need to watch it renew
+            raise DirectoryInUseError(
+                f"{self._root.url} is in use by {_holder(found)} that is still alive (a process of this machine): "
+                "two jobs saving into one directory would interleave their checkpoints. Stop the other job, or use "
+                "another directory.")
         wait = min(_MAX_WATCH_S, _WATCH_BEATS * (_number(found.get("heartbeat_s")) or self._heartbeat_s))
         log.warning("%s has a lease of another %s (host %s, pid %s): watching it for %.1fs", self._root.url,
                     found.get("by", "CheckpointManager"), found.get("host"), found.get("pid"), wait)
@@ -241,12 +247,13 @@ def _process_identity(pid: int) -> str | None:
 _THIS_PROCESS = _process_identity(os.getpid())
 
 
-def _dead_here(lease: dict[str, Any]) -> bool:
-    """Whether the lease's writer is provably gone: it ran on this machine, in this PID
-    namespace, and its process id is gone or names another process now."""
+def _alive_here(lease: dict[str, Any]) -> bool | None:
+    """Whether the lease's writer is alive, where this machine can tell: it ran here, in
+    this PID namespace, and its process id still names that process (True) or not
+    (False). None for a writer elsewhere: only its renewals can tell."""
     written_by, pid = lease.get("process"), lease.get("pid")
     if not isinstance(written_by, str) or not isinstance(pid, int) or _THIS_PROCESS is None:
-        return False
+        return None
     if written_by.rsplit("/", 2)[0] != _THIS_PROCESS.rsplit("/", 2)[0]:
-        return False  # another machine or container: only its renewals can tell
-    return _process_identity(pid) != written_by
+        return None  # another machine or container
+    return _process_identity(pid) == written_by

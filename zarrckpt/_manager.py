@@ -18,8 +18,7 @@ import jax
 import numpy as np
 
 from . import (
-    _commit,
-    _concurrency,
+    _finite,
     _lease,
     _multihost,
     _options,
@@ -161,6 +160,7 @@ class CheckpointManager:
         self._async = async_save
         self._preemption = _preemption.Notice(listen=save_on_preemption)
         self._warned_unranked = False
+        self._warned_older = False
         self._progress = progress
         self._timeout_s = timeout_s
         self._last_save = time.monotonic()
@@ -169,9 +169,10 @@ class CheckpointManager:
         _steps.check_directory_of_steps(self._root, has_steps=bool(self._committed))
         self._restored_step: int | None = None
         self._restored_tier: str | None = None
-        self._metrics = self._load_metrics() if best_metric is not None else {}
+        self._metrics = _retention.load_metrics(self._root, self._committed) if best_metric is not None else {}
         self._lock = threading.Lock()
         self._in_flight: list[_save.BackgroundSave] = []  # the saves of the last `save` call
+        self._in_flight_step = 0  # their step
         self._errors: list[BaseException] = []
         self._lease = _lease.Lease(self._root, heartbeat_s) if _multihost.process_index() == 0 else None
         self._tier: _tiers.LocalTier | None = None
@@ -210,7 +211,9 @@ class CheckpointManager:
         it triggers has run. Raises TypeError or ValueError for a bad step or metric
         (nothing is saved, and the next save works), the error of an earlier
         background save or deletion, if any, and what `save_pytree` raises. A step
-        already committed is not saved again.
+        already committed is not saved again, nor, without `force`, one older than
+        the newest committed step (a restore would never pick it: a warning, once),
+        unless newer than the step `restore` was asked for (a rollback).
         """
         self._check_open()
         location = self._root.step(step)  # a bad step is refused here
@@ -238,7 +241,7 @@ class CheckpointManager:
         if not saves:
             return False
         with self._lock:
-            self._in_flight = saves
+            self._in_flight, self._in_flight_step = saves, step
         for save in saves:
             save.start() if self._async else save.run()
         self._raise_errors()  # without async_save: the persistent save's error
@@ -261,8 +264,20 @@ class CheckpointManager:
         started = time.perf_counter()
         self._last_save = time.monotonic()
         job = _save.SaveJob.create(location, state, self._save_options, channel="manager-save",
-                                   extra_metadata={"metrics": metrics} if metrics is not None else None,
-                                   before_prepare=self._lease.check if self._lease else None)
+                                   extra_metadata={"metrics": metrics} if metrics is not None else None)
+        non_finite = _finite.start([plan.leaf for plan in job.plans if plan.moved is None])
+        meta = job.group["attributes"][_naming.META_ATTR]  # not the job: no cycle may hold the state
+
+        def before_prepare() -> None:  # process 0, in the background, before anything is written
+            if self._lease is not None:
+                self._lease.check()
+            if found := non_finite():
+                meta[_finite.NON_FINITE] = found
+                log.warning("step %d holds NaN or infinities, in %s%s: saving it; retention keeps the newest step "
+                            "without them until a newer one commits", step, ", ".join(found[:5]),
+                            f" and {len(found) - 5} more leaves" if len(found) > 5 else "")
+
+        job.before_prepare = before_prepare
         nbytes = job.nbytes  # the job holds the state: the commit's report must not
 
         def committed() -> None:
@@ -296,6 +311,19 @@ class CheckpointManager:
             in_flight = {save.url for save in self._in_flight}
             if step in self._committed or self._root.step(step).url in in_flight:
                 return False
+            # The steps in flight too: `_committed` learns of a commit on each process's
+            # own background thread, `_in_flight` only here, the same on every process.
+            newest = max(self._committed | ({self._in_flight_step} if self._in_flight else set()), default=None)
+        # A loop restored on purpose to an older step (`restore(..., step=...)`) saves on from it.
+        rolled_back = self._restored_step is not None and step > self._restored_step
+        if newest is not None and step < newest and not force and not rolled_back:
+            if not self._warned_older:
+                self._warned_older = True
+                log.warning("step %d is older than step %d, the newest committed under %s: not saved, nor any "
+                            "older step (a restore would never pick it; was the step counter restored with the "
+                            "state?); save(..., force=True) saves one anyway, and mgr.delete(%d) deletes the "
+                            "newer one", step, newest, self._root.url, newest)
+            return False
         every_call = self._interval_steps is None and self._interval_seconds is None
         due = force or every_call or bool(self._interval_steps and step % self._interval_steps == 0)
         if not due and (interval := self._interval_seconds) is not None:
@@ -324,12 +352,6 @@ class CheckpointManager:
             op.close()
         with self._lock:
             self._committed.difference_update(deleted)
-
-    def _load_metrics(self) -> dict[int, dict[str, Any]]:
-        steps = sorted(self._committed)
-        found = _concurrency.run_all(lambda step: _metrics_of(self._root, self._root.step(step)), steps,
-                                     self._root.concurrency)
-        return {step: metrics or {} for step, metrics in zip(steps, found)}
 
     # -- waiting, restoring, listing --------------------------------------------
 
@@ -413,7 +435,7 @@ class CheckpointManager:
         "NaN", "Infinity", "-Infinity"), or None if it was saved without. Reads the
         step's metadata; CheckpointNotFoundError if `step` is not committed. Not
         collective."""
-        return _metrics_of(self._root, _steps.committed_step(self._root, step))
+        return _retention.metrics_of(self._root, _steps.committed_step(self._root, step))
 
     def best_step(self) -> int | None:
         """The committed step with the best `best_metric` (by `best_mode`), among those
@@ -436,6 +458,38 @@ class CheckpointManager:
     def pin(self, step: int) -> None:
         """Exempts committed `step` from retention, by a PINNED file in its directory."""
         _steps.committed_step(self._root, step).write(_retention.PIN_FILE, b"", durable=True)
+
+    def unpin(self, step: int) -> None:
+        """Lets retention delete committed `step` again (removes its PINNED file, if any:
+        an imported step's too). CheckpointNotFoundError if `step` is not committed."""
+        _steps.committed_step(self._root, step).remove_file(_retention.PIN_FILE)
+
+    def delete(self, step: int) -> None:
+        """Deletes committed `step` now, pinned or not, its commit marker first (an
+        interruption leaves an uncommitted leftover, never a damaged step), after the
+        save in flight; with a local tier, each process's copy of it too. Collective
+        under `jax.distributed`: process 0 deletes, every process returns once it has.
+        Raises CheckpointNotFoundError if `step` is not committed, CheckpointWriteError
+        if its directory holds files that are not the checkpoint's (nothing is then
+        deleted), DirectoryInUseError if another job took the directory over."""
+        self._check_open()
+        self.wait()
+        _steps.committed_step(self._root, step)
+        if self._tier is not None:  # else a restore would bring it back from the local tier
+            self._tier.forget(step)
+        op = _multihost.Agreement("manager-delete", self._timeout_s, what=f"deleting step {step} of {self._root.url}")
+        if self._lease is not None:
+            self._lease.check()
+        try:
+            deleted = op.decide("delete", lambda: _retention.delete(self._root, step, committed=True, why="delete()"))
+        finally:
+            op.close()
+        if not deleted:
+            raise errors.CheckpointWriteError(f"step {step} of {self._root.url} was not deleted: its directory also "
+                                              "holds files that are not the checkpoint's (see the warning)")
+        with self._lock:
+            self._committed.discard(step)
+            self._metrics.pop(step, None)
 
     # -- lifetime ----------------------------------------------------------------
 
@@ -573,19 +627,6 @@ def _release(lease: _lease.Lease | None, tier: _tiers.LocalTier | None) -> None:
         lease.release()
     if tier is not None:
         tier.close()
-
-
-def _metrics_of(root: _storage.Location, step: _storage.Location) -> dict[str, Any] | None:
-    """The metrics saved in the step at `step`, or None; metrics that are not a dict of
-    named values are ignored with a warning naming the step."""
-    group = _commit.read_group(step)
-    meta = group.attributes.get(_naming.META_ATTR, {}) if group else {}
-    found = meta.get("metrics") if isinstance(meta, dict) else None
-    if found is not None and (not isinstance(found, dict) or not all(isinstance(k, str) for k in found)):
-        log.warning("step %s under %s has metrics %.100r, not a dict of named numbers: ignored",
-                    step.url.rsplit("/", 1)[-1].lstrip("0") or "0", root.url, found)
-        return None
-    return found
 
 
 def _metric_values(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:

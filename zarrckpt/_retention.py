@@ -5,7 +5,9 @@ The rules, applied after every commit (and by hand with the CLI):
 - `keep_last`: the newest N committed steps;
 - `keep_every`: every step divisible by K, forever;
 - `keep_best`: the N best steps by `metrics[best_metric]` (`best_mode` "min" or "max");
-- with neither `keep_last` nor `keep_best` set, nothing is deleted.
+- with neither `keep_last` nor `keep_best` set, nothing is deleted;
+- where either is, the newest step saved without NaN or infinities is kept too, until a
+  newer such step commits: a diverged run never rotates out its last good step.
 Uncommitted directories older than the newest committed step are leftovers of
 crashed saves and are deleted; a newer one may be a save in progress and is kept.
 """
@@ -18,7 +20,9 @@ import math
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from . import _commit, _objects, _options, _steps
+from . import _commit, _concurrency, _objects, _options, _steps
+from ._finite import NON_FINITE
+from ._format import naming as _naming
 from ._storage import Location
 
 log = logging.getLogger("zarrckpt")
@@ -78,6 +82,38 @@ def ranked(policy: Policy, metrics: Mapping[int, Mapping[str, Any]]) -> list[int
     return scored
 
 
+def metrics_of(root: Location, step: Location) -> dict[str, Any] | None:
+    """The metrics saved in the step at `step`, or None; metrics that are not a dict of
+    named values are ignored with a warning naming the step."""
+    group = _commit.read_group(step)
+    meta = group.attributes.get(_naming.META_ATTR, {}) if group else {}
+    found = meta.get("metrics") if isinstance(meta, dict) else None
+    if found is not None and (not isinstance(found, dict) or not all(isinstance(k, str) for k in found)):
+        log.warning("step %s under %s has metrics %.100r, not a dict of named numbers: ignored",
+                    step.url.rsplit("/", 1)[-1].lstrip("0") or "0", root.url, found)
+        return None
+    return found
+
+
+def load_metrics(root: Location, steps: Collection[int]) -> dict[int, dict[str, Any]]:
+    """The metrics each of `steps` under `root` was saved with ({} where none)."""
+    ordered = sorted(steps)
+    found = _concurrency.run_all(lambda step: metrics_of(root, root.step(step)), ordered, root.concurrency)
+    return {step: metrics or {} for step, metrics in zip(ordered, found)}
+
+
+def _newest_finite(root: Location, committed: Collection[int]) -> int | None:
+    """The newest of `committed` whose save found no NaN or infinity in its arrays (see
+    `_finite`): one read of a step's metadata for each step looked at, newest first;
+    almost always one."""
+    for step in sorted(committed, reverse=True):
+        group = _commit.read_group(root.step(step))
+        meta = group.attributes.get(_naming.META_ATTR) if group else None
+        if not (isinstance(meta, dict) and meta.get(NON_FINITE)):
+            return step
+    return None
+
+
 def is_pinned(step_loc: Location) -> bool:
     # One GET, where asking whether an absent object exists takes an object store two
     # requests (a HEAD, then a listing in case it is a directory).
@@ -97,6 +133,10 @@ def apply(root: Location, policy: Policy, metrics: Mapping[int, Mapping[str, Any
         return []
     newest = max(committed)
     keep = steps_to_keep(policy, committed, metrics)
+    if policy.deletes and (finite := _newest_finite(root, committed)) not in (None, newest):
+        log.info("keeping step %s under %s: the newest without NaN or infinities (newer steps hold them)", finite,
+                 root.url)
+        keep.add(finite)
     doomed = sorted(s for s in committed - keep if s not in busy and not is_pinned(root.step(s)))
     leftovers = sorted(s for s in set(candidates) - committed if s < newest and s not in busy)
     return [step for step in doomed + leftovers

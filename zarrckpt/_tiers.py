@@ -198,6 +198,12 @@ class LocalTier:
         except Exception as e:  # whatever a broken disk holds there must not stop training
             log.warning("could not delete local copy %s (%s): %s", self.root.step(step).url, why, e)
 
+    def forget(self, step: int) -> None:
+        """Deletes this process's copy of `step`, if any (not collective): the persistent
+        step was deleted by hand, and a restore must not bring it back from here."""
+        if step in _steps.candidate_steps(self.root):
+            self._remove(step, committed=_steps.is_committed(self.root.step(step)), why="its step was deleted")
+
     def forget_newer(self, step: int | None) -> None:
         """Deletes this process's copies newer than `step` (every one, for None): after a
         restore, they belong to training that was abandoned (not collective)."""

@@ -1,6 +1,7 @@
 """A second job writing into the same checkpoint directory is refused, not interleaved."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -34,6 +35,24 @@ def test_second_live_manager_is_refused(tmp_path):
         first.save(2, {"a": np.ones(2)}, force=True)
     assert zarrckpt.all_steps(str(tmp_path)) == [1, 2]
     assert json.loads(lease_file(tmp_path).read_text())["released"]  # released on close
+
+
+def test_a_live_manager_of_another_process_here_is_refused_without_watching_it(tmp_path, caplog):
+    """On one machine the holder's process can be seen alive: no need to wait 2.5
+    heartbeats (18 s by default) for it to renew before refusing."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, zarrckpt; m = zarrckpt.CheckpointManager(sys.argv[1], "
+         "heartbeat_s=30); print('holding', flush=True); time.sleep(60)", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+            with pytest.raises(zarrckpt.DirectoryInUseError, match=rf"pid {holder.pid}\) that is still alive"):
+                zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=30)
+        assert not [r for r in caplog.records if "watching it" in r.getMessage()]
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_lease_of_a_dead_job_is_taken_over(tmp_path):

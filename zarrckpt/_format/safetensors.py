@@ -40,6 +40,9 @@ MAX_RANK = 64
 # import that nothing can then read back).
 MAX_DIMENSION = 2**63
 INDEX_NAME = "model.safetensors.index.json"
+# Where a checkpoint imported from safetensors keeps the source's `__metadata__` (in its
+# `zarrckpt` attribute), for an export to write back.
+METADATA_KEY = "safetensors_metadata"
 EXTENSION = ".safetensors"
 DTYPES = {
     "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8), "U16": np.dtype(np.uint16),

@@ -87,6 +87,13 @@ class Checkpoint:
     # Each array's `zarr.json` as the leaves were built from it (zarrckpt's layout: the
     # consolidated metadata), by array name; `verify` compares each array's own with it.
     documents: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # What messages call it where that is not `loc` (one safetensors file of a folder).
+    shown: str | None = None
+
+    @property
+    def url(self) -> str:
+        """The checkpoint as messages name it: what the user gave."""
+        return self.shown or self.loc.url
 
     def read(self, leaf: StoredLeaf, box: Region) -> np.ndarray:
         """The values of `leaf` inside `box`, reading each chunk it touches once.

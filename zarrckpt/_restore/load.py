@@ -138,7 +138,7 @@ def load_requests(ckpt: _reader.Checkpoint, requests: list[Request], treedef: An
     be damaged, falls back to another source together)."""
     started = time.perf_counter()
     total = sum(r.nbytes for r in requests)
-    with _progress.bar(f"restoring {ckpt.loc.url}", total, options.progress) as advance:
+    with _progress.bar(f"restoring {ckpt.url}", total, options.progress) as advance:
         try:
             values = _read_all(ckpt, requests, options, advance, gate)
             ckpt.check_unchanged()  # one small read: these values are all of one save
@@ -155,7 +155,7 @@ def load_requests(ckpt: _reader.Checkpoint, requests: list[Request], treedef: An
         result = jax.tree_util.tree_unflatten(treedef, [values[r.stored.name] for r in requests])
     seconds = time.perf_counter() - started
     # From the local tier's copies, the tier says how much came from where instead.
-    log.log(logging.INFO if gate is None else logging.DEBUG, "restored %s: %d leaves, %s", ckpt.loc.url,
+    log.log(logging.INFO if gate is None else logging.DEBUG, "restored %s: %d leaves, %s", ckpt.url,
             len(requests), _progress.rate(total, seconds))
     return result
 

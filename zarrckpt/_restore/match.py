@@ -197,7 +197,7 @@ class OwnValue(Form):
         if (mismatch := self._count_mismatch(stored)) is None:
             return [((), PerProcess(ckpt.read_own(stored), self.target.strict))]
         if self.target.strict:
-            raise CheckpointMismatchError(f"leaf {stored.where} of {ckpt.loc.url}: {mismatch}")
+            raise CheckpointMismatchError(f"leaf {stored.where} of {ckpt.url}: {mismatch}")
         return [((), self.target)]
 
 
@@ -351,7 +351,7 @@ def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial
         hint = ("\n(pass partial=True to restore only the target's leaves and skip the checkpoint's others)"
                 if extra and not partial else "")
         raise CheckpointMismatchError(
-            f"checkpoint {ckpt.loc.url} does not match the target ({len(problems)} problem(s)):\n  "
+            f"checkpoint {ckpt.url} does not match the target ({len(problems)} problem(s)):\n  "
             + "\n  ".join(problems) + hint
         )
     return requests, treedef

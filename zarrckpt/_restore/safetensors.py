@@ -107,6 +107,8 @@ class _Opened:
     keys: dict[str, str]
     tensors: dict[str, list[_format.Tensor]]
     tree: dict[str, Any]
+    url: str  # the file or the folder, as messages name it
+    metadata: dict[str, str]  # the files' `__metadata__` ({"format": "pt"} from transformers)
 
 
 def _open(url: str, storage_options: dict[str, Any] | None) -> _Opened:
@@ -134,12 +136,15 @@ def _open(url: str, storage_options: dict[str, Any] | None) -> _Opened:
     # On a local disk a header is a read from the page cache: threads would cost more.
     headers = _concurrency.run_all(lambda name: _header(src, keys[name], sizes[name], loc.child(name).url), files,
                                    1 if src.is_local else src.concurrency)
-    held = _held(loc, files, headers, weight_map)
+    metadata = {k: v for _, found in headers for k, v in found.items()}  # a set's files all say the same
+    tensors = [found for found, _ in headers]
+    held = _held(loc, files, tensors, weight_map)
     try:
         tree = _format.nested(list(held))
     except _format.Malformed as e:
         raise CheckpointCorruptError(f"{loc.child(name).url if single else loc.url} {e}") from None
-    return _Opened(loc, src, keys, dict(zip(files, headers)), tree)
+    return _Opened(loc, src, keys, dict(zip(files, tensors)), tree, loc.child(name).url if single else loc.url,
+                   metadata)
 
 
 def _held(loc: Location, files: list[str], headers: list[list[_format.Tensor]],
@@ -201,7 +206,7 @@ def _checkpoint(opened: _Opened) -> _reader.Checkpoint:
             leaves[tensor.name] = _reader.StoredLeaf(path, tensor.name, tensor.shape, tensor.dtype, "numpy",
                                                      _format.TensorCodec.of(tensor, opened.keys[name]))
     return _reader.Checkpoint(opened.src, _format.LAYOUT, True, _format.tree_record(opened.tree), leaves, _name_of,
-                              {})
+                              {_format.METADATA_KEY: opened.metadata}, shown=opened.url)
 
 
 def _load_on_host(opened: _Opened, options: LoadOptions) -> dict[str, Any]:
@@ -220,7 +225,7 @@ def _load_on_host(opened: _Opened, options: LoadOptions) -> dict[str, Any]:
             arrays.update(zip([tensor.name for tensor in tensors], made))
             runs += _runs(opened.keys[name], opened.loc.child(name).url, tensors, made)
     total = sum(run.nbytes for run in runs)
-    with _progress.bar(f"restoring {opened.loc.url}", total, options.progress) as advance:
+    with _progress.bar(f"restoring {opened.url}", total, options.progress) as advance:
         def read(run: _Run) -> None:
             _read_run(opened.src, run)
             advance(run.nbytes)
@@ -228,7 +233,7 @@ def _load_on_host(opened: _Opened, options: LoadOptions) -> dict[str, Any]:
         _concurrency.run_all(read, runs, options.max_workers or opened.src.concurrency, "read")
     with _without_cyclic_gc():
         loaded = _filled(opened.tree, arrays)
-    log.info("restored %s: %d leaves, %s", opened.loc.url, len(arrays),
+    log.info("restored %s: %d leaves, %s", opened.url, len(arrays),
              _progress.rate(total, time.perf_counter() - started))
     return loaded
 
@@ -345,9 +350,9 @@ def _files(loc: Location, src: Location, keys: dict[str, str], listed: list[str]
     return list(keys), None
 
 
-def _header(loc: Location, name: str, size: int, shown: str) -> list[_format.Tensor]:
-    """The tensors of the file `name` (`size` bytes, `shown` as the user named it): one
-    read, two if its header is longer than the first read."""
+def _header(loc: Location, name: str, size: int, shown: str) -> tuple[list[_format.Tensor], dict[str, str]]:
+    """The tensors of the file `name` (`size` bytes, `shown` as the user named it) and
+    its `__metadata__`: one read, two if its header is longer than the first read."""
     try:
         first = loc.read(name, limit=min(size, _FIRST_READ))
         length = _format.header_length(first, size)
@@ -357,7 +362,7 @@ def _header(loc: Location, name: str, size: int, shown: str) -> list[_format.Ten
             loc.read_range(name, _format.PREFIX_BYTES + len(raw), memoryview(rest))
             raw += bytes(rest)
         with _without_cyclic_gc():
-            return _format.parse_header(raw, size)[0]
+            return _format.parse_header(raw, size)
     except _format.Malformed as e:
         raise CheckpointCorruptError(f"{shown} {e}") from None
 

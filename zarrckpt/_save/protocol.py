@@ -95,10 +95,11 @@ def save_pytree(
     save(_storage.resolve(url, storage_options), tree, options)
 
 
-def save(loc: _storage.Location, tree: Any, options: SaveOptions) -> SaveJob:
+def save(loc: _storage.Location, tree: Any, options: SaveOptions, *,
+         extra_metadata: dict[str, Any] | None = None) -> SaveJob:
     """`save_pytree` at `loc`: plan, then write as the budget lets each unit in; returns
     the job done. Agreement."""
-    job = SaveJob.create(loc, tree, options)
+    job = SaveJob.create(loc, tree, options, extra_metadata=extra_metadata)
     seconds = job.run_admitted()
     if _multihost.process_index() == 0:
         log.info("saved %s: %d leaves, %s", loc.url, len(job.plans), _progress.rate(job.nbytes, seconds))

@@ -290,12 +290,13 @@ class Location:
         return self.guard.redact(text)
 
 
-def resolve(url: str, storage_options: dict[str, Any] | None = None) -> Location:
+def resolve(url: str, storage_options: dict[str, Any] | None = None, *, option: str = "storage_options") -> Location:
     """A Location for a local path or any fsspec URL (file://, memory://, s3://, gs://...).
 
     `storage_options` go to fsspec, but for `request_timeout_s` (zarrckpt's: how long a
-    request may take before it is abandoned, see `guard`). Raises ValueError or
-    TypeError naming what is wrong with the URL or an option.
+    request may take before it is abandoned, see `guard`), the only one a local path
+    takes. Raises ValueError or TypeError naming what is wrong with the URL or an option
+    (the options by `option`, the caller's keyword for them).
     """
     if not isinstance(url, str) or not url:
         raise ValueError(f"checkpoint URL must be a non-empty string, got {reprlib.repr(url)}")
@@ -315,12 +316,21 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None) -> Location
     shown, password = redacted_url(url)
     store: Store
     if "file" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol):
+        if given:  # zarrckpt reads and writes a local disk itself: they would do nothing, silently
+            raise ValueError(f"{option} {sorted(given)!r:.300} do nothing for the local path {shown!r:.300}: "
+                             f"they are fsspec's options for object stores (s3://, gs://); only "
+                             f"{REQUEST_TIMEOUT_OPTION!r} applies here")
         store = LocalDisk(path)
     else:
         endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
         store = Fsspec(fs, path, protocol, _taken(fs, protocol.read_options), endpoint)
     return Location(url=shown.rstrip("/") or shown, store=store,
                     guard=Guarded(request_timeout_s, _secrets(given, password)))
+
+
+def is_local_url(url: str) -> bool:
+    """Whether `url` names a local path (no scheme, or file://)."""
+    return (fsspec.core.split_protocol(url)[0] or "file") in ("file", "local")
 
 
 def _request_timeout(value: Any) -> float:

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU figures in one command, for a machine that has jax with CUDA, orbax-checkpoint and
+# tensorstore but not zarrckpt's other needs. Carry them as wheels in .whl/ (one version
+# each, for that machine's Python), e.g. for Python 3.12:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl zarr numcodecs donfig crc32c google-crc32c msgspec fsspec
+# then run `bash benchmarks/gpu.sh [OUT]` from the repository's root: each benchmark's
+# output goes to OUT (default: $OUT, else ./gpu-results), each under its own time limit.
+set -uo pipefail
+out="${1:-${OUT:-gpu-results}}"
+mkdir -p "$out" && out="$(cd "$out" && pwd)"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/zarrckpt-site .whl/*.whl || exit 1
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/zarrckpt-site . || exit 1
+export PYTHONPATH=/tmp/zarrckpt-site PYTHONUNBUFFERED=1
+here="$PWD/benchmarks"
+cd /tmp || exit 1
+run() {  # name, seconds, arguments...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*"
+  timeout "$limit" python3 -X faulthandler "$here/$name.py" "$@" 2>&1 | grep -v libtpu | tee "$out/$name.txt"
+}
+run async_save 300 --size-gib 8 --repeats 3 --train-steps 200
+run save_restore 300 --size-gib 8 --repeats 3 --restore-probe --dir /dev/shm/zarrckpt-save-restore
+rm -rf /dev/shm/zarrckpt-save-restore
+run two_tiers 300 --size-gib 8

@@ -1,0 +1,97 @@
+"""Whether a save holds NaN or infinities: asked of the devices as the save starts.
+
+A diverging run saves NaN weights as readily as good ones, and retention would then
+rotate the last good step out. The manager dispatches one reduction per set of this
+process's devices over the state's largest floating-point jax.Array leaves
+(`MAX_CHECKED`; on CPU devices, the first `CPU_SAMPLE` elements of one shard of each)
+when `save` is called (the runtime orders a later donation of their buffers after it,
+as it does the copies), and the save waits for its few bytes of answer in the
+background, before it commits; process 0's answer is recorded. A step holding non-finite values records their
+leaves in its metadata (`NON_FINITE`), and retention keeps the newest step that records
+none (see `_retention`).
+
+Host leaves (numpy, Python numbers) are not looked at: they would be read on the
+training thread, where `save` must return quickly.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._format.tree import Leaf
+
+log = logging.getLogger("zarrckpt")
+
+NON_FINITE = "non_finite"  # metadata key: the leaves (their key paths) holding NaN or an infinity
+# The largest floating-point leaves are looked at, no more: each costs the save's caller
+# microseconds of dispatch, and its first save a compilation, and a diverged run's NaN
+# reaches its weights and their optimizer moments within a step.
+MAX_CHECKED = 32
+# On CPU devices the check would run on the cores that write the save and train (it
+# doubled the time an async save of 1 GiB blocked on 2 cores): there, the first elements
+# of each leaf's first shard alone are looked at, where a diverged run's NaN is as well
+# as anywhere.
+CPU_SAMPLE = 2**16
+
+
+def start(leaves: Sequence[Leaf]) -> Callable[[], list[str]]:
+    """Dispatches the check of the largest `MAX_CHECKED` of `leaves`' floating-point
+    jax.Arrays in device memory; returns a call that waits for it and returns the key
+    paths (`Leaf.where`) of those holding NaN or an infinity in this process's shards
+    (process 0's answer is the one recorded: a diverged run's NaN is in every shard).
+    Not collective."""
+    floats = [leaf for leaf in leaves
+              if isinstance(x := leaf.value, jax.Array) and x.size and jnp.issubdtype(x.dtype, jnp.inexact)
+              and x.sharding.memory_kind in (None, "device")]
+    chosen = sorted(range(len(floats)), key=lambda i: -floats[i].value.nbytes)[:MAX_CHECKED]
+    # One reduction per sharding (a computation cannot mix device orders), over this
+    # process's devices alone: an array spanning processes is looked at shard by
+    # shard, so that a save never waits on a collective with another host.
+    groups: dict[Any, list[tuple[int, jax.Array]]] = {}
+    for i in sorted(chosen):  # in tree order: the same computations on every process
+        x = floats[i].value
+        if _on_cpu(x):  # a sample: the start of one shard
+            first = x.addressable_shards[0]
+            parts = [(first.data.sharding, first.data)]
+        elif x.is_fully_addressable:
+            parts = [(x.sharding, x)]
+        else:
+            parts = [(shard.data.sharding, shard.data) for shard in x.addressable_shards]
+        for sharding, part in parts:
+            groups.setdefault(sharding, []).append((i, part))
+    wheres = [leaf.where for leaf in floats]  # the answer holds no array: the state may go
+    pending = []
+    for group in groups.values():
+        try:
+            sample = CPU_SAMPLE if _on_cpu(group[0][1]) else None
+            pending.append(([i for i, _ in group], _finite_flags(tuple(part for _, part in group), sample)))
+        except Exception as e:  # a check that only annotates a step never fails its save
+            log.debug("could not check %d leaves for NaN: %s", len(group), e)
+    del groups
+
+    def result() -> list[str]:
+        bad: set[int] = set()
+        for indices, flags in pending:
+            try:
+                bad.update(i for i, ok in zip(indices, np.asarray(flags)) if not ok)
+            except Exception as e:
+                log.debug("could not check %d leaves for NaN: %s", len(indices), e)
+        return [wheres[i] for i in sorted(bad)]
+
+    return result
+
+
+def _on_cpu(x: jax.Array) -> bool:
+    return next(iter(x.devices())).platform == "cpu"
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _finite_flags(xs: tuple[jax.Array, ...], sample: int | None) -> jax.Array:
+    return jnp.stack([jnp.isfinite(x if sample is None else x.reshape(-1)[:sample]).all() for x in xs])
