@@ -10,6 +10,7 @@ import os
 import posixpath
 import tracemalloc
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -128,8 +129,9 @@ def test_hostile_metadata_is_refused_without_reading_outside(sandbox, reads, cha
             except (zarrckpt.CheckpointCorruptError, zarrckpt.CheckpointMismatchError) as e:
                 assert str(e), "an error must say what is wrong"
                 continue
-            if isinstance(result, dict):  # a load that passed every check read the real data
-                assert np.array_equal(result["w"], W) and result["s"] == 7
+            if isinstance(result, dict):  # a load that passed every check read the real data, only
+                # (the tree may name fewer leaves, or rename them: never others' values)
+                assert all(np.array_equal(x, W) or (np.ndim(x) == 0 and x == 7) for x in jax.tree.leaves(result))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -58,6 +58,9 @@ class SecondCtrlC(logging.Handler):
 
 
 _commit.commit = held_commit
+# A script run from a terminal takes Ctrl-C, whatever the process that started this one
+# ignores (a background job of a shell without job control ignores SIGINT).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def state(step: int) -> dict:
