@@ -64,9 +64,15 @@ class Group:
         return State.COMMITTED if self.attributes.get(_naming.COMMIT_ATTR) is True else State.UNCOMMITTED
 
     @property
-    def save_id(self) -> str | None:
+    def meta(self) -> dict[str, Any]:
+        """zarrckpt's attribute (format version, tree, metrics...), or {} where there is
+        none that is a JSON object."""
         meta = self.attributes.get(_naming.META_ATTR)
-        value = meta.get(SAVE_ID) if isinstance(meta, dict) else None
+        return meta if isinstance(meta, dict) else {}
+
+    @property
+    def save_id(self) -> str | None:
+        value = self.meta.get(SAVE_ID)
         return value if isinstance(value, str) else None
 
 

@@ -6,9 +6,9 @@ process's devices over the state's largest floating-point jax.Array leaves
 (`MAX_CHECKED`; on CPU devices, the first `CPU_SAMPLE` elements of one shard of each)
 when `save` is called (the runtime orders a later donation of their buffers after it,
 as it does the copies), and the save waits for its few bytes of answer in the
-background, before it commits; process 0's answer is recorded. A step holding non-finite values records their
-leaves in its metadata (`NON_FINITE`), and retention keeps the newest step that records
-none (see `_retention`).
+background, before it commits; process 0's answer is recorded. A step holding
+non-finite values records their leaves in its metadata (`NON_FINITE`), and retention
+keeps the newest step that records none (see `_retention`).
 
 Host leaves (numpy, Python numbers) are not looked at: they would be read on the
 training thread, where `save` must return quickly.

@@ -17,9 +17,10 @@ it keeps (the claimant's own if it says none; at most 10 minutes): if it changes
 its owner is alive and the claimant is refused; if not, the owner died (a crash, a
 preemption) and the claimant takes the next number. Watching for change, not
 comparing timestamps, keeps this correct whatever the hosts' clocks say. A lease
-whose writer is provably gone is taken over at once, so a job restarted in place after a crash does not wait: written
-on this very machine (its boot id) in this PID namespace, by a process id that is
-gone or now names another process (its start time). A process in another container
+whose writer is provably gone is taken over at once, so a job restarted in place after
+a crash does not wait: written on this very machine (its boot id) in this PID
+namespace, by a process id that is gone or now names another process (its start
+time); one whose writer is provably alive there is refused at once. A process in another container
 (another PID namespace, perhaps with the same host name) cannot be seen from here, so
 its lease is watched like any other. A lease of this very process is another manager's
 here that was never closed: refused at once, saying so, unless that manager is garbage

@@ -478,10 +478,8 @@ class CheckpointManager:
         if self._tier is not None:  # else a restore would bring it back from the local tier
             self._tier.forget(step)
         op = _multihost.Agreement("manager-delete", self._timeout_s, what=f"deleting step {step} of {self._root.url}")
-        if self._lease is not None:
-            self._lease.check()
         try:
-            deleted = op.decide("delete", lambda: _retention.delete(self._root, step, committed=True, why="delete()"))
+            deleted = op.decide("delete", lambda: self._delete_on_process_0(step))
         finally:
             op.close()
         if not deleted:
@@ -490,6 +488,12 @@ class CheckpointManager:
         with self._lock:
             self._committed.discard(step)
             self._metrics.pop(step, None)
+
+    def _delete_on_process_0(self, step: int) -> bool:
+        # The lease is checked inside the decision: its error reaches every process.
+        assert self._lease is not None  # process 0's
+        self._lease.check()
+        return _retention.delete(self._root, step, committed=True, why="delete()")
 
     # -- lifetime ----------------------------------------------------------------
 

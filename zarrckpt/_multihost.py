@@ -65,13 +65,12 @@ def coordinated() -> bool:
 def _client() -> Any:
     from jax._src import distributed  # the coordination client has no public handle
 
-    client = distributed.global_state.client
-    if client is None:
+    if not coordinated():
         raise RuntimeError(
             f"{process_count()} JAX processes but no coordination service: "
             "call jax.distributed.initialize() in every process first"
         )
-    return _Counted(client)
+    return _Counted(distributed.global_state.client)
 
 
 class _Counted:

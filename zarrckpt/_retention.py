@@ -22,7 +22,6 @@ from typing import Any
 
 from . import _commit, _concurrency, _objects, _options, _steps
 from ._finite import NON_FINITE
-from ._format import naming as _naming
 from ._storage import Location
 
 log = logging.getLogger("zarrckpt")
@@ -86,8 +85,7 @@ def metrics_of(root: Location, step: Location) -> dict[str, Any] | None:
     """The metrics saved in the step at `step`, or None; metrics that are not a dict of
     named values are ignored with a warning naming the step."""
     group = _commit.read_group(step)
-    meta = group.attributes.get(_naming.META_ATTR, {}) if group else {}
-    found = meta.get("metrics") if isinstance(meta, dict) else None
+    found = group.meta.get("metrics") if group else None
     if found is not None and (not isinstance(found, dict) or not all(isinstance(k, str) for k in found)):
         log.warning("step %s under %s has metrics %.100r, not a dict of named numbers: ignored",
                     step.url.rsplit("/", 1)[-1].lstrip("0") or "0", root.url, found)
@@ -108,8 +106,7 @@ def _newest_finite(root: Location, committed: Collection[int]) -> int | None:
     almost always one."""
     for step in sorted(committed, reverse=True):
         group = _commit.read_group(root.step(step))
-        meta = group.attributes.get(_naming.META_ATTR) if group else None
-        if not (isinstance(meta, dict) and meta.get(NON_FINITE)):
+        if not (group and group.meta.get(NON_FINITE)):
             return step
     return None
 
