@@ -280,3 +280,66 @@ def test_a_chunk_read_from_a_pinned_copy_keeps_the_copy_alive(dtype):
     del chunk, again
     gc.collect()
     assert alive() is None  # and lets it go with the last view
+
+
+class _Finalized:
+    """Garbage in a cycle whose finalizer runs Python: a collection triggered inside
+    jax's C++ then lets other threads run there, as a busy training process's does."""
+
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        sum(range(20))
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned copy", "caller's array in place"])
+def test_writers_reading_one_copy_at_once_each_find_their_shard(pinned):
+    """Writers read chunks of one host copy at the same moment, each of them maybe the
+    first to ask jax about it (its shards, a shard's buffer). jaxlib before 0.12 filled
+    an array's list of shards on first use without a lock: a second thread asking got a
+    short or doubled list, a save failed once in thousands with `KeyError:
+    CpuDevice(id=5)`, and jax kept the wrong list on the array. Here 8 writers start
+    together on a fresh copy, 200 times, with finalizers making threads switch inside
+    jax (before the fix: about 40% of rounds failed)."""
+    import sys
+    import threading
+
+    from zarrckpt._save.plan import HostCopy
+
+    sharding = NamedSharding(mesh(), P("data", "model"))
+    values = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    source = jax.device_put(values, sharding)
+    devices = [shard.device for shard in source.addressable_shards]
+    regions = {shard.device: shard.index for shard in source.addressable_shards}
+    threshold, interval = gc.get_threshold(), sys.getswitchinterval()
+    gc.set_threshold(1, 1, 1)
+    sys.setswitchinterval(1e-6)
+    failures = []
+    try:
+        for _ in range(200):
+            if pinned:
+                (array,) = jax.device_put([source], [sharding.with_memory_kind(_transfer.PINNED)], may_alias=False)
+            else:
+                array = jax.device_put(values, sharding)
+            copy = HostCopy(array)
+            start = threading.Barrier(len(devices))
+
+            def read(device, copy=copy, start=start):
+                _Finalized()
+                start.wait()
+                try:
+                    np.testing.assert_array_equal(copy.view(device, None), values[regions[device]])
+                except Exception as e:
+                    failures.append(f"{device}: {type(e).__name__}: {e}")
+
+            readers = [threading.Thread(target=read, args=(device,)) for device in devices]
+            for reader in readers:
+                reader.start()
+            for reader in readers:
+                reader.join()
+            assert len(array.addressable_shards) == len(devices), "jax kept a wrong list of the array's shards"
+    finally:
+        gc.set_threshold(*threshold)
+        sys.setswitchinterval(interval)
+    assert failures == []
