@@ -34,6 +34,7 @@ class BackgroundSave:
                  on_failure: Callable[[BaseException], None]) -> None:
         self.url = job.loc.url
         self._job: SaveJob | None = job  # until it runs: then only its run holds it
+        self._writing: SaveJob | None = None  # handed from `start` to the save's thread
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._on_commit, self._on_failure = on_commit, on_failure
         self._staging_failed = False
@@ -53,7 +54,8 @@ class BackgroundSave:
         reporting it again); a failure of the writer is its own (`on_failure`)."""
         job, self._job = self._job, None
         assert job is not None, "a save starts once"
-        thread = threading.Thread(target=self._run, args=(job, self._staged()), name=self._name, daemon=True)
+        self._writing = job
+        thread = threading.Thread(target=self._write, name=self._name, daemon=True)
         self._thread = thread
         try:
             thread.start()
@@ -66,6 +68,7 @@ class BackgroundSave:
             self._staging_failed = True
             self._queue.put(_STOPPED)  # after an _END, never read
             if thread.ident is None:  # interrupted before it started: nothing else will end it
+                self._writing = None
                 self._finished.set()
             self._finished.wait()
             raise
@@ -89,6 +92,20 @@ class BackgroundSave:
         is done when `run` returns)."""
         return self._thread is None or self._finished.is_set()
 
+    def _write(self) -> None:
+        """The save's thread: writes what `start` stages, then says the save is done."""
+        job, self._writing = self._writing, None
+        assert job is not None
+        try:
+            self._run(job, self._staged())
+        finally:
+            # The job holds the state saved: this thread lets it go before it says the
+            # save is done, not after (as `Thread(args=...)` would), when the interpreter
+            # may be exiting: a jax array freed by a thread that finalization stops
+            # aborts the process ("FATAL: exception not rethrown").
+            del job
+            self._finished.set()
+
     def _run(self, job: SaveJob, work: Work) -> None:
         try:
             job.run(work)
@@ -97,8 +114,6 @@ class BackgroundSave:
             self._drop_staged()
             if not self._staging_failed:
                 self._on_failure(e)
-        finally:
-            self._finished.set()
 
     def _staged(self) -> Iterator[Any]:
         while (item := self._queue.get()) is not _END:
