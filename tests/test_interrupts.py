@@ -96,3 +96,28 @@ def test_a_background_save_lets_the_state_go_before_it_says_it_is_done(tmp_path)
     save.start()
     assert save.join(60)
     assert seen == [("zarrckpt-save-test", False)]  # freed by the save's thread, before it was done
+
+
+def test_ctrl_c_while_a_save_copies_the_state_off_the_devices_says_the_step_is_lost(tmp_path, caplog, monkeypatch):
+    """A Ctrl-C that lands while `save` dispatches the copies off the devices stops
+    that save (its snapshot is not whole): the log says which step was not saved,
+    nothing of it is committed, and the next save works."""
+    import jax.numpy as jnp
+
+    from zarrckpt._save import transfer
+
+    copy = transfer.start
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    state = {"w": jnp.arange(4096.0)}
+    with zarrckpt.CheckpointManager(str(tmp_path / "run")) as mgr:
+        monkeypatch.setattr(transfer, "start", interrupted)
+        with caplog.at_level("WARNING", logger="zarrckpt"), pytest.raises(KeyboardInterrupt):
+            mgr.save(1, state)
+        monkeypatch.setattr(transfer, "start", copy)
+        lost = [r for r in caplog.records if r.levelname == "WARNING" and "KeyboardInterrupt" in r.getMessage()]
+        assert len(lost) == 1 and "0000000001" in lost[0].getMessage()
+        assert mgr.save(2, state)
+    assert zarrckpt.all_steps(str(tmp_path / "run")) == [2]

@@ -12,6 +12,7 @@ save's own error, or one raised by `on_commit`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -21,6 +22,8 @@ from typing import Any
 from .. import _concurrency
 from ..errors import CheckpointError
 from .protocol import SaveJob, Work, stage
+
+log = logging.getLogger("zarrckpt")
 
 _END = object()  # every write was staged
 _STOPPED = object()  # staging stopped part-way: the writer fails the save
@@ -64,13 +67,17 @@ class BackgroundSave:
             self._queue.put(_END)
         except _concurrency.Aborted:  # the writer failed first, and reports it
             self._queue.put(_STOPPED)
-        except BaseException:  # a Ctrl-C anywhere here included: the writer is told, and waited for
+        except BaseException as e:  # a Ctrl-C anywhere here included: the writer is told, and waited for
             self._staging_failed = True
             self._queue.put(_STOPPED)  # after an _END, never read
             if thread.ident is None:  # interrupted before it started: nothing else will end it
                 self._writing = None
                 self._finished.set()
             self._finished.wait()
+            # Said here: the writer does not report a save whose staging failed, and a
+            # Ctrl-C's traceback alone does not say that the step was lost.
+            log.warning("%s was not saved: %s while its state was being copied off the devices; nothing was "
+                        "committed", self.url, type(e).__name__)
             raise
 
     def run(self) -> None:
