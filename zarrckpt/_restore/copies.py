@@ -115,7 +115,10 @@ def plan(requests: list[Request], held: Holdings, me: int, holders: Sequence[Seq
                 continue
             if not (_plan.summable(form.dtype) and isinstance(sharding, jax.sharding.NamedSharding)):
                 raise Unrebuildable(f"leaf {stored.where}: some process's local copy lacks parts it needs")
-            routes = [_peers.pairs(sharding.mesh, holder)  # type: ignore[arg-type]  # a concrete mesh if _peers.movable(sharding, stored.shape) else None
+            # Blocks of uneven shapes cannot be permuted (jax 0.12 makes no such array yet):
+            # their parts come from the copies alone, or the restore falls back.
+            movable = _peers.movable(sharding, stored.shape)
+            routes = [_peers.pairs(sharding.mesh, holder) if movable else None  # type: ignore[arg-type]  # a concrete mesh
                       for holder in holders]
             readers, moved = _readers(sharding, stored, holds, holders, routes)
             used = sorted({m for *_, m in moved})
