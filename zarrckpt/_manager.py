@@ -328,11 +328,8 @@ class CheckpointManager:
         due = force or every_call or bool(self._interval_steps and step % self._interval_steps == 0)
         if not due and (interval := self._interval_seconds) is not None:
             # Clocks differ across hosts: process 0 decides for everyone.
-            op = _multihost.Agreement("manager-decide", self._timeout_s)
-            try:
+            with _multihost.Agreement("manager-decide", self._timeout_s) as op:
                 due = bool(op.decide("due", lambda: time.monotonic() - self._last_save >= interval))
-            finally:
-                op.close()
         return due
 
     def _committed_steps(self) -> set[int]:
@@ -345,11 +342,8 @@ class CheckpointManager:
         went. Agreement."""
         with self._lock:
             metrics = dict(self._metrics)
-        op = _multihost.Agreement("manager-retain", self._timeout_s, what=f"retention under {self._root.url}")
-        try:
+        with _multihost.Agreement("manager-retain", self._timeout_s, what=f"retention under {self._root.url}") as op:
             deleted = op.decide("retain", lambda: _retention.apply(self._root, self._policy, metrics))
-        finally:
-            op.close()
         with self._lock:
             self._committed.difference_update(deleted)
 
@@ -477,11 +471,9 @@ class CheckpointManager:
         _steps.committed_step(self._root, step)
         if self._tier is not None:  # else a restore would bring it back from the local tier
             self._tier.forget(step)
-        op = _multihost.Agreement("manager-delete", self._timeout_s, what=f"deleting step {step} of {self._root.url}")
-        try:
+        with _multihost.Agreement("manager-delete", self._timeout_s,
+                                  what=f"deleting step {step} of {self._root.url}") as op:
             deleted = op.decide("delete", lambda: self._delete_on_process_0(step))
-        finally:
-            op.close()
         if not deleted:
             raise errors.CheckpointWriteError(f"step {step} of {self._root.url} was not deleted: its directory also "
                                               "holds files that are not the checkpoint's (see the warning)")
@@ -580,12 +572,9 @@ class CheckpointManager:
                 self._lease.claim()
             return _tiers.run_identity(self._root) if tiers else None
 
-        op = _multihost.Agreement("manager-open", self._timeout_s, what=f"claiming {self._root.url} for this job",
-                                   error=errors.CheckpointWriteError)
-        try:
+        with _multihost.Agreement("manager-open", self._timeout_s, what=f"claiming {self._root.url} for this job",
+                                  error=errors.CheckpointWriteError) as op:
             return op.decide("claim", claim)
-        finally:
-            op.close()
 
     def _local_directory(self, directory: str | None, interval: int | None, peer_copies: int,
                          peer_group: str | None) -> _storage.Location | None:

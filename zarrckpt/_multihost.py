@@ -182,9 +182,16 @@ class Agreement:
                 results = [found[p] for p in range(process_count())]
         return failures, results
 
+    def __enter__(self) -> Agreement:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         """Counts this process out of the operation; the last one out deletes its keys.
-        Every process must close what it opened, after its last call."""
+        Every process must close what it opened, after its last call (leaving a `with`
+        block closes it)."""
         if not self._used:
             return
         client = _client()

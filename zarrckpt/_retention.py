@@ -118,11 +118,12 @@ def is_pinned(step_loc: Location) -> bool:
 
 
 def apply(root: Location, policy: Policy, metrics: Mapping[int, Mapping[str, Any]], *,
-          busy: Collection[int] = (), dry_run: bool = False) -> list[int]:
+          dry_run: bool = False) -> list[int]:
     """Deletes what `policy` does not keep under `root`; returns the deleted steps.
 
-    `busy` steps (a save in flight) are never touched. Each deletion removes the
-    commit marker first, so an interrupted one leaves only an uncommitted leftover.
+    Uncommitted steps older than the newest committed one are leftovers, deleted too;
+    a newer one may be a save in flight, and is never touched. Each deletion removes
+    the commit marker first, so an interrupted one leaves only an uncommitted leftover.
     """
     candidates, committed_steps = _steps.scan(root)
     committed = set(committed_steps)
@@ -134,8 +135,8 @@ def apply(root: Location, policy: Policy, metrics: Mapping[int, Mapping[str, Any
         log.info("keeping step %s under %s: the newest without NaN or infinities (newer steps hold them)", finite,
                  root.url)
         keep.add(finite)
-    doomed = sorted(s for s in committed - keep if s not in busy and not is_pinned(root.step(s)))
-    leftovers = sorted(s for s in set(candidates) - committed if s < newest and s not in busy)
+    doomed = sorted(s for s in committed - keep if not is_pinned(root.step(s)))
+    leftovers = sorted(s for s in set(candidates) - committed if s < newest)
     return [step for step in doomed + leftovers
             if delete(root, step, committed=step in doomed, why="retention" if step in doomed else
                       "uncommitted leftover", dry_run=dry_run)]

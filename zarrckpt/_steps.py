@@ -257,11 +257,8 @@ def restore_latest(root: Location, target: Any, options: _options.LoadOptions,
     """`load_checkpoint_if_it_exists` under `root`, but None for the step when nothing
     was restored (step 0 may have been saved). Agreement."""
     chosen: dict[str, Any] = {}
-    op = _multihost.Agreement("restore", timeout_s, what=f"choosing the step to restore under {root.url}")
-    try:
+    with _multihost.Agreement("restore", timeout_s, what=f"choosing the step to restore under {root.url}") as op:
         step, save_id = op.decide("step", lambda: _newest(root, chosen))
-    finally:
-        op.close()
     if step is None:
         return target, None
     # Every process opens the save process 0 chose, or fails: never two saves of a step.

@@ -108,23 +108,22 @@ class LocalTier:
         by default its slice or host) and choose who keeps whose copies (ValueError
         where the domains do not allow it, see `_peers.choose`). Agreement."""
         tier = cls(directory, run, interval, keep_last, heartbeat_s)
-        op = _multihost.Agreement("manager-local-open", timeout_s, what=f"opening local_directory {directory.url}",
-                                  error=CheckpointLocationError)
         try:
-            op.check("open", tier._open)
-            if peer_copies:
-                found = op.gather("domains", lambda: {"group": peer_group, **_peers.where()})
-                given = [f["group"] for f in found]
-                if len({g is None for g in given}) > 1:
-                    raise ValueError(f"local_peer_group was given on processes {[p for p, g in enumerate(given) if g]}"
-                                     " only: give it on every process, or on none")
-                groups = [str(g) for g in given] if given[0] is not None else _peers.domains(found)
-                tier.peers = _peers.choose(peer_copies, groups)
+            with _multihost.Agreement("manager-local-open", timeout_s, what=f"opening local_directory "
+                                      f"{directory.url}", error=CheckpointLocationError) as op:
+                op.check("open", tier._open)
+                if peer_copies:
+                    found = op.gather("domains", lambda: {"group": peer_group, **_peers.where()})
+                    given = [f["group"] for f in found]
+                    if len({g is None for g in given}) > 1:
+                        raise ValueError("local_peer_group was given on processes "
+                                         f"{[p for p, g in enumerate(given) if g]} only: give it on every process, "
+                                         "or on none")
+                    groups = [str(g) for g in given] if given[0] is not None else _peers.domains(found)
+                    tier.peers = _peers.choose(peer_copies, groups)
         except BaseException:
             tier.close()
             raise
-        finally:
-            op.close()
         return tier
 
     def _open(self) -> None:
@@ -161,15 +160,13 @@ class LocalTier:
         job = SaveJob.create(self.root.step(step), state, dataclasses.replace(options, overwrite=True),
                              extra_metadata={"local": {"run": self.run, "step": step, "after": after}},
                              channel="manager-local", commit=PER_PROCESS, peers=self.peers)
-        op = _multihost.Agreement("manager-local-room", timeout_s, what=f"the local copy of step {step}",
-                                  error=_NoRoom)
         try:
-            op.check("room", lambda: self._check_room(_footprint(job)))
+            with _multihost.Agreement("manager-local-room", timeout_s, what=f"the local copy of step {step}",
+                                      error=_NoRoom) as op:
+                op.check("room", lambda: self._check_room(_footprint(job)))
         except _NoRoom as e:
             log.warning("local checkpoint of step %d skipped (training goes on): %s", step, e)
             return None
-        finally:
-            op.close()
         return BackgroundSave(job, f"zarrckpt-local-{step}", on_commit=lambda: self._committed(step),
                               on_failure=lambda e: self._failed(step, e))
 
@@ -359,8 +356,7 @@ def restore_latest(root: Location, tier: LocalTier, target: Any, options: LoadOp
     """The newest step the local copies rebuild if it is newer than the newest
     committed persistent step, else `_steps.restore_latest`; with the step, the tier
     read ("local" or "persistent"; None if nothing was restored). Agreement."""
-    op = _multihost.Agreement("restore-tiers", timeout_s, what=f"restoring from {tier.root.url} or {root.url}")
-    try:
+    with _multihost.Agreement("restore-tiers", timeout_s, what=f"restoring from {tier.root.url} or {root.url}") as op:
         found = op.gather("inventory", lambda: [c.as_json() for c in tier.inventory()])
         persistent = set(op.decide("persistent", lambda: _steps.scan(root)[1]))
         me, floor = _multihost.process_index(), max(persistent, default=None)
@@ -378,8 +374,6 @@ def restore_latest(root: Location, tier: LocalTier, target: Any, options: LoadOp
                 except _Unusable as e:
                     log.warning("local step %d is not used: %s", step, e)
                     break
-    finally:
-        op.close()
     state, restored_step = _steps.restore_latest(root, target, options, timeout_s)
     if restored_step is not None:
         log.info("process %d restored step %d from the persistent tier %s", me, restored_step, root.url)
@@ -446,12 +440,10 @@ class _Reading:
             except Exception as e:  # a scalar that does not read right: the copy's damage
                 damage.append(e)
 
-        check = _multihost.Agreement("restore-tiers-match", timeout_s, what=f"matching local step {step}",
-                                     error=CheckpointMismatchError)
-        try:  # a mismatch on any process is raised on all; one without a copy reads no scalar
+        # A mismatch on any process is raised on all; one without a copy reads no scalar.
+        with _multihost.Agreement("restore-tiers-match", timeout_s, what=f"matching local step {step}",
+                                  error=CheckpointMismatchError) as check:
             check.check("match", matching)
-        finally:
-            check.close()
         if failed := op.failures(f"match-{attempt}", damage[0] if damage else None):
             raise CopiesDamaged(failed)
         requests, treedef = matched

@@ -208,11 +208,6 @@ class SaveJob:
                    channel, before_prepare, commit=commit)
 
     @property
-    def written_bytes(self) -> int:
-        """The bytes of chunks this process writes."""
-        return sum(unit.nbytes for _, unit in self.units())
-
-    @property
     def nbytes(self) -> int:
         """Logical bytes of the tree (each global array counted once)."""
         return sum(p.nbytes for p in self.plans if p.moved is None)
@@ -275,10 +270,10 @@ class SaveJob:
         """Runs the write protocol over `work` (`admitted()`, or what `stage` staged);
         returns the seconds it took. Agreement."""
         started = time.perf_counter()
-        op = _multihost.Agreement(self.channel, self.options.timeout_s, what=f"saving {self.loc.url}",
-                                   error=errors.CheckpointWriteError, note="nothing was committed")
         loc = self.loc
-        with _progress.bar(f"saving {loc.url}", self.nbytes, self.options.progress) as advance:
+        with (_multihost.Agreement(self.channel, self.options.timeout_s, what=f"saving {loc.url}",
+                                   error=errors.CheckpointWriteError, note="nothing was committed") as op,
+              _progress.bar(f"saving {loc.url}", self.nbytes, self.options.progress) as advance):
             try:
                 self.save_id = self.commit.prepare(op, self._prepare)
                 op.check("write", lambda: _write_all(loc, work, self._array_metadata(),
@@ -288,8 +283,6 @@ class SaveJob:
             except BaseException as e:
                 self.budget.abort(e)  # a stager waiting for room must not wait forever
                 raise
-            finally:
-                op.close()
         seconds = time.perf_counter() - started
         return seconds
 
