@@ -275,3 +275,14 @@ def test_small_shards_are_merged_into_one_object_per_writing_process(tmp_path):
     back = zarrckpt.load_pytree(url, {"small": small.sharding, "grid": grid.sharding})
     np.testing.assert_array_equal(np.asarray(back["small"]), np.arange(1024.0))
     assert zarrckpt.verify(url).ok
+
+
+def test_a_local_copys_record_reads_back_as_written_and_a_bad_one_says_what_is_wrong():
+    from zarrckpt._format.copy_record import KEY, CopyRecord
+
+    record = CopyRecord("ab" * 16, 150, 100, 1, 2, {"w": [(1, 0), (0, 0)], "v": []}, ((1, 0),))
+    assert CopyRecord.parse({KEY: record.as_meta()}) == record
+    for bad in ({**record.as_meta(), "process": 2}, {**record.as_meta(), "peers": [[0, 0]]},
+                {**record.as_meta(), "step": True}, {**record.as_meta(), "held": {"w": [[0, -1]]}}):
+        with pytest.raises(ValueError):
+            CopyRecord.parse({KEY: bad})

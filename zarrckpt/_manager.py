@@ -31,7 +31,6 @@ from . import (
     _tiers,
     errors,
 )
-from ._format import naming as _naming
 
 log = logging.getLogger("zarrckpt")
 
@@ -266,7 +265,7 @@ class CheckpointManager:
         job = _save.SaveJob.create(location, state, self._save_options, channel="manager-save",
                                    extra_metadata={"metrics": metrics} if metrics is not None else None)
         non_finite = _finite.start([plan.leaf for plan in job.plans if plan.moved is None])
-        meta = job.group["attributes"][_naming.META_ATTR]  # not the job: no cycle may hold the state
+        meta = job.meta  # not the job: no cycle may hold the state
 
         def before_prepare() -> None:  # process 0, in the background, before anything is written
             if self._lease is not None:

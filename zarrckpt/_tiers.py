@@ -51,7 +51,8 @@ from typing import Any
 import numpy as np
 
 from . import _commit, _lease, _multihost, _peers, _progress, _retention, _steps
-from ._format import naming as _naming
+from ._format import copy_record, naming as _naming
+from ._format.copy_record import CopyRecord
 from ._options import LoadOptions, SaveOptions
 from ._regions import Region, region_shape, region_slices
 from ._restore import checkpoint as _reader, copies as _copies, match as _match
@@ -158,8 +159,10 @@ class LocalTier:
         self.last = step  # tried once: a failed local save is not retried for the same step
         after = max(persistent, default=None)
         job = SaveJob.create(self.root.step(step), state, dataclasses.replace(options, overwrite=True),
-                             extra_metadata={"local": {"run": self.run, "step": step, "after": after}},
                              channel="manager-local", commit=PER_PROCESS, peers=self.peers)
+        job.meta[copy_record.KEY] = CopyRecord(
+            self.run, step, after, _multihost.process_index(), _multihost.process_count(), job.held(),
+            self.peers.holders if self.peers is not None else ()).as_meta()
         try:
             with _multihost.Agreement("manager-local-room", timeout_s, what=f"the local copy of step {step}",
                                       error=_NoRoom) as op:
@@ -230,29 +233,22 @@ class LocalTier:
         """The copy at `loc`, checked: a local copy of this run's `step` whose every chunk
         is there with its size. Raises _Unusable (or what reading it raised) if not."""
         group = _commit.read_group(loc)
-        meta = group.attributes.get(_naming.META_ATTR) if group is not None else None
-        record = meta.get("local") if isinstance(meta, dict) else None
-        if not isinstance(record, dict) or not isinstance(record.get("held"), dict):
-            raise _Unusable("it is not a local-tier copy (no record of what it holds)")
-        if record.get("run") != self.run:
-            raise _Unusable(f"it belongs to another run ({record.get('run')!r})")
-        if record.get("step") != step:
-            raise _Unusable(f"it holds step {record.get('step')!r}")
-        after = record.get("after")
-        if after is not None and (not isinstance(after, int) or isinstance(after, bool)):
-            raise _Unusable(f"it records persistent step {after!r}")
-        peers = record.get("peers", [])
-        processes = record.get("processes")
-        if not _is_peer_table(peers, processes):
-            raise _Unusable(f"it records peer copies {peers!r} that are not kept by {processes!r} processes")
+        try:
+            record = CopyRecord.parse(group.attributes.get(_naming.META_ATTR) if group is not None else None)
+        except ValueError as e:
+            raise _Unusable(str(e)) from None
+        if record.run != self.run:
+            raise _Unusable(f"it belongs to another run ({record.run!r})")
+        if record.step != step:
+            raise _Unusable(f"it holds step {record.step!r}")
         ckpt = _reader.open_checkpoint(loc, group=group)  # the metadata already read
         if ckpt.save_id is None:
             raise _Unusable("it has no save identity")
         sizes = {e.name: (e.type, e.size) for e in loc.walk()}
         held = {}
-        for name, coords in record["held"].items():
+        for name, coords in record.held.items():
             stored = ckpt.leaves.get(name)
-            if stored is None or not isinstance(coords, list):
+            if stored is None:
                 raise _Unusable(f"it says it holds array {name!r}, which it does not describe")
             held[name] = frozenset(_chunk_coords(stored, c) for c in coords)
             for c in held[name]:
@@ -262,7 +258,7 @@ class LocalTier:
                     raise _Unusable(f"chunk {key} is {'missing' if kind is None else 'a ' + kind}")
                 if (why := stored.codec.size_damage(size)) is not None:  # type: ignore[union-attr]
                     raise _Unusable(f"chunk {key} {why}")
-        return _copies.Copy(step, ckpt.save_id, held, after, tuple(map(tuple, peers)))
+        return _copies.Copy(step, ckpt.save_id, held, record.after, record.peers)
 
     def set_aside(self, step: int, problems: dict[int, str]) -> None:
         """After reading the copies of `step` failed on the processes of `problems`:
@@ -273,20 +269,13 @@ class LocalTier:
             self._remove(step, committed=True, why="damaged")
 
 
-def _is_peer_table(peers: Any, processes: Any) -> bool:
-    """Whether `peers` is a list of permutations of `processes` processes."""
-    return isinstance(peers, list) and all(
-        isinstance(h, list) and isinstance(processes, int) and all(type(p) is int for p in h)
-        and sorted(h) == list(range(processes)) for h in peers)
-
-
-def _chunk_coords(stored: _reader.StoredLeaf, coords: Any) -> tuple[int, ...]:
-    """`coords` as a chunk's place in the grid of `stored`; _Unusable if it is none."""
+def _chunk_coords(stored: _reader.StoredLeaf, coords: tuple[int, ...]) -> tuple[int, ...]:
+    """`coords` (a record's, see `CopyRecord.parse`), checked to be a chunk's place in the
+    grid of `stored`; _Unusable if it is none."""
     grid = [math.ceil(d / c) if d else 1 for d, c in zip(stored.shape, stored.chunks)]
-    if (not isinstance(coords, list) or len(coords) != len(grid)
-            or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < n for c, n in zip(coords, grid))):
-        raise _Unusable(f"it says it holds chunk {coords!r} of array {stored.name!r}, whose grid is {grid}")
-    return tuple(coords)
+    if len(coords) != len(grid) or not all(c < n for c, n in zip(coords, grid)):
+        raise _Unusable(f"it says it holds chunk {list(coords)!r} of array {stored.name!r}, whose grid is {grid}")
+    return coords
 
 
 def _run_of_directory(name: str) -> str | None:
@@ -327,12 +316,11 @@ def _footprint(job: SaveJob) -> int:
 def peers_of(group: _commit.Group | None) -> list[int]:
     """The processes whose peer copy the local copy of metadata `group` also holds (see
     `_peers`); none for metadata that does not say."""
-    meta = group.attributes.get(_naming.META_ATTR) if group is not None else None
-    record = meta.get("local") if isinstance(meta, dict) else None
-    if not isinstance(record, dict) or not _is_peer_table(record.get("peers"), record.get("processes")):
+    try:
+        record = CopyRecord.parse(group.attributes.get(_naming.META_ATTR) if group is not None else None)
+    except ValueError:
         return []
-    process = record.get("process")
-    return _peers.Peers(tuple(map(tuple, record["peers"]))).sources(process) if isinstance(process, int) else []
+    return _peers.Peers(record.peers).sources(record.process)
 
 
 def copy_directories(directory: Location) -> list[tuple[str, int, Location]]:

@@ -170,10 +170,9 @@ class SaveJob:
                before_prepare: Callable[[], None] | None = None, commit: Commit = SHARED,
                peers: _peers.Peers | None = None) -> SaveJob:
         """Plans a save; raises UnsupportedLeafError before anything is written. A
-        `PER_PROCESS` save's group records, under `local` in its metadata, this process,
-        the process count, the chunks of each array it holds and, with `peers`, who keeps
-        whose peer copy (see `_tiers`, `_peers`): it then also holds the chunks of the
-        processes it keeps a copy of that its own devices lack."""
+        `PER_PROCESS` save with `peers` (who keeps whose peer copy, see `_peers`) also
+        writes the chunks of the processes this one keeps a copy of that its own devices
+        lack."""
         spec, leaves = _tree.record(tree)
         process, processes = _multihost.process_index(), _multihost.process_count()
         plans, arrays, own = [], {}, {}
@@ -195,17 +194,23 @@ class SaveJob:
                 plans += _peer_plans(plan, peers, options, process) if peers is not None else []
                 continue
             plans.append(plan)
-        extra = dict(extra_metadata or {})
-        if commit.per_process:
-            held: dict[str, list[list[int]]] = {}
-            for p in plans:
-                if p.leaf.name in arrays:
-                    held.setdefault(p.leaf.name, []).extend(p.codec.coords(u.region) for u in p.writes)
-            extra["local"] = {**extra.get("local", {}), "process": process, "processes": processes, "held": held,
-                              "peers": [list(holder) for holder in peers.holders] if peers is not None else []}
-        group = _zarrjson.group_document({_naming.META_ATTR: {**_tree_metadata(spec), **extra}})
+        group = _zarrjson.group_document({_naming.META_ATTR: {**_tree_metadata(spec), **(extra_metadata or {})}})
         return cls(loc, plans, arrays, own, group, options, _concurrency.ByteBudget(options.max_inflight_bytes),
                    channel, before_prepare, commit=commit)
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """zarrckpt's attribute of the group, for a caller to add to before the save runs."""
+        return self.group["attributes"][_naming.META_ATTR]
+
+    def held(self) -> dict[str, list[tuple[int, ...]]]:
+        """Per shared array, the grid coordinates of the chunks this process writes (of a
+        `PER_PROCESS` save: what its group holds)."""
+        held: dict[str, list[tuple[int, ...]]] = {}
+        for plan in self.plans:
+            if plan.leaf.name in self.arrays:
+                held.setdefault(plan.leaf.name, []).extend(tuple(plan.codec.coords(u.region)) for u in plan.writes)
+        return held
 
     @property
     def nbytes(self) -> int:
