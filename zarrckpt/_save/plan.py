@@ -12,9 +12,11 @@ The rules (docs/pytree-zarr-checkpoint.md, "Chunks"):
   a small array whole), so that a small leaf is one object per writing process, not
   one per device.
 
-A save to the local tier (`held`, see `_tiers`) uses the same chunk grid, but each
-process writes every chunk its own devices hold, replicas included: its copy must
-rebuild its part of the state without any other host.
+Who writes which chunk is the save's `Writers`: `ONE_WRITER` (one group shared by
+every process, each chunk written once) or `EVERY_HOLDER` (the local tier, see
+`_tiers`: the same chunk grid, but each process writes every chunk its own devices
+hold, replicas included, since its copy must rebuild its part of the state without
+any other host).
 """
 
 from __future__ import annotations
@@ -289,15 +291,41 @@ def _pieces_for(nbytes: int, replicas: int, max_chunk_bytes: int) -> int:
     return max(1, by_size, by_replicas)
 
 
+class OneWriter:
+    """Each chunk written once, by the process (and device) the plan deals it to; a host
+    value, the same on every process by contract, by process 0 alone."""
+
+    def chunks(self, layout: Layout, salt: int, process: int) -> Writes:
+        return layout.writes(salt, process)
+
+    def writes_host_values(self, process: int) -> bool:
+        return process == 0
+
+
+class EveryHolder:
+    """Every chunk a process's devices hold, and every host value, written by that
+    process: each process's own copy (the local tier)."""
+
+    def chunks(self, layout: Layout, salt: int, process: int) -> Writes:
+        return layout.held_writes(process)
+
+    def writes_host_values(self, process: int) -> bool:
+        return True
+
+
+Writers = OneWriter | EveryHolder
+ONE_WRITER, EVERY_HOLDER = OneWriter(), EveryHolder()
+
+
 def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                checksum: bool = True, *, process: int, processes: int, own: bool = False,
-               held: bool = False, min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES,
+               writers: Writers = ONE_WRITER, min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES,
                host_of: HostOf = process_of) -> ArrayPlan:
     """Plans one leaf for `process` of `processes`, the device `host_of` says where each
     device is. Every process computes the same chunks and the same writers; `checksum`
     says whether its chunks carry a CRC-32C. An `own` array (a per-process value) is
-    this process's alone: it writes every chunk. With `held` (a local-tier save), the
-    process writes every chunk its devices hold, and all of a host value.
+    this process's alone: it writes every chunk. `writers` says which chunks each
+    process writes.
 
     `salt` (the leaf's position) rotates which replica writes a single-chunk shard,
     so that many small replicated leaves spread over devices and hosts too.
@@ -307,18 +335,17 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
     shape = tuple(np.shape(value))
     if isinstance(value, jax.Array) and (not value.is_fully_addressable or processes == 1):
         lay = layout(value.sharding, shape, dtype.itemsize, max_chunk_bytes, min_chunk_bytes, host_of)
-        mine = lay.writes(salt, process, held)
+        mine = writers.chunks(lay, salt, process)
         units = [WriteUnit(chunk, size * dtype.itemsize, sources=parts) for chunk, size, parts in mine.units]
         return ArrayPlan(leaf, shape, dtype, lay.chunks, units, checksum, mine.copy_from, mine.copy_all)
-    # Host data (numpy, scalars, process-local jax arrays) is the same on every process
-    # by contract; process 0 alone writes it so that no chunk has two writers.
+    # Host data: numpy, scalars, process-local jax arrays.
     source = value.chunks if isinstance(value, Deferred) else None
     if source is not None:
         chunks = _import_chunks(source, shape, dtype.itemsize, min_chunk_bytes, max_chunk_bytes)
     else:
         chunks = split_chunk(shape, _pieces_for(_dtypes.nbytes(shape, dtype), 1, max_chunk_bytes), shape)
     writes = []
-    if process == 0 or own or held:
+    if own or writers.writes_host_values(process):
         host = value if isinstance(value, Deferred) else np.asarray(value, dtype=dtype)
         full: Region = tuple((0, d) for d in shape)
         writes = [WriteUnit(r, _dtypes.nbytes(region_shape(r), dtype), host=host) for r in chunks_in(full, chunks)
@@ -398,16 +425,17 @@ class Moved:
 
 
 def plan_peer_array(own: ArrayPlan, route: _peers.Pairs, max_chunk_bytes: int, *, process: int,
-                    min_chunk_bytes: int, held: set[Region], host_of: HostOf = process_of) -> ArrayPlan:
+                    min_chunk_bytes: int, written: set[Region], host_of: HostOf = process_of) -> ArrayPlan:
     """The peer copy's part of a leaf `own` plans (a local-tier save): the chunks that the
-    process `route` sends its blocks to `process` holds and `process` does not (`held`),
+    process `route` sends its blocks to `process` holds and `process` does not write
+    already (`written`),
     read from the moved blocks (see `Moved`). Its writes may be none: the move is
     collective all the same."""
     value = own.leaf.value
     lay = layout(value.sharding, own.shape, own.dtype.itemsize, max_chunk_bytes, min_chunk_bytes,
                  host_of).moved(_peers.mapping(value.sharding.mesh, route))
     assert lay.chunks == own.chunks, "a permutation of whole processes keeps the chunk grid"
-    mine = Writes.of(lay, ((c, p) for c, p in lay.held(process) if c not in held), process)
+    mine = Writes.of(lay, ((c, p) for c, p in lay.held(process) if c not in written), process)
     units = [WriteUnit(chunk, size * own.dtype.itemsize, sources=parts) for chunk, size, parts in mine.units]
     return ArrayPlan(own.leaf, own.shape, own.dtype, own.chunks, units, own.checksum, mine.copy_from,
                      mine.copy_all, Moved(value, route))
@@ -497,19 +525,27 @@ class Layout:
             writer = holders[(salt + k) % len(holders)]
             yield chunk, writer, [(first[writer], take, put) for first, take, put in parts]
 
-    def writes(self, salt: int, process: int, held: bool) -> Writes:
-        """`process`'s writes (with `held`: of every chunk its devices hold, see `held`),
-        computed once per layout, salt and process: a training loop saves arrays of the
-        same layouts again and again, and many leaves share one."""
-        key = (0 if held else salt % self._period, process, held)
+    def writes(self, salt: int, process: int) -> Writes:
+        """`process`'s writes of the chunks `assignments` deals it, computed once per
+        layout, salt and process: a training loop saves arrays of the same layouts
+        again and again, and many leaves share one."""
+        key = (salt % self._period, process)
         found = self._writes.get(key)
         if found is None:
-            mine = self.held(process) if held else ((c, p) for c, w, p in self.assignments(salt) if w == process)
+            mine = ((c, p) for c, w, p in self.assignments(salt) if w == process)
             found = self._writes[key] = Writes.of(self, mine, process)
         return found
 
+    def held_writes(self, process: int) -> Writes:
+        """`process`'s writes of every chunk it holds (see `held`), computed once."""
+        key = (-1, process)
+        found = self._writes.get(key)
+        if found is None:
+            found = self._writes[key] = Writes.of(self, self.held(process), process)
+        return found
+
     @functools.cached_property
-    def _writes(self) -> dict[tuple[int, int, bool], Writes]:
+    def _writes(self) -> dict[tuple[int, int], Writes]:
         return {}
 
     @functools.cached_property

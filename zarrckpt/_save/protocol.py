@@ -120,7 +120,8 @@ class Commit:
     """How a save's group is made and committed (see the module docstring)."""
 
     name: str
-    per_process: bool  # each process its own group, holding every chunk its devices hold
+    per_process: bool  # each process its own group
+    writers: _planning.Writers  # which chunks each process writes
 
     def prepare(self, op: _multihost.Agreement, prepare: Callable[[str], str]) -> str:
         """Prepares the group (`prepare(save_id)`) with a new save identity; returns it."""
@@ -139,8 +140,8 @@ class Commit:
         return self.per_process or process == 0
 
 
-SHARED = Commit("shared", per_process=False)
-PER_PROCESS = Commit("per process", per_process=True)
+SHARED = Commit("shared", per_process=False, writers=_planning.ONE_WRITER)
+PER_PROCESS = Commit("per process", per_process=True, writers=_planning.EVERY_HOLDER)
 
 
 @dataclasses.dataclass
@@ -186,7 +187,7 @@ class SaveJob:
                     plan.shape, plan.codec, {_naming.META_ATTR: {"encoding": leaf.value.encoding}})
             else:
                 plan = _planning.plan_array(leaf, i, options.max_chunk_bytes, options.checksums, process=process,
-                                            processes=processes, held=commit.per_process,
+                                            processes=processes, writers=commit.writers,
                                             min_chunk_bytes=options.min_chunk_bytes)
                 # Every process knows every shared array's metadata without asking the store.
                 arrays[leaf.name] = _zarrjson.array_document(plan.shape, plan.codec)
@@ -334,15 +335,15 @@ def _peer_plans(own: ArrayPlan, peers: _peers.Peers, options: SaveOptions, proce
         return []
     processes = [frozenset(d.process_index for d in devices)
                  for devices in _regions.replicas_of(value.sharding, own.shape).values()]
-    held = {u.region for u in own.writes}
+    written = {u.region for u in own.writes}
     plans = []
     for holder in peers.holders:
         route = _peers.pairs(value.sharding.mesh, holder)  # type: ignore[attr-defined]  # movable: a NamedSharding
         if route is None or all(holder[p] in found for found in processes for p in found):
             continue  # every holder already holds all its peer holds
         plan = _planning.plan_peer_array(own, route, options.max_chunk_bytes, process=process,
-                                         min_chunk_bytes=options.min_chunk_bytes, held=held)
-        held |= {u.region for u in plan.writes}
+                                         min_chunk_bytes=options.min_chunk_bytes, written=written)
+        written |= {u.region for u in plan.writes}
         plans.append(plan)
     return plans
 
