@@ -18,28 +18,17 @@ copy of a step has the same save identity; each commits its own only once every 
 has written all of its (`_save.protocol.PER_PROCESS`). A copy that fails to save is
 removed.
 
-Restoring, one agreement:
-    gather  each process lists its committed copies and what they hold; a copy of
-            another run or step, saved after a persistent step that is gone, or with a
-            chunk missing, cut short or anything else wrong is set aside, with a warning
-    choose  newest first, the local steps newer than the newest committed persistent
-            step whose copies share one save identity and rebuild the whole target
-            (see `_restore.copies`); else the persistent tier
-    read    each process reads its own copy; what it lacks comes from replicas over
-            the device network, or from the peer copies its peers read and send back
-            the same way, host values from a holder. A read that fails on any
-            process (a checksum, a file that is not what its metadata says) fails on
-            every process before any enters the next collective: those copies are set
-            aside (deleted), and the same step is tried again without them, then the
-            next candidate, then the persistent tier.
+Restoring, one agreement: each process lists its committed copies and what they hold
+(a copy of another run or step, saved after a persistent step that is gone, or with a
+chunk missing, cut short or anything else wrong is set aside, with a warning); newest
+first, the local steps newer than the newest committed persistent step are tried
+(`_restore.from_copies`), a step's damaged copies set aside (deleted) and the same step
+tried again without them, then the next candidate, then the persistent tier.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import functools
-import itertools
 import json
 import logging
 import math
@@ -48,18 +37,15 @@ import uuid
 from collections.abc import Collection
 from typing import Any
 
-import numpy as np
-
-from . import _commit, _lease, _multihost, _peers, _progress, _retention, _steps
+from . import _commit, _lease, _multihost, _peers, _retention, _steps
 from ._format import copy_record, naming as _naming
 from ._format.copy_record import CopyRecord
 from ._options import LoadOptions, SaveOptions
-from ._regions import Region, region_shape, region_slices
-from ._restore import checkpoint as _reader, copies as _copies, match as _match
-from ._restore.load import GateClosed, load_requests
+from ._restore import checkpoint as _reader, copies as _copies
+from ._restore.from_copies import CopiesDamaged, CopyReader, Unusable
 from ._save import PER_PROCESS, BackgroundSave, SaveJob
 from ._storage import Location
-from .errors import CheckpointError, CheckpointLocationError, CheckpointMismatchError, DirectoryInUseError
+from .errors import CheckpointError, CheckpointLocationError, DirectoryInUseError
 
 log = logging.getLogger("zarrckpt")
 
@@ -73,18 +59,6 @@ _SPARE_BYTES = 2**16
 
 class _NoRoom(CheckpointError):
     """A local copy would not fit on some process's disk."""
-
-
-class _Unusable(Exception):
-    """A copy that cannot be used; the message says why."""
-
-
-class CopiesDamaged(GateClosed):
-    """Reading some processes' copies failed (`problems`: why, by process)."""
-
-    def __init__(self, problems: dict[int, str]) -> None:
-        super().__init__("; ".join(f"process {p}: {why}" for p, why in sorted(problems.items())))
-        self.problems = problems
 
 
 class LocalTier:
@@ -225,39 +199,39 @@ class LocalTier:
             try:
                 found.append(self._copy(loc, step))
             except Exception as e:  # anything a broken or hostile disk can hold
-                why = str(e) if isinstance(e, (_Unusable, CheckpointError)) else f"{type(e).__name__}: {e}"
+                why = str(e) if isinstance(e, (Unusable, CheckpointError)) else f"{type(e).__name__}: {e}"
                 log.warning("local copy %s not used: %s", loc.url, why)
         return found
 
     def _copy(self, loc: Location, step: int) -> _copies.Copy:
         """The copy at `loc`, checked: a local copy of this run's `step` whose every chunk
-        is there with its size. Raises _Unusable (or what reading it raised) if not."""
+        is there with its size. Raises Unusable (or what reading it raised) if not."""
         group = _commit.read_group(loc)
         try:
             record = CopyRecord.parse(group.attributes.get(_naming.META_ATTR) if group is not None else None)
         except ValueError as e:
-            raise _Unusable(str(e)) from None
+            raise Unusable(str(e)) from None
         if record.run != self.run:
-            raise _Unusable(f"it belongs to another run ({record.run!r})")
+            raise Unusable(f"it belongs to another run ({record.run!r})")
         if record.step != step:
-            raise _Unusable(f"it holds step {record.step!r}")
+            raise Unusable(f"it holds step {record.step!r}")
         ckpt = _reader.open_checkpoint(loc, group=group)  # the metadata already read
         if ckpt.save_id is None:
-            raise _Unusable("it has no save identity")
+            raise Unusable("it has no save identity")
         sizes = {e.name: (e.type, e.size) for e in loc.walk()}
         held = {}
         for name, coords in record.held.items():
             stored = ckpt.leaves.get(name)
             if stored is None:
-                raise _Unusable(f"it says it holds array {name!r}, which it does not describe")
+                raise Unusable(f"it says it holds array {name!r}, which it does not describe")
             held[name] = frozenset(_chunk_coords(stored, c) for c in coords)
             for c in held[name]:
                 key = stored.codec.key_at(c)  # type: ignore[union-attr]
                 kind, size = sizes.get(key, (None, 0))
                 if kind != "file":
-                    raise _Unusable(f"chunk {key} is {'missing' if kind is None else 'a ' + kind}")
+                    raise Unusable(f"chunk {key} is {'missing' if kind is None else 'a ' + kind}")
                 if (why := stored.codec.size_damage(size)) is not None:  # type: ignore[union-attr]
-                    raise _Unusable(f"chunk {key} {why}")
+                    raise Unusable(f"chunk {key} {why}")
         return _copies.Copy(step, ckpt.save_id, held, record.after, record.peers)
 
     def set_aside(self, step: int, problems: dict[int, str]) -> None:
@@ -271,10 +245,10 @@ class LocalTier:
 
 def _chunk_coords(stored: _reader.StoredLeaf, coords: tuple[int, ...]) -> tuple[int, ...]:
     """`coords` (a record's, see `CopyRecord.parse`), checked to be a chunk's place in the
-    grid of `stored`; _Unusable if it is none."""
+    grid of `stored`; Unusable if it is none."""
     grid = [math.ceil(d / c) if d else 1 for d, c in zip(stored.shape, stored.chunks)]
     if len(coords) != len(grid) or not all(c < n for c, n in zip(coords, grid)):
-        raise _Unusable(f"it says it holds chunk {list(coords)!r} of array {stored.name!r}, whose grid is {grid}")
+        raise Unusable(f"it says it holds chunk {list(coords)!r} of array {stored.name!r}, whose grid is {grid}")
     return coords
 
 
@@ -350,16 +324,16 @@ def restore_latest(root: Location, tier: LocalTier, target: Any, options: LoadOp
         me, floor = _multihost.process_index(), max(persistent, default=None)
         copies = [{c.step: c for c in map(_copies.Copy.from_json, listed) if _after_kept(c, persistent, tier, p == me)}
                   for p, listed in enumerate(found)]
-        reading = _Reading(tier, target, options, op, timeout_s)
+        reading = CopyReader(tier.root, target, options, op, timeout_s)
         for step in sorted({s for held in copies for s in held if floor is None or s > floor}, reverse=True):
             while any(step in held for held in copies):
                 try:
-                    return reading.step(step, [held.get(step) for held in copies]), step, "local"
+                    return reading.read(step, [held.get(step) for held in copies]), step, "local"
                 except CopiesDamaged as e:  # on every process alike: try again without those copies
                     tier.set_aside(step, e.problems)
                     for p in e.problems:
                         copies[p].pop(step, None)
-                except _Unusable as e:
+                except Unusable as e:
                     log.warning("local step %d is not used: %s", step, e)
                     break
     state, restored_step = _steps.restore_latest(root, target, options, timeout_s)
@@ -378,121 +352,3 @@ def _after_kept(copy: _copies.Copy, persistent: set[int], tier: LocalTier, mine:
         log.warning("local copy %s not used: it was saved after persistent step %d, which is gone",
                     tier.root.step(copy.step).url, copy.after)
     return False
-
-
-@dataclasses.dataclass
-class _Reading:
-    """Restoring onto `target` from the copies of some step, attempt after attempt, inside
-    the restore's agreement `op`."""
-
-    tier: LocalTier
-    target: Any
-    options: LoadOptions
-    op: _multihost.Agreement
-    timeout_s: float
-    attempts: int = 0
-
-    def step(self, step: int, found: list[_copies.Copy | None]) -> Any:
-        """Restores local `step` from the copies `found` (by process; None where a process
-        has none). Raises, on every process alike, _Unusable if the copies are of several
-        saves or do not rebuild the target, CopiesDamaged if reading some of them failed,
-        CheckpointMismatchError if the target does not match. Agreement."""
-        self.attempts += 1
-        tier, target, options, op, timeout_s = self.tier, self.target, self.options, self.op, self.timeout_s
-        attempt = str(self.attempts)
-        me = _multihost.process_index()
-        holders = [p for p, c in enumerate(found) if c is not None]
-        ids = {c.save_id for c in found if c is not None}
-        if len(ids) > 1:
-            raise _Unusable(f"its copies are of {len(ids)} different saves")
-        peers = {c.peers for c in found if c is not None}
-        if len(peers) > 1:
-            raise _Unusable("its copies record different peer copies")
-        loc = tier.root.step(step)
-        document = op.decide(f"document-{attempt}", lambda: _outcome(lambda: _commit.read_group(loc).document),  # type: ignore[union-attr]
-                             source=holders[0])
-        ckpt = _opened(loc, document, holders[0], ids.pop())
-        if found[me] is None:
-            ckpt = dataclasses.replace(ckpt, committed=False)  # reads nothing of its own: nothing to re-check
-        matched: list[Any] = []
-        damage: list[BaseException] = []
-
-        def matching() -> None:  # reads the saved scalars that decide whether they fit
-            try:
-                matched.extend(_match.match(ckpt, target, options.allow_dtype_cast, options.partial, True,
-                                            values=found[me] is not None)
-                               if target is not None else
-                               ([_match.Request(s, _match.saved_form(s)) for s in ckpt.leaves.values()], None))
-            except CheckpointMismatchError:
-                raise
-            except Exception as e:  # a scalar that does not read right: the copy's damage
-                damage.append(e)
-
-        # A mismatch on any process is raised on all; one without a copy reads no scalar.
-        with _multihost.Agreement("restore-tiers-match", timeout_s, what=f"matching local step {step}",
-                                  error=CheckpointMismatchError) as check:
-            check.check("match", matching)
-        if failed := op.failures(f"match-{attempt}", damage[0] if damage else None):
-            raise CopiesDamaged(failed)
-        requests, treedef = matched
-        try:
-            table = peers.pop()  # of a job of another size: each process's part has changed hands
-            planned = _copies.plan(requests, [c.held if c is not None else None for c in found], me,
-                                   table if all(len(h) == len(found) for h in table) else ())
-        except _copies.Unrebuildable as e:
-            raise _Unusable(f"the local copies cannot rebuild it ({e})") from None
-        requests = list(planned.requests)
-        for relay in planned.relays:  # host values some process lacks, before any collective
-            request = requests[relay.index]
-            stored = request.stored
-            data = np.empty(stored.shape, stored.dtype)  # writable, as read ones are
-            for k, (part, source) in enumerate(relay.parts):
-                sent = op.decide(f"relay-{attempt}-{relay.index}-{k}", functools.partial(_relayed, ckpt, stored, part),
-                                 source=source)
-                data[region_slices(part)] = np.frombuffer(base64.b64decode(_value(sent, source)),
-                                                          stored.dtype).reshape(region_shape(part))
-            requests[relay.index] = dataclasses.replace(request, form=_copies.Received(request.form.dtype,
-                                                                                        request.form, data))
-        gates = itertools.count()
-
-        def gate(error: BaseException | None) -> None:
-            failed = op.failures(f"read-{attempt}-{next(gates)}", error)
-            if failed:
-                raise CopiesDamaged(failed)
-
-        state = load_requests(ckpt, requests, treedef, options, gate=gate)
-        log.info("process %d restored step %d from the local tier %s: %s from its own copy, %s from other "
-                 "processes, nothing from the persistent store", me, step, tier.root.url,
-                 _progress.size(planned.own_bytes), _progress.size(planned.peer_bytes))
-        return state
-
-
-def _relayed(ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, part: Region) -> dict[str, Any]:
-    """What a process relaying (part of) a host value publishes: its bytes (base64)."""
-    return _outcome(lambda: base64.b64encode(ckpt.read(stored, part).tobytes()).decode())
-
-
-def _outcome(read: Any) -> dict[str, Any]:
-    """What a process reading from its copy for the others publishes: the value, or why
-    its copy could not give it (never an error: the others must learn whose copy)."""
-    try:
-        return {"value": read()}
-    except Exception as e:
-        return {"damaged": str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"}
-
-
-def _value(outcome: dict[str, Any], source: int) -> Any:
-    if "damaged" in outcome:
-        raise CopiesDamaged({source: outcome["damaged"]})
-    return outcome["value"]
-
-
-def _opened(loc: Location, outcome: dict[str, Any], source: int, save_id: str) -> _reader.Checkpoint:
-    """The copy at `loc` opened from the group metadata `source` read (the same on every
-    process); metadata that does not open is damage of `source`'s copy."""
-    document = _value(outcome, source)
-    try:
-        return _reader.open_checkpoint(loc, group=_commit.Group(3, document["attributes"], document),
-                                       save_id=save_id)
-    except Exception as e:
-        raise CopiesDamaged({source: str(e)}) from None
