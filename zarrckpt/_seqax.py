@@ -56,7 +56,7 @@ class Codec:
     compressor: str | None
     separator: str  # between chunk coordinates: "." or "/"
     checksum: bool = False  # seqax stores none
-    reads_into: ClassVar[bool] = False  # compressed: decoded from the whole object
+    part: ClassVar[str] = "chunk"  # what `key` names, in errors
 
     @property
     def data_bytes(self) -> int:
@@ -79,6 +79,15 @@ class Codec:
             return () if name == "0" else None
         parts = name.split(self.separator)
         return canonical_ints(parts) if len(parts) == len(self.shape) else None
+
+    def read(self, source: Any, chunk: Region, out: np.ndarray | None) -> np.ndarray:
+        """As `ChunkCodec.read`: a seqax chunk, often compressed, is decoded from the whole
+        object, then copied into `out`."""
+        values = self.decode(source.read(self.key(chunk)))
+        if out is None:
+            return values
+        out[...] = values
+        return out
 
     def decode(self, raw: bytes) -> np.ndarray:
         """The chunk's values in the chunk shape, from its stored bytes; Damage (naming

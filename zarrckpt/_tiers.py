@@ -39,6 +39,7 @@ from typing import Any
 
 from . import _commit, _lease, _multihost, _peers, _retention, _steps
 from ._format import copy_record, naming as _naming
+from ._format.chunks import ChunkCodec
 from ._format.copy_record import CopyRecord
 from ._options import LoadOptions, SaveOptions
 from ._restore import checkpoint as _reader, copies as _copies
@@ -224,13 +225,12 @@ class LocalTier:
             stored = ckpt.leaves.get(name)
             if stored is None:
                 raise Unusable(f"it says it holds array {name!r}, which it does not describe")
+            codec = stored.codec
+            assert isinstance(codec, ChunkCodec)  # opened as zarrckpt's layout
             held[name] = frozenset(_chunk_coords(stored, c) for c in coords)
             for c in held[name]:
-                key = stored.codec.key_at(c)  # type: ignore[union-attr]
-                kind, size = sizes.get(key, (None, 0))
-                if kind != "file":
-                    raise Unusable(f"chunk {key} is {'missing' if kind is None else 'a ' + kind}")
-                if (why := stored.codec.size_damage(size)) is not None:  # type: ignore[union-attr]
+                key = codec.key_at(c)
+                if (why := codec.object_problem(*sizes.get(key, (None, 0)))) is not None:
                     raise Unusable(f"chunk {key} {why}")
         return _copies.Copy(step, ckpt.save_id, held, record.after, record.peers)
 

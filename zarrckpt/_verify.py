@@ -36,12 +36,11 @@ from ._storage import Location
 from .errors import CheckpointCorruptError
 
 _SHOWN = 10  # missing chunks named one by one per array; the rest are counted
-_SYMLINK = "symlink: a symbolic link, never followed (zarrckpt writes none)"
 
 
 def _not_a_file(e: _storage.NotAFileInCheckpoint) -> str:
     if e.what == "a symbolic link":
-        return _SYMLINK
+        return _chunks.SYMLINK
     return f"{e.what}, not a regular file: never read (zarrckpt writes none)"
 
 
@@ -116,7 +115,7 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None, checksums
                 whole += sized
             sums = op.fan_out(whole, lambda item: _checksum_problem(loc, *item),
                               budget=_concurrency.ByteBudget(max_inflight_bytes),
-                              nbytes=lambda item: item[0].codec.stored_bytes)  # type: ignore[union-attr]
+                              nbytes=lambda item: item[0].codec.data_bytes)
             problems += [problem for problem in sums if problem is not None]
             checksummed = len(whole)
     return VerifyReport(loc.url, ckpt.layout, ckpt.committed, len(ckpt.leaves), chunks, checksummed,
@@ -205,9 +204,7 @@ def _check_chunks(loc: Location, leaf: _reader.StoredLeaf, wanted: bool) -> tupl
             continue  # not a chunk of this array (what else is there is not verify's business)
         found.add(coords)
         key = _naming.object_key(leaf.name, entry.name)
-        if entry.type != "file":
-            problems.append(Problem(key, _SYMLINK if entry.type == "link" else "not a file", leaf.where))
-        elif (damage := codec.size_damage(entry.size)) is not None:
+        if (damage := codec.object_problem(entry.type, entry.size)) is not None:
             problems.append(Problem(key, damage, leaf.where))
         elif wanted:
             sized.append(tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(coords, leaf.chunks, leaf.shape)))

@@ -51,12 +51,11 @@ class DamagedChunk(CheckpointCorruptError):
 class ChunkCodec:
     """How the chunks of one array are named, encoded, sized and checked."""
 
-    reads_into: ClassVar[bool] = True  # stored as the values and a trailer: read straight into an array
-
     array: str  # the array's name in the group: its chunks live in "<array>/"
     dtype: np.dtype
     shape: tuple[int, ...]  # the chunk shape
     checksum: bool = True
+    part: ClassVar[str] = "chunk"  # what `key` names, in errors
 
     def codecs(self) -> list[dict[str, Any]]:
         """The `codecs` entry of the array's `zarr.json`."""
@@ -95,6 +94,17 @@ class ChunkCodec:
         """The object key of the chunk at grid coordinates `coords`."""
         return _naming.object_key(self.array, SEPARATOR.join(["c", *map(str, coords)]))
 
+    def object_problem(self, kind: str | None, size: int) -> str | None:
+        """What is wrong with what a listing shows where a chunk object should be (`kind`:
+        the entry's type, "file", "dir" or "link", None if absent; `size`: its size), or
+        None: the one check of a chunk that is there whole, for `verify` and the local
+        tier alike."""
+        if kind is None:
+            return "missing"
+        if kind != "file":
+            return SYMLINK if kind == "link" else "not a file"
+        return self.size_damage(size)
+
     def size_damage(self, size: int) -> str | None:
         """What is wrong with a chunk object of `size` bytes, or None. zarrckpt never
         compresses, so every chunk object has exactly `stored_bytes`."""
@@ -130,13 +140,21 @@ class ChunkCodec:
             raise Damage(damage)
         return np.frombuffer(stored, np.uint8, count=self.data_bytes).view(self.dtype).reshape(self.shape)
 
-    def check(self, size: int, payload: np.ndarray, trailer: bytes | bytearray) -> None:
-        """Checks a chunk read in two parts (its `size` bytes went into `payload`, a view of
-        the chunk's values, then `trailer`): Damage if the size or checksum is wrong."""
+    def read(self, source: Any, chunk: Region, out: np.ndarray | None) -> np.ndarray:
+        """The chunk covering `chunk` read from `source` (a `Location`) and checked, in
+        the chunk shape: with `out` (C-contiguous, of the chunk shape), straight into it,
+        the stored values being the chunk's bytes. FileNotFoundError if it is absent,
+        Damage if its size or checksum is wrong (every codec's `read` says the same)."""
+        if out is None:
+            return self.decode(source.read(self.key(chunk)))
+        trailer = bytearray(self.stored_bytes - self.data_bytes)
+        payload = out.reshape(-1).view(np.uint8)
+        size = source.read_into(self.key(chunk), memoryview(payload), memoryview(trailer))  # type: ignore[arg-type, unused-ignore]
         if (wrong_size := self.size_damage(size)) is not None:
             raise Damage(wrong_size)
         if self.checksum and _crc(payload) != bytes(trailer):
             raise Damage(_CRC_DAMAGE)
+        return out
 
 
 def grid(shape: Sequence[int], chunks: Sequence[int]) -> tuple[int, ...]:
@@ -150,6 +168,9 @@ def canonical_ints(parts: Sequence[str]) -> tuple[int, ...] | None:
     if not all(p.isascii() and p.isdigit() and p == str(int(p)) for p in parts):
         return None
     return tuple(map(int, parts))
+
+
+SYMLINK = "symlink: a symbolic link, never followed (zarrckpt writes none)"
 
 
 class Damage(ValueError):

@@ -27,6 +27,7 @@ import numpy as np
 
 from .._regions import Region
 from . import tree as _tree, zarrjson as _zarrjson
+from .chunks import Damage
 
 LAYOUT = "safetensors"  # a Checkpoint's `layout` when it is a safetensors file or set
 PREFIX_BYTES = 8
@@ -83,7 +84,7 @@ class TensorCodec:
     treats parts as it treats a checkpoint's chunks."""
 
     checksum: ClassVar[bool] = False
-    reads_into: ClassVar[bool] = True
+    part: ClassVar[str] = "file"  # what `key` names, in errors
 
     array: str  # the tensor's name
     file: str  # the key of the file holding it, beside the others of its set
@@ -110,6 +111,16 @@ class TensorCodec:
 
     def key(self, chunk: Region) -> str:
         return self.file
+
+    def read(self, source: Any, chunk: Region, out: np.ndarray | None) -> np.ndarray:
+        """As `ChunkCodec.read`: the part covering `chunk` (its rows, in a buffer of the
+        part's shape), one range request, straight into `out` when given."""
+        start, nbytes = self.span(chunk)
+        values = out if out is not None else np.empty(self.shape, self.dtype)
+        done = source.read_range(self.file, start, memoryview(values.reshape(-1).view(np.uint8)[:nbytes]))  # type: ignore[arg-type, unused-ignore]
+        if done != nbytes:
+            raise Damage(f"ends before the bytes of tensor {self.array!r} (bytes {start:,} to {start + nbytes:,})")
+        return values
 
     def span(self, chunk: Region) -> tuple[int, int]:
         """Where the part covering `chunk` is in the file: its first byte, and its size

@@ -176,29 +176,16 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
 
 def read_chunk(loc: Location, codec: ChunkCodec | _seqax.Codec | _safetensors.TensorCodec, chunk: Region,
                out: np.ndarray | None = None) -> np.ndarray:
-    """Reads the chunk covering `chunk` with `codec` and checks it; its values in the
-    chunk shape. With `out` (a C-contiguous array of the chunk shape), a zarrckpt chunk
-    is read straight into it, with no copy. MissingObject if it is absent, DamagedChunk
-    naming it if its bytes are wrong."""
-    key = codec.key(chunk)
-    if isinstance(codec, _safetensors.TensorCodec):  # a part of a tensor: one range of its file
-        return _read_part(loc, codec, chunk, out)
+    """Reads the chunk covering `chunk` with `codec` (`ChunkCodec.read`: each format's
+    way, straight into `out` where it can) and checks it; its values in the chunk
+    shape. MissingObject if it is absent, DamagedChunk naming it if its bytes are
+    wrong."""
     try:
-        if out is not None and codec.reads_into:
-            trailer = bytearray(codec.stored_bytes - codec.data_bytes)  # type: ignore[union-attr]
-            payload = out.reshape(-1).view(np.uint8)
-            size = loc.read_into(key, memoryview(payload), memoryview(trailer))  # type: ignore[arg-type, unused-ignore]
-            codec.check(size, payload, trailer)  # type: ignore[union-attr]
-            return out
-        values = codec.decode(loc.read(key))
+        return codec.read(loc, chunk, out)
     except FileNotFoundError:
-        raise MissingObject(f"chunk {key!r} is missing from checkpoint {loc.url}") from None
+        raise MissingObject(f"{codec.part} {codec.key(chunk)!r} is missing from checkpoint {loc.url}") from None
     except Damage as e:
-        raise DamagedChunk(key, loc.url, str(e)) from None
-    if out is None:
-        return values
-    out[...] = values
-    return out
+        raise DamagedChunk(codec.key(chunk), loc.url, str(e)) from None
 
 
 def _where_instead(loc: Location) -> str:
@@ -213,22 +200,6 @@ def _where_instead(loc: Location) -> str:
         if _commit.head(padded).state is not _commit.State.ABSENT:
             return f" (step {int(name)} is {padded.url})"
     return ""
-
-
-def _read_part(loc: Location, codec: _safetensors.TensorCodec, chunk: Region, out: np.ndarray | None) -> np.ndarray:
-    """A part of a safetensors tensor (its rows, in a buffer of the part's shape): one
-    range request, straight into `out` when given."""
-    start, nbytes = codec.span(chunk)
-    values = out if out is not None else np.empty(codec.shape, codec.dtype)
-    try:
-        part = values.reshape(-1).view(np.uint8)[:nbytes]
-        done = loc.read_range(codec.file, start, memoryview(part))  # type: ignore[arg-type, unused-ignore]
-    except FileNotFoundError:
-        raise MissingObject(f"{codec.file!r} is missing from {loc.url}") from None
-    if done != nbytes:
-        raise DamagedChunk(codec.file, loc.url, f"ends before the bytes of tensor {codec.array!r} (bytes {start:,} "
-                           f"to {start + nbytes:,})")
-    return values
 
 
 def open_checkpoint(loc: Location, *, require_committed: bool = True, group: _commit.Group | None = None,
