@@ -355,3 +355,26 @@ def test_weights_imported_as_step_0_under_a_prefix_survive_a_fine_tunes_retentio
     for bad in ("", "params.", ".params", 3):
         with pytest.raises(ValueError, match="prefix must be a dotted key path"):
             zarrckpt.import_checkpoint(str(src), str(tmp_path / "bad"), prefix=bad)
+
+
+def test_the_destinations_storage_options_are_dst_storage_options_and_the_old_name_still_works(tmp_path):
+    """`import_checkpoint` names the destination's options as `copy_checkpoint` does;
+    `storage_options`, the name before, works with a DeprecationWarning, and both at
+    once is an error naming them."""
+    import warnings
+
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.arange(6, dtype=np.float32)}, str(tmp_path / "model.safetensors"))
+    src = str(tmp_path / "model.safetensors")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zarrckpt.import_checkpoint(src, "memory://imported/new", dst_storage_options={})
+    with pytest.warns(DeprecationWarning, match="dst_storage_options"):
+        zarrckpt.import_checkpoint(src, "memory://imported/old", storage_options={})
+    for url in ("memory://imported/new", "memory://imported/old"):
+        np.testing.assert_array_equal(zarrckpt.load_pytree(url)["w"], np.arange(6, dtype=np.float32))
+    with pytest.raises(TypeError, match="dst_storage_options.*storage_options"):
+        zarrckpt.import_checkpoint(src, "memory://imported/both", storage_options={}, dst_storage_options={})
+    with pytest.raises(ValueError, match="dst_storage_options"):
+        zarrckpt.import_checkpoint(src, str(tmp_path / "local"), dst_storage_options={"anon": True})

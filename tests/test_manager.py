@@ -292,7 +292,13 @@ def test_progress_bars_can_be_turned_on_and_off(tmp_path, monkeypatch, capsys):
     assert "saving" in shown and "restoring" in shown
     with zarrckpt.CheckpointManager(str(tmp_path), progress=False) as mgr:
         mgr.save(2, small_state(), force=True)
+        mgr.wait()
+        mgr.restore(small_state(), progress=True)  # the call's own choice wins
+        assert "restoring" in capsys.readouterr().err
+        mgr.restore(small_state())
     assert capsys.readouterr().err == ""
+    zarrckpt.verify(str(tmp_path / "0000000002"), progress=True)
+    assert "verifying" in capsys.readouterr().err
 
 
 def test_metrics_of_a_step_and_the_best_step_read_back(tmp_path):

@@ -196,7 +196,7 @@ def _parser() -> _Parser:
                      "du -d1 (below --select's subtree, if given)")
     sub = command("verify", _verify_command, "check that a checkpoint is committed and whole: metadata, "
                   "every chunk present with its exact size, every checksum matching; exit 0 only if so",
-                  as_json)
+                  as_json, progress)
     sub.add_argument("url", metavar="URL", help="one checkpoint, e.g. DIR/0000001000")
     sub.add_argument("--quick", action="store_true",
                      help="skip the checksums: read metadata and listings only (two requests per array), no "
@@ -385,7 +385,8 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _verify_command(args: argparse.Namespace) -> int:
-    report = _verify.verify(args.url, storage_options=_options(args.storage_option), checksums=not args.quick)
+    report = _verify.verify(args.url, storage_options=_options(args.storage_option), checksums=not args.quick,
+                            progress=args.progress)
     if args.json:
         _print_json({"url": report.url, "ok": report.ok, "layout": report.layout, "committed": report.committed,
                      "leaves": report.leaves, "chunks_checked": report.chunks_checked,
@@ -474,7 +475,7 @@ def _export_command(args: argparse.Namespace) -> int:
 def _import_command(args: argparse.Namespace) -> int:
     result = _import.import_checkpoint(
         args.src, args.dst, step=args.step, prefix=args.prefix, overwrite=args.overwrite,
-        storage_options=_side(args.dst, args.storage_option, args.dst_storage_option),
+        dst_storage_options=_side(args.dst, args.storage_option, args.dst_storage_option),
         src_storage_options=_side(args.src, args.storage_option, args.src_storage_option),
         max_inflight_bytes=args.max_inflight_bytes, progress=args.progress)
     pinned = " (pinned: retention and gc leave it; mgr.unpin(step), or deleting its PINNED file, lets them)"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -44,8 +45,9 @@ class ImportResult:
 
 
 def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: str | None = None,
-                      overwrite: bool = False, storage_options: dict[str, Any] | None = None,
-                      src_storage_options: dict[str, Any] | None = None,
+                      overwrite: bool = False, src_storage_options: dict[str, Any] | None = None,
+                      dst_storage_options: dict[str, Any] | None = None,
+                      storage_options: dict[str, Any] | None = None,
                       max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
                       progress: bool | None = None) -> ImportResult:
     """Writes the checkpoint of another library at `src` as a committed zarrckpt
@@ -93,7 +95,9 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
     orbax-checkpoint itself). A remote Orbax URL (gs://, s3://) goes to TensorStore as
     it is, with the credentials of its environment: `src_storage_options` apply to
     safetensors sources only (given for a remote Orbax source, a ValueError rather
-    than ignored).
+    than ignored). `dst_storage_options` are the destination's (as `copy_checkpoint`
+    names them; `storage_options`, its name before, still works, with a
+    DeprecationWarning).
 
     Raises:
       CheckpointNotFoundError: nothing at `src` is a safetensors file or set or an Orbax
@@ -120,6 +124,14 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
     if _multihost.process_count() > 1:
         raise ValueError("import_checkpoint runs in a job of one process (it reads the whole source itself); "
                          "run `zarrckpt import` before the job starts")
+    dst_option = "dst_storage_options"
+    if storage_options is not None:
+        if dst_storage_options is not None:
+            raise TypeError("import_checkpoint takes dst_storage_options, or storage_options (its old name), "
+                            "not both")
+        warnings.warn("import_checkpoint(storage_options=...) is now dst_storage_options=..., as "
+                      "copy_checkpoint names it", DeprecationWarning, stacklevel=2)
+        dst_storage_options, dst_option = storage_options, "storage_options"
     options = SaveOptions(overwrite=overwrite, max_inflight_bytes=max_inflight_bytes, progress=progress)
     source = _storage.resolve(src, src_storage_options, option="src_storage_options")
     if not source.exists():
@@ -144,7 +156,7 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
             extra = {_safetensors_format.METADATA_KEY: metadata}
     for key in reversed(prefix.split(".") if prefix else []):
         tree = {key: tree}
-    loc = _storage.resolve(dst, storage_options)
+    loc = _storage.resolve(dst, dst_storage_options, option=dst_option)
     if step is not None:
         loc = loc.step(step)
     _check_claims(tree, source.url, loc, options.max_inflight_bytes)

@@ -370,7 +370,7 @@ class CheckpointManager:
     def restore(self, target: Any, *, step: int | None = None, partial: bool = False, allow_dtype_cast: bool = False,
                 donate_target: bool = False, load_and_broadcast: bool = True,
                 max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
-                max_workers: int | None = None) -> tuple[Any, int]:
+                max_workers: int | None = None, progress: bool | None = None) -> tuple[Any, int]:
         """Restores the newest committed step (or `step`) onto `target`. Agreement.
 
         Returns (state, step); (target, 0) when nothing is committed and no `step`
@@ -391,7 +391,7 @@ class CheckpointManager:
                                        donate_target=donate_target, load_and_broadcast=load_and_broadcast,
                                        max_inflight_bytes=max_inflight_bytes,
                                        max_workers=max_workers or self._save_options.max_workers,
-                                       progress=self._progress)
+                                       progress=self._progress if progress is None else progress)
         self._check_open()
         self.wait()
         started = time.perf_counter()

@@ -27,7 +27,7 @@ import dataclasses
 import math
 from typing import Any
 
-from . import _commit, _concurrency, _storage
+from . import _commit, _concurrency, _progress, _storage
 from ._format import chunks as _chunks, naming as _naming, tree as _tree, zarrjson as _zarrjson
 from ._format.chunks import ChunkCodec, DamagedChunk
 from ._regions import Region, first_absent, indices
@@ -78,14 +78,15 @@ class VerifyReport:
 
 
 def verify(url: str, *, storage_options: dict[str, Any] | None = None, checksums: bool = True,
-           max_workers: int | None = None,
-           max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES) -> VerifyReport:
+           max_workers: int | None = None, max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
+           progress: bool | None = None) -> VerifyReport:
     """Checks the checkpoint at `url` for completeness and, with `checksums`, for damaged
     bytes (which reads every chunk once). Not collective.
 
     Damage is reported, not raised: the report lists every problem found.
     `max_workers` bounds the requests in flight (default: the store's concurrency),
-    `max_inflight_bytes` the chunk bytes held at once while checksumming.
+    `max_inflight_bytes` the chunk bytes held at once while checksumming; `progress`
+    shows a bar while checksumming (default: when stderr is a terminal).
     Raises CheckpointNotFoundError if there is no checkpoint at `url`, and OSError if
     the store cannot be read.
     """
@@ -113,9 +114,15 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None, checksums
                 problems += leaf_problems
                 chunks += expected
                 whole += sized
-            sums = op.fan_out(whole, lambda item: _checksum_problem(loc, *item),
-                              budget=_concurrency.ByteBudget(max_inflight_bytes),
-                              nbytes=lambda item: item[0].codec.data_bytes)
+            with _progress.bar(f"verifying {loc.url}", sum(leaf.codec.data_bytes for leaf, _ in whole),
+                               progress) as advance:
+                def check(item: tuple[_reader.StoredLeaf, Region]) -> Problem | None:
+                    problem = _checksum_problem(loc, *item)
+                    advance(item[0].codec.data_bytes)
+                    return problem
+
+                sums = op.fan_out(whole, check, budget=_concurrency.ByteBudget(max_inflight_bytes),
+                                  nbytes=lambda item: item[0].codec.data_bytes)
             problems += [problem for problem in sums if problem is not None]
             checksummed = len(whole)
     return VerifyReport(loc.url, ckpt.layout, ckpt.committed, len(ckpt.leaves), chunks, checksummed,
