@@ -263,7 +263,7 @@ def test_a_chunk_read_from_a_pinned_copy_keeps_the_copy_alive(dtype):
     chunk of it: the chunk's view must keep the buffer it reads (and the copy) alive,
     and must hold it by nothing but Python references: on the GPU runtime, a buffer
     destroyed while a numpy view held it through the runtime aborted the process."""
-    from zarrckpt._save.plan import HostCopy
+    from zarrckpt._save.host_copies import HostCopy
 
     values = np.arange(4096, dtype=np.float32).reshape(64, 64).astype(dtype)
     pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=_transfer.PINNED)
@@ -305,7 +305,7 @@ def test_writers_reading_one_copy_at_once_each_find_their_shard(pinned):
     import sys
     import threading
 
-    from zarrckpt._save.plan import HostCopy
+    from zarrckpt._save.host_copies import HostCopy
 
     sharding = NamedSharding(mesh(), P("data", "model"))
     values = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)

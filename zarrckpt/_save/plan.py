@@ -26,7 +26,7 @@ import functools
 import math
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -51,6 +51,7 @@ from .._regions import (
     relative,
     replicas_of,
 )
+from .host_copies import HostCopy, SharedHold
 
 # A replicated shard smaller than this per replica is not worth splitting.
 _MIN_REPLICA_SPLIT_BYTES = 2**20
@@ -60,89 +61,13 @@ _MIN_REPLICA_SPLIT_BYTES = 2**20
 Part = tuple[jax.Device, Slices | None, Slices | None]
 
 
-class HostCopy:
-    """A jax.Array in host memory, or on its way there (see `_transfer`), that chunks
-    are read from: a part of a shard, a whole shard, or a whole array, which several
-    chunks may share."""
+class PartCopy(NamedTuple):
+    """One part of a chunk on the host (see `_transfer.start`)."""
 
-    __slots__ = ("array", "_shards")
-
-    def __init__(self, array: Any = None) -> None:
-        self.array = array
-        self._shards: dict[jax.Device, Any] | None = None
-
-    def view(self, device: jax.Device | None, take: Slices | None) -> np.ndarray:
-        """`take` of the copy (of its shard on `device`, for a whole array), in place:
-        waits for the copy to arrive. Called by many writers at once."""
-        with _ASKING_JAX:
-            data = self.array
-            if device is not None:
-                # Every chunk of the array reads one of its shards: list them once.
-                if self._shards is None:
-                    self._shards = {shard.device: shard.data for shard in data.addressable_shards}
-                data = self._shards[device]
-        if isinstance(data, jax.Array):
-            data.block_until_ready()  # outside the lock: other writers' copies may be here already
-        with _ASKING_JAX:
-            host = _in_place(data, self)
-        return host if take is None else host[take]
-
-
-# Writers ask jax about the arrays they read one at a time. jaxlib before 0.12 fills an
-# array's list of per-device buffers (behind `addressable_shards`, `devices()` and
-# `unsafe_buffer_pointer`) on first use, in place and without a lock, and may run other
-# Python in between: a second thread asking then got a short or doubled list (a save
-# failed with `KeyError: CpuDevice(id=5)`, its shard missing), which jax then kept, on
-# the caller's own array in a save that reads its buffers in place. Each call is
-# microseconds; waiting for a copy is done outside.
-_ASKING_JAX = threading.Lock()
-
-
-def _in_place(data: jax.Array, owner: HostCopy) -> np.ndarray:
-    """`data` (one device's array in host memory) as a read-only numpy view of its
-    buffer, which keeps `data` and `owner` alive for as long as the view (or any view
-    of it) is.
-
-    Not `np.asarray(data)`: that view holds the buffer through the runtime's
-    external-reference count, and on the GPU runtime (the PJRT C API, jax 0.11) a
-    writer dropping the last copy of a pinned buffer aborted the process with such
-    holds outstanding ("Non-zero type 1 hold on destruction"). Here nothing is held
-    but Python references. A buffer not in numpy's bytes (a sub-byte type, packed; a
-    tiled or transposed layout) is copied out by `np.asarray` instead. Called with
-    `_ASKING_JAX` held, once a jax.Array is ready."""
-    if not _in_host_memory(data):  # the pageable path's: a numpy copy, or one on its way
-        return np.asarray(data)
-    try:
-        layout = data.format.layout  # type: ignore[attr-defined, unused-ignore]  # not in jax 0.10's stubs
-        plain = (data.size > 0 and jax.dtypes.itemsize_bits(data.dtype) >= 8 and not layout.tiling
-                 and not layout.sub_byte_element_size_in_bits
-                 and tuple(layout.major_to_minor) == tuple(range(data.ndim)))
-        if plain:
-            address = data.unsafe_buffer_pointer()
-    except (AttributeError, NotImplementedError):  # a runtime that does not say: numpy's way
-        plain = False
-    if not plain:
-        return np.asarray(data)
-    raw = np.asarray(_Buffer(address, data.nbytes, (data, owner)))
-    return raw.view(data.dtype).reshape(data.shape)
-
-
-def _in_host_memory(data: Any) -> bool:
-    if not isinstance(data, jax.Array):
-        return False
-    kind = data.sharding.memory_kind
-    on_cpu = next(iter(data.devices())).platform == "cpu"
-    return kind in ("pinned_host", "unpinned_host") or (kind in (None, "device") and on_cpu)
-
-
-class _Buffer:
-    """A host buffer's bytes for numpy (`__array_interface__`), and what owns them."""
-
-    __slots__ = ("__array_interface__", "_owners")
-
-    def __init__(self, address: int, nbytes: int, owners: tuple[Any, ...]) -> None:
-        self.__array_interface__ = {"data": (address, True), "shape": (nbytes,), "typestr": "|u1", "version": 3}
-        self._owners = owners
+    put: Slices | None  # where it goes in the chunk (None: all of it)
+    source: HostCopy | np.ndarray | Deferred | SourceChunk  # a host copy; or a host leaf, an import's source
+    device: jax.Device | None  # a whole array's copy: the device whose shard it is
+    take: Slices | None  # the part of the source to take (None: all of it)
 
 
 @dataclasses.dataclass
@@ -157,18 +82,13 @@ class WriteUnit:
     # A jax.Array leaf: the parts of it that make up the chunk, read from the device the
     # plan deals it to. One, or several side by side when small shards are merged.
     sources: tuple[Part, ...] = ()
-    # Each part on the host: where it goes in the chunk, the copy holding it, and the
-    # device and part of the copy it is (see `HostCopy.view`); or a numpy array, or a
-    # deferred leaf and the part of it to read.
-    copies: list[tuple[Slices | None, Any, jax.Device | None, Slices | None]] | None = None
+    copies: list[PartCopy] | None = None  # each part on the host, once its copy is started
     hold: Hold | SharedHold | None = None  # its bytes of the save's budget, from its copy until it is written
 
     def host_array(self) -> np.ndarray:
         """The chunk's values on the host; waits for its copies to arrive."""
         assert self.copies is not None, "the unit's transfer was not started"
-        parts = [(put, copy.view(device, take) if isinstance(copy, HostCopy)
-                  else copy if take is None else copy[take])  # a host array, or a part of a deferred leaf
-                 for put, copy, device, take in self.copies]
+        parts = [(part.put, _on_host(part)) for part in self.copies]
         if len(parts) == 1 and parts[0][0] is None:
             return parts[0][1]
         out = np.empty(region_shape(self.region), parts[0][1].dtype)
@@ -183,25 +103,6 @@ class WriteUnit:
         hold, self.hold = self.hold, None
         if hold is not None:
             hold.release()
-
-
-class SharedHold:
-    """The holds of chunks that share host copies (see `_transfer`): their bytes go
-    back to the budget together, when the last of them is released, since the memory
-    is only freed then."""
-
-    def __init__(self, holds: list[Hold]) -> None:
-        self._holds = holds
-        self._left = len(holds)
-        self._lock = threading.Lock()
-
-    def release(self) -> None:
-        with self._lock:
-            self._left -= 1
-            last = self._left == 0
-        if last:
-            for hold in self._holds:
-                hold.release()
 
 
 @dataclasses.dataclass
@@ -384,6 +285,15 @@ def _share_source_chunks(writes: list[WriteUnit], source: tuple[int, ...]) -> No
         shared = SourceChunk(units[0].host, region, len(units))
         for unit in units:
             unit.host = shared
+
+
+def _on_host(part: PartCopy) -> np.ndarray:
+    source = part.source
+    if isinstance(source, HostCopy):
+        return source.view(part.device, part.take)
+    if part.take is None:  # a host leaf's part, taken already (a numpy scalar, for a 0-d one)
+        return np.asarray(source)
+    return source[part.take]  # a part of a host array, or of an import's source
 
 
 class SourceChunk:

@@ -35,7 +35,8 @@ import numpy as np
 
 from .._concurrency import Hold
 from .._regions import Slices, region_slices
-from .plan import ArrayPlan, HostCopy, SharedHold, WriteUnit
+from .host_copies import HostCopy, SharedHold
+from .plan import ArrayPlan, PartCopy, WriteUnit
 
 log = logging.getLogger("zarrckpt")
 
@@ -71,17 +72,17 @@ def start(work: Sequence[tuple[ArrayPlan, WriteUnit]], *, snapshot: bool) -> Non
             for unit in units:
                 assert unit.host is not None
                 if not isinstance(unit.host, np.ndarray):  # an import's: read by its writer, within the budget
-                    unit.copies = [(None, unit.host, None, region_slices(unit.region))]
+                    unit.copies = [PartCopy(None, unit.host, None, region_slices(unit.region))]
                     continue
                 part = unit.host[region_slices(unit.region)]
-                unit.copies = [(None, np.array(part) if snapshot else part, None, None)]
+                unit.copies = [PartCopy(None, np.array(part) if snapshot else part, None, None)]
             continue
         array = plan.array
         path = _path(units[0].sources[0][0], snapshot)
         if path == "in place":  # the caller's own buffers, read where they lie
             whole = HostCopy(array)
             for unit in units:
-                unit.copies = [(put, whole, device, take) for device, take, put in unit.sources]
+                unit.copies = [PartCopy(put, whole, device, take) for device, take, put in unit.sources]
             continue
         together = len(units) == len(plan.writes)
         if together and len(units) > 1:
@@ -92,7 +93,7 @@ def start(work: Sequence[tuple[ArrayPlan, WriteUnit]], *, snapshot: bool) -> Non
             whole = HostCopy()
             pinned.append((whole, array, _pinned_array_sharding(array.sharding)))
             for unit in units:
-                unit.copies = [(put, whole, device, take) for device, take, put in unit.sources]
+                unit.copies = [PartCopy(put, whole, device, take) for device, take, put in unit.sources]
             continue
         shards = {shard.device: shard.data for shard in array.addressable_shards}
         by_shard: dict[jax.Device, HostCopy] = {}
@@ -103,10 +104,10 @@ def start(work: Sequence[tuple[ArrayPlan, WriteUnit]], *, snapshot: bool) -> Non
                 if source is not None:
                     if (copy := by_shard.get(source)) is None:
                         copy = by_shard[source] = copy_of(shards[source], source, path)
-                    copies.append((put, copy, None, take))
+                    copies.append(PartCopy(put, copy, None, take))
                 else:  # only this chunk's part crosses the link, not the whole shard
                     piece = shards[device] if take is None else _slicer(_bounds(take))(shards[device])
-                    copies.append((put, copy_of(piece, device, path), None, None))
+                    copies.append(PartCopy(put, copy_of(piece, device, path), None, None))
             unit.copies = copies
     if pinned:
         # may_alias=False: a state already in pinned host memory is copied all the same.
