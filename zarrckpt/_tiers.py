@@ -226,7 +226,8 @@ class LocalTier:
             if stored is None:
                 raise Unusable(f"it says it holds array {name!r}, which it does not describe")
             codec = stored.codec
-            assert isinstance(codec, ChunkCodec)  # opened as zarrckpt's layout
+            if not isinstance(codec, ChunkCodec):
+                raise Unusable(f"array {name!r} is not in zarrckpt's layout")
             held[name] = frozenset(_chunk_coords(stored, c) for c in coords)
             for c in held[name]:
                 key = codec.key_at(c)

@@ -53,9 +53,11 @@ class CopyRecord:
             raise ValueError(f"it records peer copies {peers!r} that are not kept by {processes!r} processes")
         held = {}
         for name, coords in record["held"].items():
-            if not (isinstance(coords, list) and all(isinstance(c, list) and all(_count(i) for i in c)
-                                                     for c in coords)):
-                raise ValueError(f"it says it holds chunks {coords!r} of array {name!r}")
+            if not isinstance(coords, list):
+                raise ValueError(f"it says it holds chunks {coords!r:.100} of array {name!r}")
+            bad = next((i for i, c in enumerate(coords) if not (isinstance(c, list) and all(map(_count, c)))), None)
+            if bad is not None:
+                raise ValueError(f"it says it holds chunk {coords[bad]!r:.100} of array {name!r}")
             held[name] = [tuple(c) for c in coords]
         return cls(run, step, after, process, processes, held, tuple(map(tuple, peers)))
 

@@ -3,7 +3,7 @@ part of each leaf from which process's copy, and how the processes that lack a p
 get it.
 
 Each process's copy of a step holds the chunks its devices held when the step was
-saved (`_save.plan`, `held`), and those of its peers' parts it lacked. A step can be
+saved (`_save.plan.EVERY_HOLDER`), and those of its peers' parts it lacked. A step can be
 rebuilt when every part of every target leaf can be read by some process holding it:
 - a jax.Array that every process finds whole in its own copy (all restarted, same
   mesh): each reads what its devices hold, and nothing crosses the network;

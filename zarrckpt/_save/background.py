@@ -102,9 +102,12 @@ class BackgroundSave:
     def _write(self) -> None:
         """The save's thread: writes what `start` stages, then says the save is done."""
         job, self._writing = self._writing, None
-        assert job is not None
+        if job is None:  # `start` was interrupted as this thread started, and ended the save
+            return
         try:
             self._run(job, self._staged())
+        except BaseException:  # the caller's on_commit or on_failure failed: said, and its traceback let go
+            log.exception("the save to %s failed as it ended", self.url)
         finally:
             # The job holds the state saved: this thread lets it go before it says the
             # save is done, not after (as `Thread(args=...)` would), when the interpreter

@@ -29,44 +29,52 @@ class HostCopy:
     def view(self, device: jax.Device | None, take: Slices | None) -> np.ndarray:
         """`take` of the copy (of its shard on `device`, for a whole array), in place:
         waits for the copy to arrive. Called by many writers at once."""
-        with _ASKING_JAX:
-            data = self.array
-            if device is not None:
-                # Every chunk of the array reads one of its shards: list them once.
-                if self._shards is None:
-                    self._shards = {shard.device: shard.data for shard in data.addressable_shards}
-                data = self._shards[device]
+        data = self.array
+        if device is not None:
+            if self._shards is None:  # every chunk of the array reads one of its shards: listed once
+                self._shards = shards_of(data)
+            data = self._shards[device]
         if isinstance(data, jax.Array):
             data.block_until_ready()  # outside the lock: other writers' copies may be here already
         with _ASKING_JAX:
             host = _in_place(data, self)
+        # A copy out, where a view cannot be had, outside the lock: it may wait for a
+        # device's transfer (the pageable path).
+        host = np.asarray(data) if host is None else host
         return host if take is None else host[take]
 
 
+def shards_of(array: jax.Array) -> dict[jax.Device, jax.Array]:
+    """Each device's shard of `array`, asked of jax as writers ask it (see `_ASKING_JAX`)."""
+    with _ASKING_JAX:
+        return {shard.device: shard.data for shard in array.addressable_shards}
+
+
 # Writers ask jax about the arrays they read one at a time. jaxlib before 0.12 fills an
-# array's list of per-device buffers (behind `addressable_shards`, `devices()` and
-# `unsafe_buffer_pointer`) on first use, in place and without a lock, and may run other
-# Python in between: a second thread asking then got a short or doubled list (a save
-# failed with `KeyError: CpuDevice(id=5)`, its shard missing), which jax then kept, on
-# the caller's own array in a save that reads its buffers in place. Each call is
-# microseconds; waiting for a copy is done outside.
+# array's list of per-device buffers (behind `addressable_shards`, `unsafe_buffer_pointer`
+# and, in Python, its deletion check) on first use, in place and without a lock, and may
+# run other Python in between: a second thread asking then got a short or doubled list
+# (a save failed with `KeyError: CpuDevice(id=5)`, its shard missing), which jax then
+# kept, on the caller's own array in a save that reads its buffers in place. Each call
+# is microseconds; waiting for a copy, and copying one out, is done outside.
 _ASKING_JAX = threading.Lock()
 
 
-def _in_place(data: jax.Array, owner: HostCopy) -> np.ndarray:
+def _in_place(data: jax.Array, owner: HostCopy) -> np.ndarray | None:
     """`data` (one device's array in host memory) as a read-only numpy view of its
     buffer, which keeps `data` and `owner` alive for as long as the view (or any view
-    of it) is.
+    of it) is; None where it is to be copied out with `np.asarray`.
 
     Not `np.asarray(data)`: that view holds the buffer through the runtime's
     external-reference count, and on the GPU runtime (the PJRT C API, jax 0.11) a
     writer dropping the last copy of a pinned buffer aborted the process with such
     holds outstanding ("Non-zero type 1 hold on destruction"). Here nothing is held
     but Python references. A buffer not in numpy's bytes (a sub-byte type, packed; a
-    tiled or transposed layout) is copied out by `np.asarray` instead. Called with
-    `_ASKING_JAX` held, once a jax.Array is ready."""
-    if not _in_host_memory(data):  # the pageable path's: a numpy copy, or one on its way
-        return np.asarray(data)
+    tiled or transposed layout) is copied out instead, as is the pageable path's
+    (a numpy copy, or one on its way). Called with `_ASKING_JAX` held, once a
+    jax.Array is ready."""
+    if not _in_host_memory(data):
+        return None
     try:
         layout = data.format.layout  # type: ignore[attr-defined, unused-ignore]  # not in jax 0.10's stubs
         plain = (data.size > 0 and jax.dtypes.itemsize_bits(data.dtype) >= 8 and not layout.tiling
@@ -77,7 +85,7 @@ def _in_place(data: jax.Array, owner: HostCopy) -> np.ndarray:
     except (AttributeError, NotImplementedError):  # a runtime that does not say: numpy's way
         plain = False
     if not plain:
-        return np.asarray(data)
+        return None
     raw = np.asarray(_Buffer(address, data.nbytes, (data, owner)))
     return raw.view(data.dtype).reshape(data.shape)
 

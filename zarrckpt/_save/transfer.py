@@ -35,7 +35,7 @@ import numpy as np
 
 from .._concurrency import Hold
 from .._regions import Slices, region_slices
-from .host_copies import HostCopy, SharedHold
+from .host_copies import HostCopy, SharedHold, shards_of
 from .plan import ArrayPlan, PartCopy, WriteUnit
 
 log = logging.getLogger("zarrckpt")
@@ -95,7 +95,7 @@ def start(work: Sequence[tuple[ArrayPlan, WriteUnit]], *, snapshot: bool) -> Non
             for unit in units:
                 unit.copies = [PartCopy(put, whole, device, take) for device, take, put in unit.sources]
             continue
-        shards = {shard.device: shard.data for shard in array.addressable_shards}
+        shards = shards_of(array)  # a synchronous save stages beside its writers
         by_shard: dict[jax.Device, HostCopy] = {}
         for unit in units:
             copies = []
