@@ -8,10 +8,12 @@
     zarrckpt export URL OUT          to .npz or .safetensors
     zarrckpt import SRC DST          from safetensors or Orbax, as a committed checkpoint
 
-Every command reads and writes through the library (nothing here knows the format:
-`_metadata`, `_verify`, `_copy`, `_export`, `_import` and `_retention` do), and never touches an
-accelerator: JAX is held to the CPU unless JAX_PLATFORMS says otherwise, so the
-command works on a host whose devices a training job holds.
+Each command is the library's call of the same name (`_metadata`, `_verify`, `_copy`,
+`_export`, `_import`, `_retention`) with its flags parsed and its result printed; what
+this module reads itself is only what `ls` and `info` show (step states, the local
+tier's owners, naming). It never touches an accelerator: JAX is held to the CPU unless
+JAX_PLATFORMS says otherwise, so the command works on a host whose devices a training
+job holds.
 """
 
 from __future__ import annotations
