@@ -439,19 +439,18 @@ class Layout:
         """`process`'s writes of the chunks `assignments` deals it, computed once per
         layout, salt and process: a training loop saves arrays of the same layouts
         again and again, and many leaves share one."""
-        key = (salt % self._period, process)
-        found = self._writes.get(key)
-        if found is None:
-            mine = ((c, p) for c, w, p in self.assignments(salt) if w == process)
-            found = self._writes[key] = Writes.of(self, mine, process)
-        return found
+        return self._cached((salt % self._period, process),
+                            ((c, p) for c, w, p in self.assignments(salt) if w == process), process)
 
     def held_writes(self, process: int) -> Writes:
         """`process`'s writes of every chunk it holds (see `held`), computed once."""
-        key = (-1, process)
+        return self._cached((-1, process), self.held(process), process)
+
+    def _cached(self, key: tuple[int, int], chunks: Iterable[tuple[Region, list[Part]]], process: int) -> Writes:
+        """The writes cached under `key`, made of `chunks` (a lazy iterable) on a miss."""
         found = self._writes.get(key)
         if found is None:
-            found = self._writes[key] = Writes.of(self, self.held(process), process)
+            found = self._writes[key] = Writes.of(self, chunks, process)
         return found
 
     @functools.cached_property

@@ -120,8 +120,12 @@ class Commit:
     """How a save's group is made and committed (see the module docstring)."""
 
     name: str
-    per_process: bool  # each process its own group
-    writers: _planning.Writers  # which chunks each process writes
+    per_process: bool  # each process its own group, holding every chunk its devices hold
+
+    @property
+    def writers(self) -> _planning.Writers:
+        """Which chunks each process writes."""
+        return _planning.EVERY_HOLDER if self.per_process else _planning.ONE_WRITER
 
     def prepare(self, op: _multihost.Agreement, prepare: Callable[[str], str]) -> str:
         """Prepares the group (`prepare(save_id)`) with a new save identity; returns it."""
@@ -140,8 +144,8 @@ class Commit:
         return self.per_process or process == 0
 
 
-SHARED = Commit("shared", per_process=False, writers=_planning.ONE_WRITER)
-PER_PROCESS = Commit("per process", per_process=True, writers=_planning.EVERY_HOLDER)
+SHARED = Commit("shared", per_process=False)
+PER_PROCESS = Commit("per process", per_process=True)
 
 
 @dataclasses.dataclass
