@@ -49,6 +49,7 @@ from . import (
 from ._format import naming as _naming, zarrjson as _zarrjson
 from ._metadata import metadata
 from ._restore import orbax as _orbax
+from ._restore.from_copies import peers_of
 from .errors import CheckpointError
 
 EXIT_ERROR = 1  # the command could not do its job (message on stderr)
@@ -341,7 +342,7 @@ def _describe_step(root: _storage.Location, step: int, owner: tuple[str, int] | 
     group = _commit.read_group(loc)
     state = _commit.state(loc, group)
     summary = _metadata.summarize(loc, group)
-    return {**({"run": owner[0], "process": owner[1], "peers_of": _tiers.peers_of(group)} if owner is not None
+    return {**({"run": owner[0], "process": owner[1], "peers_of": peers_of(group)} if owner is not None
                else {}),
             "step": step, "url": loc.url, "state": state.value, "committed": state is _commit.State.COMMITTED,
             "pinned": _retention.is_pinned(loc), "nbytes": summary.nbytes, "leaves": summary.leaves,

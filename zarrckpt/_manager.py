@@ -395,13 +395,15 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         started = time.perf_counter()
-        tier: str | None = "persistent"
+        local, restored = None, step
         if step is None and self._tier is not None:
-            state, restored, tier = _tiers.restore_latest(self._root, self._tier, target, options, self._timeout_s)
+            local = _tiers.restore_newer_copy(self._root, self._tier, target, options, self._timeout_s)
+        if local is not None:
+            (state, restored), tier = local, "local"
         elif step is None:
-            state, restored = _steps.restore_latest(self._root, target, options, self._timeout_s)
+            (state, restored), tier = _steps.restore_latest(self._root, target, options, self._timeout_s), "persistent"
         else:
-            state, restored = _steps.load_step(self._root, step, target, options), step
+            state, tier = _steps.load_step(self._root, step, target, options), "persistent"
         self._restored_step = restored
         self._restored_tier = tier if restored is not None else None
         if self._tier is not None:  # copies newer than this are of abandoned training: never restore them

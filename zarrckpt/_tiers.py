@@ -31,19 +31,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import re
 import uuid
 from collections.abc import Collection
 from typing import Any
 
-from . import _commit, _lease, _multihost, _peers, _retention, _steps
-from ._format import copy_record, naming as _naming
-from ._format.chunks import ChunkCodec
+from . import _lease, _multihost, _peers, _retention, _steps
+from ._format import copy_record
 from ._format.copy_record import CopyRecord
 from ._options import LoadOptions, SaveOptions
-from ._restore import checkpoint as _reader, copies as _copies
-from ._restore.from_copies import CopiesDamaged, CopyReader, Unusable
+from ._restore import copies as _copies
+from ._restore.from_copies import CopiesDamaged, CopyReader, Unusable, open_copy
 from ._save import PER_PROCESS, BackgroundSave, SaveJob
 from ._storage import Location
 from .errors import CheckpointError, CheckpointLocationError, DirectoryInUseError
@@ -198,42 +196,11 @@ class LocalTier:
         for step in _steps.scan(self.root)[1]:
             loc = self.root.step(step)
             try:
-                found.append(self._copy(loc, step))
+                found.append(open_copy(loc, self.run, step))
             except Exception as e:  # anything a broken or hostile disk can hold
                 why = str(e) if isinstance(e, (Unusable, CheckpointError)) else f"{type(e).__name__}: {e}"
                 log.warning("local copy %s not used: %s", loc.url, why)
         return found
-
-    def _copy(self, loc: Location, step: int) -> _copies.Copy:
-        """The copy at `loc`, checked: a local copy of this run's `step` whose every chunk
-        is there with its size. Raises Unusable (or what reading it raised) if not."""
-        group = _commit.read_group(loc)
-        try:
-            record = CopyRecord.parse(group.attributes.get(_naming.META_ATTR) if group is not None else None)
-        except ValueError as e:
-            raise Unusable(str(e)) from None
-        if record.run != self.run:
-            raise Unusable(f"it belongs to another run ({record.run!r})")
-        if record.step != step:
-            raise Unusable(f"it holds step {record.step!r}")
-        ckpt = _reader.open_checkpoint(loc, group=group)  # the metadata already read
-        if ckpt.save_id is None:
-            raise Unusable("it has no save identity")
-        sizes = {e.name: (e.type, e.size) for e in loc.walk()}
-        held = {}
-        for name, coords in record.held.items():
-            stored = ckpt.leaves.get(name)
-            if stored is None:
-                raise Unusable(f"it says it holds array {name!r}, which it does not describe")
-            codec = stored.codec
-            if not isinstance(codec, ChunkCodec):
-                raise Unusable(f"array {name!r} is not in zarrckpt's layout")
-            held[name] = frozenset(_chunk_coords(stored, c) for c in coords)
-            for c in held[name]:
-                key = codec.key_at(c)
-                if (why := codec.object_problem(*sizes.get(key, (None, 0)))) is not None:
-                    raise Unusable(f"chunk {key} {why}")
-        return _copies.Copy(step, ckpt.save_id, held, record.after, record.peers)
 
     def set_aside(self, step: int, problems: dict[int, str]) -> None:
         """After reading the copies of `step` failed on the processes of `problems`:
@@ -242,15 +209,6 @@ class LocalTier:
         if me in problems:
             log.warning("local copy %s set aside (deleted): %s", self.root.step(step).url, problems[me])
             self._remove(step, committed=True, why="damaged")
-
-
-def _chunk_coords(stored: _reader.StoredLeaf, coords: tuple[int, ...]) -> tuple[int, ...]:
-    """`coords` (a record's, see `CopyRecord.parse`), checked to be a chunk's place in the
-    grid of `stored`; Unusable if it is none."""
-    grid = [math.ceil(d / c) if d else 1 for d, c in zip(stored.shape, stored.chunks)]
-    if len(coords) != len(grid) or not all(c < n for c, n in zip(coords, grid)):
-        raise Unusable(f"it says it holds chunk {list(coords)!r} of array {stored.name!r}, whose grid is {grid}")
-    return coords
 
 
 def _run_of_directory(name: str) -> str | None:
@@ -288,16 +246,6 @@ def _footprint(job: SaveJob) -> int:
             + 2 * len(json.dumps(job.arrays)))
 
 
-def peers_of(group: _commit.Group | None) -> list[int]:
-    """The processes whose peer copy the local copy of metadata `group` also holds (see
-    `_peers`); none for metadata that does not say."""
-    try:
-        record = CopyRecord.parse(group.attributes.get(_naming.META_ATTR) if group is not None else None)
-    except ValueError:
-        return []
-    return _peers.Peers(record.peers).sources(record.process)
-
-
 def copy_directories(directory: Location) -> list[tuple[str, int, Location]]:
     """Every process's directory of copies in a local tier's `directory`: (run, process
     index, directory), by run then process. Runs of zarrckpt before runs had a
@@ -314,11 +262,11 @@ def copy_directories(directory: Location) -> list[tuple[str, int, Location]]:
     return sorted(found, key=lambda found: found[:2])
 
 
-def restore_latest(root: Location, tier: LocalTier, target: Any, options: LoadOptions,
-                   timeout_s: float) -> tuple[Any, int | None, str | None]:
-    """The newest step the local copies rebuild if it is newer than the newest
-    committed persistent step, else `_steps.restore_latest`; with the step, the tier
-    read ("local" or "persistent"; None if nothing was restored). Agreement."""
+def restore_newer_copy(root: Location, tier: LocalTier, target: Any, options: LoadOptions,
+                       timeout_s: float) -> tuple[Any, int] | None:
+    """(state, step) of the newest step the local copies rebuild, if it is newer than
+    the newest committed persistent step; else None (the persistent tier's to
+    restore). Agreement."""
     with _multihost.Agreement("restore-tiers", timeout_s, what=f"restoring from {tier.root.url} or {root.url}") as op:
         found = op.gather("inventory", lambda: [c.as_json() for c in tier.inventory()])
         persistent = set(op.decide("persistent", lambda: _steps.scan(root)[1]))
@@ -329,7 +277,7 @@ def restore_latest(root: Location, tier: LocalTier, target: Any, options: LoadOp
         for step in sorted({s for held in copies for s in held if floor is None or s > floor}, reverse=True):
             while any(step in held for held in copies):
                 try:
-                    return reading.read(step, [held.get(step) for held in copies]), step, "local"
+                    return reading.read(step, [held.get(step) for held in copies]), step
                 except CopiesDamaged as e:  # on every process alike: try again without those copies
                     tier.set_aside(step, e.problems)
                     for p in e.problems:
@@ -337,10 +285,7 @@ def restore_latest(root: Location, tier: LocalTier, target: Any, options: LoadOp
                 except Unusable as e:
                     log.warning("local step %d is not used: %s", step, e)
                     break
-    state, restored_step = _steps.restore_latest(root, target, options, timeout_s)
-    if restored_step is not None:
-        log.info("process %d restored step %d from the persistent tier %s", me, restored_step, root.url)
-    return state, restored_step, "persistent" if restored_step is not None else None
+    return None
 
 
 def _after_kept(copy: _copies.Copy, persistent: set[int], tier: LocalTier, mine: bool) -> bool:

@@ -19,11 +19,15 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 from typing import Any
 
 import numpy as np
 
-from .. import _commit, _multihost, _progress
+from .. import _commit, _multihost, _peers, _progress
+from .._format import naming as _naming
+from .._format.chunks import ChunkCodec
+from .._format.copy_record import CopyRecord
 from .._options import LoadOptions
 from .._regions import Region, region_shape, region_slices
 from .._storage import Location
@@ -176,3 +180,54 @@ def _opened(loc: Location, outcome: dict[str, Any], source: int, save_id: str) -
                                        save_id=save_id)
     except Exception as e:
         raise CopiesDamaged({source: str(e)}) from None
+
+
+def open_copy(loc: Location, run: str, step: int) -> _copies.Copy:
+    """The copy at `loc`, checked: a local copy of `run`'s `step` whose every chunk is
+    there with its size. Raises Unusable (or what reading it raised) if not."""
+    group = _commit.read_group(loc)
+    try:
+        record = CopyRecord.parse(group.attributes.get(_naming.META_ATTR) if group is not None else None)
+    except ValueError as e:
+        raise Unusable(str(e)) from None
+    if record.run != run:
+        raise Unusable(f"it belongs to another run ({record.run!r})")
+    if record.step != step:
+        raise Unusable(f"it holds step {record.step!r}")
+    ckpt = _reader.open_checkpoint(loc, group=group)  # the metadata already read
+    if ckpt.save_id is None:
+        raise Unusable("it has no save identity")
+    sizes = {e.name: (e.type, e.size) for e in loc.walk()}
+    held = {}
+    for name, coords in record.held.items():
+        stored = ckpt.leaves.get(name)
+        if stored is None:
+            raise Unusable(f"it says it holds array {name!r}, which it does not describe")
+        codec = stored.codec
+        if not isinstance(codec, ChunkCodec):
+            raise Unusable(f"array {name!r} is not in zarrckpt's layout")
+        held[name] = frozenset(_chunk_coords(stored, c) for c in coords)
+        for c in held[name]:
+            key = codec.key_at(c)
+            if (why := codec.object_problem(*sizes.get(key, (None, 0)))) is not None:
+                raise Unusable(f"chunk {key} {why}")
+    return _copies.Copy(step, ckpt.save_id, held, record.after, record.peers)
+
+
+def peers_of(group: _commit.Group | None) -> list[int]:
+    """The processes whose peer copy the local copy of metadata `group` also holds (see
+    `_peers`); none for metadata that does not say."""
+    try:
+        record = CopyRecord.parse(group.attributes.get(_naming.META_ATTR) if group is not None else None)
+    except ValueError:
+        return []
+    return _peers.Peers(record.peers).sources(record.process)
+
+
+def _chunk_coords(stored: _reader.StoredLeaf, coords: tuple[int, ...]) -> tuple[int, ...]:
+    """`coords` (a record's, see `CopyRecord.parse`), checked to be a chunk's place in the
+    grid of `stored`; Unusable if it is none."""
+    grid = [math.ceil(d / c) if d else 1 for d, c in zip(stored.shape, stored.chunks)]
+    if len(coords) != len(grid) or not all(c < n for c, n in zip(coords, grid)):
+        raise Unusable(f"it says it holds chunk {list(coords)!r} of array {stored.name!r}, whose grid is {grid}")
+    return coords
