@@ -165,8 +165,8 @@ def test_a_step_orbax_is_still_writing_on_an_object_store_is_not_taken_for_finis
             fs.pipe_file(f"{url}/{path.relative_to(tmp_path / 'orbax')}", path.read_bytes())
     # Step 200 as Orbax leaves it on GCS until its last write: _CHECKPOINT_METADATA but
     # no commit_success.txt. Its newest finished step is 100.
-    assert _orbax._find(zarrckpt._storage.resolve(url)).newest == 100
-    assert _orbax._find(zarrckpt._storage.resolve(str(tmp_path / "orbax"))).newest == 200
+    assert _orbax.find(zarrckpt._storage.resolve(url)).newest == 100
+    assert _orbax.find(zarrckpt._storage.resolve(str(tmp_path / "orbax"))).newest == 200
 
 
 def test_ls_of_a_directory_of_plain_numbered_directories_is_no_error(tmp_path):

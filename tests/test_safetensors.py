@@ -257,7 +257,7 @@ def test_a_file_cut_short_or_removed_once_opened_is_damage_named(tmp_path: Path,
 
     path = tmp_path / "model.safetensors"
     safetensors.numpy.save_file({"a": np.ones(64, np.float32), "b": np.ones(64, np.float32)}, str(path))
-    opened = opening._open(str(path), None)  # its header checked against the whole file
+    opened = opening._open(*opening.locate(str(path)))  # its header checked against the whole file
     if change == "cut":
         path.write_bytes(path.read_bytes()[:-100])
     else:

@@ -24,7 +24,7 @@ from ._format import naming as _naming, safetensors as _safetensors_format, tree
 from ._options import SaveOptions
 from ._regions import Region
 from ._restore import checkpoint as _reader, orbax as _orbax
-from ._restore.safetensors import open_safetensors
+from ._restore.safetensors import locate, open_safetensors
 from ._save import protocol as _save
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
 
@@ -133,20 +133,22 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
                       "copy_checkpoint names it", DeprecationWarning, stacklevel=2)
         dst_storage_options, dst_option = storage_options, "storage_options"
     options = SaveOptions(overwrite=overwrite, max_inflight_bytes=max_inflight_bytes, progress=progress)
-    source = _storage.resolve(src, src_storage_options, option="src_storage_options")
+    folder, file = locate(src, src_storage_options, option="src_storage_options")
+    source = folder.child(file) if file is not None else folder
     if not source.exists():
         raise CheckpointNotFoundError(f"nothing to import: {source.url} does not exist")
-    if src_storage_options and not source.is_local and _orbax.is_orbax(source):
+    found = _orbax.find(source)
+    if found is not None and src_storage_options and not source.is_local:
         raise ValueError(f"storage options for the source cannot reach {source.url}: TensorStore reads Orbax's "
                          "arrays, with the credentials and endpoint of its environment (AWS_*, "
                          "GOOGLE_APPLICATION_CREDENTIALS)")
-    found = _orbax.open_step(source, step)
     extra: dict[str, Any] | None = None
     if found is not None:
-        format, tree, step, skipped = "orbax", _marked(found.tree), found.step, found.skipped
+        opened = _orbax.open_step(source, found, step)
+        format, tree, step, skipped = "orbax", _marked(opened.tree), opened.step, opened.skipped
     else:
         try:
-            ckpt = open_safetensors(src, src_storage_options)
+            ckpt = open_safetensors(folder, file)
         except CheckpointNotFoundError as e:
             raise CheckpointNotFoundError(f"{source.url} is neither an Orbax checkpoint nor a safetensors file or "
                                           f"set: {e}") from None

@@ -64,25 +64,23 @@ class Step:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Found:
+class Found:
+    """What an Orbax checkpoint at a place is (see `find`)."""
+
     kind: str  # "item", "step" or "run"
     steps: dict[int, str]  # a run's step directories, by number
     newest: int | None  # a run's newest finished step
 
 
 def is_orbax(loc: Location) -> bool:
-    """Whether `loc` holds an Orbax item, step or run (one listing; a run's newest steps
-    are listed until one is finished)."""
-    return _find(loc) is not None
+    """Whether `loc` holds an Orbax item, step or run (see `find`)."""
+    return find(loc) is not None
 
 
-def open_step(loc: Location, step: int | None) -> Step | None:
+def open_step(loc: Location, found: Found, step: int | None) -> Step:
     """The tree of the Orbax item or step at `loc`, or of a run's newest finished step
-    (`step`, if given); None if `loc` holds no Orbax checkpoint. CheckpointNotFoundError
-    if a run has no finished step `step`."""
-    found = _find(loc)
-    if found is None:
-        return None
+    (`step`, if given), as `find` found it. CheckpointNotFoundError if a run has no
+    finished step `step`."""
     kind = found.kind
     if kind == "run":
         if step is None:
@@ -111,17 +109,18 @@ def open_step(loc: Location, step: int | None) -> Step | None:
     return Step(step, {name: _item_tree(loc.child(name), f"{name}.") for name in sorted(items)}, skipped)
 
 
-def _find(loc: Location) -> _Found | None:
-    """What `loc` is, or None if it is no Orbax checkpoint."""
+def find(loc: Location) -> Found | None:
+    """What `loc` is, or None if it is no Orbax checkpoint (one listing; a run's newest
+    steps are listed until one is finished)."""
     entries = loc.list_dir()
     names = {e.name for e in entries}
     if "_METADATA" in names:
-        return _Found("item", {}, None)
+        return Found("item", {}, None)
     if names & {"_CHECKPOINT_METADATA", "commit_success.txt"}:
-        return _Found("step", {}, None)
+        return Found("step", {}, None)
     steps = {number: e.name for e in entries if e.type == "dir" and (number := _number(e.name)) is not None}
     newest = next((n for n in sorted(steps, reverse=True) if _finished(loc, steps[n])), None)
-    return _Found("run", steps, newest) if newest is not None else None
+    return Found("run", steps, newest) if newest is not None else None
 
 
 def _finished(run: Location, name: str) -> bool:

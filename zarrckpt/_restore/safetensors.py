@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -85,15 +84,28 @@ def load_safetensors(
     options = LoadOptions(allow_dtype_cast=allow_dtype_cast, donate_target=donate_target, partial=partial,
                           load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
                           max_workers=max_workers, progress=progress)
-    opened = _open(url, storage_options)
+    opened = _open(*locate(url, storage_options))
     if target is None:
         return _load_on_host(opened, options)
     return load_opened(_checkpoint(opened), target, options)
 
 
-def open_safetensors(url: str, storage_options: dict[str, Any] | None = None) -> _reader.Checkpoint:
-    """The safetensors file or set at `url` as a Checkpoint (see `load_safetensors`)."""
-    return _checkpoint(_open(url, storage_options))
+def locate(url: str, storage_options: dict[str, Any] | None = None, *,
+           option: str = "storage_options") -> tuple[Location, str | None]:
+    """Where the safetensors at `url` are: the folder, and the file's name in it (None
+    for a set, or whatever `.safetensors` files the folder holds). `option`: the
+    caller's keyword for `storage_options`, for errors."""
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"url must be a non-empty string, got {url!r:.100}")
+    single = url.rstrip("/").endswith(_format.EXTENSION)
+    folder, _, name = url.rstrip("/").rpartition("/") if single else (url, "", "")
+    return _storage.resolve(folder or ".", storage_options, option=option), name or None
+
+
+def open_safetensors(loc: Location, name: str | None) -> _reader.Checkpoint:
+    """The safetensors file `name` in folder `loc`, or the set there (see `locate`), as
+    a Checkpoint (see `load_safetensors`)."""
+    return _checkpoint(_open(loc, name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,30 +123,26 @@ class _Opened:
     metadata: dict[str, str]  # the files' `__metadata__` ({"format": "pt"} from transformers)
 
 
-def _open(url: str, storage_options: dict[str, Any] | None) -> _Opened:
-    """The safetensors file or set at `url`, its headers read and checked against the
-    files and the index (see `load_safetensors` for what it raises)."""
-    if not isinstance(url, str) or not url:
-        raise ValueError(f"url must be a non-empty string, got {url!r:.100}")
-    single = url.rstrip("/").endswith(_format.EXTENSION)
-    folder, _, name = url.rstrip("/").rpartition("/") if single else (url, "", "")
-    loc = _storage.resolve(folder or ".", storage_options)
+def _open(loc: Location, name: str | None) -> _Opened:
+    """The safetensors file `name` in folder `loc`, or the set there, its headers read and
+    checked against the files and the index (see `load_safetensors` for what it raises)."""
+    shown = loc.child(name).url if name is not None else loc.url
     listed = {e.name: e.size for e in loc.list_dir() if e.type != "dir"}  # a link or a FIFO: refused when read
-    if single:
+    if name is not None:
         if name not in listed:
-            raise CheckpointNotFoundError(f"no safetensors file at {loc.child(name).url}")
+            raise CheckpointNotFoundError(f"no safetensors file at {shown}")
         files: list[str] = [name]
     else:
         files = ([_format.INDEX_NAME] if _format.INDEX_NAME in listed else
                  [f for f in listed if f.endswith(_format.EXTENSION)])
     src, keys, sizes = _sources(loc, files, listed)
     weight_map = None
-    if not single:
+    if name is None:
         files, weight_map = _files(loc, src, keys, list(listed))
         if weight_map is not None:
             src, keys, sizes = _sources(loc, files, listed)
     # On a local disk a header is a read from the page cache: threads would cost more.
-    headers = _concurrency.run_all(lambda name: _header(src, keys[name], sizes[name], loc.child(name).url), files,
+    headers = _concurrency.run_all(lambda file: _header(src, keys[file], sizes[file], loc.child(file).url), files,
                                    1 if src.is_local else src.concurrency)
     metadata = {k: v for _, found in headers for k, v in found.items()}  # a set's files all say the same
     tensors = [found for found, _ in headers]
@@ -142,9 +150,8 @@ def _open(url: str, storage_options: dict[str, Any] | None) -> _Opened:
     try:
         tree = _format.nested(list(held))
     except _format.Malformed as e:
-        raise CheckpointCorruptError(f"{loc.child(name).url if single else loc.url} {e}") from None
-    return _Opened(loc, src, keys, dict(zip(files, tensors)), tree, loc.child(name).url if single else loc.url,
-                   metadata)
+        raise CheckpointCorruptError(f"{shown} {e}") from None
+    return _Opened(loc, src, keys, dict(zip(files, tensors)), tree, shown, metadata)
 
 
 def _held(loc: Location, files: list[str], headers: list[list[_format.Tensor]],
@@ -314,15 +321,10 @@ def _sources(loc: Location, files: list[str], listed: dict[str, int]
     files are no checkpoint, and the user named them.)"""
     if not loc.is_local or not files:
         return loc, {f: f for f in files}, {f: listed[f] for f in files}
-    real = {f: os.path.realpath(os.path.join(loc.path, f)) for f in files}
-    root = os.path.commonpath([os.path.dirname(p) for p in real.values()])
-    sizes = {}
-    for f, p in real.items():
-        try:
-            sizes[f] = os.stat(p).st_size
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{loc.child(f).url} is a link to {p}, which does not exist") from None
-    return _storage.resolve(root), {f: os.path.relpath(p, root) for f, p in real.items()}, sizes
+    try:
+        return loc.followed(files)
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(f"{loc.child(e.filename).url} is {e.strerror}") from None
 
 
 def _files(loc: Location, src: Location, keys: dict[str, str], listed: list[str]

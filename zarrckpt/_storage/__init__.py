@@ -285,6 +285,15 @@ class Location:
         """The bytes free on the disk this is on (this machine's own)."""
         return self.store.free_bytes(self.below)
 
+    def followed(self, names: Sequence[str]) -> tuple[Location, dict[str, str], dict[str, int]]:
+        """Where the files `names` of this folder on this machine's disk really are, every
+        symbolic link on the way followed: their common folder, each one's key there and
+        its size. Only for files a user named that are no checkpoint (a Hugging Face
+        cache's snapshots link into its blobs): a checkpoint is never read through a
+        link. FileNotFoundError (its filename: the name) for a link to nothing."""
+        root, keys, sizes = self.store.followed(self.below, names)
+        return Location(url=root, store=self.store.moved(root), guard=self.guard), keys, sizes
+
     def redact(self, text: str) -> str:
         """`text` with every credential of this store replaced by '***'."""
         return self.guard.redact(text)

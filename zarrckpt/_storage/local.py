@@ -96,6 +96,17 @@ class LocalDisk(Store):
     def private_directory(self, key: str) -> None:
         private_directory(os.path.join(self.root, key))
 
+    def followed(self, key: str, names: Sequence[str]) -> tuple[str, dict[str, str], dict[str, int]]:
+        real = {name: os.path.realpath(os.path.join(self.root, key, name)) for name in names}
+        root = os.path.commonpath([os.path.dirname(path) for path in real.values()])
+        sizes = {}
+        for name, path in real.items():
+            try:
+                sizes[name] = os.stat(path).st_size
+            except FileNotFoundError:
+                raise FileNotFoundError(errno.ENOENT, f"a link to {path}, which does not exist", name) from None
+        return root, {name: os.path.relpath(path, root) for name, path in real.items()}, sizes
+
     def free_bytes(self, key: str) -> int:
         path = os.path.join(self.root, key)
         while not os.path.isdir(path) and os.path.dirname(path) != path:  # not made yet: its disk is its parent's

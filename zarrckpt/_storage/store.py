@@ -128,3 +128,9 @@ class Store(abc.ABC):
     def free_bytes(self, key: str) -> int:
         """The bytes free on the disk holding `key`."""
         raise OSError(errno.EXDEV, f"{self.root} is not on this machine's own disk")
+
+    def followed(self, key: str, names: Sequence[str]) -> tuple[str, dict[str, str], dict[str, int]]:
+        """Where the files `names` of folder `key` really are, every symbolic link on the
+        way followed: their common folder (a root for `moved`), each one's key there and
+        its size. FileNotFoundError (its filename: the name) for a link to nothing."""
+        raise OSError(errno.EXDEV, f"{self.root} is not on this machine's own disk")
