@@ -155,7 +155,7 @@ def test_a_state_larger_than_the_budget_goes_out_in_several_batches(tmp_path, mo
     calls = []
     real = _transfer.jax.device_put
     monkeypatch.setattr(_transfer.jax, "device_put", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
-    with zarrckpt.CheckpointManager(str(tmp_path), async_save=async_save, max_staged_bytes=600 * 1024) as mgr:
+    with zarrckpt.CheckpointManager(str(tmp_path), async_save=async_save, max_inflight_bytes=600 * 1024) as mgr:
         mgr.save(1, state)
     if async_save:
         assert len(calls) > 2  # at most two leaves' copies at a time
@@ -229,7 +229,7 @@ def test_an_array_larger_than_the_budget_is_copied_part_by_part(tmp_path, monkey
     state = {"replicated": jax.device_put(jnp.arange(2048 * 1024, dtype=jnp.float32).reshape(2048, 1024),
                                           NamedSharding(mesh(), P()))}  # 8 chunks of 1 MiB
     calls = record_device_puts(monkeypatch)
-    with zarrckpt.CheckpointManager(str(tmp_path), max_staged_bytes=3 * 2**20) as mgr:
+    with zarrckpt.CheckpointManager(str(tmp_path), max_inflight_bytes=3 * 2**20) as mgr:
         mgr.save(1, state)
     assert len(calls) >= 3 and all(shape == (256, 1024) for call in calls for shape, _ in call)
     assert_restores(str(tmp_path / "0000000001"), state)

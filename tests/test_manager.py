@@ -93,10 +93,10 @@ class StagedBytes:
         monkeypatch.setattr(_planning.WriteUnit, "release", counted_release)
 
 
-def test_staging_is_bounded_by_max_staged_bytes(tmp_path, monkeypatch):
+def test_staging_is_bounded_by_max_inflight_bytes(tmp_path, monkeypatch):
     state = {f"l{i}": jnp.full((256, 256), float(i)) for i in range(8)}  # 256 KiB each, a chunk each
     staged = StagedBytes(monkeypatch)
-    with zarrckpt.CheckpointManager(str(tmp_path), max_staged_bytes=300 * 1024) as mgr:
+    with zarrckpt.CheckpointManager(str(tmp_path), max_inflight_bytes=300 * 1024) as mgr:
         mgr.save(1, state, force=True)
         mgr.wait()
         restored, _ = mgr.restore(jax.tree_util.tree_map(lambda x: x.sharding, state))

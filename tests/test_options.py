@@ -1,6 +1,7 @@
 """Options: every public call spells its options out, and checks them where they are given."""
 
 
+import numpy as np
 import pytest
 from builders import train_state
 
@@ -8,7 +9,8 @@ import zarrckpt
 
 
 @pytest.mark.parametrize("options, error, message", [
-    ({"max_inflight_bytes": 2**20}, TypeError, "unexpected keyword argument 'max_inflight_bytes'"),
+    ({"max_inflight_byte": 2**20}, TypeError, "unexpected keyword argument 'max_inflight_byte'"),
+    ({"max_inflight_bytes": 0}, ValueError, "option max_inflight_bytes must be positive"),
     ({"keep_last": 0}, ValueError, "option keep_last must be positive"),
     ({"keep_last": "3"}, TypeError, "option keep_last must be an int"),
     ({"async_save": "yes"}, TypeError, "option async_save must be True or False"),
@@ -23,6 +25,40 @@ def test_manager_options_are_checked_at_construction(tmp_path, options, error, m
     with pytest.raises(error, match=message):
         zarrckpt.CheckpointManager(str(tmp_path), **options)
     assert not any(tmp_path.iterdir())  # nothing was written, no lease left
+
+
+def test_the_managers_byte_bound_is_max_inflight_bytes_and_the_old_name_still_works(tmp_path):
+    """The manager names its bound on staged bytes as every other call does;
+    `max_staged_bytes`, its name before, is taken with a DeprecationWarning naming the
+    new one, and both at once is an error naming both."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with zarrckpt.CheckpointManager(str(tmp_path / "new"), max_inflight_bytes=2**20) as mgr:
+            assert mgr._save_options.max_inflight_bytes == 2**20
+    with pytest.warns(DeprecationWarning, match="max_inflight_bytes"):
+        with zarrckpt.CheckpointManager(str(tmp_path / "old"), max_staged_bytes=2**21) as mgr:
+            assert mgr._save_options.max_inflight_bytes == 2**21
+    with pytest.raises(TypeError, match="max_inflight_bytes.*max_staged_bytes"):
+        zarrckpt.CheckpointManager(str(tmp_path / "both"), max_inflight_bytes=2**20, max_staged_bytes=2**20)
+
+
+def test_results_name_one_thing_one_way_and_the_old_names_still_work(tmp_path):
+    """Every result says where it landed as `url` and what it holds as `leaves`; the
+    names before (`ExportResult.path`, `.arrays`, `CopyResult.destination`) still read,
+    with a DeprecationWarning."""
+    url = str(tmp_path / "ckpt")
+    zarrckpt.save_pytree(url, {"w": np.arange(4, dtype=np.float32), "b": np.ones(2, np.float32)})
+    exported = zarrckpt.export_checkpoint(url, str(tmp_path / "model.safetensors"))
+    copied = zarrckpt.copy_checkpoint(url, str(tmp_path / "copy"))
+    imported = zarrckpt.import_checkpoint(str(tmp_path / "model.safetensors"), str(tmp_path / "imported"))
+    assert exported.url == str(tmp_path / "model.safetensors") and copied.url == str(tmp_path / "copy")
+    assert exported.leaves == imported.leaves == 2
+    for result, old, new in ((exported, "path", "url"), (exported, "arrays", "leaves"),
+                             (copied, "destination", "url")):
+        with pytest.warns(DeprecationWarning, match=f"{type(result).__name__}.{new}"):
+            assert getattr(result, old) == getattr(result, new)
 
 
 def test_function_options_are_checked_at_the_call(tmp_path):

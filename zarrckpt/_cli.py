@@ -459,7 +459,7 @@ def _cp(args: argparse.Namespace) -> int:
         dst_storage_options=dst_options, overwrite=args.overwrite,
         allow_uncommitted=args.allow_uncommitted, max_workers=args.workers, progress=args.progress)
     print(f"copied {result.objects} objects ({_size(result.nbytes)}) from {result.source} to "
-          f"{result.destination} in {result.seconds:.1f}s")
+          f"{result.url} in {result.seconds:.1f}s")
     return 0
 
 
@@ -467,7 +467,7 @@ def _export_command(args: argparse.Namespace) -> int:
     result = _export.export_checkpoint(args.url, args.out, select=args.select, format=args.format,
                                        overwrite=args.overwrite, max_shard_bytes=args.max_shard_bytes,
                                        storage_options=_options(args.storage_option), progress=args.progress)
-    print(f"exported {result.arrays} arrays ({_size(result.nbytes)}) to {result.path}")
+    print(f"exported {result.leaves} leaves ({_size(result.nbytes)}) to {result.url}")
     for name, (stored, exported) in sorted(result.widened.items()):
         print(f"  {name}: {stored} widened to {exported} ({result.format} has no {stored})")
     for name, why in sorted(result.skipped.items()):

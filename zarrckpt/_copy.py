@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _commit, _concurrency, _lease, _objects, _progress, _seqax, _storage
+from . import _commit, _concurrency, _deprecated, _lease, _objects, _progress, _seqax, _storage
 from ._format import naming as _naming, zarrjson as _zarrjson
 from ._format.chunks import DamagedChunk
 from ._restore import checkpoint as _reader
@@ -29,13 +29,17 @@ _MARKERS = ("zarr.json", _seqax.MARKER)  # where the commit marker is: zarrckpt'
 
 @dataclasses.dataclass(frozen=True)
 class CopyResult:
-    """What `copy_checkpoint` copied."""
+    """What `copy_checkpoint` copied: from `source` to `url`, its objects (files, the
+    metadata's too) and bytes, in `seconds`. (`destination`, the name of `url` before,
+    still works, with a DeprecationWarning.)"""
 
     source: str
-    destination: str
+    url: str
     objects: int
     nbytes: int
     seconds: float
+
+    destination = _deprecated.renamed("url", "destination", "CopyResult")
 
 
 def copy_checkpoint(

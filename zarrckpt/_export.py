@@ -29,7 +29,7 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
-from . import _concurrency, _options, _progress, _storage
+from . import _concurrency, _deprecated, _options, _progress, _storage
 from ._format import dtypes as _dtypes, naming as _naming, safetensors as _safetensors_format
 from ._restore import checkpoint as _reader
 
@@ -44,16 +44,21 @@ _WIDER: dict[str, np.dtype] = {"f": np.dtype(np.float32), "i": np.dtype(np.int8)
 
 @dataclasses.dataclass(frozen=True)
 class ExportResult:
-    """What `export_checkpoint` wrote. `widened` maps each array name whose dtype the
-    format lacks to (stored dtype, exported dtype); `skipped` maps each leaf left out
-    (no array of numbers) to why."""
+    """What `export_checkpoint` wrote: the file (a sharded set's index) at `url`, its
+    format, the leaves written and their bytes. `widened` maps each array name whose
+    dtype the format lacks to (stored dtype, exported dtype); `skipped` maps each leaf
+    left out (no array of numbers) to why. (`path` and `arrays`, the names of `url` and
+    `leaves` before, still work, with a DeprecationWarning.)"""
 
-    path: str
+    url: str
     format: str
-    arrays: int
+    leaves: int
     nbytes: int
     widened: dict[str, tuple[str, str]]
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    path = _deprecated.renamed("url", "path", "ExportResult")
+    arrays = _deprecated.renamed("leaves", "arrays", "ExportResult")
 
 
 def format_of(path: str) -> str:

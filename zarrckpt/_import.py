@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Any
 
 import jax
 
-from . import _lease, _multihost, _options, _progress, _retention, _storage
+from . import _deprecated, _lease, _multihost, _options, _progress, _retention, _storage
 from ._format import naming as _naming, safetensors as _safetensors_format, tree as _tree
 from ._options import SaveOptions
 from ._regions import Region
@@ -124,14 +123,8 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
     if _multihost.process_count() > 1:
         raise ValueError("import_checkpoint runs in a job of one process (it reads the whole source itself); "
                          "run `zarrckpt import` before the job starts")
-    dst_option = "dst_storage_options"
-    if storage_options is not None:
-        if dst_storage_options is not None:
-            raise TypeError("import_checkpoint takes dst_storage_options, or storage_options (its old name), "
-                            "not both")
-        warnings.warn("import_checkpoint(storage_options=...) is now dst_storage_options=..., as "
-                      "copy_checkpoint names it", DeprecationWarning, stacklevel=2)
-        dst_storage_options, dst_option = storage_options, "storage_options"
+    dst_storage_options, dst_option = _deprecated.argument("import_checkpoint", "dst_storage_options",
+                                                           dst_storage_options, "storage_options", storage_options)
     options = SaveOptions(overwrite=overwrite, max_inflight_bytes=max_inflight_bytes, progress=progress)
     folder, file = locate(src, src_storage_options, option="src_storage_options")
     source = folder.child(file) if file is not None else folder

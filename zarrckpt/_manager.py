@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from . import (
+    _deprecated,
     _finite,
     _lease,
     _multihost,
@@ -34,7 +35,7 @@ from . import (
 
 log = logging.getLogger("zarrckpt")
 
-DEFAULT_MAX_STAGED_BYTES = 8 * 2**30
+DEFAULT_MAX_INFLIGHT_BYTES = 8 * 2**30  # a manager's: a training state is staged whole where it fits
 _NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}  # JSON has no such numbers
 
 
@@ -69,8 +70,10 @@ class CheckpointManager:
       async_save: `save` returns once the state's copies to host memory are dispatched
         (pinned host memory where the devices have it); writing and committing continue
         on a background thread (at most one save in flight).
-      max_staged_bytes: bound on host memory holding staged snapshots; a larger state
-        makes `save` wait for writes to drain before it has copied everything.
+      max_inflight_bytes: bound on host memory holding a save's copies off the devices
+        that are not yet written (default 8 GiB); a larger state makes `save` wait for
+        writes to drain before it has copied everything. `max_staged_bytes`, its name
+        before, still works, with a DeprecationWarning.
       save_on_preemption: save at a preemption notice (JAX's preemption sync point; in
         a job of one process, SIGTERM), and say so by `reached_preemption`.
       heartbeat_s: how often process 0 renews its lease on the directory; a second
@@ -83,7 +86,8 @@ class CheckpointManager:
         local copies can rebuild when it is newer than the newest persistent step (see
         README, "Two tiers"). It must be this user's alone (made with mode 0700 if
         missing): one another user owns or can write is refused
-        (CheckpointLocationError), as is a second live job of the same run on it. A local
+        (CheckpointLocationError), as is a second live job of the same run on it
+        (DirectoryInUseError, as for the checkpoint directory). A local
         save that would not fit, or that fails, is skipped with a warning (a half-written
         copy is deleted): training and the persistent tier go on. A copy that fails any
         check while restoring is set aside with a warning, and the restore goes on to a
@@ -120,7 +124,7 @@ class CheckpointManager:
         best_metric: str | None = None,
         best_mode: str = "min",
         async_save: bool = True,
-        max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES,
+        max_inflight_bytes: int | None = None,
         save_on_preemption: bool = True,
         heartbeat_s: float = _lease.DEFAULT_HEARTBEAT_S,
         progress: bool | None = None,
@@ -135,21 +139,25 @@ class CheckpointManager:
         local_keep_last: int = 1,
         local_peer_copies: int = 0,
         local_peer_group: str | None = None,
+        max_staged_bytes: int | None = None,
     ) -> None:
+        inflight, inflight_option = _deprecated.argument("CheckpointManager", "max_inflight_bytes", max_inflight_bytes,
+                                                         "max_staged_bytes", max_staged_bytes)
         for name, value, kind in (("save_interval_steps", save_interval_steps, _options.COUNT + "?"),
                                   ("local_save_interval_steps", local_save_interval_steps, _options.COUNT + "?"),
                                   ("local_keep_last", local_keep_last, _options.COUNT),
                                   ("local_peer_copies", local_peer_copies, _options.COUNT_OR_ZERO),
                                   ("save_interval_seconds", save_interval_seconds, _options.NUMBER + "?"),
                                   ("async_save", async_save, _options.FLAG),
-                                  ("max_staged_bytes", max_staged_bytes, _options.COUNT),
+                                  (inflight_option, inflight, _options.COUNT + "?"),
                                   ("save_on_preemption", save_on_preemption, _options.FLAG),
                                   ("heartbeat_s", heartbeat_s, _options.NUMBER)):
             _options.check(name, value, kind)
+        inflight = DEFAULT_MAX_INFLIGHT_BYTES if inflight is None else inflight
         self._policy = _retention.Policy(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
                                          best_metric=best_metric, best_mode=best_mode)
         self._save_options = _options.SaveOptions(max_chunk_bytes=max_chunk_bytes, min_chunk_bytes=min_chunk_bytes,
-                                                  max_inflight_bytes=max_staged_bytes,
+                                                  max_inflight_bytes=inflight,
                                                   max_workers=max_workers, timeout_s=timeout_s, progress=progress,
                                                   checksums=checksums)
         self._root = _storage.resolve(checkpoint_dir, storage_options)

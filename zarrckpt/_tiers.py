@@ -105,7 +105,7 @@ class LocalTier:
         try:
             self._lease.claim()
         except DirectoryInUseError as e:
-            raise CheckpointLocationError(
+            raise DirectoryInUseError(
                 f"local_directory {self.directory.url} holds the copies of a live job of the same run ({e}); give "
                 "each job its own local_directory") from None
         others = sorted(e.name for e in self.directory.list_dir()

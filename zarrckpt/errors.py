@@ -44,5 +44,7 @@ class CheckpointLocationError(CheckpointError, ValueError):
     is and what to pass instead."""
 
 
-class DirectoryInUseError(CheckpointError):
-    """Another live CheckpointManager holds the checkpoint directory."""
+class DirectoryInUseError(CheckpointLocationError):
+    """Another live job holds the directory: another CheckpointManager (or import) the
+    checkpoint directory, or a job of the same run the `local_directory`. Names the
+    holder."""

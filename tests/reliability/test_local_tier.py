@@ -179,6 +179,8 @@ def test_a_second_live_job_of_the_same_run_is_refused(tmp_path: Path) -> None:
         assert holder.stdout.readline().strip() == "open"
         with pytest.raises(zarrckpt.CheckpointLocationError, match="holds the copies of a live job of the same run"):
             zarrckpt.CheckpointManager(str(tmp_path / "fork"), **tiers)
+        with pytest.raises(zarrckpt.DirectoryInUseError):  # "in use" is one error, whichever directory
+            zarrckpt.CheckpointManager(str(tmp_path / "fork"), **tiers)
     finally:
         holder.kill()
         holder.wait()
