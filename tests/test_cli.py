@@ -398,8 +398,8 @@ def test_export_writes_back_the_imported_metadata_and_a_sharded_set_with_its_ind
     # fits in one file is that one file.
     zarrckpt.save_pytree(str(tmp_path / "plain"), {"w": np.ones(3, np.float32)})
     one = zarrckpt.export_checkpoint(str(tmp_path / "plain"), str(out / "plain.safetensors"), max_shard_bytes=40000)
-    assert one.path == str(out / "plain.safetensors")
-    with safetensors.safe_open(one.path, "np") as f:
+    assert one.url == str(out / "plain.safetensors")
+    with safetensors.safe_open(one.url, "np") as f:
         assert f.metadata() == {"format": "pt"}
     with pytest.raises(FileExistsError, match="model-00001-of-00003.safetensors already exists"):
         zarrckpt.export_checkpoint(str(tmp_path / "ckpt"), str(out / "model.safetensors"), max_shard_bytes=40000)
@@ -439,7 +439,7 @@ def test_export_select_writes_a_subtree_named_inside_it_and_leaves_out_text(tmp_
                       ("data", "a per-process value, not an array")):
         assert f"  {name}: left out ({why})" in whole.stdout, whole.stdout
     result = zarrckpt.export_checkpoint(url, str(tmp_path / "w.npz"), select="params.encoder.w")
-    assert (result.arrays, result.skipped) == (1, {})
+    assert (result.leaves, result.skipped) == (1, {})
     with np.load(tmp_path / "w.npz") as arrays:
         assert arrays.files == ["w"]
     missing = run("export", url, str(tmp_path / "x.npz"), "--select", "parms")

@@ -108,7 +108,7 @@ def test_export_never_writes_through_a_planted_partial_link(tmp_path: Path, out:
     (tmp_path / f"{out}.partial").symlink_to(victim)  # the name the export used to write aside to
     result = zarrckpt._export.export_checkpoint(str(tmp_path / "run" / "0000000001"), str(tmp_path / out))
     assert victim.read_bytes() == b"someone's file"
-    assert result.arrays == 2 and (tmp_path / out).is_file() and not (tmp_path / out).is_symlink()
+    assert result.leaves == 2 and (tmp_path / out).is_file() and not (tmp_path / out).is_symlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run", "victim", out, f"{out}.partial"])
 
 

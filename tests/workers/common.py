@@ -4,6 +4,7 @@ worker leaves a job that may be broken (`exit_job`)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -137,3 +138,21 @@ def check_shards(tree: dict, shapes: dict) -> int:
                 raise AssertionError(f"leaf {name} differs")
             checked += 1
     return checked
+
+
+class Said(logging.Handler):
+    """zarrckpt's log lines (INFO and up) on this process, from when it is made."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        logging.getLogger("zarrckpt").addHandler(self)
+        logging.getLogger("zarrckpt").setLevel(logging.INFO)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def restore_target(state: dict) -> dict:
+    """A restore target for `state`: its arrays' shardings, its other leaves as they are."""
+    return jax.tree_util.tree_map(lambda x: x.sharding if isinstance(x, jax.Array) else x, state)

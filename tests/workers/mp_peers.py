@@ -12,9 +12,7 @@ process has its own local directory, `<LOCAL>/host<i>` (its own disk).
 
 from __future__ import annotations
 
-import logging
-
-from common import expected, init, report
+from common import Said, expected, init, report, restore_target
 
 args = init()
 
@@ -67,15 +65,6 @@ def manager(persistent: str, local: str) -> zarrckpt.CheckpointManager:
                                       local_peer_copies=1, timeout_s=60)
 
 
-class Said(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def save(pairs: list[str]) -> None:
     for pair in pairs:
         with manager(*pair.split(":")) as mgr:
@@ -87,9 +76,7 @@ def save(pairs: list[str]) -> None:
 
 def restore(pairs: list[str]) -> None:
     said = Said()
-    logging.getLogger("zarrckpt").addHandler(said)
-    logging.getLogger("zarrckpt").setLevel(logging.INFO)
-    target = jax.tree_util.tree_map(lambda x: x.sharding if isinstance(x, jax.Array) else x, state_at(0))
+    target = restore_target(state_at(0))
     results = []
     for pair in pairs:
         said.lines.clear()

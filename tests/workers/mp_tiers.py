@@ -16,12 +16,11 @@ data-parallel replica of the same shards, 1 and 3 the other's):
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import time
 
-from common import exit_job, expected, init, report
+from common import Said, exit_job, expected, init, report, restore_target
 
 args = init()
 
@@ -81,23 +80,8 @@ def checked(state: dict, step: int) -> int:
     return count
 
 
-class Said(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-def target() -> dict:
-    return jax.tree_util.tree_map(lambda x: x.sharding if isinstance(x, jax.Array) else x, state_at(0))
-
-
 def restore(pairs: list[str]) -> None:
     said = Said()
-    logging.getLogger("zarrckpt").addHandler(said)
-    logging.getLogger("zarrckpt").setLevel(logging.INFO)
     results = []
     for pair in pairs:
         persistent, local = pair.split(":")
@@ -109,7 +93,7 @@ def restore(pairs: list[str]) -> None:
             continue
         with mgr:
             started = time.monotonic()
-            state, step = mgr.restore(target())
+            state, step = mgr.restore(restore_target(state_at(0)))
             seconds = time.monotonic() - started
             results.append({"step": step, "tier": mgr.restored_tier, "checked": checked(state, step),
                             "seconds": seconds, "said": list(said.lines)})
@@ -119,7 +103,7 @@ def restore(pairs: list[str]) -> None:
 
 def die(persistent: str, local: str, last: str, victim: str) -> None:
     with manager(persistent, local, timeout_s=10) as mgr:
-        state, step = mgr.restore(target())
+        state, step = mgr.restore(restore_target(state_at(0)))
         checked(state, step)
         if jax.process_index() == int(victim):
             write = protocol._write_one
