@@ -378,3 +378,29 @@ def test_the_destinations_storage_options_are_dst_storage_options_and_the_old_na
         zarrckpt.import_checkpoint(src, "memory://imported/both", storage_options={}, dst_storage_options={})
     with pytest.raises(ValueError, match="dst_storage_options"):
         zarrckpt.import_checkpoint(src, str(tmp_path / "local"), dst_storage_options={"anon": True})
+
+
+@pytest.mark.parametrize("change", ["cut", "removed"])
+def test_a_source_damaged_while_it_is_imported_is_the_sources_error_not_a_write_error(tmp_path, monkeypatch, change):
+    """A safetensors file cut short or removed after its header was checked, while its
+    tensors are written: the import raises the damage the source read met
+    (CheckpointCorruptError naming the file), not a write error, and commits nothing."""
+    from zarrckpt import _import
+
+    src = tmp_path / "model.safetensors"
+    safetensors.numpy.save_file({"a": np.ones(64, np.float32), "b": np.ones(2**16, np.float32)}, str(src))
+    checked = _import._check_claims
+
+    def then_damaged(*args, **kwargs):  # every check has passed: the writers read next
+        checked(*args, **kwargs)
+        if change == "cut":
+            src.write_bytes(src.read_bytes()[:-1000])
+        else:
+            src.unlink()
+
+    monkeypatch.setattr(_import, "_check_claims", then_damaged)
+    with pytest.raises(zarrckpt.CheckpointCorruptError, match="model.safetensors") as info:
+        zarrckpt.import_checkpoint(str(src), str(tmp_path / "imported"))
+    assert not isinstance(info.value, zarrckpt.CheckpointWriteError)
+    with pytest.raises(zarrckpt.CheckpointNotFoundError):  # nothing committed there
+        zarrckpt.load_pytree(str(tmp_path / "imported"))

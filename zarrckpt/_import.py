@@ -138,14 +138,14 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
     extra: dict[str, Any] | None = None
     if found is not None:
         opened = _orbax.open_step(source, found, step)
-        format, tree, step, skipped = "orbax", _marked(opened.tree), opened.step, opened.skipped
+        format, tree, step, skipped = "orbax", opened.tree, opened.step, opened.skipped
     else:
         try:
             ckpt = open_safetensors(folder, file)
         except CheckpointNotFoundError as e:
             raise CheckpointNotFoundError(f"{source.url} is neither an Orbax checkpoint nor a safetensors file or "
                                           f"set: {e}") from None
-        format, tree, skipped = "safetensors", _marked(_deferred_tree(ckpt)), {}
+        format, tree, skipped = "safetensors", _deferred_tree(ckpt), {}
         # Kept for an export to write back: transformers loads no file without its "format".
         if metadata := ckpt.meta.get(_safetensors_format.METADATA_KEY):
             extra = {_safetensors_format.METADATA_KEY: metadata}
@@ -156,15 +156,15 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
         loc = loc.step(step)
     _check_claims(tree, source.url, loc, options.max_inflight_bytes)
     _lease.refuse_if_held(loc, "zarrckpt import")
+    failed: list[Exception] = []  # what reading the source raised, as the writers met it
     try:
-        job = _save.save(loc, tree, options, extra_metadata=extra)
-    except CheckpointWriteError as e:
-        failed = next((c for c in _causes(e) if isinstance(c, _SourceFailed)), None)
-        if failed is None:
+        job = _save.save(loc, _recording(tree, failed), options, extra_metadata=extra)
+    except CheckpointWriteError:
+        if not failed:
             raise
         # Reading the source failed, not writing: its error is what the caller hears.
-        kind = CheckpointCorruptError if isinstance(failed.__cause__, CheckpointCorruptError) else OSError
-        raise kind(f"{failed.__cause__}; nothing was committed at {loc.url}") from failed.__cause__
+        kind = CheckpointCorruptError if isinstance(failed[0], CheckpointCorruptError) else OSError
+        raise kind(f"{failed[0]}; nothing was committed at {loc.url}") from failed[0]
     pinned = step is not None and format == "safetensors"  # a fine-tune's base weights, not a run's step
     if pinned:
         loc.write(_retention.PIN_FILE, b"", durable=True)
@@ -201,28 +201,17 @@ def _deferred_tree(ckpt: _reader.Checkpoint) -> Any:
     return _tree.rebuild(ckpt.spec, deferred)
 
 
-class _SourceFailed(Exception):
-    """A read of the source failed (its error is the cause): the save that meets it on
-    its way up reports a write error, which the import turns back into this one."""
-
-
-def _marked(tree: Any) -> Any:
-    """`tree`, each deferred leaf's reads raising `_SourceFailed` from their errors."""
-    def marked(read: Any) -> Any:
+def _recording(tree: Any, failed: list[Exception]) -> Any:
+    """`tree`, each deferred leaf's read errors also put in `failed`: the save that
+    meets one reports a write error, which the import turns back into the source's."""
+    def recorded(read: Any) -> Any:
         def attempt(box: Region) -> Any:
             try:
                 return read(box)
             except Exception as e:
-                raise _SourceFailed(str(e)) from e
+                failed.append(e)
+                raise
         return attempt
 
-    return jax.tree.map(lambda leaf: dataclasses.replace(leaf, read=marked(leaf.read))
+    return jax.tree.map(lambda leaf: dataclasses.replace(leaf, read=recorded(leaf.read))
                         if isinstance(leaf, _tree.Deferred) else leaf, tree)
-
-
-def _causes(error: BaseException) -> list[BaseException]:
-    found: list[BaseException] = []
-    while error.__cause__ is not None and len(found) < 10:
-        error = error.__cause__
-        found.append(error)
-    return found
