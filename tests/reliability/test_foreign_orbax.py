@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -193,3 +195,35 @@ def test_a_special_file_in_an_item_is_refused_before_tensorstore_opens_it(tmp_pa
     assert isinstance(error, zarrckpt.CheckpointCorruptError) and "Orbax checkpoint holds only regular files" in \
         str(error), error
     assert not (tmp_path / "dst").exists()
+
+
+def test_a_tensorstore_request_that_never_answers_is_abandoned_at_the_stores_deadline():
+    """TensorStore reads an Orbax source on an object store: a request of its that never
+    answers is given up (cancelled) at the deadline every request to that store has
+    (request_timeout_s, plus a second per MiB moved), as a TimeoutError (an OSError)
+    naming what was read, instead of holding the import forever."""
+    import tensorstore as ts
+
+    from zarrckpt._restore import orbax as _orbax
+
+    remote = zarrckpt._storage.resolve("memory://orbax-source", {"request_timeout_s": 0.3})
+    _, never = ts.Promise.new()
+    raised: list[BaseException] = []
+
+    def wait() -> None:  # in a thread: without a deadline, the test fails instead of hanging
+        try:
+            _orbax._answer(never, remote, "reading array w of the Orbax checkpoint memory://orbax-source", nbytes=2**19)
+        except BaseException as e:
+            raised.append(e)
+
+    started = time.monotonic()
+    waiting = threading.Thread(target=wait, daemon=True)
+    waiting.start()
+    waiting.join(30)
+    assert not waiting.is_alive(), "a request that never answers was waited for past its deadline"
+    assert 0.8 <= time.monotonic() - started  # 0.3 s, and 0.5 s for half a MiB
+    assert isinstance(raised[0], TimeoutError) and "reading array w of the Orbax checkpoint" in str(raised[0])
+    assert never.cancelled()
+    promise, answered = ts.Promise.new()
+    promise.set_result(7)
+    assert _orbax._answer(answered, remote, "listing") == 7

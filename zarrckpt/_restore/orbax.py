@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import _progress
 from .._format import chunks as _chunks, tree as _tree, zarrjson as _zarrjson
-from .._regions import Region, region_slices
+from .._regions import Region, region_shape, region_slices
 from .._storage import Location
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, UnsupportedLeafError
 from . import checkpoint as _reader
@@ -167,18 +167,12 @@ def _item_tree(item: Location, prefix: str) -> Any:
                               "kvstore": {"driver": "ocdbt", "base": base, "path": name} if ocdbt
                               else {**base, "path": f"{base['path']}{name}/"}}, read=True, open=True, context=context)
                for name in arrays}
-    opened = {}
-    for name, future in opening.items():
-        try:
-            opened[name] = future.result()
-        except Exception as e:  # TensorStore's own error kinds (see `_read_error`)
-            raise _read_error(e, f"opening array {prefix}{name} of the Orbax checkpoint {item.url}") from None
+    opened = {name: _answer(future, item, f"opening array {prefix}{name} of the Orbax checkpoint {item.url}")
+              for name, future in opening.items()}
     if ocdbt:
-        try:
-            keys = sorted(k.decode("utf-8", "replace") for k in
-                          ts.KvStore.open({"driver": "ocdbt", "base": base}, context=context).result().list().result())
-        except Exception as e:  # TensorStore's own error kinds (see `_read_error`)
-            raise _read_error(e, f"listing the arrays of the Orbax checkpoint {item.url}") from None
+        listing = f"listing the arrays of the Orbax checkpoint {item.url}"
+        kvstore = _answer(ts.KvStore.open({"driver": "ocdbt", "base": base}, context=context), item, listing)
+        keys = sorted(k.decode("utf-8", "replace") for k in _answer(kvstore.list(), item, listing))
     else:
         keys = sorted(files)
     _check_claims(opened, keys, sparse, sum(files.values()), prefix, item.url)
@@ -194,7 +188,7 @@ def _item_tree(item: Location, prefix: str) -> Any:
                 raise CheckpointCorruptError(f"{item.child('_strings.json').url} lacks the str leaf {prefix}{name}")
         elif name in opened:
             impl = impls.get(name)
-            leaf = _deferred(opened[name], kind, impl, f"{prefix}{name}")
+            leaf = _deferred(opened[name], kind, impl, f"{prefix}{name}", item)
             if impl is not None and (problem := _reader.key_data_problem(impl, leaf.shape, leaf.dtype)) is not None:
                 raise CheckpointCorruptError(f"{item.child('array_metadatas/process_0').url} says array "
                                              f"{prefix}{name} holds PRNG keys, but {problem}")
@@ -205,14 +199,12 @@ def _item_tree(item: Location, prefix: str) -> Any:
     return _sequences(built, metadata)
 
 
-def _deferred(array: Any, value_type: str, prng_impl: str | None, shown: str) -> _tree.Deferred:
+def _deferred(array: Any, value_type: str, prng_impl: str | None, shown: str, item: Location) -> _tree.Deferred:
     dtype = np.dtype(array.dtype.numpy_dtype)
 
     def read(box: Region) -> np.ndarray:
-        try:
-            return np.asarray(array[region_slices(box)].read().result())
-        except Exception as e:  # TensorStore's own error kinds (see `_read_error`)
-            raise _read_error(e, f"reading array {shown} of an Orbax checkpoint") from None
+        return np.asarray(_answer(array[region_slices(box)].read(), item, f"reading array {shown} of the Orbax "
+                                  f"checkpoint {item.url}", math.prod(region_shape(box)) * dtype.itemsize))
 
     if value_type == "scalar" and array.shape == ():
         # Orbax keeps no difference between 3 and np.int64(3): a Python scalar's dtype is
@@ -226,6 +218,22 @@ def _deferred(array: Any, value_type: str, prng_impl: str | None, shown: str) ->
     chunks = array.chunk_layout.read_chunk.shape
     return _tree.Deferred(tuple(array.shape), dtype, read, kind, prng_impl,
                           tuple(min(c, n) for c, n in zip(chunks, array.shape)) if chunks is not None else None)
+
+
+def _answer(future: Any, item: Location, what: str, nbytes: int = 0) -> Any:
+    """What TensorStore's `future` (a request about `item`, moving about `nbytes`) comes
+    to, or its error as zarrckpt's (see `_read_error`). On an object store it is
+    abandoned (cancelled) at the deadline any request there has (`Guarded.deadline`,
+    storage option request_timeout_s), as TimeoutError, an OSError; TensorStore retries
+    inside it. A local disk's requests have none, as in `_storage.local`."""
+    timeout = None if item.is_local else item.guard.deadline(nbytes)
+    try:
+        return future.result(timeout=timeout)
+    except TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"{what}: no answer in {timeout:.0f} s (storage option request_timeout_s)") from None
+    except Exception as e:  # TensorStore's own error kinds
+        raise _read_error(e, what) from None
 
 
 def _read_error(e: Exception, what: str) -> Exception:

@@ -169,7 +169,7 @@ class Guarded:
     def call(self, action: str, where: str, fn: Callable[..., _T], *args: Any, nbytes: int = 0, **kwargs: Any) -> _T:
         """`fn(*args, timeout=..., **kwargs)`, one request about `where` (a URL, for
         messages) moving about `nbytes`, as the module's docstring says."""
-        timeout = self.request_timeout_s + _SECONDS_PER_MIB * nbytes / 2**20
+        timeout = self.deadline(nbytes)
         timeouts = 0
         for attempt in range(RETRIES + 1):
             if _concurrency.aborted():
@@ -196,6 +196,10 @@ class Guarded:
             raise error
         finally:
             del error
+
+    def deadline(self, nbytes: int = 0) -> float:
+        """How long one request moving about `nbytes` may take before it is abandoned."""
+        return self.request_timeout_s + _SECONDS_PER_MIB * nbytes / 2**20
 
     def _error(self, e: Exception, failure: Failure, action: str, where: str, retries: int,
                timeout: float) -> OSError:
