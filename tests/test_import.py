@@ -5,6 +5,7 @@ are refused naming what is wrong."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import tracemalloc
@@ -404,3 +405,40 @@ def test_a_source_damaged_while_it_is_imported_is_the_sources_error_not_a_write_
     assert not isinstance(info.value, zarrckpt.CheckpointWriteError)
     with pytest.raises(zarrckpt.CheckpointNotFoundError):  # nothing committed there
         zarrckpt.load_pytree(str(tmp_path / "imported"))
+
+
+def test_a_write_that_fails_while_the_source_is_read_is_the_imports_error(s3_server, monkeypatch):
+    """The destination refuses a chunk (a 403 on its first PUT) while other writers'
+    reads of the source are waiting to try again after a 503: those reads stop because
+    the import already failed, which is no fault of the source; the import raises the
+    write error, nothing committed."""
+    from fault_proxy import Answer, FaultProxy
+
+    monkeypatch.setattr(zarrckpt._storage.guard, "_FIRST_BACKOFF_S", 0.001)  # the order is tested, not the pace
+    monkeypatch.setattr(zarrckpt._storage.guard, "_FIRST_THROTTLED_BACKOFF_S", 0.05)
+    proxy = FaultProxy(s3_server.endpoint, "s3")
+    try:
+        bucket = s3_server.new_bucket()
+        options = {**s3_server.options(), "endpoint_url": proxy.endpoint}
+        src = f"s3://{bucket}/model.safetensors"
+        with fsspec.open(src, "wb", **s3_server.options()) as f:
+            f.write(safetensors.numpy.save({f"t{i}": np.full(2**14, i, np.float32) for i in range(32)}))
+        refused: list[str] = []  # the first chunk written, refused at every try
+        reads = itertools.count()
+
+        def fault(kind, method, target, body):
+            if kind == "ranged" and "model.safetensors" in target and next(reads) % 2:
+                return Answer(503)  # every other source read: tried again after a wait, then answered
+            if kind == "write" and "/imported/" in target and "zarr.json" not in target:
+                refused[:] = refused or [target]
+                return Answer(403) if target == refused[0] else None
+            return None
+
+        proxy.fault = fault
+        with pytest.raises(zarrckpt.CheckpointWriteError, match="403|denied"):
+            zarrckpt.import_checkpoint(src, f"s3://{bucket}/imported", src_storage_options=options,
+                                       dst_storage_options=options, max_inflight_bytes=2**16)
+        with pytest.raises(zarrckpt.CheckpointNotFoundError):
+            zarrckpt.load_pytree(f"s3://{bucket}/imported", storage_options=s3_server.options())
+    finally:
+        proxy.stop()

@@ -9,6 +9,7 @@ import logging
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import multiprocess
@@ -158,6 +159,31 @@ def test_one_process_restores_the_newer_tier(tmp_path: Path) -> None:
     assert listed[0].split()[:5] == ["run", "process", "peers", "step", "state"]
     assert [line.split()[:5] for line in listed[1:]] == [[run, "0", "-", "6", "committed"],
                                                          [run, "0", "-", "9", "committed"]]
+
+
+def test_a_second_job_of_several_processes_on_a_live_jobs_local_directory_is_refused_as_in_use(
+        tmp_path: Path) -> None:
+    """Two processes of a job hold a local directory; a second job of two processes of
+    the same run (its persistent directory copied) on it is refused on both processes
+    with DirectoryInUseError, as a second manager on a checkpoint directory is, and
+    restores nothing."""
+    persistent, local = tmp_path / "run", tmp_path / "local"
+    multiprocess.run("mp_tiers", "save", f"{persistent}:{local}", processes=2, devices=4, timeout=300)
+    shutil.copytree(persistent, tmp_path / "fork")  # the same run identity
+    holders = multiprocess.launch("mp_tiers", "hold", str(persistent), str(local), processes=2, devices=4)
+    try:
+        deadline = time.monotonic() + 120
+        while not all("open" in multiprocess.said(p) for p in holders):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in holders), "the holders did not open"
+            time.sleep(0.1)
+        results = multiprocess.run("mp_tiers", "restore", f"{tmp_path / 'fork'}:{local}", processes=2, devices=4)
+    finally:
+        for p in holders:
+            p.kill()
+            p.wait()
+    for result in results:
+        (refused,) = result["results"]
+        assert refused["kind"] == "DirectoryInUseError" and str(local) in refused["refused"], refused
 
 
 def test_a_step_deleted_by_hand_never_comes_back_from_the_local_tier(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from . import _deprecated, _lease, _multihost, _options, _progress, _retention, _storage
+from . import _concurrency, _deprecated, _lease, _multihost, _options, _progress, _retention, _storage
 from ._format import naming as _naming, safetensors as _safetensors_format, tree as _tree
 from ._options import SaveOptions
 from ._regions import Region
@@ -209,7 +209,8 @@ def _recording(tree: Any, failed: list[Exception]) -> Any:
             try:
                 return read(box)
             except Exception as e:
-                failed.append(e)
+                if not _concurrency.aborted():  # a read that fails once the save has failed is not why it did
+                    failed.append(e)
                 raise
         return attempt
 

@@ -224,19 +224,20 @@ class Agreement:
             self._waited += time.monotonic() - started
 
     def _raise(self, failures: dict[int, dict[str, str]], mine: BaseException | None) -> None:
-        if len(failures) == 1:
-            ((_, only),) = failures.items()
-            kind = getattr(errors, only["type"], None)
-            if isinstance(kind, type) and issubclass(kind, CheckpointError) and kind is not errors.CheckpointWriteError:
-                # A refusal (CheckpointExistsError, DirectoryInUseError...) keeps its type everywhere.
-                if mine is not None:
-                    raise mine
-                raise kind(only["message"])
+        lines = "\n".join(f"  process {pid}: {failure['message']}" for pid, failure in sorted(failures.items()))
+        kinds = {getattr(errors, failure["type"], None) for failure in failures.values()}
+        kind = kinds.pop() if len(kinds) == 1 else None
+        if isinstance(kind, type) and issubclass(kind, CheckpointError) and kind is not errors.CheckpointWriteError:
+            # A refusal (CheckpointExistsError, DirectoryInUseError...) keeps its type everywhere,
+            # whether one process met it or every one did.
+            if len(failures) == 1 and mine is not None:
+                raise mine
+            raise kind(next(iter(failures.values()))["message"] if len(failures) == 1 else
+                       f"{self._what} refused on {len(failures)} of {process_count()} processes:\n{lines}")
         note = f"; {self._note}" if self._note else ""
         if process_count() == 1:
             ((_, only),) = failures.items()
             raise self._error(f"{self._what} failed{note}: {only['message']}") from mine
-        lines = "\n".join(f"  process {pid}: {failure['message']}" for pid, failure in sorted(failures.items()))
         raise self._error(f"{self._what} failed on {len(failures)} of {process_count()} processes{note}:\n"
                           f"{lines}") from mine
 

@@ -23,7 +23,7 @@ Restoring, one agreement: each process lists its committed copies and what they 
 chunk missing, cut short or anything else wrong is set aside, with a warning); newest
 first, the local steps newer than the newest committed persistent step are tried
 (`_restore.from_copies`), a step's damaged copies set aside (deleted) and the same step
-tried again without them, then the next candidate, then the persistent tier.
+tried again without them, then the next candidate (then the manager's persistent tier).
 """
 
 from __future__ import annotations

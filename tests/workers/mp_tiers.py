@@ -9,6 +9,8 @@ data-parallel replica of the same shards, 1 and 3 the other's):
                                             seconds it took reported) and saves the
                                             next step to the persistent tier (all
                                             processes train on together)
+    hold PERSISTENT LOCAL                   opens a manager, says "open", and holds it
+                                            until killed
     die PERSISTENT LOCAL STEP PROCESS       restores, trains on to STEP, and PROCESS
                                             (not 0, which hosts the coordination service)
                                             dies (SIGKILL) in the middle of its local save
@@ -20,7 +22,7 @@ import os
 import signal
 import time
 
-from common import Said, exit_job, expected, init, report, restore_target
+from common import Said, exit_job, expected, init, report, restore_target, say
 
 args = init()
 
@@ -89,7 +91,7 @@ def restore(pairs: list[str]) -> None:
         try:  # a process left waiting for the others would fail in a minute, not hang
             mgr = manager(persistent, local, timeout_s=60)
         except zarrckpt.CheckpointLocationError as e:  # raised on every process alike
-            results.append({"refused": str(e)})
+            results.append({"refused": str(e), "kind": type(e).__name__})
             continue
         with mgr:
             started = time.monotonic()
@@ -99,6 +101,13 @@ def restore(pairs: list[str]) -> None:
                             "seconds": seconds, "said": list(said.lines)})
             mgr.save(step + 1, state_at(step + 1), force=True)
     report(results=results)
+
+
+def hold(persistent: str, local: str) -> None:
+    mgr = manager(persistent, local, heartbeat_s=0.2)
+    say("open")
+    time.sleep(300)
+    mgr.close()
 
 
 def die(persistent: str, local: str, last: str, victim: str) -> None:
@@ -130,4 +139,5 @@ def save(pairs: list[str]) -> None:
 
 
 mode, *rest = args
-{"save": lambda: save(rest), "restore": lambda: restore(rest), "die": lambda: die(*rest)}[mode]()
+{"save": lambda: save(rest), "restore": lambda: restore(rest), "hold": lambda: hold(*rest),
+ "die": lambda: die(*rest)}[mode]()

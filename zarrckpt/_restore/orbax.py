@@ -221,15 +221,18 @@ def _deferred(array: Any, value_type: str, prng_impl: str | None, shown: str, it
 
 
 def _answer(future: Any, item: Location, what: str, nbytes: int = 0) -> Any:
-    """What TensorStore's `future` (a request about `item`, moving about `nbytes`) comes
+    """What TensorStore's `future` (an operation on `item`, moving about `nbytes`) comes
     to, or its error as zarrckpt's (see `_read_error`). On an object store it is
-    abandoned (cancelled) at the deadline any request there has (`Guarded.deadline`,
-    storage option request_timeout_s), as TimeoutError, an OSError; TensorStore retries
-    inside it. A local disk's requests have none, as in `_storage.local`."""
-    timeout = None if item.is_local else item.guard.deadline(nbytes)
+    abandoned (cancelled) after the time any request there may take with all its
+    retries (`Guarded.patience`), since TensorStore makes its requests and retries them
+    inside it, as TimeoutError, an OSError. A local disk's have no deadline, as in
+    `_storage.local`."""
+    timeout = None if item.is_local else item.guard.patience(nbytes)
     try:
         return future.result(timeout=timeout)
-    except TimeoutError:
+    except TimeoutError as e:
+        if timeout is None or future.done():  # TensorStore's own deadline error, not ours
+            raise _read_error(e, what) from None
         future.cancel()
         raise TimeoutError(f"{what}: no answer in {timeout:.0f} s (storage option request_timeout_s)") from None
     except Exception as e:  # TensorStore's own error kinds

@@ -201,6 +201,11 @@ class Guarded:
         """How long one request moving about `nbytes` may take before it is abandoned."""
         return self.request_timeout_s + _SECONDS_PER_MIB * nbytes / 2**20
 
+    def patience(self, nbytes: int = 0) -> float:
+        """How long `call` may take in all for such a request: every try to its deadline,
+        and the longest waits between them."""
+        return (RETRIES + 1) * self.deadline(nbytes) + RETRIES * _MAX_BACKOFF_S
+
     def _error(self, e: Exception, failure: Failure, action: str, where: str, retries: int,
                timeout: float) -> OSError:
         if isinstance(e, NotAFile):
