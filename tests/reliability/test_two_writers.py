@@ -174,3 +174,35 @@ def test_a_disk_without_hard_links_still_takes_the_lease_only_once(tmp_path, mon
     with pytest.raises(FileExistsError):
         root.create(_lease.lease_key(1), b"{}")  # there: refused, not replaced
     assert json.loads(lease_file(tmp_path).read_text())["released"]
+
+
+def test_a_listing_while_files_come_and_go_beside_it_still_shows_the_files_that_stay(tmp_path):
+    """A local directory where other files are created and removed all the time (a
+    lease renewed every heartbeat writes a file aside and renames it over): a file
+    removed between the listing and its stat is left out, and the listing still holds
+    every file that stays. Before, the vanished file made the whole listing read as a
+    missing directory, empty: a claimant then saw no lease and took one beside a live
+    holder's."""
+    import threading
+
+    from zarrckpt import _storage
+
+    (tmp_path / "0000000007").write_bytes(b"{}")
+    loc = _storage.resolve(str(tmp_path))
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            for i in range(50):
+                (tmp_path / f"aside{i}.tmp").write_bytes(b"x")
+            for i in range(50):
+                (tmp_path / f"aside{i}.tmp").unlink()
+
+    churning = threading.Thread(target=churn)
+    churning.start()
+    try:
+        for _ in range(2000):
+            assert "0000000007" in {e.name for e in loc.list_dir()}
+    finally:
+        stop.set()
+        churning.join()

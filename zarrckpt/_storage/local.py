@@ -386,12 +386,17 @@ def _remove_entry(fd: int, name: str) -> None:
 
 
 def list_dir(root: str, key: str) -> list[Entry]:
-    """The entries of the directory `root/key`, links reported as links."""
+    """The entries of the directory `root/key`, links reported as links. An entry removed
+    between the listing and its stat (a file written aside and renamed over, beside
+    it) is left out: its FileNotFoundError would read as the directory missing."""
     with directory(root, key) as fd:
         entries = []
         with os.scandir(fd) as found:
             for item in found:
-                info = item.stat(follow_symlinks=False)
+                try:
+                    info = item.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
                 entries.append(Entry(item.name, _KINDS.get(stat.S_IFMT(info.st_mode), "other"), info.st_size))
     return entries
 
