@@ -187,7 +187,7 @@ def open_copy(loc: Location, run: str, step: int) -> _copies.Copy:
     there with its size. Raises Unusable (or what reading it raised) if not."""
     group = _commit.read_group(loc)
     try:
-        record = CopyRecord.parse(group.attributes.get(_naming.META_ATTR) if group is not None else None)
+        record = _record(group)
     except ValueError as e:
         raise Unusable(str(e)) from None
     if record.run != run:
@@ -218,10 +218,15 @@ def peers_of(group: _commit.Group | None) -> list[int]:
     """The processes whose peer copy the local copy of metadata `group` also holds (see
     `_peers`); none for metadata that does not say."""
     try:
-        record = CopyRecord.parse(group.attributes.get(_naming.META_ATTR) if group is not None else None)
+        record = _record(group)
     except ValueError:
         return []
     return _peers.Peers(record.peers).sources(record.process)
+
+
+def _record(group: _commit.Group | None) -> CopyRecord:
+    """The copy record in the group metadata `group` (see `CopyRecord.parse`)."""
+    return CopyRecord.parse(group.attributes.get(_naming.META_ATTR) if group is not None else None)
 
 
 def _chunk_coords(stored: _reader.StoredLeaf, coords: tuple[int, ...]) -> tuple[int, ...]:
