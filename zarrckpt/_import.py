@@ -1,13 +1,13 @@
 """Importing another library's checkpoint as a committed zarrckpt checkpoint:
 `import_checkpoint`, `zarrckpt import`.
 
-The source opens as a tree whose arrays are `_tree.Deferred` leaves (a safetensors file
-or set through `_restore.safetensors`, an Orbax step through `_restore.orbax`), and the
-save path writes it as it writes any tree: each chunk is read from the source by the
-writer that writes it, holding its bytes of the save's budget until it is written, so
-an import holds the chunks `max_inflight_bytes` admits (and its readers' and writers'
-working copies of them), never the whole state. Each source chunk is read once: a
-large one whole, shared by the parts it is written as (`_save.plan.SourceChunk`).
+The source opens as a tree whose arrays are `_tree.Deferred` leaves (`_restore.foreign`:
+a safetensors file or set, or an Orbax step), and the save path writes it as it writes
+any tree: each chunk is read from the source by the writer that writes it, holding its
+bytes of the save's budget until it is written, so an import holds the chunks
+`max_inflight_bytes` admits (and its readers' and writers' working copies of them),
+never the whole state. Each source chunk is read once: a large one whole, shared by the
+parts it is written as (`_save.plan.SourceChunk`).
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ from typing import Any
 
 import jax
 
-from . import _concurrency, _deprecated, _lease, _multihost, _options, _progress, _retention, _storage
-from ._format import naming as _naming, safetensors as _safetensors_format, tree as _tree
+from . import _deprecated, _lease, _multihost, _options, _progress, _retention, _storage
+from ._format import naming as _naming, tree as _tree
 from ._options import SaveOptions
-from ._regions import Region
-from ._restore import checkpoint as _reader, orbax as _orbax
-from ._restore.safetensors import locate, open_safetensors
+from ._restore.foreign import open_source
 from ._save import protocol as _save
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
+from .errors import CheckpointCorruptError, CheckpointWriteError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,29 +124,8 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
     dst_storage_options, dst_option = _deprecated.argument("import_checkpoint", "dst_storage_options",
                                                            dst_storage_options, "storage_options", storage_options)
     options = SaveOptions(overwrite=overwrite, max_inflight_bytes=max_inflight_bytes, progress=progress)
-    folder, file = locate(src, src_storage_options, option="src_storage_options")
-    source = folder.child(file) if file is not None else folder
-    if not source.exists():
-        raise CheckpointNotFoundError(f"nothing to import: {source.url} does not exist")
-    found = _orbax.find(source)
-    if found is not None and src_storage_options and not source.is_local:
-        raise ValueError(f"storage options for the source cannot reach {source.url}: TensorStore reads Orbax's "
-                         "arrays, with the credentials and endpoint of its environment (AWS_*, "
-                         "GOOGLE_APPLICATION_CREDENTIALS)")
-    extra: dict[str, Any] | None = None
-    if found is not None:
-        opened = _orbax.open_step(source, found, step)
-        format, tree, step, skipped = "orbax", opened.tree, opened.step, opened.skipped
-    else:
-        try:
-            ckpt = open_safetensors(folder, file)
-        except CheckpointNotFoundError as e:
-            raise CheckpointNotFoundError(f"{source.url} is neither an Orbax checkpoint nor a safetensors file or "
-                                          f"set: {e}") from None
-        format, tree, skipped = "safetensors", _deferred_tree(ckpt), {}
-        # Kept for an export to write back: transformers loads no file without its "format".
-        if metadata := ckpt.meta.get(_safetensors_format.METADATA_KEY):
-            extra = {_safetensors_format.METADATA_KEY: metadata}
+    source = open_source(src, src_storage_options, option="src_storage_options", step=step)
+    tree, step = source.tree, source.step
     for key in reversed(prefix.split(".") if prefix else []):
         tree = {key: tree}
     loc = _storage.resolve(dst, dst_storage_options, option=dst_option)
@@ -156,19 +133,19 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
         loc = loc.step(step)
     _check_claims(tree, source.url, loc, options.max_inflight_bytes)
     _lease.refuse_if_held(loc, "zarrckpt import")
-    failed: list[Exception] = []  # what reading the source raised, as the writers met it
     try:
-        job = _save.save(loc, _recording(tree, failed), options, extra_metadata=extra)
+        job = _save.save(loc, tree, options, extra_metadata=source.metadata)
     except CheckpointWriteError:
-        if not failed:
+        if not source.failed:
             raise
         # Reading the source failed, not writing: its error is what the caller hears.
-        kind = CheckpointCorruptError if isinstance(failed[0], CheckpointCorruptError) else OSError
-        raise kind(f"{failed[0]}; nothing was committed at {loc.url}") from failed[0]
-    pinned = step is not None and format == "safetensors"  # a fine-tune's base weights, not a run's step
+        first = source.failed[0]
+        kind = CheckpointCorruptError if isinstance(first, CheckpointCorruptError) else OSError
+        raise kind(f"{first}; nothing was committed at {loc.url}") from first
+    pinned = step is not None and source.format == "safetensors"  # a fine-tune's base weights, not a run's step
     if pinned:
         loc.write(_retention.PIN_FILE, b"", durable=True)
-    return ImportResult(loc.url, step, format, len(job.plans), job.nbytes, skipped, pinned)
+    return ImportResult(loc.url, step, source.format, len(job.plans), job.nbytes, source.skipped, pinned)
 
 
 def _check_claims(tree: Any, src: str, loc: _storage.Location, budget: int) -> None:
@@ -191,28 +168,3 @@ def _check_claims(tree: Any, src: str, loc: _storage.Location, budget: int) -> N
             raise CheckpointWriteError(f"{src} holds {size(needed)} of arrays, more than the {size(free)} free where "
                                        f"it would land ({loc.url}); nothing was written")
 
-
-def _deferred_tree(ckpt: _reader.Checkpoint) -> Any:
-    """The opened checkpoint's tree, each leaf read only as it is written."""
-    def deferred(record: dict[str, Any]) -> _tree.Deferred:
-        leaf = ckpt.leaves[record["name"]]
-        return _tree.Deferred(leaf.shape, leaf.dtype, lambda box: ckpt.read(leaf, box), leaf.kind, leaf.prng_impl)
-
-    return _tree.rebuild(ckpt.spec, deferred)
-
-
-def _recording(tree: Any, failed: list[Exception]) -> Any:
-    """`tree`, each deferred leaf's read errors also put in `failed`: the save that
-    meets one reports a write error, which the import turns back into the source's."""
-    def recorded(read: Any) -> Any:
-        def attempt(box: Region) -> Any:
-            try:
-                return read(box)
-            except Exception as e:
-                if not _concurrency.aborted():  # a read that fails once the save has failed is not why it did
-                    failed.append(e)
-                raise
-        return attempt
-
-    return jax.tree.map(lambda leaf: dataclasses.replace(leaf, read=recorded(leaf.read))
-                        if isinstance(leaf, _tree.Deferred) else leaf, tree)
