@@ -9,7 +9,9 @@ step directory, a marker) is never followed by a read, a write or a deletion, so
 call reads, writes or deletes outside the root. Meeting one raises `NotAFile`, as
 does reading or writing what is not a regular file (a FIFO, a socket, a device): it is
 opened without blocking and refused before a byte moves, where opening a FIFO would
-wait for its other end forever.
+wait for its other end forever. Nor does a write go through a hard link: a file that
+has other links (a chunk that several steps share) is replaced by a new file, never
+written into, so a write changes no bytes that another name holds.
 
 A durable write reaches stable storage before it returns, with every directory entry
 leading to it: the file's data is synced (`fdatasync`) before it is closed, its
@@ -36,7 +38,8 @@ _SPECIAL = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a 
 # Without blocking (a FIFO would wait for its other end forever) or taking a terminal:
 # what is opened is then refused unless it is a regular file.
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
-_WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+# No O_TRUNC: a file with other hard links is replaced, never truncated (`_write_file`).
+_WRITE = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "link"}
 
@@ -341,11 +344,22 @@ def create(root: str, key: str, parts: Sequence[object]) -> None:
 
 def _write_file(fd: int, name: str, flags: int, parts: Sequence[object], path: str, *, durable: bool) -> None:
     """Opens `name` in the directory `fd` with `flags` and writes `parts` into it, as they
-    are (no copy to join them); with `durable`, on stable storage before returning."""
+    are (no copy to join them); with `durable`, on stable storage before returning.
+
+    A file that is there already is emptied first, unless it has other hard links (a
+    chunk another step shares): then its name is unlinked and a new file made in its
+    place, so that no write ever changes the bytes another step holds."""
     f = _open_below(fd, name, flags, path)
     try:
-        if not stat.S_ISREG(mode := os.fstat(f).st_mode):  # a planted FIFO or device: never written into
-            raise _not_regular(mode, path)
+        if not stat.S_ISREG((found := os.fstat(f)).st_mode):  # a planted FIFO or device: never written into
+            raise _not_regular(found.st_mode, path)
+        if found.st_nlink > 1:
+            os.close(f)
+            f = -1
+            os.unlink(name, dir_fd=fd)
+            f = _open_below(fd, name, _CREATE, path)
+        elif found.st_size:
+            os.ftruncate(f, 0)
         for part in parts:
             view = memoryview(part).cast("B")  # type: ignore[arg-type]
             while view:
@@ -353,7 +367,8 @@ def _write_file(fd: int, name: str, flags: int, parts: Sequence[object], path: s
         if durable:
             os.fdatasync(f)
     finally:
-        os.close(f)
+        if f >= 0:
+            os.close(f)
 
 
 def remove_file(root: str, key: str) -> None:
