@@ -47,6 +47,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, str]] = []  # (method, path?query)
+        self.bytes_received = 0  # the requests' bodies, in all
         self.peak_in_flight = 0
         self._in_flight = 0
         self._lock = threading.Lock()
@@ -59,14 +60,16 @@ class Recorder:
     def reset(self) -> None:
         with self._lock:
             self.requests.clear()
+            self.bytes_received = 0
             self.peak_in_flight = 0
 
     @contextlib.contextmanager
-    def request(self, method: str, target: str) -> Iterator[None]:
+    def request(self, method: str, target: str, nbytes: int = 0) -> Iterator[None]:
         gather = self._gather
         held = gather is not None and gather[1](method, target)
         with self._lock:
             self.requests.append((method, target))
+            self.bytes_received += nbytes
             self._in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
             if held:
@@ -112,6 +115,21 @@ class Recorder:
             self._gathered.set()
 
 
+def _copy_precondition_fails(environ: dict[str, Any]) -> bool:
+    """S3's "must not exist" precondition on a CopyObject (If-None-Match: *), which moto
+    ignores there (it keeps it on PutObject)."""
+    if environ["REQUEST_METHOD"] != "PUT" or "HTTP_X_AMZ_COPY_SOURCE" not in environ \
+            or environ.get("HTTP_IF_NONE_MATCH") != "*":
+        return False
+    from moto.s3.models import s3_backends
+
+    bucket, _, key = urllib.parse.unquote(environ["PATH_INFO"]).lstrip("/").partition("/")
+    try:
+        return s3_backends["123456789012"]["aws"].get_object(bucket, key) is not None
+    except Exception:  # moto's MissingBucket
+        return False
+
+
 class S3Server:
     """moto's S3 server."""
 
@@ -131,7 +149,11 @@ class S3Server:
         def recorded(environ: dict[str, Any], start_response: Any) -> Any:
             query = environ.get("QUERY_STRING")
             target = environ["PATH_INFO"] + (f"?{query}" if query else "")
-            with self.recorder.request(environ["REQUEST_METHOD"], target):
+            with self.recorder.request(environ["REQUEST_METHOD"], target, int(environ.get("CONTENT_LENGTH") or 0)):
+                if _copy_precondition_fails(environ):
+                    start_response("412 Precondition Failed", [("Content-Type", "application/xml")])
+                    return [b"<Error><Code>PreconditionFailed</Code><Message>At least one of the pre-conditions "
+                            b"you specified did not hold</Message></Error>"]
                 return app(environ, start_response)
 
         self._server = make_server("127.0.0.1", 0, recorded, threaded=True, request_handler=QuietHandler)
@@ -222,7 +244,7 @@ class GCSServer:
         class Handler(RequestHandler):
             def _serve(self, method: str) -> None:
                 target = self._target(method)
-                with recorder.request(method, target), storage_lock:
+                with recorder.request(method, target, int(self.headers.get("Content-Length") or 0)), storage_lock:
                     if self._precondition_fails(method, target):
                         body = json.dumps({"error": {"code": 412, "message": "conditionNotMet",
                                                      "errors": [{"reason": "conditionNotMet"}]}}).encode()
@@ -235,15 +257,21 @@ class GCSServer:
                     getattr(RequestHandler, f"do_{method}")(self)
 
             def _precondition_fails(self, method: str, target: str) -> bool:
-                """GCS's "must not exist" precondition on an upload (ifGenerationMatch=0,
-                what gcsfs sends for mode="create"), which the emulator ignores."""
+                """GCS's "must not exist" precondition on an upload or a rewrite
+                (ifGenerationMatch=0, what gcsfs sends for mode="create"), which the
+                emulator ignores."""
                 path, _, query = target.partition("?")
                 fields = urllib.parse.parse_qs(query)
-                if method != "POST" or fields.get("ifGenerationMatch") != ["0"] or "name" not in fields:
+                rewrite = re.search(r"/rewriteTo/b/([^/]+)/o/([^?]+)$", path)
+                if method != "POST" or fields.get("ifGenerationMatch") != ["0"] or \
+                        ("name" not in fields and rewrite is None):
                     return False
-                bucket = path.split("/b/", 1)[1].split("/", 1)[0]
+                if rewrite is not None:
+                    bucket, name = rewrite.group(1), urllib.parse.unquote(rewrite.group(2))
+                else:
+                    bucket, name = path.split("/b/", 1)[1].split("/", 1)[0], fields["name"][-1]
                 try:
-                    self.storage.get_file_obj(bucket, fields["name"][-1])
+                    self.storage.get_file_obj(bucket, name)
                 except Exception:  # the emulator's NotFound
                     return False
                 return True

@@ -68,6 +68,17 @@ def test_manager_async_saves_and_restores_on_two_processes(tmp_path):
     assert zarrckpt.all_steps(str(tmp_path / "run")) == [4, 6]
 
 
+def test_a_frozen_base_over_two_processes_is_linked_by_each_from_the_third_save(tmp_path):
+    """Each process fingerprints the shards it writes, on its own devices, and links its
+    chunks; the last step restores alone once the three before it are deleted, one
+    after the other (each process deletes together with process 0, never finding a
+    step it already deleted)."""
+    results = multiprocess.run("mp_manager", "frozen", str(tmp_path / "run"))
+    inodes = {int(step): dict(files) for step, files in results[0]["inodes"].items()}
+    assert len(inodes[4]) > 1  # chunks written by both processes
+    assert inodes[2] != inodes[1] and inodes[3] == inodes[2] and inodes[4] == inodes[2], inodes
+    for r in results:
+        assert r["step"] == 4 and r["base"] == 0.5 and r["head"] == 4.0, r
 def test_sigterm_to_one_process_of_two_stops_both_loops_at_one_saved_step(tmp_path):
     results = multiprocess.run("mp_manager", "preempted", str(tmp_path / "run"))
     stops = {result["stopped"] for result in results}

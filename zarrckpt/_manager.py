@@ -70,6 +70,14 @@ class CheckpointManager:
       async_save: `save` returns once the state's copies to host memory are dispatched
         (pinned host memory where the devices have it); writing and committing continue
         on a background thread (at most one save in flight).
+      reuse_unchanged: write only what changed (default True). A jax.Array leaf that
+        holds exactly what it held in the newest step this manager saved or restored
+        (the very same array, or every shard with the same fingerprint, computed on
+        its device) is neither copied off the devices nor written: its chunks are
+        made from that step's, a hard link on a local disk, a copy inside the store on
+        S3 and GCS. Every step stays complete: deleting the older one loses nothing.
+        A fine-tune's frozen weights cost no PCIe traffic and no bytes after the first
+        save. See docs/pytree-zarr-checkpoint.md, "Unchanged chunks", for the guarantee.
       max_inflight_bytes: bound on host memory holding a save's copies off the devices
         that are not yet written (default 8 GiB); a larger state makes `save` wait for
         writes to drain before it has copied everything. `max_staged_bytes`, its name
@@ -124,6 +132,7 @@ class CheckpointManager:
         best_metric: str | None = None,
         best_mode: str = "min",
         async_save: bool = True,
+        reuse_unchanged: bool = True,
         max_inflight_bytes: int | None = None,
         save_on_preemption: bool = True,
         heartbeat_s: float = _lease.DEFAULT_HEARTBEAT_S,
@@ -149,6 +158,7 @@ class CheckpointManager:
                                   ("local_peer_copies", local_peer_copies, _options.COUNT_OR_ZERO),
                                   ("save_interval_seconds", save_interval_seconds, _options.NUMBER + "?"),
                                   ("async_save", async_save, _options.FLAG),
+                                  ("reuse_unchanged", reuse_unchanged, _options.FLAG),
                                   (inflight_option, inflight, _options.COUNT + "?"),
                                   ("save_on_preemption", save_on_preemption, _options.FLAG),
                                   ("heartbeat_s", heartbeat_s, _options.NUMBER)):
@@ -165,6 +175,7 @@ class CheckpointManager:
         self._interval_steps = save_interval_steps
         self._interval_seconds = save_interval_seconds
         self._async = async_save
+        self._unchanged = _save.Unchanged() if reuse_unchanged else None
         self._preemption = _preemption.Notice(listen=save_on_preemption)
         self._warned_unranked = False
         self._warned_older = False
@@ -285,7 +296,10 @@ class CheckpointManager:
                             f" and {len(found) - 5} more leaves" if len(found) > 5 else "")
 
         job.before_prepare = before_prepare
-        nbytes = job.nbytes  # the job holds the state: the commit's report must not
+        seen = self._unchanged.mark(job.plans, job.arrays, location) if self._unchanged is not None else None
+        # The job holds the state: the commit's report must not.
+        nbytes, reused, known = job.nbytes, job.reused_bytes, self._unchanged
+        reused_from = {plan.reuse_from.url for plan in job.plans if plan.reuse_from is not None}
 
         def committed() -> None:
             seconds = time.perf_counter() - started
@@ -300,8 +314,12 @@ class CheckpointManager:
                     f", training blocked {save.staged - called:.3f}s"
                     + (f" ({started - called:.3f}s of it waiting for the previous save)"
                        if started - called >= 0.001 else ""))
-                log.info("checkpoint step %d committed to %s: %s%s", step, self._root.url,
-                         _progress.rate(nbytes, seconds), blocked)
+                log.info("checkpoint step %d committed to %s: %s%s%s", step, self._root.url,
+                         _progress.rate(nbytes, seconds), blocked,
+                         f"; {_progress.size(reused)} unchanged, made from {', '.join(sorted(reused_from))}, "
+                         "not written (process 0's part)" if reused else "")
+            if known is not None and seen is not None:
+                known.committed(seen)
             if self._policy.deletes:
                 self._retain()
 
@@ -309,7 +327,10 @@ class CheckpointManager:
         return save
 
     def _failed(self, error: BaseException) -> None:
-        """A persistent save failed: raised by the next call on the training thread."""
+        """A persistent save failed: raised by the next call on the training thread. The
+        next save writes every chunk (the step its chunks would come from may be gone)."""
+        if self._unchanged is not None:
+            self._unchanged.forget()
         with self._lock:
             self._errors.append(error)
 
@@ -353,6 +374,8 @@ class CheckpointManager:
             deleted = op.decide("retain", lambda: _retention.apply(self._root, self._policy, metrics))
         with self._lock:
             self._committed.difference_update(deleted)
+        if self._unchanged is not None:  # a rollback's step, older than the newest: gone
+            self._unchanged.dropped({self._root.step(step).url for step in deleted})
 
     # -- waiting, restoring, listing --------------------------------------------
 
@@ -406,12 +429,18 @@ class CheckpointManager:
         local, restored = None, step
         if step is None and self._tier is not None:
             local = _tiers.restore_newer_copy(self._root, self._tier, target, options, self._timeout_s)
+        ckpt = None
         if local is not None:
             (state, restored), tier = local, "local"
         elif step is None:
-            (state, restored), tier = _steps.restore_latest(self._root, target, options, self._timeout_s), "persistent"
+            state, restored, ckpt = _steps.restore_latest(self._root, target, options, self._timeout_s)
+            tier = "persistent"
         else:
-            state, tier = _steps.load_step(self._root, step, target, options), "persistent"
+            (state, ckpt), tier = _steps.load_step(self._root, step, target, options), "persistent"
+        if self._unchanged is not None:
+            self._unchanged.forget()  # a rollback, or a local step: what a save reuses is the restored step's
+            if ckpt is not None:
+                self._unchanged.restored(ckpt.loc, ckpt.leaves, state)
         self._restored_step = restored
         self._restored_tier = tier if restored is not None else None
         if self._tier is not None:  # copies newer than this are of abandoned training: never restore them
@@ -477,11 +506,15 @@ class CheckpointManager:
         deleted), DirectoryInUseError if another job took the directory over."""
         self._check_open()
         self.wait()
-        _steps.committed_step(self._root, step)
-        if self._tier is not None:  # else a restore would bring it back from the local tier
-            self._tier.forget(step)
         with _multihost.Agreement("manager-delete", self._timeout_s,
                                   what=f"deleting step {step} of {self._root.url}") as op:
+            # Asked of process 0 for all: asked by each, a process behind would find the step
+            # that process 0 had already deleted, and fail alone.
+            op.decide("committed", lambda: _steps.committed_step(self._root, step).url)
+            if self._tier is not None:  # else a restore would bring it back from the local tier
+                self._tier.forget(step)
+            if self._unchanged is not None:  # a save must not make its chunks from a deleted step
+                self._unchanged.dropped({self._root.step(step).url})
             deleted = op.decide("delete", lambda: self._delete_on_process_0(step))
         if not deleted:
             raise errors.CheckpointWriteError(f"step {step} of {self._root.url} was not deleted: its directory also "
@@ -680,3 +713,4 @@ class _AtExit:
 
 
 _close_at_exit = _AtExit()
+

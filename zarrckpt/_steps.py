@@ -169,7 +169,7 @@ def load_checkpoint_if_it_exists(
                                    load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
                                    max_workers=max_workers, progress=progress)
     _options.check("timeout_s", timeout_s, _options.NUMBER)
-    state, step = restore_latest(_storage.resolve(checkpoint_dir, storage_options), target, options, timeout_s)
+    state, step, _ = restore_latest(_storage.resolve(checkpoint_dir, storage_options), target, options, timeout_s)
     return state, step or 0
 
 
@@ -198,12 +198,14 @@ def load_checkpoint(
     options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast, donate_target=donate_target,
                                    load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
                                    max_workers=max_workers, progress=progress)
-    return load_step(_storage.resolve(checkpoint_dir, storage_options), step, target, options)
+    return load_step(_storage.resolve(checkpoint_dir, storage_options), step, target, options)[0]
 
 
-def load_step(root: Location, step: int, target: Any, options: _options.LoadOptions) -> Any:
-    """`load_checkpoint` under `root`."""
-    return _restore.load(committed_step(root, step), target, options)
+def load_step(root: Location, step: int, target: Any, options: _options.LoadOptions
+              ) -> tuple[Any, _reader.Checkpoint]:
+    """`load_checkpoint` under `root`, and the checkpoint it read."""
+    ckpt = _reader.open_checkpoint(committed_step(root, step))
+    return _restore.load_opened(ckpt, target, options), ckpt
 
 
 def committed_step(root: Location, step: int) -> Location:
@@ -253,17 +255,17 @@ def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None,
 
 
 def restore_latest(root: Location, target: Any, options: _options.LoadOptions,
-                   timeout_s: float) -> tuple[Any, int | None]:
+                   timeout_s: float) -> tuple[Any, int | None, _reader.Checkpoint | None]:
     """`load_checkpoint_if_it_exists` under `root`, but None for the step when nothing
-    was restored (step 0 may have been saved). Agreement."""
+    was restored (step 0 may have been saved), and the checkpoint it read. Agreement."""
     chosen: dict[str, Any] = {}
     with _multihost.Agreement("restore", timeout_s, what=f"choosing the step to restore under {root.url}") as op:
         step, save_id = op.decide("step", lambda: _newest(root, chosen))
     if step is None:
-        return target, None
+        return target, None, None
     # Every process opens the save process 0 chose, or fails: never two saves of a step.
     ckpt = _reader.open_checkpoint(root.step(step), group=chosen.get("group"), save_id=save_id)
-    return _restore.load_opened(ckpt, target, options), step
+    return _restore.load_opened(ckpt, target, options), step, ckpt
 
 
 def _newest(root: Location, chosen: dict[str, Any]) -> tuple[int | None, str | None]:

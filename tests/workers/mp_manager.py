@@ -1,5 +1,5 @@
-"""Multi-process CheckpointManager worker: `train DIR`, `timeout DIR`, `late DIR TIMEOUT_S HOLD_S`
-and `preempted DIR`."""
+"""Multi-process CheckpointManager worker: `train DIR`, `timeout DIR`, `late DIR TIMEOUT_S HOLD_S`,
+`preempted DIR` and `frozen DIR`."""
 
 from __future__ import annotations
 
@@ -145,4 +145,31 @@ def preempted(directory: str) -> None:
     report(stopped=stopped, steps=zarrckpt.all_steps(directory))
 
 
-{"train": train, "timeout": timeout, "late": late, "preempted": preempted}[args[0]](*args[1:])
+def frozen(directory: str) -> None:
+    """A frozen base sharded over the devices of both processes, rebuilt as new arrays
+    by every step (`base + 0`), beside a leaf that changes: four saves. Reports, on each
+    process, the inode of every chunk file of the base in each step, and what the last
+    step restores to after the others are deleted."""
+    import pathlib
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
+    host = np.full((2048, 2048), 0.5, np.float32)  # 8 MiB written by each process: fingerprinted
+    base = jax.make_array_from_callback(host.shape, NamedSharding(mesh, P("data", "model")), lambda i: host[i])
+    state = {"base": base, "head": state_on(mesh, 0.0)["r"]}
+    step_fn = jax.jit(lambda s: {"base": s["base"] + 0, "head": s["head"] + 1})
+    with zarrckpt.CheckpointManager(directory) as mgr:
+        for step in range(1, 5):
+            state = step_fn(state)
+            mgr.save(step, state)
+        mgr.wait()
+        inodes = {step: sorted((str(p.relative_to(directory)).split("/", 1)[1], p.stat().st_ino)
+                               for p in (pathlib.Path(directory) / f"{step:010d}" / "base").iterdir()
+                               if p.name != "zarr.json") for step in range(1, 5)}
+        for step in (1, 2, 3):
+            mgr.delete(step)
+        restored, step = mgr.restore(state)
+    report(inodes=inodes, step=step, base=float(np.asarray(restored["base"].addressable_shards[0].data).max()),
+           head=float(np.asarray(restored["head"].addressable_shards[0].data).max()))
+
+
+{"train": train, "timeout": timeout, "late": late, "preempted": preempted, "frozen": frozen}[args[0]](*args[1:])

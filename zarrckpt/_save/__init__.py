@@ -2,5 +2,6 @@
 
 from .background import BackgroundSave
 from .protocol import PER_PROCESS, SHARED, Commit, SaveJob, save, save_pytree, stage
+from .unchanged import Unchanged
 
-__all__ = ["PER_PROCESS", "SHARED", "BackgroundSave", "Commit", "SaveJob", "save", "save_pytree", "stage"]
+__all__ = ["PER_PROCESS", "SHARED", "BackgroundSave", "Commit", "SaveJob", "Unchanged", "save", "save_pytree", "stage"]

@@ -26,7 +26,7 @@ import functools
 import math
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -52,6 +52,9 @@ from .._regions import (
     replicas_of,
 )
 from .host_copies import HostCopy, SharedHold
+
+if TYPE_CHECKING:
+    from .._storage import Location
 
 # A replicated shard smaller than this per replica is not worth splitting.
 _MIN_REPLICA_SPLIT_BYTES = 2**20
@@ -123,6 +126,9 @@ class ArrayPlan:
     # A peer copy's part (see `_peers`): the leaf's blocks, once moved onto this process's
     # devices, that its units are copied from.
     moved: Moved | None = None
+    # A committed step that holds this leaf's chunks as they are now (see `unchanged`):
+    # its units are made from there, never copied off the devices.
+    reuse_from: Location | None = None
 
     @property
     def array(self) -> Any:

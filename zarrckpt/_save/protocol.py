@@ -222,9 +222,19 @@ class SaveJob:
         """Logical bytes of the tree (each global array counted once)."""
         return sum(p.nbytes for p in self.plans if p.moved is None)
 
+    @property
+    def reused_bytes(self) -> int:
+        """Bytes of this process's writes made from a committed step (`reuse_from`)."""
+        return sum(unit.nbytes for plan in self.plans if plan.reuse_from is not None for unit in plan.writes)
+
     def units(self) -> Work:
-        """This process's writes, in order."""
-        return ((plan, unit) for plan in self.plans for unit in plan.writes)
+        """This process's writes to copy off the devices (all but those made from a
+        committed step), in order."""
+        return ((plan, unit) for plan in self.plans if plan.reuse_from is None for unit in plan.writes)
+
+    def reused(self) -> Work:
+        """This process's writes made from a committed step: nothing to copy or hold."""
+        return ((plan, unit) for plan in self.plans if plan.reuse_from is not None for unit in plan.writes)
 
     def admitted(self, *, snapshot: bool = False) -> Generator[tuple[ArrayPlan, WriteUnit], None, None]:
         """This process's writes in order, each holding its bytes of the budget and its
@@ -249,6 +259,7 @@ class SaveJob:
                 if not plan.writes:
                     plan.moved.array = None
 
+        yield from self.reused()
         units = iter(self.units())
         try:
             item = next(units, None)
@@ -390,7 +401,10 @@ def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str,
 def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit) -> None:
     try:
         with _as_write_error(plan, f"chunk {plan.codec.coords(unit.region)}"):
-            loc.write_new(plan.codec.key(unit.region), *plan.codec.encode(unit.host_array()))
+            if plan.reuse_from is not None:  # unchanged since that step: its chunk is this one
+                loc.copy_new(plan.codec.key(unit.region), plan.reuse_from, nbytes=unit.nbytes)
+            else:
+                loc.write_new(plan.codec.key(unit.region), *plan.codec.encode(unit.host_array()))
     finally:
         unit.release()
 

@@ -28,7 +28,7 @@ import posixpath
 import re
 import reprlib
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import fsspec
@@ -185,15 +185,42 @@ class Location:
         if not self.late_safe:
             self.write(key, *parts, atomic=atomic, durable=True)
             return
+        self._created(key, lambda: self.create(key, *parts),
+                      lambda found: found == b"".join(memoryview(p).cast("B") for p in parts))
+
+    def copy_new(self, key: str, source: Location, *, nbytes: int) -> None:
+        """Makes the object `key`, which the save in progress makes (a chunk that has not
+        changed), durably what the object `key` of `source` is (a committed step of the
+        same store), its `nbytes` passing through no process where the store can copy
+        them itself: a hard link on a local disk (a copy inside the kernel where links
+        cannot be made), CopyObject on S3, a rewrite on GCS.
+
+        Where requests may land late (as `write_new`), it is created only if absent: an
+        object found there is compared with the source, and replaced unless the same."""
+        if source.store is not self.store:
+            raise ValueError(f"{source.url} is not in the store of {self.url}: a chunk is copied within one store")
+        _stats.add("store_bytes_copied", nbytes)
+        if not self.late_safe:
+            self._call("write", key, self.store.copy, source._key(key), exclusive=False, nbytes=nbytes)
+            return
+        self._created(key, lambda: self._call("write", key, self.store.copy, source._key(key), exclusive=True,
+                                              nbytes=nbytes),
+                      lambda found: found == source.read(key))
+
+    def _created(self, key: str, create: Callable[[], None], meant: Callable[[bytes], bool]) -> None:
+        """Makes `key` by `create` (exclusive), against requests that land late: an object
+        found there that is not what was `meant` is a late request of another save
+        (landed, so it is deleted and the object made again); one that is, an earlier
+        attempt of this one that landed unseen."""
         for _ in range(_LATE_TRIES):
             try:
-                self.create(key, *parts)
+                create()
                 return
             except FileExistsError:
                 found = self.read_if_present([key])[0]
-                if found is not None and found == b"".join(memoryview(p).cast("B") for p in parts):
-                    return  # an earlier attempt of this very write landed after all
-                self.remove_file(key)  # a late request of another save: it has landed, and is gone
+                if found is not None and meant(found):
+                    return
+                self.remove_file(key)
         raise OSError(f"cannot write {self.url.rstrip('/')}/{key}: another writer keeps writing it (tried "
                       f"{_LATE_TRIES} times)")
 

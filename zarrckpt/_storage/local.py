@@ -42,6 +42,9 @@ _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "link"}
+# What `link` fails with where it cannot be made: another file system, none on this one
+# (gcsfuse, Mountpoint for S3, blobfuse), too many links to one file.
+_NO_LINKS = (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS)
 
 
 # A local disk (or tmpfs) is kept busy by a thread per core: each write is a memory copy
@@ -71,6 +74,9 @@ class LocalDisk(Store):
 
     def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> None:
         create(self.root, key, parts)
+
+    def copy(self, key: str, source: str, *, exclusive: bool, timeout: float | None) -> None:
+        copy(self.root, source, key, exclusive=exclusive)
 
     def read(self, key: str, limit: int | None, *, timeout: float | None) -> bytes:
         return read(self.root, key, limit)
@@ -334,12 +340,59 @@ def create(root: str, key: str, parts: Sequence[object]) -> None:
         try:
             os.link(aside, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
         except OSError as e:
-            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+            if e.errno not in _NO_LINKS:
                 raise
             _write_file(fd, name, _CREATE, parts, os.path.join(root, key), durable=True)
         finally:
             os.unlink(aside, dir_fd=fd)
         os.fsync(fd)
+
+
+def copy(root: str, src: str, dst: str, *, exclusive: bool) -> None:
+    """Makes `root/dst` durably the file `root/src` is, as a hard link (its bytes
+    written nowhere), or, where links cannot be made (another file system, a file
+    system without them), a copy made inside the kernel. The link is to the very file
+    opened through no symbolic link (by its descriptor), never to what a name leads to
+    later. With `exclusive`, FileExistsError if anything is at `dst`; else what is
+    there is replaced."""
+    parent, name = _split(dst)
+    with _opened(root, src) as (f, size), directory(root, parent, create=True, durable=True) as fd:
+        for _ in range(2):
+            try:
+                if _HAS_PROC_FD:
+                    os.link(f"{_PROC_FD}/{f}", name, dst_dir_fd=fd, follow_symlinks=True)
+                else:
+                    source_parent, source_name = _split(src)
+                    with directory(root, source_parent) as source_fd:
+                        os.link(source_name, name, src_dir_fd=source_fd, dst_dir_fd=fd, follow_symlinks=False)
+                break
+            except FileExistsError:
+                if exclusive:
+                    raise
+                os.unlink(name, dir_fd=fd)  # this save's own leftover: a link replaces it
+            except OSError as e:
+                if e.errno not in _NO_LINKS:
+                    raise
+                _copy_bytes(f, size, fd, name, os.path.join(root, dst), exclusive=exclusive)
+                break
+        os.fsync(fd)
+
+
+
+def _copy_bytes(f: int, size: int, fd: int, name: str, path: str, *, exclusive: bool) -> None:
+    """Copies the open file `f` (`size` bytes) to `name` in the directory `fd`, durably,
+    in the kernel (`sendfile`: no byte through this process's memory)."""
+    if not exclusive:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=fd)
+    out = _open_below(fd, name, _CREATE, path)
+    try:
+        done = 0
+        while done < size and (n := os.sendfile(out, f, done, size - done)):
+            done += n
+        os.fdatasync(out)
+    finally:
+        os.close(out)
 
 
 def _write_file(fd: int, name: str, flags: int, parts: Sequence[object], path: str, *, durable: bool) -> None:

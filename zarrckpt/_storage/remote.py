@@ -58,6 +58,9 @@ class Protocol:
     # store lives in this process: a lock around the check and the write), or "none"
     # (a check, then a write: two jobs can both succeed).
     create: str = "none"
+    # The arguments that make fsspec's `cp_file` copy only where nothing is (S3's
+    # CopyObject takes If-None-Match); None where it takes none (see `Fsspec.copy`).
+    copy_if_absent: Mapping[str, Any] | None = None
 
 
 # An object store answers each request in tens of milliseconds, mostly spent waiting:
@@ -88,6 +91,7 @@ S3 = Protocol(
     client_attempts={"retries": 1},
     request_method="_call_s3",
     create="store",
+    copy_if_absent={"IfNoneMatch": "*"},
 )
 # gcsfs copies the body into its multipart upload anyway (or slices a memoryview for
 # resumable uploads of large objects), so a memoryview saves a copy. Its aiohttp
@@ -159,7 +163,11 @@ class Fsspec(Store):
         so that botocore's 2 s timeout became zarrckpt's 60 s."""
         if not isinstance(self.fs, fsspec.asyn.AsyncFileSystem) or self.fs.asynchronous:
             return getattr(self.fs, method)(*args, **kwargs)
-        request = asyncio.run_coroutine_threadsafe(getattr(self.fs, f"_{method}")(*args, **kwargs), self.fs.loop)
+        return self._await(getattr(self.fs, f"_{method}")(*args, **kwargs), timeout)
+
+    def _await(self, coroutine: Any, timeout: float | None) -> Any:
+        """Runs `coroutine` on the client's event loop, abandoned after `timeout` (see `_run`)."""
+        request = asyncio.run_coroutine_threadsafe(coroutine, self.fs.loop)
         try:
             return request.result(timeout)
         except TimeoutError:
@@ -217,6 +225,28 @@ class Fsspec(Store):
                 raise FileExistsError(errno.EEXIST, f"{path} exists")
             self._run("pipe_file", path, self._body(parts), timeout=timeout)
 
+    def copy(self, key: str, source: str, *, exclusive: bool, timeout: float | None) -> None:
+        source, target = self._path(source), self._path(key)
+        if not exclusive:
+            self._run("cp_file", source, target, timeout=timeout)
+        elif self.protocol.create == "store":
+            try:
+                if self.protocol.copy_if_absent is not None:
+                    self._run("cp_file", source, target, timeout=timeout, **self.protocol.copy_if_absent)
+                else:
+                    self._await(_rewrite_if_absent(self.fs, source, target), timeout)
+            except OSError as e:
+                if not isinstance(e, FileExistsError) and _guard.classify(e).http_status == 412:
+                    raise FileExistsError(errno.EEXIST, f"{target} exists") from e
+                raise
+        else:
+            with _CREATING if self.protocol.create == "process" else contextlib.nullcontext():
+                self.fs.invalidate_cache(target)
+                if self._run("exists", target, timeout=timeout):
+                    raise FileExistsError(errno.EEXIST, f"{target} exists")
+                self._run("cp_file", source, target, timeout=timeout)
+        self.fs.invalidate_cache(target)
+
     @property
     def exclusive(self) -> bool:
         return self.protocol.create != "none"
@@ -270,3 +300,18 @@ class Fsspec(Store):
     def place(self, key: str) -> tuple[str, str]:
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         return f"{protocol}:{self.endpoint}", posixpath.normpath("/" + self._path(key))
+
+
+async def _rewrite_if_absent(fs: Any, source: str, target: str) -> None:
+    """GCS's copy (a rewrite, in as many calls as it asks for) of `source` to `target`
+    only if no object is there (ifGenerationMatch=0): gcsfs's `cp_file` sends no
+    precondition."""
+    (source_bucket, source_key, _), (bucket, key, _) = fs.split_path(source), fs.split_path(target)
+    token = None
+    while True:
+        out = await fs._call("POST", "b/{}/o/{}/rewriteTo/b/{}/o/{}", source_bucket, source_key, bucket, key,
+                             headers={"Content-Type": "application/json"}, json_out=True, ifGenerationMatch=0,
+                             rewriteToken=token)
+        if out.get("done", True):
+            return
+        token = out["rewriteToken"]

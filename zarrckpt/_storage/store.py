@@ -73,6 +73,12 @@ class Store(abc.ABC):
         is there (FileExistsError if something is): of two creates of one key, whenever
         made, at most one succeeds, where `exclusive` says the store guarantees it."""
 
+    @abc.abstractmethod
+    def copy(self, key: str, source: str, *, exclusive: bool, timeout: float | None) -> None:
+        """Makes the object `key` a copy of the object `source`, durably, without its bytes
+        passing through this process where the store can (see `Location.copy_new`).
+        With `exclusive`, only if nothing is at `key` (FileExistsError), as `create`."""
+
     @property
     def exclusive(self) -> bool:
         """Whether `create` is exclusive against every other writer, in any process."""

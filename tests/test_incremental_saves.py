@@ -1,0 +1,255 @@
+"""Writing only what changed: a leaf a manager saved (or restored) and finds unchanged is
+neither copied off the devices nor written; its chunks are made from the step that
+holds them (a hard link on a local disk, a copy inside S3 or GCS), and every step
+stays a complete checkpoint that restores, verifies and opens in zarr-python alone."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import zarr
+from builders import mesh
+from hypothesis import given, settings, strategies as st
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import zarrckpt
+from zarrckpt import _stats
+from zarrckpt._save import unchanged as _unchanged
+
+
+def fsdp(array: jax.Array) -> jax.Array:
+    return jax.device_put(array, NamedSharding(mesh((8,), ("fsdp",)), P("fsdp")))
+
+
+def lora_state() -> tuple[dict, optax.GradientTransformation]:
+    """A bf16 base sharded over 8 devices (each matrix 4 MiB: large enough to be
+    fingerprinted) and rank-4 adapters, with an optimizer that trains the adapters
+    alone (the base's updates are zeros, as optax's masked fine-tunes make them)."""
+    params = {"base": {"w": fsdp(jax.random.normal(jax.random.key(0), (1024, 2048), jnp.bfloat16)),
+                       "embed": fsdp(jax.random.normal(jax.random.key(1), (512, 2048), jnp.float32))},
+              "lora": {"a": jnp.zeros((2048, 4)), "b": jax.random.normal(jax.random.key(2), (4, 2048)) * 0.01}}
+    labels = {"base": {"w": "frozen", "embed": "frozen"}, "lora": {"a": "train", "b": "train"}}
+    optimizer = optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, labels)
+    return {"params": params, "opt_state": optimizer.init(params), "step": jnp.array(0)}, optimizer
+
+
+def train(state: dict, optimizer: optax.GradientTransformation, *, frozen_as_given: bool) -> dict:
+    """One step; the base comes back as the same arrays, or rebuilt by `apply_updates`
+    (base + 0: new arrays, the same values)."""
+    @jax.jit
+    def step(state):
+        grads = jax.tree.map(jnp.ones_like, state["params"])
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+                "step": state["step"] + 1}
+
+    new = step(state)
+    if frozen_as_given:
+        new["params"]["base"] = state["params"]["base"]
+    return new
+
+
+def chunk_files(step_dir: Path, leaf: str) -> dict[str, os.stat_result]:
+    array = step_dir / leaf
+    return {str(p.relative_to(array)): p.stat() for p in sorted(array.rglob("*")) if p.is_file()
+            and p.name != "zarr.json"}
+
+
+def as_numpy(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+@pytest.mark.parametrize("frozen_as_given", [True, False], ids=["same arrays", "rebuilt arrays"])
+def test_a_frozen_base_is_linked_not_written_and_every_step_restores_alone(tmp_path, frozen_as_given):
+    state, optimizer = lora_state()
+    saved, written = {}, {}
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        for step in range(1, 5):
+            state = train(state, optimizer, frozen_as_given=frozen_as_given)
+            _stats.reset()
+            mgr.save(step, state)
+            mgr.wait()
+            written[step] = _stats.snapshot().get("store_bytes_written", 0)
+            saved[step] = as_numpy(state)
+    base_bytes = 1024 * 2048 * 2 + 512 * 2048 * 4
+    # Rebuilt arrays are fingerprinted first at step 1 (samples) and 2 (whole): linked from step 3.
+    first_linked = 2 if frozen_as_given else 3
+    for leaf in ("params.base.w", "params.base.embed"):
+        newest = chunk_files(tmp_path / "0000000004", leaf)
+        assert newest
+        for step in range(first_linked, 5):
+            assert {k: s.st_ino for k, s in chunk_files(tmp_path / f"{step:010d}", leaf).items()} == \
+                {k: s.st_ino for k, s in chunk_files(tmp_path / f"{first_linked - 1:010d}", leaf).items()}
+    for leaf in ("params.lora.a", "params.lora.b"):  # changed at every step: written every time
+        assert all(s.st_nlink == 1 for s in chunk_files(tmp_path / "0000000004", leaf).values())
+    assert written[4] < 0.2 * base_bytes, written  # the adapters, their moments, metadata
+    assert written[1] > base_bytes
+    for step in (1, 2, 3):  # every step complete on its own
+        shutil.rmtree(tmp_path / f"{step:010d}")
+    restored = zarrckpt.load_checkpoint(str(tmp_path), 4, as_numpy(lora_state()[0]))
+    jax.tree.map(np.testing.assert_array_equal, as_numpy(restored), saved[4])
+    assert zarrckpt.verify(str(tmp_path / "0000000004")).ok
+    group = zarr.open_group(str(tmp_path / "0000000004"), mode="r")
+    np.testing.assert_array_equal(np.asarray(group["params.base.embed"][...]), saved[4]["params"]["base"]["embed"])
+
+
+CHANGES = {
+    "one element by one unit in the last place": lambda a: a.at[123].set(jnp.nextafter(a[123], jnp.inf))
+    if jnp.issubdtype(a.dtype, jnp.floating) else a.at[123].add(1),
+    "the signs of two elements": lambda a: a.at[3].multiply(-1).at[1000].multiply(-1),
+    "two elements swapped": lambda a: a.at[7].set(a[9]).at[9].set(a[7]),
+    "the last element": lambda a: a.at[-1].add(1),
+}
+# The same changes to booleans: one flipped, two flipped, two unequal ones swapped, the last.
+BOOL_CHANGES = {
+    "one element by one unit in the last place": lambda a: a.at[123].set(~a[123]),
+    "the signs of two elements": lambda a: a.at[3].set(~a[3]).at[1000].set(~a[1000]),
+    "two elements swapped": lambda a: a.at[7].set(True).at[9].set(False),
+    "the last element": lambda a: a.at[-1].set(~a[-1]),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "bool"])
+def test_a_leaf_changed_anywhere_is_written_again(tmp_path, change, dtype):
+    """Leaves of 4 MiB, large enough to be fingerprinted."""
+    values = jax.random.normal(jax.random.key(3), (4 * 2**20 // np.dtype(jnp.dtype(dtype)).itemsize,)) * 50
+    if dtype == "bool":
+        values = (values > 0).at[7].set(False).at[9].set(True)
+        changed = BOOL_CHANGES[change](values)
+    else:
+        values = values.astype(dtype)
+        changed = CHANGES[change](values)
+    assert not np.array_equal(np.asarray(changed), np.asarray(values))
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        for step in (1, 2, 3):  # the same values as new arrays: both fingerprints known after step 2
+            mgr.save(step, {"x": fsdp(jnp.array(values, copy=True))})
+        mgr.save(4, {"x": fsdp(changed)})
+    np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), 4)["x"]), np.asarray(changed))
+    np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), 3)["x"]), np.asarray(values))
+
+
+def test_without_reuse_every_chunk_is_written(tmp_path):
+    state = {"w": fsdp(jnp.arange(4096.0))}
+    with zarrckpt.CheckpointManager(str(tmp_path), reuse_unchanged=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state)
+    assert all(s.st_nlink == 1 for s in chunk_files(tmp_path / "0000000002", "w").values())
+
+
+def test_a_restored_state_saved_again_links_what_training_left_as_it_was(tmp_path):
+    state, optimizer = lora_state()
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, state)
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        state, step = mgr.restore(state)
+        state = train(state, optimizer, frozen_as_given=True)
+        mgr.save(2, state)
+    before = chunk_files(tmp_path / "0000000001", "params.base.w")
+    assert {k: s.st_ino for k, s in chunk_files(tmp_path / "0000000002", "params.base.w").items()} == \
+        {k: s.st_ino for k, s in before.items()}
+    assert all(s.st_nlink == 1 for s in chunk_files(tmp_path / "0000000002", "params.lora.b").values())
+
+
+def test_a_rollback_saves_from_the_step_it_restored(tmp_path):
+    """Restored to step 1 after step 2: what step 2 held is no longer what the state
+    holds, and nothing is taken from it."""
+    one, two = {"w": fsdp(jnp.arange(4096.0))}, {"w": fsdp(jnp.arange(4096.0) + 1)}
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, one)
+        mgr.save(2, two)
+        state, _ = mgr.restore(one, step=1)
+        mgr.save(3, state)
+    np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), 3)["w"]), np.arange(4096.0))
+    assert {s.st_ino for s in chunk_files(tmp_path / "0000000003", "w").values()} == \
+        {s.st_ino for s in chunk_files(tmp_path / "0000000001", "w").values()}
+
+
+def test_a_step_that_retention_deletes_is_never_linked_from(tmp_path):
+    """Rolled back to step 1 while step 5 is the newest, a manager keeping one step
+    deletes each step it saves on from there (step 5 stays the newest): the next save
+    writes its chunks, instead of linking them from a deleted step."""
+    state = {"w": fsdp(jnp.arange(4096.0))}
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, state)
+        mgr.save(5, {"w": fsdp(jnp.arange(4096.0) + 5)})
+    with zarrckpt.CheckpointManager(str(tmp_path), keep_last=1) as mgr:
+        state, _ = mgr.restore(state, step=1)
+        for step in (2, 3):
+            mgr.save(step, state)
+            mgr.wait()
+        assert mgr.all_steps() == [5]
+
+
+def test_a_step_removed_behind_the_managers_back_fails_the_save_and_the_next_writes_everything(tmp_path):
+    state = {"w": fsdp(jnp.arange(4096.0)), "step": jnp.array(1)}
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        for chunk in chunk_files(tmp_path / "0000000001", "w"):
+            (tmp_path / "0000000001" / "w" / chunk).unlink()
+        mgr.save(2, {**state, "step": jnp.array(2)})
+        with pytest.raises(zarrckpt.CheckpointWriteError, match="array 'w'"):
+            mgr.wait()
+        mgr.save(3, {**state, "step": jnp.array(3)})
+    assert zarrckpt.all_steps(str(tmp_path)) == [1, 3]
+    restored = zarrckpt.load_checkpoint(str(tmp_path), 3)
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(4096.0))
+    assert zarrckpt.verify(str(tmp_path / "0000000003")).ok
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_on_an_object_store_unchanged_chunks_are_copied_inside_it(new_store, kind):
+    store = new_store(kind)
+    state, optimizer = lora_state()
+    with zarrckpt.CheckpointManager(store.url, storage_options=store.options) as mgr:
+        for step in (1, 2, 3):
+            state = train(state, optimizer, frozen_as_given=True)
+            store.server.recorder.reset()
+            mgr.save(step, state)
+            mgr.wait()
+            received = store.server.recorder.bytes_received
+        mgr.delete(1)
+        mgr.delete(2)
+    base_bytes = 1024 * 2048 * 2 + 512 * 2048 * 4
+    assert received < 0.2 * base_bytes  # the server received the adapters and metadata, no base
+    restored = zarrckpt.load_checkpoint(store.url, 3, as_numpy(lora_state()[0]), storage_options=store.options)
+    jax.tree.map(np.testing.assert_array_equal, as_numpy(restored), as_numpy(state))
+
+
+@pytest.mark.parametrize("found", ["another save's", "its own"])
+def test_a_copy_that_finds_an_object_where_it_lands_leaves_the_source_s_bytes_there(new_store, found):
+    """Requests land late on S3: a copy finds an object at its key, one of another save
+    (replaced) or its own earlier attempt's (kept)."""
+    store = new_store("s3")
+    loc = zarrckpt._storage.resolve(store.url, store.options)
+    loc.write("1/c", b"committed chunk")
+    loc.write("2/c", b"a late write of another save" if found == "another save's" else b"committed chunk")
+    loc.child("2").copy_new("c", loc.child("1"), nbytes=15)
+    assert loc.read("2/c") == b"committed chunk" and loc.read("1/c") == b"committed chunk"
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from(["float32", "bfloat16", "int8", "uint16", "int32"]),
+       place=st.integers(0, 5000 - 1), bit=st.integers(0, 31), sample=st.booleans())
+def test_fingerprints_tell_a_single_flipped_bit_apart(dtype, place, bit, sample):
+    """Any one bit of any element, in the whole fingerprint (and in the sample where it
+    covers the element)."""
+    values = np.random.default_rng(0).integers(0, 2**31, 5000, dtype=np.int64).astype(np.uint32)
+    raw = values.view(np.uint8)[: 5000 * np.dtype(jnp.dtype(dtype)).itemsize]
+    flipped = raw.copy()
+    itemsize = np.dtype(jnp.dtype(dtype)).itemsize
+    flipped[place * itemsize + (bit // 8) % itemsize] ^= 1 << (bit % 8)
+    keys = np.array([12345, 67890], np.uint32)
+    a, b = (jnp.asarray(np.frombuffer(x.tobytes(), jnp.dtype(dtype))) for x in (raw, flipped))
+    stride = max(1, 5000 // _unchanged._SAMPLE)
+    fa, fb = (_unchanged._fingerprints([{((0, 5000),): x}], sample=sample, keys=keys)[0] for x in (a, b))
+    if not sample or place % stride == 0:
+        assert fa != fb

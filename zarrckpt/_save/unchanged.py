@@ -1,0 +1,257 @@
+"""Which leaves of a save hold exactly what a committed step holds, so that their chunks
+are made from that step's (`Location.copy_new`: a hard link, a copy inside the store)
+instead of being copied off the devices and written again.
+
+A leaf is unchanged on this process when it is stored as it was in the step (the same
+array document: shape, dtype, chunk grid, codec) and either it is the very jax.Array
+that was saved as, or restored from, that step's leaf (a jax.Array never changes), or
+every shard this process writes from has the fingerprint that shard had when that step
+was saved. Nothing is guessed from a name, a place in the tree or a training schedule.
+
+A fingerprint is computed on the shard's own device (`_fingerprints`), so that
+unchanged bytes never cross to the host: two 32-bit sums over the shard's words (an
+element of 1 or 2 bytes is widened to a word, one of 8 bytes is two) of a mixing
+function (MurmurHash3's finalizer, a bijection) of each word combined with its place
+and a key. The two keys are drawn at random for each manager, unknown to the training.
+A changed shard passes for unchanged only if both sums agree by chance: about 2**-64 a
+shard, for a mixing function that behaves as a random one (docs/pytree-zarr-checkpoint.md).
+
+A full pass costs a read of the shard in device memory, which a changing leaf need not
+pay at every save: a sample of its words is fingerprinted first (`_SAMPLE` of them,
+evenly spaced), and only a shard whose sample is unchanged is fingerprinted whole; a
+leaf found changed is sampled ever more rarely. A leaf smaller than `_MIN_BYTES` on this
+process is written unless it is the same array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import secrets
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .. import _storage
+from .._format import tree as _tree, zarrjson as _zarrjson
+from .._format.chunks import ChunkCodec
+from .._regions import Region, region_of
+from ..errors import CheckpointError
+from .host_copies import shards_of
+from .plan import ArrayPlan
+
+# Words of a shard's sample: a changing leaf is told from an unchanged one by this much.
+_SAMPLE = 4096
+# The most saves in a row a leaf that keeps changing is written without a fingerprint.
+_MAX_QUIET = 63
+# A leaf of which this process writes less than this is written unless it is the very
+# same array: fingerprinting it (a program compiled for its shape, a call, a wait) costs
+# more than writing it, and the leaves a fine-tune freezes are large.
+_MIN_BYTES = 4 * 2**20
+Fingerprint = tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Known:
+    """What a committed step holds of one leaf, as this process knows it: where (the
+    step), how it is stored (its array document), the jax.Array it was saved from or
+    restored into (while that lives), and, per shard region this process wrote from,
+    the fingerprints of its sample and of all of it, where computed. `changes` counts
+    the saves in a row that found it changed, `quiet` the saves it is written without a
+    fingerprint (a leaf that keeps changing is sampled ever more rarely)."""
+
+    step: _storage.Location
+    document: dict[str, Any]
+    value: weakref.ref[jax.Array] | None
+    samples: dict[Region, Fingerprint] = dataclasses.field(default_factory=dict)
+    wholes: dict[Region, Fingerprint] = dataclasses.field(default_factory=dict)
+    changes: int = 0
+    quiet: int = 0
+
+
+class Unchanged:
+    """What this process knows of the newest committed step's leaves (`Known`), and
+    which leaves of a new save it holds as they are (`mark`). Thread-safe: a save is
+    marked on the training thread and committed on a background one."""
+
+    def __init__(self) -> None:
+        self._keys = np.frombuffer(secrets.token_bytes(8), np.uint32).copy()
+        self._known: dict[str, Known] = {}
+        self._lock = threading.Lock()
+
+    def mark(self, plans: Sequence[ArrayPlan], documents: dict[str, dict[str, Any]],
+             step: _storage.Location) -> dict[str, Known]:
+        """Sets `reuse_from` on each plan of a save to `step` whose leaf is unchanged
+        since the newest committed step this process knows; returns what `step` will
+        hold once committed (for `committed`). Computes the fingerprints it needs on
+        the devices, and waits for them."""
+        with self._lock:
+            known = dict(self._known)
+        seen: dict[str, Known] = {}
+        sampled: list[tuple[ArrayPlan, dict[Region, jax.Array], Known | None]] = []
+        for plan in plans:
+            value, name = plan.leaf.value, plan.leaf.name
+            if plan.moved is not None or name not in documents or not isinstance(value, jax.Array):
+                continue
+            before = known.get(name)
+            if before is not None and before.document != documents[name]:
+                before = None  # stored otherwise now: its chunks are other chunks
+            if before is not None and before.value is not None and before.value() is value:
+                plan.reuse_from = before.step
+                seen[name] = dataclasses.replace(before, step=step, changes=0, quiet=0)
+            elif sum(unit.nbytes for unit in plan.writes) < _MIN_BYTES:  # written sooner than fingerprinted
+                seen[name] = Known(step, documents[name], weakref.ref(value))
+            elif before is not None and before.quiet:
+                seen[name] = Known(step, documents[name], weakref.ref(value), changes=before.changes,
+                                   quiet=before.quiet - 1)
+            else:
+                sampled.append((plan, _shards_written(plan), before))
+        samples = _fingerprints([shards for _, shards, _ in sampled], sample=True, keys=self._keys)
+        whole = []
+        for (plan, shards, before), mine in zip(sampled, samples):
+            changes = before.changes if before is not None else 0
+            then = before.samples if before is not None else {}
+            if shards and all(then.get(region) == f for region, f in mine.items()):
+                whole.append((plan, shards, before))  # the same sample: is all of it the same?
+                changes, quiet = 0, 0
+            elif shards and all(region in then for region in shards):  # changed: sampled ever more rarely
+                changes += 1
+                quiet = min(2 ** changes, _MAX_QUIET + 1) - 1
+            else:  # nothing to compare with (a first save, a restore, a quiet spell): the next save will
+                quiet = 0
+            seen[plan.leaf.name] = Known(step, documents[plan.leaf.name], weakref.ref(plan.leaf.value), mine,
+                                         changes=changes, quiet=quiet)
+        wholes = _fingerprints([shards for _, shards, _ in whole], sample=False, keys=self._keys)
+        for (plan, _, before), mine in zip(whole, wholes):
+            seen[plan.leaf.name] = dataclasses.replace(seen[plan.leaf.name], wholes=mine)
+            if before is not None and all(before.wholes.get(region) == f for region, f in mine.items()):
+                plan.reuse_from = before.step
+        return seen
+
+    def committed(self, seen: dict[str, Known]) -> None:
+        """The save that `mark` returned `seen` for committed: its step is now what this
+        process knows (of leaves not in it, nothing: an older step may be deleted)."""
+        with self._lock:
+            self._known = seen
+
+    def restored(self, step: _storage.Location, stored: Mapping[str, Any], state: Any) -> None:
+        """`step`, whose leaves by name are `stored` (each with its shape and codec), was
+        restored into `state`: each jax.Array of it that `step` holds (not a leaf of a
+        partial restore's target that `step` lacks) holds exactly what `step` does."""
+        known = {}
+        for path, value in jax.tree_util.tree_flatten_with_path(state)[0]:
+            if not isinstance(value, jax.Array):
+                continue
+            try:
+                leaf = stored.get(_tree.name_of(path))
+            except CheckpointError:  # no name a saved leaf has
+                continue
+            if leaf is not None and isinstance(leaf.codec, ChunkCodec):
+                known[leaf.name] = Known(step, _zarrjson.array_document(leaf.shape, leaf.codec), weakref.ref(value))
+        with self._lock:
+            self._known = known
+
+    def dropped(self, urls: set[str]) -> None:
+        """The steps at `urls` were deleted: nothing is made from them any more."""
+        with self._lock:
+            self._known = {name: known for name, known in self._known.items() if known.step.url not in urls}
+
+    def forget(self) -> None:
+        """Nothing known: after a failed save or a deletion, the next save writes all."""
+        with self._lock:
+            self._known = {}
+
+
+def _shards_written(plan: ArrayPlan) -> dict[Region, jax.Array]:
+    """The shards this process's writes of `plan` read, one device's copy of each, by
+    the region of the array it holds, in order."""
+    devices = {part[0] for unit in plan.writes for part in unit.sources}
+    value = plan.leaf.value
+    on = shards_of(value)
+    regions = {shard.device: region_of(shard.index, value.shape) for shard in value.addressable_shards}
+    shards: dict[Region, jax.Array] = {}
+    for device in sorted(devices, key=lambda d: d.id):
+        shards.setdefault(regions[device], on[device])
+    return dict(sorted(shards.items()))
+
+
+def _fingerprints(leaves: list[dict[Region, jax.Array]], *, sample: bool, keys: np.ndarray
+                  ) -> list[dict[Region, Fingerprint]]:
+    """Each leaf's shards' fingerprints (of their samples, with `sample`), each computed
+    on the shard's own device; waits for them all. One call per leaf where its shards
+    have one shape (one program for all of them: one per device was compiled once per
+    device), else one per shard."""
+    pending = []
+    for shards in leaves:
+        arrays = list(shards.values())
+        if arrays and arrays[0].ndim and all(a.shape == arrays[0].shape for a in arrays):
+            devices = [next(iter(a.devices())) for a in arrays]
+            mesh = Mesh(np.array(devices), ("shards",))
+            side_by_side = jax.make_array_from_single_device_arrays(
+                (len(arrays) * arrays[0].shape[0], *arrays[0].shape[1:]),
+                NamedSharding(mesh, PartitionSpec("shards")), arrays)
+            pending.append([_on_each(mesh, sample)(side_by_side, _keys_on(mesh, keys.tobytes()))])
+        else:
+            pending.append([_fingerprint(a, _keys_on(Mesh(np.array(list(a.devices())), ("shards",)),
+                                                     keys.tobytes()), sample)[None] for a in arrays])
+    return [dict(zip(shards, ((int(a), int(b)) for rows in out for a, b in rows)))
+            for shards, out in zip(leaves, jax.device_get(pending))]
+
+
+@functools.lru_cache(maxsize=64)
+def _keys_on(mesh: Mesh, keys: bytes) -> jax.Array:
+    """The fingerprint keys on every device of `mesh`."""
+    return jax.device_put(np.frombuffer(keys, np.uint32), NamedSharding(mesh, PartitionSpec()))
+
+
+@functools.lru_cache(maxsize=64)
+def _on_each(mesh: Mesh, sample: bool) -> Any:
+    """The program that fingerprints each device's block of an array laid out over
+    `mesh` (one block a device), on that device, into one row each."""
+    return jax.jit(jax.shard_map(lambda blocks, keys: _fingerprint(blocks, keys, sample)[None], mesh=mesh,
+                                 in_specs=(PartitionSpec("shards"), PartitionSpec()),
+                                 out_specs=PartitionSpec("shards")))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _fingerprint(array: jax.Array, keys: jax.Array, sample: bool) -> jax.Array:
+    """The two sums of `array`'s words (`_SAMPLE` of them, evenly spaced, with `sample`),
+    each word mixed with its place and a key (wrapping at 2**32)."""
+    words = _words(array)
+    stride = max(1, words.size // _SAMPLE) if sample else 1
+    words = words[::stride]
+    place = jax.lax.iota(jnp.uint32, words.size) * jnp.uint32(stride) * jnp.uint32(0x9E3779B9)
+    return jnp.stack([jnp.sum(_mix(words ^ (place + key)), dtype=jnp.uint32) for key in (keys[0], keys[1])])
+
+
+def _mix(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer: a bijection whose every output bit depends on
+    every input bit."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _words(array: jax.Array) -> jax.Array:
+    """The array's bytes as 32-bit words, flat (an element of 1 or 2 bytes widened)."""
+    if jnp.issubdtype(array.dtype, jax.dtypes.prng_key):
+        array = jax.random.key_data(array)
+    flat = array.reshape(-1)
+    if flat.dtype == jnp.bool_:
+        return flat.astype(jnp.uint32)
+    if jnp.issubdtype(flat.dtype, jnp.complexfloating):
+        flat = jnp.stack([flat.real, flat.imag], axis=-1).reshape(-1)
+    size = flat.dtype.itemsize
+    if size == 4:
+        return jax.lax.bitcast_convert_type(flat, jnp.uint32)
+    if size in (1, 2):
+        return jax.lax.bitcast_convert_type(flat, {1: jnp.uint8, 2: jnp.uint16}[size]).astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(flat, jnp.uint32).reshape(-1)  # 8 bytes: two words each
