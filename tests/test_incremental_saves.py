@@ -253,3 +253,53 @@ def test_fingerprints_tell_a_single_flipped_bit_apart(dtype, place, bit, sample)
     fa, fb = (_unchanged._fingerprints([{((0, 5000),): x}], sample=sample, keys=keys)[0] for x in (a, b))
     if not sample or place % stride == 0:
         assert fa != fb
+
+
+def test_leaves_no_fingerprint_can_be_taken_of_are_saved_and_restored_whole(tmp_path, monkeypatch):
+    """int4 weights (narrower than a byte), a state offloaded to host memory, and a leaf
+    whose fingerprints fail to compute (the device out of memory): each is written
+    at every save as it is, unless it is the very same array, and restores exactly."""
+    from zarrckpt._save import unchanged
+
+    host = NamedSharding(mesh((8,), ("fsdp",)), P("fsdp"), memory_kind="pinned_host")
+    made = {"int4": lambda i: fsdp(jnp.full((2**23,), i % 7, jnp.int4)),
+            "offloaded": lambda i: jax.device_put(np.full(2**20 * 2, i, np.float32), host),
+            "failing": lambda i: fsdp(jnp.full((2**20,), float(i)))}
+    real = unchanged._dispatch
+
+    def failing(arrays, sample, keys):
+        if arrays[0].size * len(arrays) == 2**20:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return real(arrays, sample, keys)
+
+    monkeypatch.setattr(unchanged, "_dispatch", failing)
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {name: make(step) for name, make in made.items()})
+    for step in (1, 2, 3):
+        restored = zarrckpt.load_checkpoint(str(tmp_path), step)
+        for name, make in made.items():
+            np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(make(step)))
+
+
+def test_a_store_with_no_copy_of_its_own_gets_the_bytes_of_an_unchanged_chunk(tmp_path):
+    """A file system that cannot copy an object itself (as sftp, ftp, smb): the chunk's
+    bytes are read and written through the process, and every save commits."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class NoCopy(MemoryFileSystem):
+        protocol = "nocopy"
+        store, pseudo_dirs = {}, [""]
+
+        def cp_file(self, path1, path2, **kwargs):
+            raise NotImplementedError
+
+    fsspec.register_implementation("nocopy", NoCopy, clobber=True)
+    state = {"w": fsdp(jnp.arange(2.0**20))}
+    with zarrckpt.CheckpointManager("nocopy://run") as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state)
+        mgr.wait()
+        assert mgr.all_steps() == [1, 2, 3]
+    np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint("nocopy://run", 3)["w"]), np.arange(2.0**20))

@@ -76,8 +76,11 @@ class CheckpointManager:
         its device) is neither copied off the devices nor written: its chunks are
         made from that step's, a hard link on a local disk, a copy inside the store on
         S3 and GCS. Every step stays complete: deleting the older one loses nothing.
-        A fine-tune's frozen weights cost no PCIe traffic and no bytes after the first
-        save. See docs/pytree-zarr-checkpoint.md, "Unchanged chunks", for the guarantee.
+        A fine-tune's frozen weights cost no PCIe traffic and no bytes from the second
+        save on when they are the same arrays, from the third when the step rebuilds
+        them (a leaf under 4 MiB on a process is then written). `save` waits for the
+        fingerprints it compares (so for the step that made the arrays). See
+        docs/pytree-zarr-checkpoint.md, "Unchanged chunks", for the guarantee.
       max_inflight_bytes: bound on host memory holding a save's copies off the devices
         that are not yet written (default 8 GiB); a larger state makes `save` wait for
         writes to drain before it has copied everything. `max_staged_bytes`, its name
@@ -223,7 +226,8 @@ class CheckpointManager:
         as the strings "NaN", "Infinity", "-Infinity" and never rank as best.
 
         With async_save, returns once the state's copies off the devices are dispatched
-        and numpy leaves are copied: the caller may then donate or overwrite its buffers
+        and numpy leaves are copied (and the fingerprints of the leaves it compares for
+        `reuse_unchanged` computed): the caller may then donate or overwrite its buffers
         (the runtime finishes the copies first). Waits first for the previous save.
         Without async_save, returns once the save has committed and the retention
         it triggers has run. Raises TypeError or ValueError for a bad step or metric

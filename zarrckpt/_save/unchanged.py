@@ -9,8 +9,8 @@ every shard this process writes from has the fingerprint that shard had when tha
 was saved. Nothing is guessed from a name, a place in the tree or a training schedule.
 
 A fingerprint is computed on the shard's own device (`_fingerprints`), so that
-unchanged bytes never cross to the host: two 32-bit sums over the shard's words (an
-element of 1 or 2 bytes is widened to a word, one of 8 bytes is two) of a mixing
+unchanged bytes never cross to the host: two 32-bit sums over the shard's bytes taken
+as 32-bit words (`_words`) of a mixing
 function (MurmurHash3's finalizer, a bijection) of each word combined with its place
 and a key. The two keys are drawn at random for each manager, unknown to the training.
 A changed shard passes for unchanged only if both sums agree by chance: about 2**-64 a
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import secrets
 import threading
 import weakref
@@ -45,6 +46,8 @@ from .._regions import Region, region_of
 from ..errors import CheckpointError
 from .host_copies import shards_of
 from .plan import ArrayPlan
+
+log = logging.getLogger("zarrckpt")
 
 # Words of a shard's sample: a changing leaf is told from an unchanged one by this much.
 _SAMPLE = 4096
@@ -90,7 +93,18 @@ class Unchanged:
         """Sets `reuse_from` on each plan of a save to `step` whose leaf is unchanged
         since the newest committed step this process knows; returns what `step` will
         hold once committed (for `committed`). Computes the fingerprints it needs on
-        the devices, and waits for them."""
+        the devices, and waits for them. Never raises: every process of a save must go
+        into it, so a failure here leaves every leaf to be written."""
+        try:
+            return self._mark(plans, documents, step)
+        except Exception:
+            log.warning("could not tell which leaves are unchanged: this save writes them all", exc_info=True)
+            for plan in plans:
+                plan.reuse_from = None
+            return {}
+
+    def _mark(self, plans: Sequence[ArrayPlan], documents: dict[str, dict[str, Any]],
+              step: _storage.Location) -> dict[str, Known]:
         with self._lock:
             known = dict(self._known)
         seen: dict[str, Known] = {}
@@ -105,16 +119,19 @@ class Unchanged:
             if before is not None and before.value is not None and before.value() is value:
                 plan.reuse_from = before.step
                 seen[name] = dataclasses.replace(before, step=step, changes=0, quiet=0)
-            elif sum(unit.nbytes for unit in plan.writes) < _MIN_BYTES:  # written sooner than fingerprinted
+            elif not _fingerprinted(plan):
                 seen[name] = Known(step, documents[name], weakref.ref(value))
-            elif before is not None and before.quiet:
-                seen[name] = Known(step, documents[name], weakref.ref(value), changes=before.changes,
+            elif before is not None and before.quiet:  # its sample kept: the next look compares with it
+                seen[name] = Known(step, documents[name], weakref.ref(value), before.samples, changes=before.changes,
                                    quiet=before.quiet - 1)
             else:
                 sampled.append((plan, _shards_written(plan), before))
         samples = _fingerprints([shards for _, shards, _ in sampled], sample=True, keys=self._keys)
         whole = []
         for (plan, shards, before), mine in zip(sampled, samples):
+            if mine is None:  # not computed (see `_fingerprints`): written, and looked at again next time
+                seen[plan.leaf.name] = Known(step, documents[plan.leaf.name], weakref.ref(plan.leaf.value))
+                continue
             changes = before.changes if before is not None else 0
             then = before.samples if before is not None else {}
             if shards and all(then.get(region) == f for region, f in mine.items()):
@@ -129,6 +146,8 @@ class Unchanged:
                                          changes=changes, quiet=quiet)
         wholes = _fingerprints([shards for _, shards, _ in whole], sample=False, keys=self._keys)
         for (plan, _, before), mine in zip(whole, wholes):
+            if mine is None:
+                continue
             seen[plan.leaf.name] = dataclasses.replace(seen[plan.leaf.name], wholes=mine)
             if before is not None and all(before.wholes.get(region) == f for region, f in mine.items()):
                 plan.reuse_from = before.step
@@ -181,27 +200,55 @@ def _shards_written(plan: ArrayPlan) -> dict[Region, jax.Array]:
     return dict(sorted(shards.items()))
 
 
+def _fingerprinted(plan: ArrayPlan) -> bool:
+    """Whether `plan`'s leaf is looked at by its fingerprints on this process: one that
+    this process writes at least `_MIN_BYTES` of, in device memory (a host-memory shard
+    is left alone: it is no device's to compute on), of elements a byte wide or wider
+    (int4 and such are packed otherwise), each shard under 2**32 words (where a word's
+    place would repeat)."""
+    value = plan.leaf.value
+    return (sum(unit.nbytes for unit in plan.writes) >= _MIN_BYTES
+            and getattr(value.sharding, "memory_kind", None) in (None, "device")
+            and jax.dtypes.itemsize_bits(plan.dtype) in (8, 16, 32, 64, 128)
+            and all(shard.data.nbytes < 4 * 2**32 for shard in value.addressable_shards))
+
+
 def _fingerprints(leaves: list[dict[Region, jax.Array]], *, sample: bool, keys: np.ndarray
-                  ) -> list[dict[Region, Fingerprint]]:
+                  ) -> list[dict[Region, Fingerprint] | None]:
     """Each leaf's shards' fingerprints (of their samples, with `sample`), each computed
     on the shard's own device; waits for them all. One call per leaf where its shards
     have one shape (one program for all of them: one per device was compiled once per
-    device), else one per shard."""
-    pending = []
+    device), else one per shard. A leaf whose fingerprints cannot be computed (the
+    device out of memory, an error of the runtime) has None: it is written, and the
+    save goes on, as it does on every other process (no process may leave a save that
+    the others are in)."""
+    pending: list[list[jax.Array] | None] = []
     for shards in leaves:
-        arrays = list(shards.values())
-        if arrays and arrays[0].ndim and all(a.shape == arrays[0].shape for a in arrays):
-            devices = [next(iter(a.devices())) for a in arrays]
-            mesh = Mesh(np.array(devices), ("shards",))
-            side_by_side = jax.make_array_from_single_device_arrays(
-                (len(arrays) * arrays[0].shape[0], *arrays[0].shape[1:]),
-                NamedSharding(mesh, PartitionSpec("shards")), arrays)
-            pending.append([_on_each(mesh, sample)(side_by_side, _keys_on(mesh, keys.tobytes()))])
-        else:
-            pending.append([_fingerprint(a, _keys_on(Mesh(np.array(list(a.devices())), ("shards",)),
-                                                     keys.tobytes()), sample)[None] for a in arrays])
-    return [dict(zip(shards, ((int(a), int(b)) for rows in out for a, b in rows)))
-            for shards, out in zip(leaves, jax.device_get(pending))]
+        try:
+            pending.append(_dispatch(list(shards.values()), sample, keys))
+        except Exception as e:  # the leaf is written; the reason is for the curious
+            log.debug("no fingerprint of a leaf's shards %s: %s", list(shards), e)
+            pending.append(None)
+    try:
+        fetched = jax.device_get(pending)
+    except Exception as e:
+        log.debug("no fingerprints this save: %s", e)
+        return [None] * len(leaves)
+    return [None if out is None else dict(zip(shards, ((int(a), int(b)) for rows in out for a, b in rows)))
+            for shards, out in zip(leaves, fetched)]
+
+
+def _dispatch(arrays: list[jax.Array], sample: bool, keys: np.ndarray) -> list[jax.Array]:
+    """Starts the fingerprints of one leaf's shards: rows of two sums, in order."""
+    if arrays and arrays[0].ndim and all(a.shape == arrays[0].shape for a in arrays):
+        devices = [next(iter(a.devices())) for a in arrays]
+        mesh = Mesh(np.array(devices), ("shards",))
+        side_by_side = jax.make_array_from_single_device_arrays(
+            (len(arrays) * arrays[0].shape[0], *arrays[0].shape[1:]),
+            NamedSharding(mesh, PartitionSpec("shards")), arrays)
+        return [_on_each(mesh, sample)(side_by_side, _keys_on(mesh, keys.tobytes()))]
+    return [_fingerprint(a, _keys_on(Mesh(np.array(list(a.devices())), ("shards",)), keys.tobytes()), sample)[None]
+            for a in arrays]
 
 
 @functools.lru_cache(maxsize=64)
@@ -221,12 +268,15 @@ def _on_each(mesh: Mesh, sample: bool) -> Any:
 
 @functools.partial(jax.jit, static_argnums=2)
 def _fingerprint(array: jax.Array, keys: jax.Array, sample: bool) -> jax.Array:
-    """The two sums of `array`'s words (`_SAMPLE` of them, evenly spaced, with `sample`),
-    each word mixed with its place and a key (wrapping at 2**32)."""
-    words = _words(array)
-    stride = max(1, words.size // _SAMPLE) if sample else 1
-    words = words[::stride]
-    place = jax.lax.iota(jnp.uint32, words.size) * jnp.uint32(stride) * jnp.uint32(0x9E3779B9)
+    """The two sums of `array`'s words (those of `_SAMPLE` evenly spaced elements, with
+    `sample`), each word mixed with its place and a key (wrapping at 2**32). A sample
+    is taken before anything else: the rest of the array is never read."""
+    flat = array.reshape(-1)
+    stride = max(1, flat.size // _SAMPLE) if sample else 1
+    words = _words(flat[::stride])
+    # Each place mixed first: a mask linear in the place (place * constant + key) let two
+    # words 2**31 apart, swapped with their top bits flipped, leave both sums as they were.
+    place = _mix(jax.lax.iota(jnp.uint32, words.size) * jnp.uint32(stride) * jnp.uint32(0x9E3779B9))
     return jnp.stack([jnp.sum(_mix(words ^ (place + key)), dtype=jnp.uint32) for key in (keys[0], keys[1])])
 
 
@@ -240,18 +290,20 @@ def _mix(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
-def _words(array: jax.Array) -> jax.Array:
-    """The array's bytes as 32-bit words, flat (an element of 1 or 2 bytes widened)."""
-    if jnp.issubdtype(array.dtype, jax.dtypes.prng_key):
-        array = jax.random.key_data(array)
-    flat = array.reshape(-1)
+def _words(flat: jax.Array) -> jax.Array:
+    """The bytes of a flat array as 32-bit words: elements of 1 or 2 bytes packed four or
+    two to a word (widened one to a word where they do not fill the last), of 8 bytes
+    split in two."""
     if flat.dtype == jnp.bool_:
-        return flat.astype(jnp.uint32)
+        flat = flat.astype(jnp.uint8)
     if jnp.issubdtype(flat.dtype, jnp.complexfloating):
         flat = jnp.stack([flat.real, flat.imag], axis=-1).reshape(-1)
     size = flat.dtype.itemsize
     if size == 4:
         return jax.lax.bitcast_convert_type(flat, jnp.uint32)
-    if size in (1, 2):
-        return jax.lax.bitcast_convert_type(flat, {1: jnp.uint8, 2: jnp.uint16}[size]).astype(jnp.uint32)
-    return jax.lax.bitcast_convert_type(flat, jnp.uint32).reshape(-1)  # 8 bytes: two words each
+    if size == 8:
+        return jax.lax.bitcast_convert_type(flat, jnp.uint32).reshape(-1)
+    narrow = jax.lax.bitcast_convert_type(flat, {1: jnp.uint8, 2: jnp.uint16}[size])
+    if flat.size % (4 // size):
+        return narrow.astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(narrow.reshape(-1, 4 // size), jnp.uint32)

@@ -357,7 +357,7 @@ def copy(root: str, src: str, dst: str, *, exclusive: bool) -> None:
     there is replaced."""
     parent, name = _split(dst)
     with _opened(root, src) as (f, size), directory(root, parent, create=True, durable=True) as fd:
-        for _ in range(2):
+        for _ in range(_LINK_TRIES):
             try:
                 if _HAS_PROC_FD:
                     os.link(f"{_PROC_FD}/{f}", name, dst_dir_fd=fd, follow_symlinks=True)
@@ -375,7 +375,12 @@ def copy(root: str, src: str, dst: str, *, exclusive: bool) -> None:
                     raise
                 _copy_bytes(f, size, fd, name, os.path.join(root, dst), exclusive=exclusive)
                 break
+        else:
+            raise FileExistsError(errno.EEXIST, f"{os.path.join(root, dst)} keeps being made by another writer")
         os.fsync(fd)
+
+
+_LINK_TRIES = 3  # a leftover replaced, then a writer racing this one
 
 
 

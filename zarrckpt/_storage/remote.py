@@ -58,9 +58,14 @@ class Protocol:
     # store lives in this process: a lock around the check and the write), or "none"
     # (a check, then a write: two jobs can both succeed).
     create: str = "none"
-    # The arguments that make fsspec's `cp_file` copy only where nothing is (S3's
-    # CopyObject takes If-None-Match); None where it takes none (see `Fsspec.copy`).
-    copy_if_absent: Mapping[str, Any] | None = None
+    # How an object is copied (`Fsspec.copy`): "store" (fsspec's `cp_file`: inside the
+    # store, or in memory for memory://), "rewrite" (GCS's rewrite, sent with its
+    # precondition: gcsfs's `cp_file` sends none), or "bytes" (read, then written, through
+    # this process: a file system whose `cp_file` is missing or unknown).
+    copy: str = "bytes"
+    # The arguments that make `cp_file` copy only where nothing is (S3's CopyObject
+    # takes If-None-Match).
+    copy_if_absent: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # An object store answers each request in tens of milliseconds, mostly spent waiting:
@@ -91,14 +96,15 @@ S3 = Protocol(
     client_attempts={"retries": 1},
     request_method="_call_s3",
     create="store",
+    copy="store",
     copy_if_absent={"IfNoneMatch": "*"},
 )
 # gcsfs copies the body into its multipart upload anyway (or slices a memoryview for
 # resumable uploads of large objects), so a memoryview saves a copy. Its aiohttp
 # session opens at most 100 connections: more requests would only queue for them.
-GCS = Protocol(100, bytes_body=False, request_method="_request", create="store")
+GCS = Protocol(100, bytes_body=False, request_method="_request", create="store", copy="rewrite")
 # The in-process memory file system: more threads would only contend for the GIL.
-MEMORY = Protocol(8, bytes_body=False, create="process")
+MEMORY = Protocol(8, bytes_body=False, create="process", copy="store")
 # Anything else (azure, http, a wrapper...) is assumed remote and given bytes.
 OTHER = Protocol(OBJECT_STORE_CONCURRENCY)
 PROTOCOLS = {"memory": MEMORY, "s3": S3, "s3a": S3, "gs": GCS, "gcs": GCS}
@@ -226,15 +232,22 @@ class Fsspec(Store):
             self._run("pipe_file", path, self._body(parts), timeout=timeout)
 
     def copy(self, key: str, source: str, *, exclusive: bool, timeout: float | None) -> None:
+        if self.protocol.copy == "bytes":
+            data = self._run("cat_file", self._path(source), timeout=timeout)
+            if exclusive:
+                self.create(key, [data], timeout=timeout)
+            else:
+                self.write(key, [data], atomic=False, durable=True, timeout=timeout)
+            return
         source, target = self._path(source), self._path(key)
         if not exclusive:
             self._run("cp_file", source, target, timeout=timeout)
         elif self.protocol.create == "store":
             try:
-                if self.protocol.copy_if_absent is not None:
-                    self._run("cp_file", source, target, timeout=timeout, **self.protocol.copy_if_absent)
-                else:
+                if self.protocol.copy == "rewrite":
                     self._await(_rewrite_if_absent(self.fs, source, target), timeout)
+                else:
+                    self._run("cp_file", source, target, timeout=timeout, **self.protocol.copy_if_absent)
             except OSError as e:
                 if not isinstance(e, FileExistsError) and _guard.classify(e).http_status == 412:
                     raise FileExistsError(errno.EEXIST, f"{target} exists") from e
