@@ -14,8 +14,8 @@ base frozen:
            (`base + 0`, as `optax.apply_updates` makes a frozen weight's zero update):
            reuse needs the fingerprints, and starts at the third save.
 Measured per save (saves 3 on), best / median:
-  - bytes written: local, the bytes of the step's files that are new (not linked from
-    another step); S3, the bytes of the request bodies moto's server received;
+  - bytes written: local, the bytes of the step's files that no other step links; S3,
+    the bytes of the request bodies moto's server received;
   - a sync save (async_save=False) to the local disk: how long `save` takes;
   - an async save: how long `save` blocks training (then `wait`, not counted);
   - a full fine-tune (every leaf changes at every step): the sync save's time;
@@ -111,16 +111,11 @@ def trainer(optimizer, rebuilt: bool, full: bool):
     return keeping_the_base
 
 
-def new_bytes(step_dir: Path, seen: set[int]) -> int:
-    """Bytes of the files of `step_dir` whose inode no earlier step has; adds them to `seen`."""
-    total = 0
-    for path in step_dir.rglob("*"):
-        if path.is_file():
-            info = path.stat()
-            if info.st_ino not in seen:
-                seen.add(info.st_ino)
-                total += info.st_size
-    return total
+def new_bytes(step_dir: Path) -> int:
+    """Bytes of the files of `step_dir` that no other step links (the step before is
+    still there when this runs)."""
+    return sum(info.st_size for path in step_dir.rglob("*") if path.is_file()
+               and (info := path.stat()).st_nlink == 1)
 
 
 def run(url: str, state, optimizer, *, reuse: bool, mode: str, saves: int, asynchronous: bool,
@@ -132,7 +127,6 @@ def run(url: str, state, optimizer, *, reuse: bool, mode: str, saves: int, async
     base, adapters, opt_state = state
     step_fn = trainer(optimizer, rebuilt=mode == "rebuilt", full=mode == "full")
     out: dict[str, list[float]] = {"blocked": [], "bytes": []}
-    seen: set[int] = set()
     with zarrckpt.CheckpointManager(url, reuse_unchanged=reuse, async_save=asynchronous,
                                     storage_options=storage_options) as mgr:
         for step in range(1, saves + 1):
@@ -144,8 +138,7 @@ def run(url: str, state, optimizer, *, reuse: bool, mode: str, saves: int, async
             mgr.save(step, {"base": base, "adapters": adapters, "opt_state": opt_state})
             blocked = time.perf_counter() - started
             mgr.wait()
-            written = server.recorder.bytes_received if server is not None else \
-                new_bytes(Path(url) / f"{step:010d}", seen)
+            written = server.recorder.bytes_received if server is not None else new_bytes(Path(url) / f"{step:010d}")
             if step > 2:
                 out["blocked"].append(blocked)
                 out["bytes"].append(written)
