@@ -441,10 +441,10 @@ class CheckpointManager:
             tier = "persistent"
         else:
             (state, ckpt), tier = _steps.load_step(self._root, step, target, options), "persistent"
-        if self._unchanged is not None:
-            self._unchanged.forget()  # a rollback, or a local step: what a save reuses is the restored step's
-            if ckpt is not None:
-                self._unchanged.restored(ckpt.loc, ckpt.leaves, state)
+        if self._unchanged is not None and ckpt is not None:  # a save reuses the restored step's chunks...
+            self._unchanged.restored(ckpt.loc, ckpt.leaves, state)
+        elif self._unchanged is not None:  # ...and none after a local step, none of any older save's
+            self._unchanged.forget()
         self._restored_step = restored
         self._restored_tier = tier if restored is not None else None
         if self._tier is not None:  # copies newer than this are of abandoned training: never restore them
@@ -717,4 +717,3 @@ class _AtExit:
 
 
 _close_at_exit = _AtExit()
-

@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .. import _storage
 from .._format import tree as _tree, zarrjson as _zarrjson
 from .._format.chunks import ChunkCodec
-from .._regions import Region, region_of
+from .._regions import Region, region_size, replicas_of
 from ..errors import CheckpointError
 from .host_copies import shards_of
 from .plan import ArrayPlan
@@ -190,14 +190,19 @@ class Unchanged:
 def _shards_written(plan: ArrayPlan) -> dict[Region, jax.Array]:
     """The shards this process's writes of `plan` read, one device's copy of each, by
     the region of the array it holds, in order."""
-    devices = {part[0] for unit in plan.writes for part in unit.sources}
     value = plan.leaf.value
-    on = shards_of(value)
-    regions = {shard.device: region_of(shard.index, value.shape) for shard in value.addressable_shards}
+    on, regions = shards_of(value), _regions_of(value)
     shards: dict[Region, jax.Array] = {}
-    for device in sorted(devices, key=lambda d: d.id):
+    for device in sorted({part[0] for unit in plan.writes for part in unit.sources}, key=lambda d: d.id):
         shards.setdefault(regions[device], on[device])
     return dict(sorted(shards.items()))
+
+
+def _regions_of(value: jax.Array) -> dict[jax.Device, Region]:
+    """The region of `value` each device holds, from its sharding (`replicas_of`, cached:
+    its buffers are asked for through `shards_of` alone)."""
+    return {device: region for region, devices in replicas_of(value.sharding, value.shape).items()
+            for device in devices}
 
 
 def _fingerprinted(plan: ArrayPlan) -> bool:
@@ -210,7 +215,8 @@ def _fingerprinted(plan: ArrayPlan) -> bool:
     return (sum(unit.nbytes for unit in plan.writes) >= _MIN_BYTES
             and getattr(value.sharding, "memory_kind", None) in (None, "device")
             and jax.dtypes.itemsize_bits(plan.dtype) in (8, 16, 32, 64, 128)
-            and all(shard.data.nbytes < 4 * 2**32 for shard in value.addressable_shards))
+            and max(map(region_size, replicas_of(value.sharding, value.shape)), default=0) * plan.dtype.itemsize
+            < 4 * 2**32)
 
 
 def _fingerprints(leaves: list[dict[Region, jax.Array]], *, sample: bool, keys: np.ndarray

@@ -45,6 +45,7 @@ _KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "link"}
 # What `link` fails with where it cannot be made: another file system, none on this one
 # (gcsfuse, Mountpoint for S3, blobfuse), too many links to one file.
 _NO_LINKS = (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS)
+_LINK_TRIES = 3  # a copy's: a leftover replaced, then a writer racing this one
 
 
 # A local disk (or tmpfs) is kept busy by a thread per core: each write is a memory copy
@@ -378,10 +379,6 @@ def copy(root: str, src: str, dst: str, *, exclusive: bool) -> None:
         else:
             raise FileExistsError(errno.EEXIST, f"{os.path.join(root, dst)} keeps being made by another writer")
         os.fsync(fd)
-
-
-_LINK_TRIES = 3  # a leftover replaced, then a writer racing this one
-
 
 
 def _copy_bytes(f: int, size: int, fd: int, name: str, path: str, *, exclusive: bool) -> None:

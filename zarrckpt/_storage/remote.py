@@ -21,7 +21,7 @@ import logging
 import posixpath
 import threading
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import fsspec
@@ -215,21 +215,9 @@ class Fsspec(Store):
         return bytes(data) if self.protocol.bytes_body else data  # type: ignore[call-overload]
 
     def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> None:
-        path = self._path(key)
-        if self.protocol.create == "store":
-            try:
-                self._run("pipe_file", path, self._body(parts), mode="create", timeout=timeout)
-            except OSError as e:
-                # s3fs says FileExistsError only where S3 names the condition; any 412 is one.
-                if not isinstance(e, FileExistsError) and _guard.classify(e).http_status == 412:
-                    raise FileExistsError(errno.EEXIST, f"{path} exists") from e
-                raise
-            return
-        with _CREATING if self.protocol.create == "process" else contextlib.nullcontext():
-            self.fs.invalidate_cache(path)
-            if self._run("exists", path, timeout=timeout):
-                raise FileExistsError(errno.EEXIST, f"{path} exists")
-            self._run("pipe_file", path, self._body(parts), timeout=timeout)
+        path, body = self._path(key), self._body(parts)
+        self._if_absent(path, lambda: self._run("pipe_file", path, body, mode="create", timeout=timeout),
+                        lambda: self._run("pipe_file", path, body, timeout=timeout), timeout=timeout)
 
     def copy(self, key: str, source: str, *, exclusive: bool, timeout: float | None) -> None:
         if self.protocol.copy == "bytes":
@@ -240,25 +228,42 @@ class Fsspec(Store):
                 self.write(key, [data], atomic=False, durable=True, timeout=timeout)
             return
         source, target = self._path(source), self._path(key)
-        if not exclusive:
+
+        def conditional() -> None:
+            if self.protocol.copy == "rewrite":
+                self._await(_rewrite_if_absent(self.fs, source, target), timeout)
+            else:
+                self._run("cp_file", source, target, timeout=timeout, **self.protocol.copy_if_absent)
+
+        def plain() -> None:
             self._run("cp_file", source, target, timeout=timeout)
-        elif self.protocol.create == "store":
-            try:
-                if self.protocol.copy == "rewrite":
-                    self._await(_rewrite_if_absent(self.fs, source, target), timeout)
-                else:
-                    self._run("cp_file", source, target, timeout=timeout, **self.protocol.copy_if_absent)
-            except OSError as e:
-                if not isinstance(e, FileExistsError) and _guard.classify(e).http_status == 412:
-                    raise FileExistsError(errno.EEXIST, f"{target} exists") from e
-                raise
+
+        if exclusive:
+            self._if_absent(target, conditional, plain, timeout=timeout)
         else:
-            with _CREATING if self.protocol.create == "process" else contextlib.nullcontext():
-                self.fs.invalidate_cache(target)
-                if self._run("exists", target, timeout=timeout):
-                    raise FileExistsError(errno.EEXIST, f"{target} exists")
-                self._run("cp_file", source, target, timeout=timeout)
+            plain()
         self.fs.invalidate_cache(target)
+
+    def _if_absent(self, path: str, conditional: Callable[[], None], plain: Callable[[], None], *,
+                   timeout: float | None) -> None:
+        """Makes `path` only if nothing is there (FileExistsError if something is): by
+        `conditional`, a request the store itself refuses then, where it checks
+        (`Protocol.create` "store"); else by `plain` after a check, under a lock for a
+        store in this process."""
+        if self.protocol.create == "store":
+            try:
+                conditional()
+            except OSError as e:
+                # s3fs says FileExistsError only where S3 names the condition; any 412 is one.
+                if not isinstance(e, FileExistsError) and _guard.classify(e).http_status == 412:
+                    raise FileExistsError(errno.EEXIST, f"{path} exists") from e
+                raise
+            return
+        with _CREATING if self.protocol.create == "process" else contextlib.nullcontext():
+            self.fs.invalidate_cache(path)
+            if self._run("exists", path, timeout=timeout):
+                raise FileExistsError(errno.EEXIST, f"{path} exists")
+            plain()
 
     @property
     def exclusive(self) -> bool:
