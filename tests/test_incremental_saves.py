@@ -303,3 +303,106 @@ def test_a_store_with_no_copy_of_its_own_gets_the_bytes_of_an_unchanged_chunk(tm
         mgr.wait()
         assert mgr.all_steps() == [1, 2, 3]
     np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint("nocopy://run", 3)["w"]), np.arange(2.0**20))
+
+
+def test_tensorstore_reads_a_step_of_linked_chunks_as_zarrckpt_restores_it(tmp_path):
+    """A step whose frozen base is hard links to the step before (deleted here, so the
+    links are all that is left) is a zarr v3 group another reader opens as it is:
+    TensorStore reads every array of it, checksums checked, bit for bit as zarrckpt
+    restores it."""
+    ts = pytest.importorskip("tensorstore")
+    from zarrckpt._format import tree as _tree
+
+    state, optimizer = lora_state()
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        for step in (1, 2):
+            state = train(state, optimizer, frozen_as_given=True)
+            mgr.save(step, state)
+    for leaf in ("params.base.w", "params.base.embed"):  # linked, not written
+        assert {k: s.st_ino for k, s in chunk_files(tmp_path / "0000000002", leaf).items()} == \
+            {k: s.st_ino for k, s in chunk_files(tmp_path / "0000000001", leaf).items()}
+    shutil.rmtree(tmp_path / "0000000001")
+    restored = zarrckpt.load_checkpoint(str(tmp_path), 2, as_numpy(lora_state()[0]))
+    leaves = {_tree.name_of(path): np.asarray(value)
+              for path, value in jax.tree_util.tree_flatten_with_path(restored)[0]}
+    step = tmp_path / "0000000002"
+    arrays = sorted(p.parent.name for p in step.glob("*/zarr.json"))
+    assert arrays == sorted(leaves)
+    for name in arrays:
+        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(step / name)}}
+        got = ts.open(spec, open=True, read=True).result().read().result()
+        assert (got.dtype, got.shape) == (leaves[name].dtype, leaves[name].shape), name
+        assert got.tobytes() == leaves[name].tobytes(), name
+    jax.tree.map(np.testing.assert_array_equal, as_numpy(restored), as_numpy(state))
+
+
+def test_with_a_local_tier_persistent_steps_link_the_frozen_base_and_every_step_restores_from_either_tier(
+        tmp_path):
+    """Persistent steps every 2 steps, a local copy at every step: the persistent steps
+    link the frozen base from the one before (also after a restore from the local tier,
+    from the first persistent step after it), every local copy and every persistent step
+    restores exactly, and deleting every persistent step but the newest leaves it
+    complete."""
+    from builders import copies
+
+    persistent, local = str(tmp_path / "run"), str(tmp_path / "local")
+    tiers = {"save_interval_steps": 2, "local_directory": local, "local_save_interval_steps": 1,
+             "local_keep_last": 8}
+    target = as_numpy(lora_state()[0])
+    state, optimizer = lora_state()
+    saved = {}
+    with zarrckpt.CheckpointManager(persistent, **tiers) as mgr:
+        for step in range(1, 6):
+            state = train(state, optimizer, frozen_as_given=True)
+            mgr.save(step, state)
+            mgr.wait()
+            saved[step] = as_numpy(state)
+    with zarrckpt.CheckpointManager(persistent, **tiers) as mgr:
+        state, step = mgr.restore(lora_state()[0])
+        assert (step, mgr.restored_tier) == (5, "local")
+        jax.tree.map(np.testing.assert_array_equal, as_numpy(state), saved[5])
+        for step in range(6, 9):  # training goes on from the local copy
+            state = train(state, optimizer, frozen_as_given=True)
+            mgr.save(step, state)
+            mgr.wait()
+            saved[step] = as_numpy(state)
+    run, mine = Path(persistent), copies(persistent, local)
+    assert zarrckpt.all_steps(persistent) == [2, 4, 6, 8]
+    assert zarrckpt.all_steps(str(mine)) == list(range(1, 9))
+    for leaf in ("params.base.w", "params.base.embed"):
+        for newer, older in ((4, 2), (8, 6)):
+            assert {k: s.st_ino for k, s in chunk_files(run / f"{newer:010d}", leaf).items()} == \
+                {k: s.st_ino for k, s in chunk_files(run / f"{older:010d}", leaf).items()}, (leaf, newer)
+    for step in range(1, 9):  # every local copy holds its step
+        jax.tree.map(np.testing.assert_array_equal, as_numpy(zarrckpt.load_checkpoint(str(mine), step, target)),
+                     saved[step])
+    shutil.rmtree(local)  # the host's disk lost: the persistent tier alone
+    with zarrckpt.CheckpointManager(persistent, **tiers) as mgr:
+        state, step = mgr.restore(lora_state()[0])
+        assert (step, mgr.restored_tier) == (8, "persistent")
+        jax.tree.map(np.testing.assert_array_equal, as_numpy(state), saved[8])
+        for step in (2, 4, 6):
+            state, _ = mgr.restore(lora_state()[0], step=step)
+            jax.tree.map(np.testing.assert_array_equal, as_numpy(state), saved[step])
+        for step in (2, 4, 6):
+            mgr.delete(step)
+    assert zarrckpt.all_steps(persistent) == [8]
+    jax.tree.map(np.testing.assert_array_equal, as_numpy(zarrckpt.load_checkpoint(persistent, 8, target)), saved[8])
+    assert zarrckpt.verify(str(run / "0000000008")).ok
+
+
+def test_a_step_replaced_by_save_checkpoint_while_a_manager_holds_the_run_is_refused(tmp_path):
+    """Replaced, step 1 would hold other values than the manager's record of it, and
+    its next save would link them in."""
+    base = fsdp(jnp.arange(2.0**20))
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"w": base, "s": jnp.array(1)})
+        mgr.wait()
+        with pytest.raises(zarrckpt.DirectoryInUseError):
+            zarrckpt.save_checkpoint(str(tmp_path), 1, {"w": fsdp(jnp.zeros(2**20)), "s": jnp.array(1)},
+                                     overwrite=True)
+        mgr.save(2, {"w": base, "s": jnp.array(2)})
+    for step in (1, 2):
+        np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), step)["w"]),
+                                      np.arange(2.0**20))
+    zarrckpt.save_checkpoint(str(tmp_path), 1, {"w": np.zeros(4), "s": 1}, overwrite=True)  # released: allowed

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from . import _commit, _concurrency, _multihost, _options, _restore, _save, _storage
+from . import _commit, _concurrency, _lease, _multihost, _options, _restore, _save, _storage
 from ._format import naming as _naming
 from ._restore import checkpoint as _reader, orbax as _orbax
 from ._storage import Location
@@ -35,13 +35,17 @@ def save_checkpoint(
 
     Agreement, like `save_pytree`, whose options it takes (see there). Raises what
     `save_pytree` raises; CheckpointExistsError if the step is committed and
-    `overwrite` is False, ValueError for a bad step.
+    `overwrite` is False, ValueError for a bad step; DirectoryInUseError, naming the
+    holder, if a live `CheckpointManager` holds `checkpoint_dir` (a step written beside
+    it could be deleted by its retention, resumed from by its restart, or, replacing a
+    step it saved, taken for that step by its next save).
     """
     options = _options.SaveOptions(overwrite=overwrite, max_chunk_bytes=max_chunk_bytes,
                                    min_chunk_bytes=min_chunk_bytes, max_inflight_bytes=max_inflight_bytes,
                                    max_workers=max_workers, timeout_s=timeout_s, progress=progress,
                                    checksums=checksums)
-    _save.save(_storage.resolve(checkpoint_dir, storage_options).step(step), state, options)
+    loc = _storage.resolve(checkpoint_dir, storage_options).step(step)
+    _save.save(loc, state, options, before_prepare=lambda: _lease.refuse_if_held(loc, "save_checkpoint"))
 
 
 def all_steps(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:

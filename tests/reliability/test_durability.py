@@ -2,8 +2,10 @@
 storage before its commit marker is written, the marker before the save returns, and
 retention deletes older steps only after that.
 
-The syncs are recorded as they happen (the real calls, wrapped), with the file or
-directory each one synced, so the order is checked, not assumed.
+The writes and syncs are recorded as they happen (the real calls, wrapped), with the
+file or directory each one wrote or synced, so the order is checked, not assumed: with
+a sync of each file and directory, and with the one `syncfs` that ends a save's writes
+where the file system allows it (`_storage.local.Together`).
 """
 
 import os
@@ -13,12 +15,17 @@ import pytest
 
 import zarrckpt
 from zarrckpt import _commit
+from zarrckpt._storage import local as _local
 
 
-@pytest.fixture
-def events(monkeypatch):
-    """Every sync, rename and deletion of a checkpoint, in order: (what, path)."""
+@pytest.fixture(params=["one syncfs", "file by file"])
+def events(request, monkeypatch, tmp_path):
+    """Every write, link, sync, rename and deletion of a checkpoint, in order: (what, path)."""
     seen: list[tuple[str, str]] = []
+    if request.param == "file by file":
+        monkeypatch.setattr(_local, "_syncs_whole", lambda device: False)
+    elif not _local._syncs_whole(os.stat(tmp_path).st_dev):
+        pytest.skip("this file system (or kernel) is synced file by file")
 
     def path_of(fd: int) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
@@ -33,6 +40,23 @@ def events(monkeypatch):
 
     wrap("fdatasync")
     wrap("fsync")
+    write, link, syncfs = os.write, os.link, _local._SYNCFS
+
+    def writing(fd, data):
+        seen.append(("write", path_of(fd)))
+        return write(fd, data)
+
+    def linking(src, dst, *, src_dir_fd=None, dst_dir_fd=None, follow_symlinks=True):
+        seen.append(("write", os.path.join(path_of(dst_dir_fd), dst) if dst_dir_fd is not None else str(dst)))
+        return link(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, follow_symlinks=follow_symlinks)
+
+    def syncing_all(fd):
+        seen.append(("syncfs", path_of(fd)))
+        return syncfs(fd)
+
+    monkeypatch.setattr(os, "write", writing)
+    monkeypatch.setattr(os, "link", linking)
+    monkeypatch.setattr(_local, "_SYNCFS", syncing_all)
     replace = os.replace
 
     def renaming(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
@@ -47,6 +71,18 @@ def events(monkeypatch):
     return seen
 
 
+def synced_before(events: list[tuple[str, str]], end: int, path: str) -> bool:
+    """Whether `path` (a file, or a directory: what was written inside it) was on stable
+    storage at event `end`: synced itself, or its whole file system, after the last
+    write to it."""
+    written = [i for i, (what, where) in enumerate(events[:end])  # not the commit's own file, written aside
+               if what in ("write", "rename") and (where == path or os.path.dirname(where) == path)
+               and not where.endswith(".tmp")]
+    last = written[-1] if written else -1
+    return any(what == "syncfs" or what in ("fsync", "fdatasync") and where == path  # one file system here
+               for what, where in events[last + 1:end])
+
+
 def test_a_commit_is_on_stable_storage_before_its_marker(tmp_path, events):
     run = tmp_path / "run"
     state = {"w": np.arange(2**16, dtype=np.float32), "b": np.ones(8), "step": 1}
@@ -56,10 +92,10 @@ def test_a_commit_is_on_stable_storage_before_its_marker(tmp_path, events):
     step = run / "0000000002"
     marker = str(step / "zarr.json")
     commit = events.index(("rename", marker), events.index(("rename", marker)) + 1)  # the second: the commit
-    before = {path for _, path in events[:commit]}
     files = [str(p) for p in step.rglob("*") if p.is_file() and p != step / "zarr.json"]
-    assert len(files) == 6 and [f for f in files if f not in before] == []  # every chunk and array metadata
-    assert {str(step / "w"), str(step / "b"), str(step / "step"), str(step)} <= before  # every directory
+    assert len(files) == 6 and [f for f in files if not synced_before(events, commit, f)] == []  # chunks, metadata
+    directories = [str(step / "w"), str(step / "b"), str(step / "step"), str(step)]
+    assert [d for d in directories if not synced_before(events, commit, d)] == []  # every directory
     after = events[commit + 1:]
     assert after[0] == ("fsync", str(step))  # the marker's rename, durable before anything else happens
     assert ("delete", str(run / "0000000001")) in after  # retention: only once step 2 is durable
@@ -72,6 +108,7 @@ def test_a_copy_is_on_stable_storage_before_its_marker(tmp_path, events):
     zarrckpt.copy_checkpoint(str(tmp_path / "src"), str(tmp_path / "dst"))
     dst = tmp_path / "dst"
     commit = max(i for i, event in enumerate(events) if event == ("rename", str(dst / "zarr.json")))
-    before = {path for _, path in events[:commit]}
-    assert {str(p) for p in dst.rglob("*") if p.is_file() and p != dst / "zarr.json"} <= before
-    assert {str(dst / "w"), str(dst / "b")} <= before and events[commit + 1] == ("fsync", str(dst))
+    files = [str(p) for p in dst.rglob("*") if p.is_file() and p != dst / "zarr.json"]
+    assert files and [f for f in files if not synced_before(events, commit, f)] == []
+    assert synced_before(events, commit, str(dst / "w")) and synced_before(events, commit, str(dst / "b"))
+    assert events[commit + 1] == ("fsync", str(dst))

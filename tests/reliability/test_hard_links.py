@@ -1,15 +1,22 @@
 """A file linked into two steps, as a save that reuses an unchanged chunk links it: no
 path that writes or deletes one step (a save over it, `overwrite=True`, a copy onto
-it, an import, a deletion, `zarrckpt gc`) changes a byte the other step holds."""
+it, an import, a deletion, `zarrckpt gc`, a save killed while it links) changes a byte
+the other step holds."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 from pathlib import Path
 
+import fsspec
+import multiprocess
 import numpy as np
 import pytest
 from test_cli import run
+from test_kill import Watched
+from workers.common import distinct_values
 
 import zarrckpt
 from zarrckpt import _storage
@@ -94,3 +101,89 @@ def test_every_path_that_writes_or_deletes_a_step_leaves_a_step_sharing_its_file
     assert zarrckpt.verify(str(run_dir / "0000000001")).ok
     restored = zarrckpt.load_checkpoint(str(run_dir), 1, state(0))
     assert all(np.array_equal(restored[k], v) for k, v in state(1).items())
+
+
+def digests(url: str, options: dict | None, step: int) -> dict[str, str]:
+    """The sha256 of every object of `step` under `url`, by its key."""
+    fs, root = fsspec.core.url_to_fs(url, **(options or {}))
+    fs.invalidate_cache()
+    top = f"{root}/{step:010d}"
+    return {path[len(top):]: hashlib.sha256(fs.cat_file(path)).hexdigest() for path in fs.find(top)}
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_save_killed_while_it_links_unchanged_chunks_leaves_every_earlier_step_as_it_was(
+        tmp_path, new_store, kind):
+    """A manager saves steps 1 and 2 of a state whose base does not change, then step 3,
+    and is killed (SIGKILL) inside step 3's first copy of a base chunk from step 2, the
+    others still to make (workers/kill_target.py, `linking`): steps 1 and 2 are byte for
+    byte as they were, step 3 is not committed, and a new manager in a new process
+    restores step 2 and saves step 3 again, which commits, its base made from step 2's
+    chunks again, and every step restores exactly."""
+    store = new_store(kind)
+    go = tmp_path / "go"
+    os.mkfifo(go)
+    pipe = os.open(go, os.O_RDWR)  # never blocks: the worker reads its line whenever it opens it
+    try:
+        (proc,) = multiprocess.launch("kill_target", "linking", store.url, str(go), processes=1, devices=8,
+                                      storage_options=store.options)
+        child = Watched(proc)
+        try:
+            assert child.wait_for("committed 2", 180), proc.output.read_text(errors="replace")[-5000:]
+            before = {step: digests(store.url, store.options, step) for step in (1, 2)}
+            os.write(pipe, b"go\n")
+            assert child.wait_for("linked", 180), proc.output.read_text(errors="replace")[-5000:]
+            proc.kill()  # SIGKILL: inside a copy, the rest of the base's chunks not made
+        finally:
+            proc.kill()
+            proc.wait()
+            shutil.rmtree(proc.said.parent, ignore_errors=True)
+    finally:
+        os.close(pipe)
+    base = {step: {key for key in digests(store.url, store.options, step) if key.startswith("/base/c")}
+            for step in (2, 3)}
+    assert base[3] and base[3] < base[2], (len(base[3]), len(base[2]))  # some made, not all
+    assert {step: digests(store.url, store.options, step) for step in (1, 2)} == before
+    assert zarrckpt.all_steps(store.url, storage_options=store.options) == [1, 2]
+
+    (relinked,) = multiprocess.run("kill_target", "relink", store.url, "3", processes=1, devices=8,
+                                   storage_options=store.options)
+    assert relinked["restored"] == 2
+    assert zarrckpt.all_steps(store.url, storage_options=store.options) == [1, 2, 3]
+    assert {step: digests(store.url, store.options, step) for step in (1, 2)} == before
+    for step, attempt in ((1, 0), (2, 0), (3, 1)):
+        restored = zarrckpt.load_checkpoint(store.url, step, storage_options=store.options)
+        np.testing.assert_array_equal(restored["base"], distinct_values(0, 0, 0, restored["base"].shape))
+        np.testing.assert_array_equal(restored["adapter"], distinct_values(1, step, attempt, restored["adapter"].shape))
+        assert restored["step"] == step
+    assert zarrckpt.verify(_storage.resolve(store.url, store.options).step(3).url,
+                           storage_options=store.options).ok
+    if kind == "local":  # made from step 2's chunks again: the same files
+        inodes = {step: {p.name: p.stat().st_ino for p in (Path(store.url) / f"{step:010d}" / "base").glob("c*")}
+                  for step in (2, 3)}
+        assert inodes[3] == inodes[2] and len(inodes[3]) == len(base[2])
+
+
+@pytest.mark.parametrize("planted", ["a symbolic link to a file outside", "a FIFO"])
+@pytest.mark.parametrize("together", [False, True], ids=["alone", "together"])
+def test_a_chunk_made_from_a_planted_link_or_fifo_is_refused_and_nothing_is_followed(tmp_path, planted, together):
+    """An unchanged chunk is linked from the step before: what is planted there is
+    linked as itself, never followed or read (a FIFO would block a reader), then
+    removed and refused, alone or among a save's writes made together."""
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not a checkpoint's")
+    run_dir = tmp_path / "run"
+    (run_dir / "1" / "a").mkdir(parents=True)
+    if planted == "a FIFO":
+        os.mkfifo(run_dir / "1" / "a" / "c.0")
+    else:
+        (run_dir / "1" / "a" / "c.0").symlink_to(outside)
+    root = _storage.resolve(str(run_dir))
+    if together:
+        with pytest.raises(zarrckpt.CheckpointCorruptError), root.child("2").together() as new:
+            new.copy_new("a/c.0", root.child("1"), nbytes=18)
+    else:
+        with pytest.raises(zarrckpt.CheckpointCorruptError):
+            root.child("2").copy_new("a/c.0", root.child("1"), nbytes=18)
+    assert not os.path.lexists(run_dir / "2" / "a" / "c.0")
+    assert outside.read_bytes() == b"not a checkpoint's" and os.stat(outside).st_nlink == 1

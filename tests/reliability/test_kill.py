@@ -34,8 +34,12 @@ class Watched:
         return multiprocess.said(self.proc)
 
     def wait_ready(self, timeout: float) -> bool:
+        return self.wait_for("ready", timeout)
+
+    def wait_for(self, line: str, timeout: float) -> bool:
+        """Whether the worker says `line` within `timeout` (False once it has exited)."""
         deadline = time.monotonic() + timeout
-        while "ready" not in self.lines:
+        while line not in self.lines:
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 return False
             time.sleep(0.05)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import itertools
 import logging
 import time
@@ -96,10 +97,10 @@ def save_pytree(
 
 
 def save(loc: _storage.Location, tree: Any, options: SaveOptions, *,
-         extra_metadata: dict[str, Any] | None = None) -> SaveJob:
+         extra_metadata: dict[str, Any] | None = None, before_prepare: Callable[[], None] | None = None) -> SaveJob:
     """`save_pytree` at `loc`: plan, then write as the budget lets each unit in; returns
     the job done. Agreement."""
-    job = SaveJob.create(loc, tree, options, extra_metadata=extra_metadata)
+    job = SaveJob.create(loc, tree, options, extra_metadata=extra_metadata, before_prepare=before_prepare)
     seconds = job.run_admitted()
     if _multihost.process_index() == 0:
         log.info("saved %s: %d leaves, %s", loc.url, len(job.plans), _progress.rate(job.nbytes, seconds))
@@ -376,21 +377,22 @@ def _tree_metadata(spec: dict[str, Any]) -> dict[str, Any]:
 def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPlan, dict[str, Any]]],
                workers: int, advance: Callable[[int], None]) -> None:
     """Writes each array's `metadata` document and every unit of `work`, `workers` at
-    a time, each on stable storage before this returns (see `_storage.local`): the commit that
-    follows must never find a chunk only in the page cache. Array metadata is only read
+    a time, all on stable storage before this returns (written together: see
+    `Location.together`): the commit that follows must never find a chunk only in the
+    page cache. Array metadata is only read
     once committed, so it goes out alongside the chunks. Stops at the first failure
     (see `_concurrency`)."""
-    def write(item: tuple[ArrayPlan, WriteUnit | dict[str, Any]]) -> None:
+    def write(out: _storage.Location, item: tuple[ArrayPlan, WriteUnit | dict[str, Any]]) -> None:
         plan, what = item
         if isinstance(what, dict):
-            _write_metadata(loc, plan, what)
+            _write_metadata(out, plan, what)
         else:
-            _write_one(loc, plan, what)
+            _write_one(out, plan, what)
             advance(what.nbytes)
 
     items: Iterable[tuple[ArrayPlan, WriteUnit | dict[str, Any]]] = itertools.chain(metadata, work)
-    with _concurrency.Operation(workers, "write") as op:
-        op.fan_out(items, write)
+    with loc.together() as out, _concurrency.Operation(workers, "write") as op:
+        op.fan_out(items, functools.partial(write, out))
 
 
 def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ disk as `NotAFileInCheckpoint`, a CheckpointCorruptError.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -28,7 +29,7 @@ import posixpath
 import re
 import reprlib
 import urllib.parse
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import fsspec
@@ -188,6 +189,17 @@ class Location:
         self._created(key, lambda: self.create(key, *parts),
                       lambda found: found == b"".join(memoryview(p).cast("B") for p in parts))
 
+    @contextlib.contextmanager
+    def together(self) -> Iterator[Location]:
+        """This location, for writes made together (one save's chunks and array
+        documents): a `durable` write through it is on stable storage when the block
+        ends, not always when its call returns. On a local disk its directories are
+        opened once, and a file system that can be synced whole safely is synced once
+        at the end instead of file by file (`local.Together`); elsewhere it changes
+        nothing. Leaving the block by an exception leaves what was written unsynced."""
+        with self.store.together() as store:
+            yield dataclasses.replace(self, store=store)
+
     def copy_new(self, key: str, source: Location, *, nbytes: int) -> None:
         """Makes the object `key`, which the save in progress makes (a chunk that has not
         changed), durably what the object `key` of `source` is (a committed step of the
@@ -197,7 +209,7 @@ class Location:
 
         Where requests may land late (as `write_new`), it is created only if absent: an
         object found there is compared with the source, and replaced unless the same."""
-        if source.store is not self.store:
+        if source.guard is not self.guard or source.store.root != self.store.root:
             raise ValueError(f"{source.url} is not in the store of {self.url}: a chunk is copied within one store")
         _stats.add("store_bytes_copied", nbytes)
         if not self.late_safe:

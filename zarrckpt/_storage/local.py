@@ -17,19 +17,26 @@ A durable write reaches stable storage before it returns, with every directory e
 leading to it: the file's data is synced (`fdatasync`) before it is closed, its
 directory after it is created or renamed into place (an atomic write: a temporary
 file renamed over the old one), and each directory it had to create, in its parent.
+Writes made together (`LocalDisk.together`: a save's chunks and array documents) open
+each directory once, and, where the platform offers it safely, are synced together:
+one `syncfs` of the file system when they end, in place of a sync per file and per
+directory (see `Together`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import functools
 import os
 import posixpath
+import resource
 import shutil
 import stat
+import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from .store import Entry, NotAFile, Store
 
@@ -59,9 +66,15 @@ class LocalDisk(Store):
 
     local = True
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, together: Together | None = None) -> None:
         self.root = root
         self.concurrency = LOCAL_CONCURRENCY
+        self._together = together
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[LocalDisk]:
+        with Together(self.root) as together:
+            yield LocalDisk(self.root, together)
 
     def list_dir(self, key: str, *, timeout: float | None) -> list[Entry]:
         return sorted(list_dir(self.root, key), key=lambda e: e.name)
@@ -71,13 +84,13 @@ class LocalDisk(Store):
 
     def write(self, key: str, parts: Sequence[object], *, atomic: bool, durable: bool,
               timeout: float | None) -> None:
-        write(self.root, key, parts, atomic=atomic, durable=durable)
+        write(self.root, key, parts, atomic=atomic, durable=durable, together=self._together)
 
     def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> None:
         create(self.root, key, parts)
 
     def copy(self, key: str, source: str, *, exclusive: bool, timeout: float | None) -> None:
-        copy(self.root, source, key, exclusive=exclusive)
+        copy(self.root, source, key, exclusive=exclusive, together=self._together)
 
     def read(self, key: str, limit: int | None, *, timeout: float | None) -> bytes:
         return read(self.root, key, limit)
@@ -246,9 +259,9 @@ def _split(key: str) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def _opened(root: str, key: str) -> Iterator[tuple[int, int]]:
+def _opened(root: str, key: str, together: Together | None = None) -> Iterator[tuple[int, int]]:
     """The file `root/key`, opened for reading through no link below `root`, and its size."""
-    f = _open_file(root, key)
+    f = _open_file(root, key, together)
     try:
         info = os.fstat(f)
         if stat.S_ISDIR(info.st_mode):
@@ -260,7 +273,11 @@ def _opened(root: str, key: str) -> Iterator[tuple[int, int]]:
         os.close(f)
 
 
-def _open_file(root: str, key: str) -> int:
+def _open_file(root: str, key: str, together: Together | None = None) -> int:
+    if together is not None:  # its directory is open already
+        parent, name = _split(key)
+        with _reading_in(root, parent, together) as fd:
+            return _open_below(fd, name, _READ, os.path.join(root, key))
     if _HAS_PROC_FD:  # as `_open_directory`: open, then ask the kernel where it led
         try:
             f = os.open(os.path.join(root, key), _READ)
@@ -308,15 +325,19 @@ def read_range(root: str, key: str, start: int, buffer: memoryview) -> int:
         return filled
 
 
-def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable: bool) -> None:
+def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable: bool,
+          together: Together | None = None) -> None:
     """Writes `root/key`, the concatenation of `parts`, creating directories as needed.
     `atomic`: written aside and renamed over, so a reader sees the old file or the new
     one whole. `durable`: on stable storage (data, and with `atomic` the rename) before
-    returning."""
+    returning, or, in writes made `together`, before they end."""
     parent, name = _split(key)
-    with directory(root, parent, create=True, durable=durable) as fd:
+    with _writing_in(root, parent, durable, together) as (fd, deferred):
         target = f"{name}.{uuid.uuid4().hex}.tmp" if atomic else name
-        _write_file(fd, target, _WRITE, parts, os.path.join(root, key), durable=durable)
+        # A large file is synced as it is written even when the end syncs the rest: its
+        # writeback then overlaps the writes that follow instead of all coming at the end.
+        large = sum(memoryview(part).nbytes for part in parts) >= _SYNCED_AS_WRITTEN  # type: ignore[arg-type, misc]
+        _write_file(fd, target, _WRITE, parts, os.path.join(root, key), durable=durable and (large or not deferred))
         if atomic:
             try:
                 os.replace(target, name, src_dir_fd=fd, dst_dir_fd=fd)  # replaces a link itself, never its target
@@ -324,8 +345,32 @@ def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable
                 with contextlib.suppress(OSError):
                     os.unlink(target, dir_fd=fd)
                 raise
-        if durable:
+        if durable and not deferred:
             os.fsync(fd)  # the file's entry in its directory
+
+
+@contextlib.contextmanager
+def _reading_in(root: str, key: str, together: Together | None) -> Iterator[int]:
+    """The directory `root/key`, to read in."""
+    if together is None:
+        with directory(root, key) as fd:
+            yield fd
+    else:
+        with together.directory(key, create=False) as (fd, _):
+            yield fd
+
+
+@contextlib.contextmanager
+def _writing_in(root: str, key: str, durable: bool, together: Together | None) -> Iterator[tuple[int, bool]]:
+    """The directory `root/key`, made if missing (with `durable`, synced into its
+    parent), for a write; and whether what is written there is synced when the writes
+    made `together` end."""
+    if together is None:
+        with directory(root, key, create=True, durable=durable) as fd:
+            yield fd, False
+    else:
+        with together.directory(key) as (fd, deferred):
+            yield fd, deferred
 
 
 def create(root: str, key: str, parts: Sequence[object]) -> None:
@@ -349,23 +394,21 @@ def create(root: str, key: str, parts: Sequence[object]) -> None:
         os.fsync(fd)
 
 
-def copy(root: str, src: str, dst: str, *, exclusive: bool) -> None:
-    """Makes `root/dst` durably the file `root/src` is, as a hard link (its bytes
-    written nowhere), or, where links cannot be made (another file system, a file
-    system without them), a copy made inside the kernel. The link is to the very file
-    opened through no symbolic link (by its descriptor), never to what a name leads to
-    later. With `exclusive`, FileExistsError if anything is at `dst`; else what is
+def copy(root: str, src: str, dst: str, *, exclusive: bool, together: Together | None = None) -> None:
+    """Makes `root/dst` durably (in writes made `together`, by their end) the file
+    `root/src` is, as a hard link (its bytes written nowhere), or, where links cannot
+    be made (another file system, a file system without them), a copy made inside the
+    kernel. A symbolic link or special file at `src` is linked as itself, never
+    followed, then removed again and refused: `dst` is never anything but a regular
+    file. With `exclusive`, FileExistsError if anything is at `dst`; else what is
     there is replaced."""
     parent, name = _split(dst)
-    with _opened(root, src) as (f, size), directory(root, parent, create=True, durable=True) as fd:
+    source_parent, source_name = _split(src)
+    with (_reading_in(root, source_parent, together) as source_fd,
+          _writing_in(root, parent, True, together) as (fd, deferred)):
         for _ in range(_LINK_TRIES):
             try:
-                if _HAS_PROC_FD:
-                    os.link(f"{_PROC_FD}/{f}", name, dst_dir_fd=fd, follow_symlinks=True)
-                else:
-                    source_parent, source_name = _split(src)
-                    with directory(root, source_parent) as source_fd:
-                        os.link(source_name, name, src_dir_fd=source_fd, dst_dir_fd=fd, follow_symlinks=False)
+                os.link(source_name, name, src_dir_fd=source_fd, dst_dir_fd=fd, follow_symlinks=False)
                 break
             except FileExistsError:
                 if exclusive:
@@ -374,16 +417,24 @@ def copy(root: str, src: str, dst: str, *, exclusive: bool) -> None:
             except OSError as e:
                 if e.errno not in _NO_LINKS:
                     raise
-                _copy_bytes(f, size, fd, name, os.path.join(root, dst), exclusive=exclusive)
+                with _opened(root, src, together) as (f, size):
+                    _copy_bytes(f, size, fd, name, os.path.join(root, dst), exclusive=exclusive, durable=not deferred)
                 break
         else:
             raise FileExistsError(errno.EEXIST, f"{os.path.join(root, dst)} keeps being made by another writer")
-        os.fsync(fd)
+        made = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+        if not stat.S_ISREG(made):
+            os.unlink(name, dir_fd=fd)
+            path = os.path.join(root, src)
+            raise NotAFile(path) if stat.S_ISLNK(made) else _not_regular(made, path)
+        if not deferred:
+            os.fsync(fd)
 
 
-def _copy_bytes(f: int, size: int, fd: int, name: str, path: str, *, exclusive: bool) -> None:
-    """Copies the open file `f` (`size` bytes) to `name` in the directory `fd`, durably,
-    in the kernel (`sendfile`: no byte through this process's memory)."""
+def _copy_bytes(f: int, size: int, fd: int, name: str, path: str, *, exclusive: bool, durable: bool) -> None:
+    """Copies the open file `f` (`size` bytes) to `name` in the directory `fd`, in the
+    kernel (`sendfile`: no byte through this process's memory); with `durable`, on
+    stable storage before returning."""
     if not exclusive:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=fd)
@@ -392,7 +443,8 @@ def _copy_bytes(f: int, size: int, fd: int, name: str, path: str, *, exclusive: 
         done = 0
         while done < size and (n := os.sendfile(out, f, done, size - done)):
             done += n
-        os.fdatasync(out)
+        if durable:
+            os.fdatasync(out)
     finally:
         os.close(out)
 
@@ -498,6 +550,131 @@ def exists(root: str, key: str) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+class Together:
+    """Writes made together below `root` (one save's chunks and array documents), for
+    `LocalDisk.together`: each directory is opened once and kept open until they end;
+    and where one sync of the whole file system is as safe as a sync per file and per
+    directory, what they write is synced once, when they end (`__exit__` returns only
+    then), instead of as it is written.
+
+    That holds for `syncfs` on Linux 5.8 and later, which fails with any writeback
+    error of the file system since the descriptor it is given was opened (the first
+    directory kept open on it, opened before anything was written in any of them), on
+    file systems whose sync commits their metadata too (`_WHOLE_SYNCS`). Elsewhere
+    (NFS, FUSE, overlay, an older kernel, a directory past the bound on descriptors
+    kept) each write syncs as it goes, as outside. What it costs: a `syncfs` also
+    waits for what other programs have left to write on that file system."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._lock = threading.Lock()
+        self._open: dict[str, tuple[int, int, bool]] = {}  # key: descriptor, device, synced at the end
+        self._limit = _KEPT_DIRECTORIES
+
+    def __enter__(self) -> Together:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        try:
+            if kind is None:  # a failed save is not committed: nothing to sync for it
+                synced: set[int] = set()
+                for fd, device, deferred in list(self._open.values()):  # in the order they were opened
+                    if deferred and device not in synced:
+                        _syncfs(fd, self.root)
+                        synced.add(device)
+        finally:
+            for fd, _, _ in self._open.values():
+                os.close(fd)
+            self._open.clear()
+
+    @contextlib.contextmanager
+    def directory(self, key: str, *, create: bool = True) -> Iterator[tuple[int, bool]]:
+        """The directory `root/key`, reached through no symbolic link (made if missing,
+        with `create`), and whether what is written in it is synced at the end rather
+        than as it is written."""
+        with self._lock:
+            found = self._open.get(key)
+        if found is not None:
+            yield found[0], found[2]
+            return
+        fd = self._opened(key, create)
+        device = os.fstat(fd).st_dev
+        with self._lock:
+            found = self._open.get(key)  # another thread's, opened meanwhile
+            if found is None and len(self._open) < self._limit:
+                self._open[key] = found = (fd, device, _syncs_whole(device))
+                fd = -1
+        try:
+            yield (found[0], found[2]) if found is not None else (fd, False)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _opened(self, key: str, create: bool) -> int:
+        try:
+            return _open_directory(self.root, key, False, False)
+        except FileNotFoundError:
+            if not create:
+                raise
+        if not _parts(key):
+            return _open_root(self.root, True, True)
+        parent, name = _split(key)
+        with self.directory(parent) as (fd, deferred):
+            with contextlib.suppress(FileExistsError):  # another thread's, made meanwhile
+                os.mkdir(name, dir_fd=fd)
+            if not deferred:
+                os.fsync(fd)
+            return _open_below(fd, name, _DIRECTORY, os.path.join(self.root, key))
+
+
+# A file at least this large is synced as it is written, even in writes made together.
+_SYNCED_AS_WRITTEN = 1 << 20
+# Descriptors a `Together` keeps open: a quarter of what the process may have.
+_KEPT_DIRECTORIES = max(16, min(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4))
+# File systems whose `syncfs` writes out their data and commits their metadata
+# (journal, log, transaction), and reports writeback errors from Linux 5.8 on.
+_WHOLE_SYNCS = frozenset({"ext4", "xfs", "btrfs", "tmpfs"})
+
+
+def _libc_syncfs() -> Callable[[int], int] | None:
+    try:
+        return getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
+    except OSError:
+        return None
+
+
+_SYNCFS = _libc_syncfs()
+
+
+def _kernel() -> tuple[int, ...]:
+    release = os.uname().release.split("-")[0].split(".")
+    return tuple(int(part) for part in release[:2] if part.isdigit())
+
+
+@functools.lru_cache(maxsize=64)
+def _syncs_whole(device: int) -> bool:
+    """Whether one `syncfs` of the file system on `device` is as safe as syncing each
+    file and directory written there."""
+    if _SYNCFS is None or _kernel() < (5, 8):
+        return False
+    wanted = f"{os.major(device)}:{os.minor(device)}"
+    try:
+        with open("/proc/self/mountinfo") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if fields[2] == wanted:
+                    return fields[fields.index("-") + 1] in _WHOLE_SYNCS
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def _syncfs(fd: int, root: str) -> None:
+    if _SYNCFS is not None and _SYNCFS(fd) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"syncing the file system that holds {root}: {os.strerror(code)}")
 
 
 class UnsafeDirectory(OSError):

@@ -12,6 +12,7 @@ and `DeadlinePassed` for a request it abandoned.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import errno
 from collections.abc import Sequence
@@ -78,6 +79,10 @@ class Store(abc.ABC):
         """Makes the object `key` a copy of the object `source`, durably, without its bytes
         passing through this process where the store can (see `Location.copy_new`).
         With `exclusive`, only if nothing is at `key` (FileExistsError), as `create`."""
+
+    def together(self) -> contextlib.AbstractContextManager[Store]:
+        """This store, for writes made together (see `Location.together`)."""
+        return contextlib.nullcontext(self)
 
     @property
     def exclusive(self) -> bool:
