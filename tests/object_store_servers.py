@@ -47,6 +47,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, str]] = []  # (method, path?query)
+        self.copies: list[tuple[str, str]] = []  # S3's CopyObject: (source, target path)
         self.bytes_received = 0  # the requests' bodies, in all
         self.peak_in_flight = 0
         self._in_flight = 0
@@ -60,6 +61,7 @@ class Recorder:
     def reset(self) -> None:
         with self._lock:
             self.requests.clear()
+            self.copies.clear()
             self.bytes_received = 0
             self.peak_in_flight = 0
 
@@ -150,6 +152,9 @@ class S3Server:
             query = environ.get("QUERY_STRING")
             target = environ["PATH_INFO"] + (f"?{query}" if query else "")
             with self.recorder.request(environ["REQUEST_METHOD"], target, int(environ.get("CONTENT_LENGTH") or 0)):
+                if environ["REQUEST_METHOD"] == "PUT" and "HTTP_X_AMZ_COPY_SOURCE" in environ:
+                    self.recorder.copies.append((urllib.parse.unquote(environ["HTTP_X_AMZ_COPY_SOURCE"]),
+                                                 environ["PATH_INFO"]))
                 if _copy_precondition_fails(environ):
                     start_response("412 Precondition Failed", [("Content-Type", "application/xml")])
                     return [b"<Error><Code>PreconditionFailed</Code><Message>At least one of the pre-conditions "

@@ -9,6 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
+import fsspec
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,6 +221,14 @@ def test_on_an_object_store_unchanged_chunks_are_copied_inside_it(new_store, kin
         mgr.delete(2)
     base_bytes = 1024 * 2048 * 2 + 512 * 2048 * 4
     assert received < 0.2 * base_bytes  # the server received the adapters and metadata, no base
+    if kind == "s3":  # each chunk of the base one CopyObject, its source asked nothing first (no HEAD)
+        fs = fsspec.filesystem("s3", **store.options)
+        chunks = sorted(path.rpartition("0000000003/")[2] for leaf in ("w", "embed")
+                        for path in fs.ls(f"{store.url}/0000000003/params.base.{leaf}", detail=False)
+                        if not path.endswith("zarr.json"))
+        assert sorted(source.rpartition("0000000002/")[2] for source, _ in store.server.recorder.copies) == chunks
+        assert [target for method, target in store.server.recorder.requests
+                if method == "HEAD" and "/0000000002/params.base." in target] == []
     restored = zarrckpt.load_checkpoint(store.url, 3, as_numpy(lora_state()[0]), storage_options=store.options)
     jax.tree.map(np.testing.assert_array_equal, as_numpy(restored), as_numpy(state))
 

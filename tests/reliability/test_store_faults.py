@@ -10,6 +10,7 @@ import random
 import time
 import zlib
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from fault_proxy import RESET, Answer, FaultProxy
@@ -63,15 +64,19 @@ def test_a_third_of_every_request_kind_failing_is_absorbed(proxied, fault, capsy
         return at_random(kind, method, target, body)
 
     proxy.fault = fault_each_kind_first
+    frozen = jnp.arange(4096.0)  # the same array at every save: its chunks copied inside the store from step 2 on
     with zarrckpt.CheckpointManager(url, storage_options=options, keep_last=2, max_chunk_bytes=1024,
                                     heartbeat_s=0.2) as mgr:
         for step in (1, 2, 3):
-            mgr.save(step, state(step))
+            mgr.save(step, {**state(step), "frozen": frozen})
     assert zarrckpt.all_steps(url, storage_options=options) == [2, 3]
+    target = {**state(0), "frozen": np.zeros(4096, np.float32)}
+    np.testing.assert_array_equal(zarrckpt.load_checkpoint(url, 3, target, storage_options=direct)["frozen"],
+                                  np.arange(4096.0))
     with zarrckpt.CheckpointManager(url, storage_options=options, heartbeat_s=0.2) as mgr:
-        restored, step = mgr.restore(state(0))
+        restored, step = mgr.restore(target)
     assert step == 3 and exact(restored, state(3))
-    assert exact(zarrckpt.load_checkpoint(url, 2, state(0), storage_options=options), state(2))
+    assert exact(zarrckpt.load_checkpoint(url, 2, target, storage_options=options), state(2))
     flags = [arg for key in ("endpoint_url", "key", "secret", "token") if key in options
              for arg in ("-o", f"{key}={options[key]}")]
     step_url = f"{url}/{2:010d}"
@@ -79,9 +84,9 @@ def test_a_third_of_every_request_kind_failing_is_absorbed(proxied, fault, capsy
                     ["gc", url, "--keep-last", "1"]):
         assert _cli.main([*command, *flags]) == 0, (command, capsys.readouterr())
     assert zarrckpt.all_steps(url, storage_options=direct) == [3]
-    assert exact(zarrckpt.load_pytree(f"{url}-copy", state(0), storage_options=direct), state(2))
+    assert exact(zarrckpt.load_pytree(f"{url}-copy", target, storage_options=direct), state(2))
     # The faults really happened, on every kind of request zarrckpt makes.
-    assert {"read", "list", "write", "delete"} <= set(proxy.injected), (proxy.injected, proxy.seen)
+    assert {"read", "list", "write", "copy", "delete"} <= set(proxy.injected), (proxy.injected, proxy.seen)
 
 
 @pytest.mark.parametrize("fault", FAULTS)

@@ -213,10 +213,10 @@ class Location:
             raise ValueError(f"{source.url} is not in the store of {self.url}: a chunk is copied within one store")
         _stats.add("store_bytes_copied", nbytes)
         if not self.late_safe:
-            self._call("write", key, self.store.copy, source._key(key), exclusive=False, nbytes=nbytes)
+            self._call("write", key, self.store.copy, source._key(key), size=nbytes, exclusive=False, nbytes=nbytes)
             return
-        self._created(key, lambda: self._call("write", key, self.store.copy, source._key(key), exclusive=True,
-                                              nbytes=nbytes),
+        self._created(key, lambda: self._call("write", key, self.store.copy, source._key(key), size=nbytes,
+                                              exclusive=True, nbytes=nbytes),
                       lambda found: found == source.read(key))
 
     def _created(self, key: str, create: Callable[[], None], meant: Callable[[bytes], bool]) -> None:

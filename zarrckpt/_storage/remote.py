@@ -59,13 +59,12 @@ class Protocol:
     # (a check, then a write: two jobs can both succeed).
     create: str = "none"
     # How an object is copied (`Fsspec.copy`): "store" (fsspec's `cp_file`: inside the
-    # store, or in memory for memory://), "rewrite" (GCS's rewrite, sent with its
-    # precondition: gcsfs's `cp_file` sends none), or "bytes" (read, then written, through
-    # this process: a file system whose `cp_file` is missing or unknown).
+    # store, or in memory for memory://), "object" (S3's CopyObject, sent with its
+    # If-None-Match where only if absent, in one request: s3fs's `cp_file` asks for the
+    # size first, a HEAD per copy), "rewrite" (GCS's rewrite, sent with its
+    # precondition: gcsfs's `cp_file` sends none), or "bytes" (read, then written,
+    # through this process: a file system whose `cp_file` is missing or unknown).
     copy: str = "bytes"
-    # The arguments that make `cp_file` copy only where nothing is (S3's CopyObject
-    # takes If-None-Match).
-    copy_if_absent: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # An object store answers each request in tens of milliseconds, mostly spent waiting:
@@ -96,8 +95,7 @@ S3 = Protocol(
     client_attempts={"retries": 1},
     request_method="_call_s3",
     create="store",
-    copy="store",
-    copy_if_absent={"IfNoneMatch": "*"},
+    copy="object",
 )
 # gcsfs copies the body into its multipart upload anyway (or slices a memoryview for
 # resumable uploads of large objects), so a memoryview saves a copy. Its aiohttp
@@ -107,6 +105,7 @@ GCS = Protocol(100, bytes_body=False, request_method="_request", create="store",
 MEMORY = Protocol(8, bytes_body=False, create="process", copy="store")
 # Anything else (azure, http, a wrapper...) is assumed remote and given bytes.
 OTHER = Protocol(OBJECT_STORE_CONCURRENCY)
+_ONE_COPY_BYTES = 5 * 2**30  # the most S3's CopyObject copies in one request
 PROTOCOLS = {"memory": MEMORY, "s3": S3, "s3a": S3, "gs": GCS, "gcs": GCS}
 
 
@@ -219,7 +218,7 @@ class Fsspec(Store):
         self._if_absent(path, lambda: self._run("pipe_file", path, body, mode="create", timeout=timeout),
                         lambda: self._run("pipe_file", path, body, timeout=timeout), timeout=timeout)
 
-    def copy(self, key: str, source: str, *, exclusive: bool, timeout: float | None) -> None:
+    def copy(self, key: str, source: str, *, size: int, exclusive: bool, timeout: float | None) -> None:
         if self.protocol.copy == "bytes":
             data = self._run("cat_file", self._path(source), timeout=timeout)
             if exclusive:
@@ -233,16 +232,29 @@ class Fsspec(Store):
             if self.protocol.copy == "rewrite":
                 self._await(_rewrite_if_absent(self.fs, source, target), timeout)
             else:
-                self._run("cp_file", source, target, timeout=timeout, **self.protocol.copy_if_absent)
+                self._copy_object(source, target, size, timeout, IfNoneMatch="*")
 
         def plain() -> None:
-            self._run("cp_file", source, target, timeout=timeout)
+            if self.protocol.copy == "object":
+                self._copy_object(source, target, size, timeout)
+            else:
+                self._run("cp_file", source, target, timeout=timeout)
 
         if exclusive:
             self._if_absent(target, conditional, plain, timeout=timeout)
         else:
             plain()
         self.fs.invalidate_cache(target)
+
+    def _copy_object(self, source: str, target: str, size: int, timeout: float | None, **conditions: str) -> None:
+        """S3's CopyObject of `source` (`size` bytes) to `target`, in one request where S3
+        copies that much in one (5 GiB); a larger one by s3fs's multipart copy."""
+        if size > _ONE_COPY_BYTES:
+            self._run("cp_file", source, target, timeout=timeout, **conditions)
+            return
+        (source_bucket, source_key, _), (bucket, key, _) = self.fs.split_path(source), self.fs.split_path(target)
+        self._await(self.fs._call_s3("copy_object", Bucket=bucket, Key=key,
+                                     CopySource={"Bucket": source_bucket, "Key": source_key}, **conditions), timeout)
 
     def _if_absent(self, path: str, conditional: Callable[[], None], plain: Callable[[], None], *,
                    timeout: float | None) -> None:

@@ -75,9 +75,10 @@ class Store(abc.ABC):
         made, at most one succeeds, where `exclusive` says the store guarantees it."""
 
     @abc.abstractmethod
-    def copy(self, key: str, source: str, *, exclusive: bool, timeout: float | None) -> None:
-        """Makes the object `key` a copy of the object `source`, durably, without its bytes
-        passing through this process where the store can (see `Location.copy_new`).
+    def copy(self, key: str, source: str, *, size: int, exclusive: bool, timeout: float | None) -> None:
+        """Makes the object `key` a copy of the object `source` (`size` bytes), durably,
+        without its bytes passing through this process where the store can (see
+        `Location.copy_new`).
         With `exclusive`, only if nothing is at `key` (FileExistsError), as `create`."""
 
     def together(self) -> contextlib.AbstractContextManager[Store]:
