@@ -35,17 +35,20 @@ def save_checkpoint(
 
     Agreement, like `save_pytree`, whose options it takes (see there). Raises what
     `save_pytree` raises; CheckpointExistsError if the step is committed and
-    `overwrite` is False, ValueError for a bad step; DirectoryInUseError, naming the
-    holder, if a live `CheckpointManager` holds `checkpoint_dir` (a step written beside
-    it could be deleted by its retention, resumed from by its restart, or, replacing a
-    step it saved, taken for that step by its next save).
+    `overwrite` is False, ValueError for a bad step; with `overwrite`,
+    DirectoryInUseError, naming the holder, if a live `CheckpointManager` holds
+    `checkpoint_dir` (its next save would take the replaced step for the one it saved,
+    and make unchanged chunks from it). A lease found unreleased whose holder may be
+    alive on another machine is watched first, as a manager claiming it would (2.5
+    heartbeats).
     """
     options = _options.SaveOptions(overwrite=overwrite, max_chunk_bytes=max_chunk_bytes,
                                    min_chunk_bytes=min_chunk_bytes, max_inflight_bytes=max_inflight_bytes,
                                    max_workers=max_workers, timeout_s=timeout_s, progress=progress,
                                    checksums=checksums)
     loc = _storage.resolve(checkpoint_dir, storage_options).step(step)
-    _save.save(loc, state, options, before_prepare=lambda: _lease.refuse_if_held(loc, "save_checkpoint"))
+    _save.save(loc, state, options,
+               before_prepare=(lambda: _lease.refuse_if_held(loc, "save_checkpoint")) if overwrite else None)
 
 
 def all_steps(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:

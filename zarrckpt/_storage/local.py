@@ -337,7 +337,9 @@ def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable
         # A large file is synced as it is written even when the end syncs the rest: its
         # writeback then overlaps the writes that follow instead of all coming at the end.
         large = sum(memoryview(part).nbytes for part in parts) >= _SYNCED_AS_WRITTEN  # type: ignore[arg-type, misc]
-        _write_file(fd, target, _WRITE, parts, os.path.join(root, key), durable=durable and (large or not deferred))
+        # An atomic write is renamed over the old file: its bytes must be there first.
+        _write_file(fd, target, _WRITE, parts, os.path.join(root, key),
+                    durable=durable and (large or atomic or not deferred))
         if atomic:
             try:
                 os.replace(target, name, src_dir_fd=fd, dst_dir_fd=fd)  # replaces a link itself, never its target
@@ -559,20 +561,28 @@ class Together:
     as a sync per file and per directory, what they write there is synced once, when
     they end (`__exit__` returns only then), instead of as it is written.
 
-    That holds for `syncfs` on Linux 5.8 and later, which fails with any writeback
+    That holds for `syncfs` on Linux 5.17 and later, which fails with any writeback
     error of the file system since the descriptor it is given was opened (the first
-    directory opened on it, kept open: opened before anything was written there), on
-    file systems whose sync commits their metadata too (`_WHOLE_SYNCS`), and for the
-    writes in the first `_KEPT_DIRECTORIES` directories: past those, and elsewhere
-    (NFS, FUSE, overlay, an older kernel), each write syncs as it goes, as outside.
-    What it costs: a `syncfs` also waits for what other programs have left to write on
-    that file system."""
+    directory opened on it, kept open: opened before anything was written there) and
+    with any error of the file system's own sync (its journal, log or transaction
+    commit: before 5.17 those were not reported), on file systems whose sync commits
+    their metadata too (`_WHOLE_SYNCS`), and for the writes in the first
+    `_KEPT_DIRECTORIES` directories: past those, and elsewhere (NFS, FUSE, overlay, an
+    older kernel), each write syncs as it goes, as outside. What it costs: a `syncfs`
+    also waits for what other programs have left to write on that file system.
+
+    The descriptors are closed when the last call using one ends: a writer thread
+    that outlives the block (its join cut short by a second Ctrl-C) never writes
+    through a descriptor number since given to another file."""
 
     def __init__(self, root: str) -> None:
         self.root = root
         self._lock = threading.Lock()
         self._open: dict[str, tuple[int, bool]] = {}  # key: its descriptor; whether synced at the end
         self._anchors: dict[int, int] = {}  # device: a descriptor opened there before anything was written
+        self._whole: dict[int, bool] = {}  # device: `_syncs_whole`, asked once (device numbers are reused)
+        self._users = 0
+        self._ended = False
 
     def __enter__(self) -> Together:
         return self
@@ -580,38 +590,56 @@ class Together:
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         try:
             if kind is None:  # a failed save is not committed: nothing to sync for it
-                for fd in self._anchors.values():
+                for fd in list(self._anchors.values()):
                     _syncfs(fd, self.root)
         finally:
-            for fd in [*self._anchors.values(), *(fd for fd, _ in self._open.values())]:
-                os.close(fd)
-            self._anchors.clear()
-            self._open.clear()
+            with self._lock:
+                self._ended = True
+                if self._users == 0:
+                    self._close()
+
+    def _close(self) -> None:
+        for fd in [*self._anchors.values(), *(fd for fd, _ in self._open.values())]:
+            os.close(fd)
+        self._anchors.clear()
+        self._open.clear()
 
     @contextlib.contextmanager
     def directory(self, key: str, *, create: bool = True) -> Iterator[tuple[int, bool]]:
         """The directory `root/key`, reached through no symbolic link (made if missing,
         with `create`), and whether what is written in it is synced at the end rather
-        than as it is written."""
+        than as it is written. OSError once the writes have ended."""
         with self._lock:
-            found = self._open.get(key)
-        if found is not None:
-            yield found
-            return
-        fd = self._opened(key, create)
-        device = os.fstat(fd).st_dev
-        with self._lock:
-            if device not in self._anchors and _syncs_whole(device):
-                self._anchors[device] = os.dup(fd)  # its sample of the file system's errors: taken now
-            found = self._open.get(key)  # another thread's, opened meanwhile
-            if found is None and len(self._open) < _KEPT_DIRECTORIES:
-                self._open[key] = found = (fd, device in self._anchors)
-                fd = -1
+            if self._ended:
+                raise OSError(errno.EBADF, f"the writes made together below {self.root} have ended")
+            self._users += 1
         try:
-            yield found if found is not None else (fd, False)
+            with self._lock:
+                found = self._open.get(key)
+            if found is not None:
+                yield found
+                return
+            fd = self._opened(key, create)
+            try:
+                device = os.fstat(fd).st_dev
+                with self._lock:
+                    if device not in self._whole:
+                        self._whole[device] = _syncs_whole(device)
+                    if device not in self._anchors and self._whole[device]:
+                        self._anchors[device] = os.dup(fd)  # its sample of the file system's errors: taken now
+                    found = self._open.get(key)  # another thread's, opened meanwhile
+                    if found is None and len(self._open) < _KEPT_DIRECTORIES:
+                        self._open[key] = found = (fd, device in self._anchors)
+                        fd = -1
+                yield found if found is not None else (fd, False)
+            finally:
+                if fd >= 0:
+                    os.close(fd)
         finally:
-            if fd >= 0:
-                os.close(fd)
+            with self._lock:
+                self._users -= 1
+                if self._ended and self._users == 0:
+                    self._close()
 
     def _opened(self, key: str, create: bool) -> int:
         try:
@@ -637,9 +665,9 @@ _SYNCED_AS_WRITTEN = 1 << 20
 # development machine's ext4 a save of 10,000 small leaves (20,000 files) was 30%
 # slower with every file left to one syncfs than synced one by one, while a save of a
 # few hundred files was 20% faster with one.
-_KEPT_DIRECTORIES = max(16, min(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4))
+_KEPT_DIRECTORIES = max(16, min(256, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4))
 # File systems whose `syncfs` writes out their data and commits their metadata
-# (journal, log, transaction), and reports writeback errors from Linux 5.8 on.
+# (journal, log, transaction), and reports both's errors from Linux 5.17 on.
 _WHOLE_SYNCS = frozenset({"ext4", "xfs", "btrfs", "tmpfs"})
 
 
@@ -658,11 +686,10 @@ def _kernel() -> tuple[int, ...]:
     return tuple(int(part) for part in release[:2] if part.isdigit())
 
 
-@functools.lru_cache(maxsize=64)
 def _syncs_whole(device: int) -> bool:
     """Whether one `syncfs` of the file system on `device` is as safe as syncing each
     file and directory written there."""
-    if _SYNCFS is None or _kernel() < (5, 8):
+    if _SYNCFS is None or _kernel() < (5, 17):
         return False
     wanted = f"{os.major(device)}:{os.minor(device)}"
     try:

@@ -105,7 +105,9 @@ GCS = Protocol(100, bytes_body=False, request_method="_request", create="store",
 MEMORY = Protocol(8, bytes_body=False, create="process", copy="store")
 # Anything else (azure, http, a wrapper...) is assumed remote and given bytes.
 OTHER = Protocol(OBJECT_STORE_CONCURRENCY)
-_ONE_COPY_BYTES = 5 * 2**30  # the most S3's CopyObject copies in one request
+# The most S3's CopyObject copies in one request (5 GiB), less a margin for what a chunk
+# object holds past its data (a checksum): copies are asked for by the data's size.
+_ONE_COPY_BYTES = 5 * 2**30 - 2**20
 PROTOCOLS = {"memory": MEMORY, "s3": S3, "s3a": S3, "gs": GCS, "gcs": GCS}
 
 
