@@ -9,6 +9,7 @@ where the file system allows it (`_storage.local.Together`).
 """
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -119,3 +120,34 @@ def test_a_copy_is_on_stable_storage_before_its_marker(tmp_path, events):
     assert files and [f for f in files if not synced_before(events, commit, f)] == []
     assert synced_before(events, commit, str(dst / "w")) and synced_before(events, commit, str(dst / "b"))
     assert events[commit + 1] == ("fsync", str(dst))
+
+
+def test_a_writer_left_running_past_the_end_of_writes_made_together_keeps_its_directory(tmp_path):
+    """A second Ctrl-C can cut a save's join short while a writer thread still writes:
+    the directory it holds stays its own until it is done (a descriptor closed under it
+    could be given to another file, and its writes land there), no call starts after
+    the end, and every descriptor is closed once the last call ends."""
+    if not os.path.exists("/proc/self/fd"):
+        pytest.skip("needs /proc to tell where a descriptor leads")
+    opened = len(os.listdir("/proc/self/fd"))
+    together = _local.Together(str(tmp_path))
+    inside, leave, seen = threading.Event(), threading.Event(), {}
+
+    def writer():
+        with together.directory("a") as (fd, _):
+            inside.set()
+            leave.wait(30)
+            seen["a"] = os.readlink(f"/proc/self/fd/{fd}")
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert inside.wait(30)
+    with pytest.raises(KeyboardInterrupt), together:
+        raise KeyboardInterrupt
+    with pytest.raises(OSError), together.directory("b"):
+        pass
+    assert len(os.listdir("/proc/self/fd")) > opened  # still held for the writer
+    leave.set()
+    thread.join(30)
+    assert seen["a"] == str(tmp_path / "a")
+    assert len(os.listdir("/proc/self/fd")) == opened
