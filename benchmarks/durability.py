@@ -1,6 +1,6 @@
 """What putting a save on stable storage costs, and which way is cheaper: a sync of each
 file as it is written (and of its directory), one `syncfs` of the whole file system at
-the end, or zarrckpt's way (one `syncfs` for the writes in the first 1,024 directories a
+the end, or zarrckpt's way (one `syncfs` for the writes in the first 256 directories a
 save opens, each file synced as it goes past those, and files of 1 MiB or more synced
 as they are written), against no sync at all.
 

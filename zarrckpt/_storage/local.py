@@ -276,7 +276,7 @@ def _opened(root: str, key: str, together: Together | None = None) -> Iterator[t
 def _open_file(root: str, key: str, together: Together | None = None) -> int:
     if together is not None:  # its directory is open already
         parent, name = _split(key)
-        with _reading_in(root, parent, together) as fd:
+        with _in_directory(root, parent, together) as (fd, _):
             return _open_below(fd, name, _READ, os.path.join(root, key))
     if _HAS_PROC_FD:  # as `_open_directory`: open, then ask the kernel where it led
         try:
@@ -332,14 +332,12 @@ def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable
     one whole. `durable`: on stable storage (data, and with `atomic` the rename) before
     returning, or, in writes made `together`, before they end."""
     parent, name = _split(key)
-    with _writing_in(root, parent, durable, together) as (fd, deferred):
+    with _in_directory(root, parent, together, create=True, durable=durable) as (fd, deferred):
         target = f"{name}.{uuid.uuid4().hex}.tmp" if atomic else name
-        # A large file is synced as it is written even when the end syncs the rest: its
-        # writeback then overlaps the writes that follow instead of all coming at the end.
-        large = sum(memoryview(part).nbytes for part in parts) >= _SYNCED_AS_WRITTEN  # type: ignore[arg-type, misc]
+        nbytes = sum(memoryview(part).nbytes for part in parts)  # type: ignore[arg-type, misc]
         # An atomic write is renamed over the old file: its bytes must be there first.
         _write_file(fd, target, _WRITE, parts, os.path.join(root, key),
-                    durable=durable and (large or atomic or not deferred))
+                    durable=durable and (atomic or _synced_as_made(deferred, nbytes)))
         if atomic:
             try:
                 os.replace(target, name, src_dir_fd=fd, dst_dir_fd=fd)  # replaces a link itself, never its target
@@ -352,27 +350,24 @@ def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable
 
 
 @contextlib.contextmanager
-def _reading_in(root: str, key: str, together: Together | None) -> Iterator[int]:
-    """The directory `root/key`, to read in."""
+def _in_directory(root: str, key: str, together: Together | None, *, create: bool = False,
+                  durable: bool = False) -> Iterator[tuple[int, bool]]:
+    """The directory `root/key` (made if missing, with `create`; then with `durable`,
+    synced into its parent), and whether what is written there is synced when the
+    writes made `together` end rather than as it is written."""
     if together is None:
-        with directory(root, key) as fd:
-            yield fd
-    else:
-        with together.directory(key, create=False) as (fd, _):
-            yield fd
-
-
-@contextlib.contextmanager
-def _writing_in(root: str, key: str, durable: bool, together: Together | None) -> Iterator[tuple[int, bool]]:
-    """The directory `root/key`, made if missing (with `durable`, synced into its
-    parent), for a write; and whether what is written there is synced when the writes
-    made `together` end."""
-    if together is None:
-        with directory(root, key, create=True, durable=durable) as fd:
+        with directory(root, key, create=create, durable=durable) as fd:
             yield fd, False
     else:
-        with together.directory(key) as (fd, deferred):
-            yield fd, deferred
+        with together.directory(key, create=create) as found:
+            yield found
+
+
+def _synced_as_made(deferred: bool, nbytes: int) -> bool:
+    """Whether a file of `nbytes` that a durable write or copy makes is synced as it is
+    made: always, unless the end of writes made together syncs it; and a large one even
+    then, so that its writeback overlaps what follows instead of all coming at the end."""
+    return not deferred or nbytes >= _SYNCED_AS_WRITTEN
 
 
 def create(root: str, key: str, parts: Sequence[object]) -> None:
@@ -406,8 +401,8 @@ def copy(root: str, src: str, dst: str, *, exclusive: bool, together: Together |
     there is replaced."""
     parent, name = _split(dst)
     source_parent, source_name = _split(src)
-    with (_reading_in(root, source_parent, together) as source_fd,
-          _writing_in(root, parent, True, together) as (fd, deferred)):
+    with (_in_directory(root, source_parent, together) as (source_fd, _),
+          _in_directory(root, parent, together, create=True, durable=True) as (fd, deferred)):
         for _ in range(_LINK_TRIES):
             try:
                 os.link(source_name, name, src_dir_fd=source_fd, dst_dir_fd=fd, follow_symlinks=False)
@@ -420,7 +415,8 @@ def copy(root: str, src: str, dst: str, *, exclusive: bool, together: Together |
                 if e.errno not in _NO_LINKS:
                     raise
                 with _opened(root, src, together) as (f, size):
-                    _copy_bytes(f, size, fd, name, os.path.join(root, dst), exclusive=exclusive, durable=not deferred)
+                    _copy_bytes(f, size, fd, name, os.path.join(root, dst), exclusive=exclusive,
+                                durable=_synced_as_made(deferred, size))
                 break
         else:
             raise FileExistsError(errno.EEXIST, f"{os.path.join(root, dst)} keeps being made by another writer")
@@ -658,7 +654,7 @@ class Together:
             return _open_below(fd, name, _DIRECTORY, os.path.join(self.root, key))
 
 
-# A file at least this large is synced as it is written, even in writes made together.
+# A file at least this large is synced as it is made, even in writes made together.
 _SYNCED_AS_WRITTEN = 1 << 20
 # Directories a `Together` keeps open, whose writes wait for its one sync: at most a
 # quarter of the descriptors the process may have. Bounded for speed too: on the
