@@ -47,6 +47,7 @@ from .errors import (
     CheckpointWriteError,
     CoordinationTimeoutError,
     DirectoryInUseError,
+    SourceReadError,
     UnsupportedLeafError,
 )
 
@@ -73,6 +74,7 @@ __all__ = [
     "LeafMetadata",
     "PerProcess",
     "Problem",
+    "SourceReadError",
     "UnsupportedLeafError",
     "VerifyReport",
     "all_steps",

@@ -23,7 +23,7 @@ from ._format import naming as _naming, tree as _tree
 from ._options import SaveOptions
 from ._restore.foreign import open_source
 from ._save import protocol as _save
-from .errors import CheckpointCorruptError, CheckpointWriteError
+from .errors import CheckpointCorruptError, CheckpointWriteError, SourceReadError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +104,8 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
         the source holds a symbolic link or a special file; nothing was committed (an
         uncommitted group may be left where it was to land: the next save or import
         there clears it).
-      OSError: the source could not be read (denied, unavailable).
+      SourceReadError (an OSError): the source could not be read (denied, unavailable,
+        no answer in time); nothing was committed.
       UnsupportedLeafError: an Orbax leaf of a kind zarrckpt does not know.
       CheckpointExistsError: a committed checkpoint is where it lands and `overwrite`
         is False.
@@ -135,13 +136,8 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
     _lease.refuse_if_held(loc, "zarrckpt import")
     try:
         job = _save.save(loc, tree, options, extra_metadata=source.metadata)
-    except CheckpointWriteError:
-        if not source.failed:
-            raise
-        # Reading the source failed, not writing: its error is what the caller hears.
-        first = source.failed[0]
-        kind = CheckpointCorruptError if isinstance(first, CheckpointCorruptError) else OSError
-        raise kind(f"{first}; nothing was committed at {loc.url}") from first
+    except (CheckpointCorruptError, SourceReadError) as e:  # the source's failure, as a writer met it
+        raise type(e)(f"{e}; nothing was committed at {loc.url}") from e
     pinned = step is not None and source.format == "safetensors"  # a fine-tune's base weights, not a run's step
     if pinned:
         loc.write(_retention.PIN_FILE, b"", durable=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before ours: see _AtExit)
+import dataclasses
 import difflib
 import logging
 import math
@@ -118,7 +119,9 @@ class CheckpointManager:
         each process naming its own: peer copies are kept in other domains. Default:
         the slice its devices are on where they say (TPU), else its host.
       storage_options, timeout_s, max_chunk_bytes, min_chunk_bytes, max_workers,
-        checksums: as for `save_pytree`.
+        checksums, compression: as for `save_pytree` (the persistent tier's; local
+        copies are never compressed). A manager's saves go on from what the last one
+        learned of the store's speed.
     Raises TypeError or ValueError, naming the option, on an unknown, ill-typed or
     contradictory setting.
     """
@@ -146,6 +149,7 @@ class CheckpointManager:
         min_chunk_bytes: int = _options.DEFAULT_MIN_CHUNK_BYTES,
         max_workers: int | None = None,
         checksums: bool = True,
+        compression: str | None = None,
         local_directory: str | None = None,
         local_save_interval_steps: int | None = None,
         local_keep_last: int = 1,
@@ -172,7 +176,10 @@ class CheckpointManager:
         self._save_options = _options.SaveOptions(max_chunk_bytes=max_chunk_bytes, min_chunk_bytes=min_chunk_bytes,
                                                   max_inflight_bytes=inflight,
                                                   max_workers=max_workers, timeout_s=timeout_s, progress=progress,
-                                                  checksums=checksums)
+                                                  checksums=checksums, compression=compression)
+        # A local disk takes writes at the speed of memory: compressing never pays there.
+        self._local_options = dataclasses.replace(self._save_options, compression=None)
+        self._compressor = _save.Compressor()
         self._root = _storage.resolve(checkpoint_dir, storage_options)
         local = self._local_directory(local_directory, local_save_interval_steps, local_peer_copies, local_peer_group)
         self._interval_steps = save_interval_steps
@@ -258,7 +265,7 @@ class CheckpointManager:
         if persistent:
             saves.append(self._persistent_save(step, location, state, values, called))
         if copy and self._tier is not None and (copy_save := self._tier.save(
-                step, state, self._save_options, self._committed_steps(), self._timeout_s)) is not None:
+                step, state, self._local_options, self._committed_steps(), self._timeout_s)) is not None:
             saves.append(copy_save)
         if not saves:
             return False
@@ -286,7 +293,8 @@ class CheckpointManager:
         started = time.perf_counter()
         self._last_save = time.monotonic()
         job = _save.SaveJob.create(location, state, self._save_options, channel="manager-save",
-                                   extra_metadata={"metrics": metrics} if metrics is not None else None)
+                                   extra_metadata={"metrics": metrics} if metrics is not None else None,
+                                   compressor=self._compressor)
         non_finite = _finite.start([plan.leaf for plan in job.plans if plan.moved is None])
         meta = job.meta  # not the job: no cycle may hold the state
 

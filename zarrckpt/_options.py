@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from ._concurrency import DEFAULT_MAX_INFLIGHT_BYTES
+from ._format.chunks import COMPRESSIONS
 from ._multihost import DEFAULT_TIMEOUT_S
 
 DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
@@ -24,15 +25,24 @@ FLAG = "flag"  # True or False
 COUNT = "count"  # a positive int
 COUNT_OR_ZERO = "count or zero"  # an int, 0 or more
 NUMBER = "number"  # a positive int or float (seconds, bytes per second...)
+COMPRESSION = "compression"  # one of `COMPRESSIONS` (a str)
 
 
 def check(name: str, value: Any, kind: str) -> None:
     """The one check of an option: raises TypeError (a value of the wrong type) or
     ValueError (of the right type, out of range), naming the option as the caller
-    spelled it. `kind` is FLAG, COUNT, COUNT_OR_ZERO or NUMBER, with `?` if None is allowed."""
+    spelled it. `kind` is FLAG, COUNT, COUNT_OR_ZERO, NUMBER or COMPRESSION, with `?` if
+    None is allowed."""
     if value is None and kind.endswith("?"):
         return
     kind = kind.rstrip("?")
+    if kind == COMPRESSION:
+        if not isinstance(value, str):
+            raise TypeError(f"option {name} must be None or a str, got {value!r}")
+        if value not in COMPRESSIONS:
+            raise ValueError(f"option {name} must be None or one of {', '.join(map(repr, COMPRESSIONS))}, "
+                             f"got {value!r}")
+        return
     if kind == FLAG:
         if not isinstance(value, bool):
             raise TypeError(f"option {name} must be True or False, got {value!r}")
@@ -71,6 +81,7 @@ class SaveOptions(_Checked):
     timeout_s: float = _option(DEFAULT_TIMEOUT_S, NUMBER)
     progress: bool | None = _option(None, FLAG + "?")
     checksums: bool = _option(True, FLAG)
+    compression: str | None = _option(None, COMPRESSION + "?")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

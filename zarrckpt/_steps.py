@@ -30,6 +30,7 @@ def save_checkpoint(
     timeout_s: float = _options.DEFAULT_TIMEOUT_S,
     progress: bool | None = None,
     checksums: bool = True,
+    compression: str | None = None,
 ) -> None:
     """Saves `state` as step `step` under `checkpoint_dir` and commits it.
 
@@ -45,7 +46,7 @@ def save_checkpoint(
     options = _options.SaveOptions(overwrite=overwrite, max_chunk_bytes=max_chunk_bytes,
                                    min_chunk_bytes=min_chunk_bytes, max_inflight_bytes=max_inflight_bytes,
                                    max_workers=max_workers, timeout_s=timeout_s, progress=progress,
-                                   checksums=checksums)
+                                   checksums=checksums, compression=compression)
     loc = _storage.resolve(checkpoint_dir, storage_options).step(step)
     _save.save(loc, state, options,
                before_prepare=(lambda: _lease.refuse_if_held(loc, "save_checkpoint")) if overwrite else None)

@@ -34,6 +34,12 @@ class CheckpointWriteError(CheckpointError):
     """
 
 
+class SourceReadError(CheckpointError, OSError):
+    """Another library's checkpoint being imported could not be read as its arrays were
+    written (denied, unavailable, no answer in time); names the source and the array.
+    Nothing was committed. (A source found damaged is a CheckpointCorruptError.)"""
+
+
 class CoordinationTimeoutError(CheckpointError, TimeoutError):
     """Processes did not all reach a synchronisation point in time; names the missing ones."""
 

@@ -117,8 +117,8 @@ def die(persistent: str, local: str, last: str, victim: str) -> None:
         if jax.process_index() == int(victim):
             write = protocol._write_one
 
-            def write_then_die(loc, plan, unit):  # one chunk of the local copy on disk, then killed
-                write(loc, plan, unit)
+            def write_then_die(loc, plan, unit, *rest):  # one chunk of the local copy on disk, then killed
+                write(loc, plan, unit, *rest)
                 if f"/process{victim}/{int(last):010d}" in loc.url:
                     os.kill(os.getpid(), signal.SIGKILL)
 

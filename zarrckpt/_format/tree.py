@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from .._regions import Region, region_of
-from ..errors import UnsupportedLeafError
+from ..errors import CheckpointCorruptError, SourceReadError, UnsupportedLeafError
 from . import dtypes as _dtypes, naming as _naming, zarrjson as _zarrjson
 
 KeyPath = tuple[Any, ...]
@@ -145,7 +145,19 @@ class Deferred:
     chunks: tuple[int, ...] | None = None
 
     def __getitem__(self, take: tuple[slice, ...]) -> np.ndarray:
-        return self.read(region_of(take, self.shape))
+        return self.values(region_of(take, self.shape))
+
+    def values(self, box: Region) -> np.ndarray:
+        """The values inside `box`, read from the source. A read that fails is the
+        source's failure, never a write's: damage a CheckpointCorruptError, anything else
+        a SourceReadError, public types that a save raises as they are (see
+        `_multihost.Agreement`)."""
+        try:
+            return self.read(box)
+        except CheckpointCorruptError as e:  # its subclasses are private to the readers
+            raise CheckpointCorruptError(str(e)) from e
+        except Exception as e:
+            raise SourceReadError(str(e)) from e
 
 
 @dataclasses.dataclass(frozen=True)

@@ -320,8 +320,14 @@ def stored_leaf(path: _tree.KeyPath, rec: dict[str, Any], array: dict[str, Any] 
         raise ValueError(f"leaf {where}: kind {kind!r} (PRNG implementation {impl!r})")
     if impl and (problem := key_data_problem(impl, shape, dtype)) is not None:
         raise ValueError(f"leaf {where}: {problem}")
-    checksum = isinstance(array.get("codecs"), list) and _chunks.CRC32C_CODEC in array["codecs"]
-    expected = {"shape": list(shape), **_dtype_fields(dtype, checksum)}
+    listed = array.get("codecs")
+    codecs: list[Any] = listed if isinstance(listed, list) else []
+    checksum = _chunks.CRC32C_CODEC in codecs
+    compression = next((c["configuration"].get("cname") for c in codecs if isinstance(c, dict)
+                        and c.get("name") == "blosc" and isinstance(c.get("configuration"), dict)), None)
+    if compression not in (None, *_chunks.COMPRESSIONS):
+        raise ValueError(f"leaf {where}: compressed with {compression!r}, which zarrckpt never writes")
+    expected = {"shape": list(shape), **_dtype_fields(dtype, checksum, compression)}
     for field in ("shape", "data_type", "codecs", "chunk_key_encoding"):
         if array.get(field) != expected[field]:
             raise ValueError(f"leaf {where}: array {field} {array.get(field)!r}, expected {expected[field]!r}")
@@ -331,7 +337,8 @@ def stored_leaf(path: _tree.KeyPath, rec: dict[str, Any], array: dict[str, Any] 
     if (count := math.prod(_chunks.grid(shape, chunks))) > _chunks.MAX_GRID:
         raise ValueError(f"leaf {where}: shape {shape} in chunks of {chunks}, a grid of {count:,} chunks, more than "
                          f"zarrckpt ever writes ({_chunks.MAX_GRID:,})")
-    return StoredLeaf(path, rec["name"], shape, dtype, kind, ChunkCodec(rec["name"], dtype, chunks, checksum), impl)
+    codec = ChunkCodec(rec["name"], dtype, chunks, checksum, compression)
+    return StoredLeaf(path, rec["name"], shape, dtype, kind, codec, impl)
 
 
 def key_data_problem(impl: str, shape: tuple[int, ...], dtype: np.dtype) -> str | None:
@@ -381,11 +388,11 @@ def _ints(value: Any, what: str) -> tuple[int, ...]:
 
 
 @functools.cache
-def _dtype_fields(dtype: np.dtype, checksum: bool) -> dict[str, Any]:
-    """The fields of an array's `zarr.json` that its dtype fixes. Cached: zarr's
+def _dtype_fields(dtype: np.dtype, checksum: bool, compression: str | None) -> dict[str, Any]:
+    """The fields of an array's `zarr.json` that its dtype and codecs fix. Cached: zarr's
     fill-value code makes a whole document cost ~50 us, 50 ms for 1000 leaves, while
     a restore waits."""
-    doc = _zarrjson.array_document((), ChunkCodec("", dtype, (), checksum))
+    doc = _zarrjson.array_document((), ChunkCodec("", dtype, (), checksum, compression))
     return {field: doc[field] for field in ("data_type", "codecs", "chunk_key_encoding")}
 
 

@@ -2,9 +2,9 @@
 is (an Orbax run, step or item; a safetensors file or set) is found once, from one
 resolved place, and opened once.
 
-Each array of the tree is a `_tree.Deferred` leaf, read by the writer that writes it.
-A read that fails is recorded in `Source.failed` as the writers meet it: the save that
-meets one fails as a write, and the import says what the source did instead.
+Each array of the tree is a `_tree.Deferred` leaf, read by the writer that writes it; a
+read that fails is the source's error, which the save raises as it is (see
+`Deferred.values`).
 """
 
 from __future__ import annotations
@@ -12,11 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-
-from .. import _concurrency
 from .._format import safetensors as _safetensors_format, tree as _tree
-from .._regions import Region
 from ..errors import CheckpointNotFoundError
 from . import checkpoint as _reader, orbax as _orbax, safetensors as _safetensors
 
@@ -25,8 +21,7 @@ from . import checkpoint as _reader, orbax as _orbax, safetensors as _safetensor
 class Source:
     """An opened source: its URL, its format ("orbax" or "safetensors"), its tree, the
     step it lands as (an Orbax run's or step's own; else the one asked for), what was
-    left out of it, with why, the metadata to keep beside it, and the reads of its tree
-    that failed."""
+    left out of it, with why, and the metadata to keep beside it."""
 
     url: str
     format: str
@@ -34,7 +29,6 @@ class Source:
     step: int | None
     skipped: dict[str, str]
     metadata: dict[str, Any] | None
-    failed: list[Exception]
 
 
 def open_source(src: str, storage_options: dict[str, Any] | None, *, option: str, step: int | None) -> Source:
@@ -45,14 +39,13 @@ def open_source(src: str, storage_options: dict[str, Any] | None, *, option: str
     if not loc.exists():
         raise CheckpointNotFoundError(f"nothing to import: {loc.url} does not exist")
     found = _orbax.find(loc)
-    failed: list[Exception] = []
     if found is not None:
         if storage_options and not loc.is_local:
             raise ValueError(f"storage options for the source cannot reach {loc.url}: TensorStore reads Orbax's "
                              "arrays, with the credentials and endpoint of its environment (AWS_*, "
                              "GOOGLE_APPLICATION_CREDENTIALS)")
         opened = _orbax.open_step(loc, found, step)
-        return Source(loc.url, "orbax", _recording(opened.tree, failed), opened.step, opened.skipped, None, failed)
+        return Source(loc.url, "orbax", opened.tree, opened.step, opened.skipped, None)
     try:
         ckpt = _safetensors.open_safetensors(folder, file)
     except CheckpointNotFoundError as e:
@@ -60,8 +53,8 @@ def open_source(src: str, storage_options: dict[str, Any] | None, *, option: str
                                       f"set: {e}") from None
     # Kept for an export to write back: transformers loads no file without its "format".
     kept = ckpt.meta.get(_safetensors_format.METADATA_KEY)
-    return Source(loc.url, "safetensors", _recording(_deferred_tree(ckpt), failed), step, {},
-                  {_safetensors_format.METADATA_KEY: kept} if kept else None, failed)
+    return Source(loc.url, "safetensors", _deferred_tree(ckpt), step, {},
+                  {_safetensors_format.METADATA_KEY: kept} if kept else None)
 
 
 def _deferred_tree(ckpt: _reader.Checkpoint) -> Any:
@@ -71,19 +64,3 @@ def _deferred_tree(ckpt: _reader.Checkpoint) -> Any:
         return _tree.Deferred(leaf.shape, leaf.dtype, lambda box: ckpt.read(leaf, box), leaf.kind, leaf.prng_impl)
 
     return _tree.rebuild(ckpt.spec, deferred)
-
-
-def _recording(tree: Any, failed: list[Exception]) -> Any:
-    """`tree`, each deferred leaf's read errors also put in `failed`."""
-    def recorded(read: Any) -> Any:
-        def attempt(box: Region) -> Any:
-            try:
-                return read(box)
-            except Exception as e:
-                if not _concurrency.aborted():  # a read that fails once the save has failed is not why it did
-                    failed.append(e)
-                raise
-        return attempt
-
-    return jax.tree.map(lambda leaf: dataclasses.replace(leaf, read=recorded(leaf.read))
-                        if isinstance(leaf, _tree.Deferred) else leaf, tree)

@@ -88,6 +88,11 @@ class WriteUnit:
     copies: list[PartCopy] | None = None  # each part on the host, once its copy is started
     hold: Hold | SharedHold | None = None  # its bytes of the save's budget, from its copy until it is written
 
+    @property
+    def imported(self) -> bool:
+        """Whether the chunk is read from an import's source (see `Deferred.values`)."""
+        return isinstance(self.host, (Deferred, SourceChunk))
+
     def host_array(self) -> np.ndarray:
         """The chunk's values on the host; waits for its copies to arrive."""
         assert self.copies is not None, "the unit's transfer was not started"
@@ -129,6 +134,9 @@ class ArrayPlan:
     # A committed step that holds this leaf's chunks as they are now (see `unchanged`):
     # its units are made from there, never copied off the devices.
     reuse_from: Location | None = None
+    # The save's `compression`, which its chunks get where they are large enough (see
+    # `ChunkCodec.of`).
+    compression: str | None = None
 
     @property
     def array(self) -> Any:
@@ -137,7 +145,7 @@ class ArrayPlan:
 
     @functools.cached_property
     def codec(self) -> ChunkCodec:
-        return ChunkCodec(self.leaf.name, self.dtype, self.chunks, self.checksum)
+        return ChunkCodec.of(self.leaf.name, self.dtype, self.chunks, self.checksum, self.compression)
 
     @property
     def nbytes(self) -> int:
@@ -227,10 +235,11 @@ ONE_WRITER, EVERY_HOLDER = OneWriter(), EveryHolder()
 def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                checksum: bool = True, *, process: int, processes: int, own: bool = False,
                writers: Writers = ONE_WRITER, min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES,
-               host_of: HostOf = process_of) -> ArrayPlan:
+               host_of: HostOf = process_of, compression: str | None = None) -> ArrayPlan:
     """Plans one leaf for `process` of `processes`, the device `host_of` says where each
     device is. Every process computes the same chunks and the same writers; `checksum`
-    says whether its chunks carry a CRC-32C. An `own` array (a per-process value) is
+    says whether its chunks carry a CRC-32C, `compression` how they may be compressed
+    (see `ArrayPlan.compression`). An `own` array (a per-process value) is
     this process's alone: it writes every chunk. `writers` says which chunks each
     process writes.
 
@@ -244,7 +253,8 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
         lay = layout(value.sharding, shape, dtype.itemsize, max_chunk_bytes, min_chunk_bytes, host_of)
         mine = writers.chunks(lay, salt, process)
         units = [WriteUnit(chunk, size * dtype.itemsize, sources=parts) for chunk, size, parts in mine.units]
-        return ArrayPlan(leaf, shape, dtype, lay.chunks, units, checksum, mine.copy_from, mine.copy_all)
+        return ArrayPlan(leaf, shape, dtype, lay.chunks, units, checksum, mine.copy_from, mine.copy_all,
+                         compression=compression)
     # Host data: numpy, scalars, process-local jax arrays.
     source = value.chunks if isinstance(value, Deferred) else None
     if source is not None:
@@ -259,7 +269,7 @@ def plan_array(leaf: Leaf, salt: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_B
                   if region_size(r)]
         if source is not None and chunks != source and all(c <= s for c, s in zip(chunks, source)):
             _share_source_chunks(writes, source)  # parts of source chunks
-    return ArrayPlan(leaf, shape, dtype, chunks, writes, checksum)
+    return ArrayPlan(leaf, shape, dtype, chunks, writes, checksum, compression=compression)
 
 
 def _import_chunks(source: tuple[int, ...], shape: tuple[int, ...], itemsize: int, min_chunk_bytes: int,
@@ -316,7 +326,7 @@ class SourceChunk:
         """The values in `take` (slices of the whole array), a part of this chunk."""
         with self._lock:  # the other parts wait for the one read
             if self._data is None:
-                self._data = self._source.read(self._region)
+                self._data = self._source.values(self._region)
             data = self._data
             self._left -= 1
             if self._left == 0:
@@ -354,7 +364,7 @@ def plan_peer_array(own: ArrayPlan, route: _peers.Pairs, max_chunk_bytes: int, *
     mine = Writes.of(lay, ((c, p) for c, p in lay.held(process) if c not in written), process)
     units = [WriteUnit(chunk, size * own.dtype.itemsize, sources=parts) for chunk, size, parts in mine.units]
     return ArrayPlan(own.leaf, own.shape, own.dtype, own.chunks, units, own.checksum, mine.copy_from,
-                     mine.copy_all, Moved(value, route))
+                     mine.copy_all, Moved(value, route), compression=own.compression)
 
 
 @dataclasses.dataclass(frozen=True)
