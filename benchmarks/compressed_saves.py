@@ -11,8 +11,8 @@ exponents and compress a little better). The slow store is
 benchmarks/object_store_latency.py's `latency://` (memory behind a fixed latency per
 request and one link of --bandwidth-mb-s shared by every request).
 
-Each store gets one CheckpointManager per setting (uncompressed, "zstd"), saving every
-round (synchronously, nothing reused: every chunk is written), so that the compressed
+Each store gets one CheckpointManager per setting (uncompressed, "zstd"), the two saving
+in turn every round (synchronously, nothing reused: every chunk is written), so that the compressed
 manager's saves go on from what its earlier saves learned of the store's speed, as a
 training run's do; then the newest step is restored. Figures: best / median of the
 rounds; ratios of the medians (zstd / uncompressed). Target: on the local disk, never
@@ -63,21 +63,32 @@ def stored_bytes(url: str, options: dict | None) -> int:
     return sum(info["size"] for info in fs.find(path, detail=True).values())
 
 
-def run(url: str, options: dict, tree, target, compression: str | None, rounds: int) -> dict:
-    saves, restores = [], []
-    with zarrckpt.CheckpointManager(url, storage_options=options, async_save=False, reuse_unchanged=False,
-                                    compression=compression) as manager:
+def run(urls: dict, options: dict | None, tree, target, rounds: int) -> dict:
+    """Both settings side by side, a round of each in turn, each first every other round
+    (the disk and page cache see them alike): `urls` by setting."""
+    results = {setting: {"save": [], "restore": []} for setting in urls}
+    managers = {setting: zarrckpt.CheckpointManager(url, storage_options=options, async_save=False,
+                                                    reuse_unchanged=False, compression=setting)
+                for setting, url in urls.items()}
+    try:
+        order = list(managers.items())
         for step in range(rounds + 1):  # the first round warms up (compiles; learns the store's speed)
-            started = time.perf_counter()
-            manager.save(step, tree, force=True)
-            if step:
-                saves.append(time.perf_counter() - started)
-        nbytes = stored_bytes(f"{url}/{rounds:010d}", options)
-        for _ in range(rounds):
-            started = time.perf_counter()
-            jax.block_until_ready(manager.restore(target, step=rounds))
-            restores.append(time.perf_counter() - started)
-    return {"save": saves, "restore": restores, "bytes": nbytes}
+            for setting, manager in order[::-1] if step % 2 else order:  # neither always goes first
+                started = time.perf_counter()
+                manager.save(step, tree, force=True)
+                if step:
+                    results[setting]["save"].append(time.perf_counter() - started)
+        for i in range(rounds):
+            for setting, manager in order[::-1] if i % 2 else order:
+                started = time.perf_counter()
+                jax.block_until_ready(manager.restore(target, step=rounds))
+                results[setting]["restore"].append(time.perf_counter() - started)
+    finally:
+        for manager in managers.values():
+            manager.close()
+    for setting, url in urls.items():
+        results[setting]["bytes"] = stored_bytes(f"{url}/{rounds:010d}", options)
+    return results
 
 
 def main() -> int:
@@ -99,13 +110,12 @@ def main() -> int:
                   {"latency_s": args.latency_ms / 1000, "bandwidth": args.bandwidth_mb_s * 1e6})}
     missed = []
     for store, (new_url, options) in stores.items():
-        results = {}
-        for compression in (None, "zstd"):
-            url = new_url()
-            try:
-                results[compression] = run(url, options, tree, target, compression, args.rounds)
-            finally:
-                if options is None:
+        urls = {None: new_url(), "zstd": new_url()}
+        try:
+            results = run(urls, options, tree, target, args.rounds)
+        finally:
+            if options is None:
+                for url in urls.values():
                     shutil.rmtree(url, ignore_errors=True)
         plain, zstd = results[None], results["zstd"]
         print(f"\n{store}:")

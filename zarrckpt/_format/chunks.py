@@ -210,18 +210,19 @@ class ChunkCodec:
         if self.checksum and _crc(memoryview(stored)[:framed]) != bytes(stored[framed:]):
             return _CRC_DAMAGE
         if self.compression is not None:
-            return self._header_damage(memoryview(stored)[:framed])
+            return self._header_damage(stored[:BLOSC_HEADER], framed)
         return None
 
-    def _header_damage(self, framed: memoryview) -> str | None:
-        version, _, flags, typesize = framed[:4]
-        nbytes, _, cbytes = np.frombuffer(framed, "<u4", count=3, offset=4).tolist()
-        if (version, typesize, nbytes, cbytes) != (_BLOSC_VERSION, self.dtype.itemsize, self.data_bytes, len(framed)):
+    def _header_damage(self, header: bytes | bytearray | memoryview, framed: int) -> str | None:
+        """What is wrong with blosc's `header` of a frame of `framed` bytes, or None."""
+        version, _, flags, typesize = header[:4]
+        nbytes, _, cbytes = np.frombuffer(header, "<u4", count=3, offset=4).tolist()
+        if (version, typesize, nbytes, cbytes) != (_BLOSC_VERSION, self.dtype.itemsize, self.data_bytes, framed):
             return (f"has a blosc header that does not describe it (version {version}, item size {typesize}, "
                     f"{nbytes} bytes in {cbytes}; expected version {_BLOSC_VERSION}, item size "
-                    f"{self.dtype.itemsize}, {self.data_bytes} bytes in {len(framed)})")
+                    f"{self.dtype.itemsize}, {self.data_bytes} bytes in {framed})")
         if flags & _MEMCPYED:
-            return None if len(framed) == self.data_bytes + BLOSC_HEADER else "is stored whole but has the wrong size"
+            return None if framed == self.data_bytes + BLOSC_HEADER else "is stored whole but has the wrong size"
         if flags & 0xE0 != _ZSTD:
             return f"is compressed with blosc's compressor {flags >> 5}, not zstd"
         return None
@@ -249,23 +250,29 @@ class ChunkCodec:
 
     def read(self, source: Any, chunk: Region, out: np.ndarray | None) -> np.ndarray:
         """The chunk covering `chunk` read from `source` (a `Location`) and checked, in
-        the chunk shape: with `out` (C-contiguous, of the chunk shape), straight into it,
-        the stored values being the chunk's bytes. FileNotFoundError if it is absent,
-        Damage if its size or checksum is wrong (every codec's `read` says the same)."""
-        if out is None or self.compression is not None:
-            # Read whole, and never more than a chunk can hold (a compressed one's size
-            # is known only once read).
-            stored = source.read(self.key(chunk), limit=self.stored_bytes + 1)
+        the chunk shape: with `out` (C-contiguous, of the chunk shape), into it, a chunk
+        stored as it is (uncompressed, or behind blosc's header) read straight there, a
+        compressed one decoded there. FileNotFoundError if it is absent, Damage if its
+        size, checksum or header is wrong (every codec's `read` says the same)."""
+        key = self.key(chunk)
+        if out is None:
+            # Never more than a chunk can hold (a compressed one's size is known only once read).
+            stored = source.read(key, limit=self.stored_bytes + 1)
             if len(stored) > self.stored_bytes:
                 raise Damage(f"has more than the {self.stored_bytes} bytes it can hold")
-            return self.decode(stored, out)
-        trailer = bytearray(self.stored_bytes - self.data_bytes)
+            return self.decode(stored)
+        header = bytearray(BLOSC_HEADER if self.compression is not None else 0)
         payload = out.reshape(-1).view(np.uint8)
-        size = source.read_into(self.key(chunk), memoryview(payload), memoryview(trailer))  # type: ignore[arg-type, unused-ignore]
+        trailer = bytearray(CHECKSUM_BYTES if self.checksum else 0)
+        size = source.read_into(key, memoryview(header), memoryview(payload), memoryview(trailer))  # type: ignore[arg-type, unused-ignore]
         if (wrong_size := self.size_damage(size)) is not None:
             raise Damage(wrong_size)
-        if self.checksum and _crc(payload) != bytes(trailer):
+        if size < self.stored_bytes:  # compressed: its frame, read into `out`, is decoded from a copy
+            return self.decode(bytes(header) + payload[:size - len(header)].tobytes(), out)
+        if self.checksum and _crc(header, payload) != bytes(trailer):
             raise Damage(_CRC_DAMAGE)
+        if self.compression is not None and (damage := self._header_damage(header, size - len(trailer))) is not None:
+            raise Damage(damage)
         return out
 
 
