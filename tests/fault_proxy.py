@@ -11,7 +11,8 @@ forwarding; `RESET` drops the connection without an answer; `Late(seconds)` hold
 request, answers nothing, and forwards it after `seconds` (or at `settle()`, if that
 comes first), long after the client gave up on it, as a store that applies a request
 late does; `Delay(seconds)` forwards it
-after `seconds` and answers (a slow store).
+after `seconds` and answers (a slow store); `Garbled()` forwards it and answers with one
+bit of the store's answer flipped (damage on the way).
 """
 
 from __future__ import annotations
@@ -51,8 +52,13 @@ class Delay:
     seconds: float
 
 
+@dataclasses.dataclass(frozen=True)
+class Garbled:
+    pass
+
+
 RESET = "reset"
-Fault = Answer | Late | Delay | str | None
+Fault = Answer | Late | Delay | Garbled | str | None
 
 
 def kind_of(protocol: str, method: str, target: str, headers: Any) -> str:
@@ -135,6 +141,9 @@ class FaultProxy:
                     proxy._stopping.wait(fault.seconds + 60)
                     return
                 status, headers, answer = proxy._send(self.command, self.path, dict(self.headers.items()), body)
+                if isinstance(fault, Garbled) and answer:
+                    answer = answer[:len(answer) // 2] + bytes([answer[len(answer) // 2] ^ 0x01]) + \
+                        answer[len(answer) // 2 + 1:]
                 self.send_response(status)
                 for name, value in headers:
                     if name.lower() not in _HOP_BY_HOP:

@@ -86,10 +86,19 @@ class ByteBudget:
             self._cv.notify_all()
 
 
+def spare(nbytes: int) -> Hold | None:
+    """`nbytes` for something this thread's operation may do without (a second request
+    for a slow read), from the byte budget it keeps (the newest) without waiting; None
+    if it has no room. Outside an operation's budget, nothing bounds it but itself."""
+    op = getattr(_current, "op", None)
+    budget = op.budget() if op is not None else None
+    return Hold(None, 0) if budget is None else budget.take(nbytes, block=False)
+
+
 class Hold:
     """Bytes taken from a `ByteBudget`; `release` gives them back (once, whoever calls)."""
 
-    def __init__(self, budget: ByteBudget, nbytes: int) -> None:
+    def __init__(self, budget: ByteBudget | None, nbytes: int) -> None:
         self._budget: ByteBudget | None = budget
         self.nbytes = nbytes
 
@@ -248,6 +257,11 @@ class Operation:
         except BaseException:
             self._raise_if_failed()  # the first failure, not a later `Aborted`
             raise
+
+    def budget(self) -> ByteBudget | None:
+        """The byte budget this operation's items take from, the newest if several."""
+        with self._lock:
+            return self._budgets[-1] if self._budgets else None
 
     def _watch(self, budget: ByteBudget) -> None:
         with self._lock:

@@ -159,7 +159,7 @@ def _copy_all(source: Location, target: Location, objects: list[_objects.Owned],
     each chunk it can; stops at the first failure and raises it (see `_concurrency`)."""
     def copy(obj: _objects.Owned) -> None:
         try:
-            data = source.read(obj.key)
+            data = source.read(obj.key, check=obj.codec.damage if obj.codec is not None else None)
         except FileNotFoundError:
             raise _reader.MissingObject(f"{obj.key!r} is missing from checkpoint {source.url}") from None
         if obj.codec is not None and (damage := obj.codec.damage(data)) is not None:

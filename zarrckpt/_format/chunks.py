@@ -257,14 +257,15 @@ class ChunkCodec:
         key = self.key(chunk)
         if out is None:
             # Never more than a chunk can hold (a compressed one's size is known only once read).
-            stored = source.read(key, limit=self.stored_bytes + 1)
+            stored = source.read(key, limit=self.stored_bytes + 1, check=self.damage)
             if len(stored) > self.stored_bytes:
                 raise Damage(f"has more than the {self.stored_bytes} bytes it can hold")
             return self.decode(stored)
         header = bytearray(BLOSC_HEADER if self.compression is not None else 0)
         payload = out.reshape(-1).view(np.uint8)
         trailer = bytearray(CHECKSUM_BYTES if self.checksum else 0)
-        size = source.read_into(key, memoryview(header), memoryview(payload), memoryview(trailer))  # type: ignore[arg-type, unused-ignore]
+        size = source.read_into(key, memoryview(header), memoryview(payload), memoryview(trailer),  # type: ignore[arg-type, unused-ignore]
+                                check=self.damage)
         if (wrong_size := self.size_damage(size)) is not None:
             raise Damage(wrong_size)
         if size < self.stored_bytes:  # compressed: its frame, read into `out`, is decoded from a copy

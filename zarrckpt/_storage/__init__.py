@@ -236,10 +236,12 @@ class Location:
         raise OSError(f"cannot write {self.url.rstrip('/')}/{key}: another writer keeps writing it (tried "
                       f"{_LATE_TRIES} times)")
 
-    def read(self, key: str, *, limit: int | None = None) -> bytes:
+    def read(self, key: str, *, limit: int | None = None, check: Callable[[bytes], str | None] | None = None) -> bytes:
         """The whole object `key` below this location (its first `limit` bytes with a
-        limit), in one request; FileNotFoundError if absent."""
-        data: bytes = self._call("read", key, self.store.read, limit, nbytes=limit or 0)
+        limit), in one request (two, hedged, where one is slow: see `hedge`; `check`
+        says what is wrong with an answer, so that a good one wins); FileNotFoundError
+        if absent."""
+        data: bytes = self._call("read", key, self.store.read, limit, nbytes=limit or 0, check=check)
         _stats.add("store_bytes_read", len(data))
         return data
 
@@ -254,14 +256,15 @@ class Location:
 
         return _concurrency.run_all(attempt, keys, 1 if self.is_local else len(keys))
 
-    def read_into(self, key: str, *buffers: memoryview) -> int:
+    def read_into(self, key: str, *buffers: memoryview, check: Callable[[bytes], str | None] | None = None) -> int:
         """Reads object `key` into `buffers`, filling each in turn (as far as the object
-        goes); returns the object's size.
+        goes); returns the object's size. `check`: as for `read`.
 
         Local files are read straight into the buffers, with no intermediate copy: on
         restore the first buffer is the new array's memory.
         """
-        size, done = self._call("read", key, self.store.read_into, buffers, nbytes=sum(map(len, buffers)))
+        size, done = self._call("read", key, self.store.read_into, buffers, nbytes=sum(map(len, buffers)),
+                                check=check)
         _stats.add("store_bytes_read", done)
         return size
 

@@ -92,10 +92,12 @@ class LocalDisk(Store):
     def copy(self, key: str, source: str, *, size: int, exclusive: bool, timeout: float | None) -> None:
         copy(self.root, source, key, exclusive=exclusive, together=self._together)
 
-    def read(self, key: str, limit: int | None, *, timeout: float | None) -> bytes:
+    def read(self, key: str, limit: int | None, *, timeout: float | None,
+             check: Callable[[bytes], str | None] | None = None) -> bytes:
         return read(self.root, key, limit)
 
-    def read_into(self, key: str, buffers: Sequence[memoryview], *, timeout: float | None) -> tuple[int, int]:
+    def read_into(self, key: str, buffers: Sequence[memoryview], *, timeout: float | None,
+                  check: Callable[[bytes], str | None] | None = None) -> tuple[int, int]:
         return read_into(self.root, key, buffers)
 
     def read_range(self, key: str, start: int, buffer: memoryview, *, timeout: float | None) -> int:

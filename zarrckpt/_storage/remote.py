@@ -28,7 +28,7 @@ import fsspec
 import fsspec.asyn
 import numpy as np
 
-from . import guard as _guard
+from . import guard as _guard, hedge as _hedge
 from .store import DeadlinePassed, Entry, Store
 
 log = logging.getLogger("zarrckpt")
@@ -151,6 +151,7 @@ class Fsspec(Store):
         self.read_options = read_options  # what of protocol.read_options this client takes
         self.concurrency = protocol.concurrency
         self.endpoint = endpoint
+        self.hedging = _hedge.of(fs)
         for name, value in protocol.client_attempts.items():
             if hasattr(fs, name):
                 setattr(fs, name, value)
@@ -171,6 +172,16 @@ class Fsspec(Store):
         if not isinstance(self.fs, fsspec.asyn.AsyncFileSystem) or self.fs.asynchronous:
             return getattr(self.fs, method)(*args, **kwargs)
         return self._await(getattr(self.fs, f"_{method}")(*args, **kwargs), timeout)
+
+    def _cat(self, path: str, *, nbytes: int, timeout: float | None, check: _hedge.Check | None = None,
+             **kwargs: Any) -> bytes:
+        """`fs.cat_file(path, **kwargs)` (as `_run`), hedged on an asynchronous client
+        (see `hedge`: `nbytes` is about what it moves, `check` what is wrong with an answer)."""
+        if not isinstance(self.fs, fsspec.asyn.AsyncFileSystem) or self.fs.asynchronous:
+            return self._run("cat_file", path, timeout=timeout, **kwargs)  # type: ignore[no-any-return, unused-ignore]
+        return _hedge.first_good(
+            lambda: asyncio.run_coroutine_threadsafe(self.fs._cat_file(path, **kwargs), self.fs.loop),
+            self.hedging, nbytes=nbytes, timeout=timeout, check=check)
 
     def _await(self, coroutine: Any, timeout: float | None) -> Any:
         """Runs `coroutine` on the client's event loop, abandoned after `timeout` (see `_run`)."""
@@ -287,13 +298,16 @@ class Fsspec(Store):
     def late(self) -> bool:
         return self.protocol.create != "process"  # all but memory://, which lives in this process
 
-    def read(self, key: str, limit: int | None, *, timeout: float | None) -> bytes:
+    def read(self, key: str, limit: int | None, *, timeout: float | None,
+             check: _hedge.Check | None = None) -> bytes:
         if limit is not None:
-            return self._run("cat_file", self._path(key), start=0, end=limit, timeout=timeout)
-        return self._run("cat_file", self._path(key), timeout=timeout, **self.read_options)
+            return self._cat(self._path(key), start=0, end=limit, nbytes=limit, timeout=timeout, check=check)
+        return self._cat(self._path(key), nbytes=0, timeout=timeout, check=check, **self.read_options)
 
-    def read_into(self, key: str, buffers: Sequence[memoryview], *, timeout: float | None) -> tuple[int, int]:
-        data = np.frombuffer(self.read(key, None, timeout=timeout), np.uint8)
+    def read_into(self, key: str, buffers: Sequence[memoryview], *, timeout: float | None,
+                  check: _hedge.Check | None = None) -> tuple[int, int]:
+        data = np.frombuffer(self._cat(self._path(key), nbytes=sum(map(len, buffers)), timeout=timeout, check=check,
+                                       **self.read_options), np.uint8)
         offset = 0
         for buffer in buffers:
             piece = data[offset: offset + len(buffer)]
@@ -304,7 +318,7 @@ class Fsspec(Store):
         return len(data), len(data)
 
     def read_range(self, key: str, start: int, buffer: memoryview, *, timeout: float | None) -> int:
-        data = self._run("cat_file", self._path(key), start=start, end=start + len(buffer), timeout=timeout)
+        data = self._cat(self._path(key), start=start, end=start + len(buffer), nbytes=len(buffer), timeout=timeout)
         np.frombuffer(buffer, np.uint8)[: len(data)] = np.frombuffer(data, np.uint8)
         return len(data)
 

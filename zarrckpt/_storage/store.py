@@ -15,7 +15,7 @@ import abc
 import contextlib
 import dataclasses
 import errno
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,12 +97,17 @@ class Store(abc.ABC):
         return False
 
     @abc.abstractmethod
-    def read(self, key: str, limit: int | None, *, timeout: float | None) -> bytes:
-        """The object `key` (its first `limit` bytes, with a limit)."""
+    def read(self, key: str, limit: int | None, *, timeout: float | None,
+             check: Callable[[bytes], str | None] | None = None) -> bytes:
+        """The object `key` (its first `limit` bytes, with a limit). `check`: what is
+        wrong with an answer, or None, where a store may choose between answers (a
+        hedged read, see `hedge`)."""
 
     @abc.abstractmethod
-    def read_into(self, key: str, buffers: Sequence[memoryview], *, timeout: float | None) -> tuple[int, int]:
-        """Reads object `key` into `buffers` in turn; its size and the bytes read."""
+    def read_into(self, key: str, buffers: Sequence[memoryview], *, timeout: float | None,
+                  check: Callable[[bytes], str | None] | None = None) -> tuple[int, int]:
+        """Reads object `key` into `buffers` in turn; its size and the bytes read.
+        `check`: as for `read`, of the whole object."""
 
     @abc.abstractmethod
     def read_range(self, key: str, start: int, buffer: memoryview, *, timeout: float | None) -> int:

@@ -1,0 +1,168 @@
+"""Hedged reads: a read that is still unanswered after nearly every read of its size on
+the same store has been answered gets a second request for the same bytes, and the
+first good answer wins; the other request is cancelled. A few slow requests then cost
+a restore a little more than the usual time of a read each, not their own time (an
+object store answers a few percent of GETs many times slower than the rest).
+
+When: after `_MARGIN` times the time within which `_TAIL` of the last reads of about
+its size on this client were answered (sizes by powers of 4; `_SAMPLES` of them
+answered first, so nothing is hedged blind), and never before `FLOOR_S`: a read's
+ordinary ups and downs never get one (they would spend the share), while a straggler
+(a few percent of GETs, ten or a hundred times slower) always can. A read waiting while
+that is not yet known looks again every `_POLL_S`, so the first reads of a restore are
+hedged too once enough have come back.
+
+Bounded: the second requests are at most `SHARE` of the reads made on the client, and
+each takes its bytes from the byte budget of the operation it serves, without waiting
+(`_concurrency.spare`): no room, no second request. Only reads are hedged (a chunk read
+twice is the same bytes; a write's second request could land late, see `_commit`), and
+only on a client whose requests can be cancelled (an asynchronous one: s3fs, gcsfs),
+so that a request given up on ends at once instead of holding a connection.
+
+Good: where both requests may still answer, an answer is taken only if `check` (the
+chunk codec's: size, checksum, header) finds nothing wrong with it; a wrong one is kept
+until the other answers, and is what the caller gets when the other fails too (its
+codec then reports the damage).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from .. import _concurrency, _stats
+from .store import DeadlinePassed
+
+SHARE = 0.05
+_TAIL = 0.9
+_MARGIN = 2.0
+FLOOR_S = 0.05
+_SAMPLES = 20
+_WINDOW = 256  # the latest answers of each size kept
+_POLL_S = 0.05
+
+# What is wrong with an answer (bytes), or None.
+Check = Callable[[bytes], "str | None"]
+
+
+class Hedging:
+    """What one client's reads have taken so far, and how many second requests went out.
+    Thread-safe: every reader of the client shares it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._answered: dict[int, collections.deque[float]] = {}
+        self.reads = 0
+        self.hedges = 0
+
+    def delay(self, nbytes: int) -> float | None:
+        """How long a read of about `nbytes` waits before a second request may go out;
+        None while too few such reads have been answered to tell."""
+        with self._lock:
+            seen = self._answered.get(_size_class(nbytes))
+            if seen is None or len(seen) < _SAMPLES:
+                return None
+            ordered = sorted(seen)
+        return max(FLOOR_S, _MARGIN * ordered[int(_TAIL * (len(ordered) - 1))])
+
+    def answered(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._answered.setdefault(_size_class(nbytes), collections.deque(maxlen=_WINDOW)).append(seconds)
+
+    def started(self) -> None:
+        with self._lock:
+            self.reads += 1
+
+    def second(self) -> bool:
+        """Whether a second request may go out now, within `SHARE` of the reads (it counts
+        as sent if so)."""
+        with self._lock:
+            if self.hedges + 1 > SHARE * self.reads:
+                return False
+            self.hedges += 1
+        _stats.add("store_hedged_reads")
+        return True
+
+
+_CLIENTS: weakref.WeakKeyDictionary[Any, Hedging] = weakref.WeakKeyDictionary()
+_CLIENTS_LOCK = threading.Lock()
+
+
+def of(client: Any) -> Hedging:
+    """The one `Hedging` of `client` (an fsspec file system, which fsspec shares between
+    the places opened with the same options): a manager's restores learn from the ones
+    before."""
+    with _CLIENTS_LOCK:
+        found = _CLIENTS.get(client)
+        if found is None:
+            found = _CLIENTS[client] = Hedging()
+        return found
+
+
+def first_good(start: Callable[[], concurrent.futures.Future[bytes]], hedging: Hedging, *, nbytes: int,
+               timeout: float | None, check: Check | None) -> bytes:
+    """The answer of a read that `start` sends (each call one request, as a future that
+    `cancel` ends), with a second request where it is slow (see the module docstring);
+    DeadlinePassed after `timeout` seconds in all; the first error when every request
+    failed."""
+    began = time.monotonic()
+    hedging.started()
+    requests = {start(): began}  # each request, and when it was sent
+    hold: _concurrency.Hold | None = None
+    hedged, not_before = False, began  # a second request: sent; not to be asked for before
+    kept: bytes | None = None
+    error: Exception | None = None
+    try:
+        while True:
+            now = time.monotonic()
+            left = None if timeout is None else began + timeout - now
+            if left is not None and left <= 0 and not any(request.done() for request in requests):
+                raise DeadlinePassed(f"abandoned after {timeout:.0f} s")
+            wait = left
+            if not hedged:
+                delay = hedging.delay(nbytes)
+                until = _POLL_S if delay is None else max(0.0, max(not_before, began + delay) - now)
+                wait = until if left is None else min(left, until)
+            done, _ = concurrent.futures.wait(list(requests), timeout=max(0.0, wait) if wait is not None else None,
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+            for request in done:
+                sent = requests.pop(request)
+                try:
+                    data = request.result()
+                except Exception as e:  # the other request may still answer
+                    error = error or e
+                    continue
+                if not requests or check is None or check(data) is None:
+                    hedging.answered(nbytes, time.monotonic() - sent)
+                    return data
+                kept = kept or data  # wrong: the other's answer may be good
+            if not requests:
+                if kept is not None:
+                    return kept
+                assert error is not None
+                raise error
+            now = time.monotonic()
+            if not hedged and (delay := hedging.delay(nbytes)) is not None and now >= max(not_before, began + delay):
+                hold = _concurrency.spare(nbytes)
+                if hold is not None and hedging.second():
+                    hedged = True
+                    requests[start()] = now
+                else:  # no room in the budget, or the share is spent: perhaps later
+                    if hold is not None:
+                        hold.release()
+                        hold = None
+                    not_before = now + _POLL_S
+    finally:
+        for request in requests:
+            request.cancel()
+        if hold is not None:
+            hold.release()
+
+
+def _size_class(nbytes: int) -> int:
+    return max(nbytes, 1).bit_length() // 2
