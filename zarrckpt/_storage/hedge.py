@@ -7,13 +7,15 @@ object store answers a few percent of GETs many times slower than the rest).
 When: after `_MARGIN` times the time within which `_TAIL` of the last reads of about
 its size on this client were answered (sizes by powers of 4; `_SAMPLES` of them
 answered first, so nothing is hedged blind), and never before `FLOOR_S`: a read's
-ordinary ups and downs never get one (they would spend the share), while a straggler
-(a few percent of GETs, ten or a hundred times slower) always can. A read waiting while
+ordinary ups and downs seldom get one (they would spend what stragglers need), while a
+straggler (a few percent of GETs, ten or a hundred times slower) does. A read waiting while
 that is not yet known looks again every `_POLL_S`, so the first reads of a restore are
 hedged too once enough have come back.
 
-Bounded: the second requests are at most `SHARE` of the reads made on the client, and
-each takes its bytes from the byte budget of the operation it serves, without waiting
+Bounded: each read started on the client earns `SHARE` of a second request, and a
+second request spends one; what is earned and not spent is kept up to `_BURST`, so that
+over any run of reads the second requests are at most `SHARE` of them plus `_BURST`.
+Each takes its bytes from the byte budget of the operation it serves, without waiting
 (`_concurrency.spare`): no room, no second request. Only reads are hedged (a chunk read
 twice is the same bytes; a write's second request could land late, see `_commit`), and
 only on a client whose requests can be cancelled (an asynchronous one: s3fs, gcsfs),
@@ -39,9 +41,10 @@ from .. import _concurrency, _stats
 from .store import DeadlinePassed
 
 SHARE = 0.05
-_TAIL = 0.9
-_MARGIN = 2.0
+_TAIL = 0.95
+_MARGIN = 1.2
 FLOOR_S = 0.05
+_BURST = 4.0
 _SAMPLES = 20
 _WINDOW = 256  # the latest answers of each size kept
 _POLL_S = 0.05
@@ -57,8 +60,7 @@ class Hedging:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._answered: dict[int, collections.deque[float]] = {}
-        self.reads = 0
-        self.hedges = 0
+        self._earned = 0.0  # second requests that may go out (see the module docstring)
 
     def delay(self, nbytes: int) -> float | None:
         """How long a read of about `nbytes` waits before a second request may go out;
@@ -76,15 +78,14 @@ class Hedging:
 
     def started(self) -> None:
         with self._lock:
-            self.reads += 1
+            self._earned = min(_BURST, self._earned + SHARE)
 
     def second(self) -> bool:
-        """Whether a second request may go out now, within `SHARE` of the reads (it counts
-        as sent if so)."""
+        """Whether a second request may go out now (then it is counted as sent)."""
         with self._lock:
-            if self.hedges + 1 > SHARE * self.reads:
+            if self._earned < 1:
                 return False
-            self.hedges += 1
+            self._earned -= 1
         _stats.add("store_hedged_reads")
         return True
 
