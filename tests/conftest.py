@@ -24,6 +24,17 @@ import fsspec  # noqa: E402
 import pytest  # noqa: E402
 from object_store_servers import GCSServer, S3Server  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def fresh_read_history(monkeypatch):
+    """Every test's store clients start with no history of reads (zarrckpt._storage.hedge),
+    as a new job's do: how long one test's reads took never decides another's second
+    requests, nor do second requests it earned carry over."""
+    from zarrckpt._storage import hedge
+
+    monkeypatch.setattr(hedge, "_CLIENTS", hedge.weakref.WeakKeyDictionary())
+
+
 STORES = ["local", "file", "memory", "s3", "gcs"]
 OBJECT_STORES = ["s3", "gcs"]
 

@@ -21,10 +21,10 @@ LEAVES = 64
 
 
 @pytest.fixture
-def proxied(s3_server, monkeypatch):
+def proxied(s3_server):
     """A bucket holding a checkpoint of LEAVES chunks, and the storage options that
-    reach it through a fault proxy; every client's read history starts empty."""
-    monkeypatch.setattr(hedge, "_CLIENTS", hedge.weakref.WeakKeyDictionary())
+    reach it through a fault proxy (every test's clients start with no read history:
+    conftest.fresh_read_history)."""
     bucket = s3_server.new_bucket()
     url = f"s3://{bucket}/ckpt"
     tree = {f"l{i:02d}": np.full(2**14, i, np.float32) for i in range(LEAVES)}  # 64 KiB chunks

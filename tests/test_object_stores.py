@@ -66,10 +66,14 @@ def test_opening_a_checkpoint_costs_one_request_whatever_its_size(store):
         meta = zarrckpt.metadata(url, storage_options=store.options)
         assert len(meta.leaves) == leaves and request_kinds(server) == {"read": 1}
         server.recorder.reset()
+        hedged = _stats.snapshot().get("store_hedged_reads", 0)
         zarrckpt.load_pytree(url, storage_options=store.options)
         # The group's metadata, one chunk per leaf, then the first bytes of the group's
-        # metadata again: still the same save (nothing read comes from two saves).
-        assert request_kinds(server) == {"read": 1 + leaves + 1}
+        # metadata again: still the same save (nothing read comes from two saves); and a
+        # second request for any read much slower than the others (zarrckpt._storage.hedge).
+        kinds = request_kinds(server)
+        hedged = _stats.snapshot().get("store_hedged_reads", 0) - hedged
+        assert set(kinds) == {"read"} and 1 + leaves + 1 <= kinds["read"] <= 1 + leaves + 1 + hedged, kinds
 
 
 @both

@@ -163,9 +163,9 @@ class CountingStore:
             self.keys.append(key)
             return read(loc, key, **options)
 
-        def counted_read_into(loc, key, *buffers):
+        def counted_read_into(loc, key, *buffers, **options):
             self.keys.append(key)
-            return read_into(loc, key, *buffers)
+            return read_into(loc, key, *buffers, **options)
 
         monkeypatch.setattr(_storage.Location, "read", counted_read)
         monkeypatch.setattr(_storage.Location, "read_into", counted_read_into)
@@ -283,7 +283,7 @@ def test_partial_restore_of_the_params_of_a_train_train_state(tmp_path):
     reads = []
     original = _storage.Location.read_into
     try:
-        _storage.Location.read_into = lambda self, key, *b: reads.append(key) or original(self, key, *b)
+        _storage.Location.read_into = lambda self, key, *b, **o: reads.append(key) or original(self, key, *b, **o)
         params, step = zarrckpt.load_checkpoint_if_it_exists(url, abstract, partial=True)
     finally:
         _storage.Location.read_into = original
