@@ -61,7 +61,7 @@ def worker(coordinator: str, pid: int, directory: str, args: argparse.Namespace)
         local = os.path.join(directory, name.replace(" ", "-"))
         state = {f"w{i}": jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
                  for i in range(4)}
-        zarrckpt.save_checkpoint(local, 1, state)  # the local disk: the same bytes behind either store
+        zarrckpt.save_checkpoint(os.path.join(local, "run"), 1, state)  # the same bytes behind either store
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         for setting, factor in (("both fast", 1.0), ("process 1 slow", args.slow_factor)):
             mine = factor if pid == 1 else 1.0

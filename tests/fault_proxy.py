@@ -11,8 +11,10 @@ forwarding; `RESET` drops the connection without an answer; `Late(seconds)` hold
 request, answers nothing, and forwards it after `seconds` (or at `settle()`, if that
 comes first), long after the client gave up on it, as a store that applies a request
 late does; `Delay(seconds)` forwards it
-after `seconds` and answers (a slow store); `Garbled()` forwards it and answers with one
-bit of the store's answer flipped (damage on the way).
+after `seconds` and answers (a slow store); `Garbled(keep_checksums)` forwards it and
+answers with one bit of the store's answer flipped (damage on the way), with the store's
+checksum headers of the answer (S3's x-amz-checksum-*, GCS's x-goog-hash), which the
+client checks, or without them, as a store that sends none.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class Delay:
 
 @dataclasses.dataclass(frozen=True)
 class Garbled:
-    pass
+    keep_checksums: bool = True
 
 
 RESET = "reset"
@@ -144,6 +146,9 @@ class FaultProxy:
                 if isinstance(fault, Garbled) and answer:
                     answer = answer[:len(answer) // 2] + bytes([answer[len(answer) // 2] ^ 0x01]) + \
                         answer[len(answer) // 2 + 1:]
+                    if not fault.keep_checksums:
+                        headers = [(name, value) for name, value in headers
+                                   if not name.lower().startswith(("x-amz-checksum", "x-goog-hash"))]
                 self.send_response(status)
                 for name, value in headers:
                     if name.lower() not in _HOP_BY_HOP:

@@ -231,3 +231,41 @@ def test_an_unknown_compression_is_refused_naming_the_option(tmp_path, value, er
     with pytest.raises(error, match="compression"):
         zarrckpt.CheckpointManager(str(tmp_path / "run"), compression=value)
     assert not (tmp_path / "x").exists()
+
+
+def padded_frame(codec: _chunks.ChunkCodec, data: np.ndarray) -> bytes:
+    """A compressed blosc frame of `data` that holds exactly the chunk's bytes plus
+    blosc's header (blosc itself can make one), yet is not one stored as it is: the
+    frame zero-padded to that size, its header saying so. blosc and zarr decode it."""
+    frame = bytearray(codec.compress(codec.payload(data)))
+    assert len(frame) < data.nbytes + _chunks.BLOSC_HEADER and not frame[2] & _chunks._MEMCPYED
+    frame += bytes(data.nbytes + _chunks.BLOSC_HEADER - len(frame))
+    frame[12:16] = len(frame).to_bytes(4, "little")
+    return bytes(frame)
+
+
+def test_a_compressed_chunk_of_the_most_bytes_is_decoded_never_taken_as_it_is(tmp_path):
+    tree = {"w": np.random.default_rng(0).normal(size=2**16).astype(np.float32)}
+    save_with(str(tmp_path / "ckpt"), tree, fast_store())
+    codec = _chunks.ChunkCodec.of("w", np.dtype(np.float32), (2**16,), True, "zstd")
+    frame = padded_frame(codec, tree["w"])
+    (tmp_path / "ckpt" / "w" / "c.0").write_bytes(frame + _chunks._crc(frame))
+    assert np.array_equal(zarrckpt.load_pytree(str(tmp_path / "ckpt"))["w"], tree["w"])  # read into the array
+    assert np.array_equal(zarr.open_array(str(tmp_path / "ckpt" / "w"), mode="r")[...], tree["w"])
+    # zarrckpt never writes such a frame: one of the most bytes is always stored as it is.
+    parts = codec.frame(codec.payload(tree["w"]), frame)
+    assert parts[0][2] & _chunks._MEMCPYED and sum(memoryview(p).nbytes for p in parts) == codec.stored_bytes
+
+
+def test_metadata_declaring_compressed_chunks_zarrckpt_never_writes_is_refused(tmp_path):
+    """blosc holds at most 2 GiB in a frame and zarrckpt compresses no chunk under 64
+    KiB: a leaf declaring either is damage, before any chunk is read (a tiny object
+    would otherwise make a reader allocate what its header claims)."""
+    from zarrckpt._format import zarrjson
+    from zarrckpt._restore import checkpoint
+
+    for shape, dtype in (((3 * 2**30,), np.uint8), ((1024,), np.uint8)):
+        codec = _chunks.ChunkCodec("w", np.dtype(dtype), shape, True, "zstd")
+        record = {"kind": "leaf", "name": "w", "type": "numpy", "shape": list(shape), "dtype": "uint8"}
+        with pytest.raises(ValueError, match="compressed chunks of"):
+            checkpoint.stored_leaf(("w",), record, zarrjson.array_document(shape, codec))

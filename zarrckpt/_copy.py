@@ -159,7 +159,9 @@ def _copy_all(source: Location, target: Location, objects: list[_objects.Owned],
     each chunk it can; stops at the first failure and raises it (see `_concurrency`)."""
     def copy(obj: _objects.Owned) -> None:
         try:
-            data = source.read(obj.key, check=obj.codec.damage if obj.codec is not None else None)
+            # A chunk is read no further than it can hold (then its codec finds it damaged).
+            data = source.read(obj.key, limit=obj.nbytes + 1, check=obj.codec.damage) if obj.codec is not None \
+                else source.read(obj.key)
         except FileNotFoundError:
             raise _reader.MissingObject(f"{obj.key!r} is missing from checkpoint {source.url}") from None
         if obj.codec is not None and (damage := obj.codec.damage(data)) is not None:

@@ -39,7 +39,7 @@ _BESIDE_RECORDED = re.compile(r"PINNED|.*\.[0-9a-f]{32}\.tmp")
 
 @dataclasses.dataclass(frozen=True)
 class Owned:
-    """One object of a checkpoint: its key, about how large it is (exact for zarrckpt's
+    """One object of a checkpoint: its key, about how large it is (the most for zarrckpt's
     chunks, the decoded size for seqax's, 0 for small metadata), and for a chunk of
     zarrckpt's layout, the codec that checks its size and checksum."""
 

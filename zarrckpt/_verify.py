@@ -6,9 +6,11 @@ What is checked (docs/pytree-zarr-checkpoint.md says why each must hold):
   before any restore) and with each array's own `zarr.json`, which other zarr readers
   use;
 - every chunk of every array's grid exists, with exactly the size of a whole chunk
-  (a short chunk is a cut-off write: zarrckpt never compresses);
+  (a short chunk is a cut-off write), or, in an array saved with `compression`, a size
+  blosc's framing allows (its header and at most the whole chunk);
 - with `checksums`, every chunk's bytes match the CRC-32C stored after them (format
-  version 2 on; older checkpoints have none to check).
+  version 2 on; older checkpoints have none to check), and a compressed one's blosc
+  header describes it and it decompresses.
 
 The first three read metadata and listings only: each array costs one listing of its
 directory (which gives every chunk's size at once) and one read of its `zarr.json`,
@@ -68,8 +70,8 @@ class VerifyReport:
     layout: str  # "zarrckpt", "seqax", or "unknown" when the metadata cannot be read
     committed: bool
     leaves: int
-    chunks_checked: int  # present with their exact size (seqax's compressed layout: none checked)
-    checksums_checked: int  # chunks whose bytes were read and matched their CRC-32C
+    chunks_checked: int  # present with a size they may have (seqax's compressed layout: none checked)
+    checksums_checked: int  # chunks whose bytes were read and matched their CRC-32C (and decompressed)
     problems: tuple[Problem, ...]
 
     @property

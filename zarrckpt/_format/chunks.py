@@ -85,9 +85,21 @@ class ChunkCodec:
            compression: str | None = None) -> ChunkCodec:
         """The codec a save gives an array whose chunks are of `shape`: `compression`
         only where chunks are large enough to gain from it and small enough for blosc."""
-        size = _dtypes.nbytes(shape, dtype)
-        fits = MIN_COMPRESSED_BYTES <= size <= _BLOSC_MAX_BYTES and dtype.itemsize <= 255
+        fits = ChunkCodec(array, dtype, shape, checksum, compression).compression_problem() is None
         return ChunkCodec(array, dtype, shape, checksum, compression if fits else None)
+
+    def compression_problem(self) -> str | None:
+        """Why this codec's chunks cannot be compressed, or None: too small to gain,
+        too large for blosc, or of a dtype wider than blosc shuffles. A reader refuses
+        what zarrckpt never writes."""
+        if self.compression is None:
+            return None
+        if not MIN_COMPRESSED_BYTES <= self.data_bytes <= _BLOSC_MAX_BYTES:
+            return (f"compressed chunks of {self.data_bytes:,} bytes (zarrckpt compresses chunks of "
+                    f"{MIN_COMPRESSED_BYTES:,} to {_BLOSC_MAX_BYTES:,})")
+        if self.dtype.itemsize > 255:
+            return f"compressed chunks of a {self.dtype.itemsize}-byte dtype (blosc shuffles at most 255)"
+        return None
 
     def codecs(self) -> list[dict[str, Any]]:
         """The `codecs` entry of the array's `zarr.json`."""
@@ -157,7 +169,11 @@ class ChunkCodec:
     @property
     def framed_bytes(self) -> int:
         """The most bytes a chunk object holds before its checksum."""
-        return self.stored_bytes - (CHECKSUM_BYTES if self.checksum else 0)
+        return self._framed(self.stored_bytes)
+
+    def _framed(self, size: int) -> int:
+        """How many of a chunk object's `size` bytes come before its checksum."""
+        return size - (CHECKSUM_BYTES if self.checksum else 0)
 
     def encode(self, data: np.ndarray) -> tuple[Any, ...]:
         """The parts of a chunk object (written one after the other) for `data`, the
@@ -169,11 +185,14 @@ class ChunkCodec:
         """The parts of a chunk object holding `payload` (see `payload`): in an array of
         a compressed codec, blosc's `compressed` bytes of it (see `compress`), or without
         them, `payload` as it is behind blosc's header (neither copied nor compressed);
-        then its checksum."""
+        then its checksum. Compressed bytes no smaller than that, or whose header a
+        reader would refuse (a blosc that writes another format), are not used: a chunk
+        of exactly the most bytes is always one stored as it is (see `read`)."""
         if self.compression is None:
             assert compressed is None
             parts: tuple[Any, ...] = (payload,)
-        elif compressed is not None:
+        elif compressed is not None and len(compressed) < payload.nbytes + BLOSC_HEADER and \
+                self._header_damage(compressed[:BLOSC_HEADER], len(compressed)) is None:
             parts = (compressed,)
         else:
             parts = (_blosc_header(self.dtype.itemsize, payload.nbytes, payload.nbytes + BLOSC_HEADER, _MEMCPYED),
@@ -206,7 +225,7 @@ class ChunkCodec:
         reads any further)."""
         if (wrong_size := self.size_damage(len(stored))) is not None:
             return wrong_size
-        framed = len(stored) - (CHECKSUM_BYTES if self.checksum else 0)
+        framed = self._framed(len(stored))
         if self.checksum and _crc(memoryview(stored)[:framed]) != bytes(stored[framed:]):
             return _CRC_DAMAGE
         if self.compression is not None:
@@ -237,10 +256,10 @@ class ChunkCodec:
             values = np.frombuffer(stored, np.uint8, count=self.data_bytes).view(self.dtype).reshape(self.shape)
         else:
             values = np.empty(self.shape, self.dtype) if out is None else out
-            framed = memoryview(stored)[:len(stored) - (CHECKSUM_BYTES if self.checksum else 0)]
             try:
-                numcodecs.blosc.decompress(framed, values.reshape(-1).view(np.uint8))
-            except RuntimeError as e:
+                numcodecs.blosc.decompress(memoryview(stored)[:self._framed(len(stored))],
+                                           values.reshape(-1).view(np.uint8))
+            except (RuntimeError, ValueError) as e:  # numcodecs's word for a frame it cannot take
                 raise Damage(f"cannot be decompressed: {e}") from None
             return values
         if out is not None:
@@ -268,8 +287,9 @@ class ChunkCodec:
                                 check=self.damage)
         if (wrong_size := self.size_damage(size)) is not None:
             raise Damage(wrong_size)
-        if size < self.stored_bytes:  # compressed: its frame, read into `out`, is decoded from a copy
-            return self.decode(bytes(header) + payload[:size - len(header)].tobytes(), out)
+        if size < self.stored_bytes or (self.compression is not None and not header[2] & _MEMCPYED):
+            # Compressed: its frame, read into `out`, is decoded from a copy.
+            return self.decode(b"".join([header, payload[:size - len(header)].tobytes(), trailer])[:size], out)
         if self.checksum and _crc(header, payload) != bytes(trailer):
             raise Damage(_CRC_DAMAGE)
         if self.compression is not None and (damage := self._header_damage(header, size - len(trailer))) is not None:

@@ -149,15 +149,20 @@ class Deferred:
 
     def values(self, box: Region) -> np.ndarray:
         """The values inside `box`, read from the source. A read that fails is the
-        source's failure, never a write's: damage a CheckpointCorruptError, anything else
-        a SourceReadError, public types that a save raises as they are (see
-        `_multihost.Agreement`)."""
+        source's failure, never a write's: damage a CheckpointCorruptError, a store's
+        failure (an OSError) a SourceReadError, public types that a save raises as they
+        are (see `_multihost.Agreement`), their messages with the reader's notes (the
+        leaf it was reading)."""
         try:
             return self.read(box)
         except CheckpointCorruptError as e:  # its subclasses are private to the readers
-            raise CheckpointCorruptError(str(e)) from e
-        except Exception as e:
-            raise SourceReadError(str(e)) from e
+            raise CheckpointCorruptError(_with_notes(e)) from e
+        except OSError as e:
+            raise SourceReadError(_with_notes(e)) from e
+
+
+def _with_notes(e: BaseException) -> str:
+    return "; ".join([str(e), *getattr(e, "__notes__", ())])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -338,6 +338,8 @@ def stored_leaf(path: _tree.KeyPath, rec: dict[str, Any], array: dict[str, Any] 
         raise ValueError(f"leaf {where}: shape {shape} in chunks of {chunks}, a grid of {count:,} chunks, more than "
                          f"zarrckpt ever writes ({_chunks.MAX_GRID:,})")
     codec = ChunkCodec(rec["name"], dtype, chunks, checksum, compression)
+    if (problem := codec.compression_problem()) is not None:
+        raise ValueError(f"leaf {where}: {problem}")
     return StoredLeaf(path, rec["name"], shape, dtype, kind, codec, impl)
 
 

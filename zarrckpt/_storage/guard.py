@@ -56,10 +56,12 @@ _FIRST_THROTTLED_BACKOFF_S = 1.0
 _MAX_BACKOFF_S = 5.0
 _TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ETIMEDOUT, errno.ECONNRESET,
                                errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE, errno.EREMOTEIO})
-# What aiohttp, botocore and the clients raise for a connection that failed or dropped.
+# What aiohttp, botocore and the clients raise for a connection that failed or dropped,
+# or an answer whose bytes the client found changed on the way (botocore checks S3's
+# own checksum of what it sends).
 _TRANSIENT_NAMES = frozenset({"ServerDisconnectedError", "ClientOSError", "ClientConnectionError",
                               "ClientPayloadError", "EndpointConnectionError", "ConnectionClosedError",
-                              "ProxyError", "ChecksumError"})
+                              "ProxyError", "ChecksumError", "FlexibleChecksumError"})
 # Error codes of S3 (and GCS's reasons) that mean "try again", whatever the status.
 _TRANSIENT_CODES = frozenset({"InternalError", "ServiceUnavailable", "RequestTimeout", "OperationAborted",
                               "ConditionalRequestConflict", "backendError", "internalError"})

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _concurrency, _stats
+from . import guard as _guard
 from .store import DeadlinePassed
 
 SHARE = 0.05
@@ -54,31 +55,45 @@ Check = Callable[[bytes], "str | None"]
 
 
 class Hedging:
-    """What one client's reads have taken so far, and how many second requests went out.
-    Thread-safe: every reader of the client shares it."""
+    """What one client's reads have taken so far (and those still unanswered, for how
+    long), and how many second requests may go out. Thread-safe: every reader of the
+    client shares it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._answered: dict[int, collections.deque[float]] = {}
+        self._waiting: dict[int, dict[object, float]] = {}  # by size: each read unanswered, sent when
         self._earned = 0.0  # second requests that may go out (see the module docstring)
 
     def delay(self, nbytes: int) -> float | None:
         """How long a read of about `nbytes` waits before a second request may go out;
-        None while too few such reads have been answered to tell."""
+        None while too few such reads have been answered to tell. Reads still waiting
+        count as answered now: when a batch of reads goes out together, the first
+        answers alone would make the rest look slow."""
+        size = _size_class(nbytes)
+        now = time.monotonic()
         with self._lock:
-            seen = self._answered.get(_size_class(nbytes))
+            seen = self._answered.get(size)
             if seen is None or len(seen) < _SAMPLES:
                 return None
-            ordered = sorted(seen)
+            ordered = sorted([*seen, *(now - sent for sent in self._waiting.get(size, {}).values())])
         return max(FLOOR_S, _MARGIN * ordered[int(_TAIL * (len(ordered) - 1))])
 
-    def answered(self, nbytes: int, seconds: float) -> None:
+    def started(self, read: object, nbytes: int) -> None:
+        """`read` (a key of the caller's) has gone out; each read earns `SHARE` of a
+        second request."""
         with self._lock:
-            self._answered.setdefault(_size_class(nbytes), collections.deque(maxlen=_WINDOW)).append(seconds)
-
-    def started(self) -> None:
-        with self._lock:
+            self._waiting.setdefault(_size_class(nbytes), {})[read] = time.monotonic()
             self._earned = min(_BURST, self._earned + SHARE)
+
+    def ended(self, read: object, nbytes: int, seconds: float | None) -> None:
+        """`read` has ended: answered after `seconds` (its request's own time), or
+        failed or given up on (None)."""
+        size = _size_class(nbytes)
+        with self._lock:
+            self._waiting.get(size, {}).pop(read, None)
+            if seconds is not None:
+                self._answered.setdefault(size, collections.deque(maxlen=_WINDOW)).append(seconds)
 
     def second(self) -> bool:
         """Whether a second request may go out now (then it is counted as sent)."""
@@ -108,11 +123,15 @@ def of(client: Any) -> Hedging:
 def first_good(start: Callable[[], concurrent.futures.Future[bytes]], hedging: Hedging, *, nbytes: int,
                timeout: float | None, check: Check | None) -> bytes:
     """The answer of a read that `start` sends (each call one request, as a future that
-    `cancel` ends), with a second request where it is slow (see the module docstring);
-    DeadlinePassed after `timeout` seconds in all; the first error when every request
-    failed."""
+    `cancel` ends), with a second request where it is slow (see the module docstring).
+    Raises at once an error that no second answer would change (not found, denied),
+    else the first error once every request has failed or the deadline (`timeout`
+    seconds in all) has come with an error in hand; DeadlinePassed at the deadline with
+    nothing in hand (a wrong answer in hand is returned then)."""
     began = time.monotonic()
-    hedging.started()
+    read = object()
+    hedging.started(read, nbytes)
+    answered: float | None = None  # the answer's own time, once taken
     requests = {start(): began}  # each request, and when it was sent
     hold: _concurrency.Hold | None = None
     hedged, not_before = False, began  # a second request: sent; not to be asked for before
@@ -123,6 +142,10 @@ def first_good(start: Callable[[], concurrent.futures.Future[bytes]], hedging: H
             now = time.monotonic()
             left = None if timeout is None else began + timeout - now
             if left is not None and left <= 0 and not any(request.done() for request in requests):
+                if kept is not None:
+                    return kept
+                if error is not None:
+                    raise error
                 raise DeadlinePassed(f"abandoned after {timeout:.0f} s")
             wait = left
             if not hedged:
@@ -135,11 +158,13 @@ def first_good(start: Callable[[], concurrent.futures.Future[bytes]], hedging: H
                 sent = requests.pop(request)
                 try:
                     data = request.result()
-                except Exception as e:  # the other request may still answer
+                except Exception as e:  # the other request may still answer, unless this is final
+                    if _guard.classify(e).kind == "permanent":
+                        raise
                     error = error or e
                     continue
                 if not requests or check is None or check(data) is None:
-                    hedging.answered(nbytes, time.monotonic() - sent)
+                    answered = time.monotonic() - sent
                     return data
                 kept = kept or data  # wrong: the other's answer may be good
             if not requests:
@@ -159,6 +184,7 @@ def first_good(start: Callable[[], concurrent.futures.Future[bytes]], hedging: H
                         hold = None
                     not_before = now + _POLL_S
     finally:
+        hedging.ended(read, nbytes, answered)
         for request in requests:
             request.cancel()
         if hold is not None:

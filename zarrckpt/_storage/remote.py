@@ -169,15 +169,21 @@ class Fsspec(Store):
         has passed: an asyncio timeout around the request (fsspec's `sync(timeout=)`,
         `asyncio.timeout`) kept aiohttp's own read timeout from firing on Python 3.11,
         so that botocore's 2 s timeout became zarrckpt's 60 s."""
-        if not isinstance(self.fs, fsspec.asyn.AsyncFileSystem) or self.fs.asynchronous:
+        if not self._on_loop:
             return getattr(self.fs, method)(*args, **kwargs)
         return self._await(getattr(self.fs, f"_{method}")(*args, **kwargs), timeout)
+
+    @property
+    def _on_loop(self) -> bool:
+        """Whether the client's requests run on fsspec's event loop, as futures this
+        thread waits on (and may cancel): an asynchronous client's."""
+        return isinstance(self.fs, fsspec.asyn.AsyncFileSystem) and not self.fs.asynchronous
 
     def _cat(self, path: str, *, nbytes: int, timeout: float | None, check: _hedge.Check | None = None,
              **kwargs: Any) -> bytes:
         """`fs.cat_file(path, **kwargs)` (as `_run`), hedged on an asynchronous client
         (see `hedge`: `nbytes` is about what it moves, `check` what is wrong with an answer)."""
-        if not isinstance(self.fs, fsspec.asyn.AsyncFileSystem) or self.fs.asynchronous:
+        if not self._on_loop:
             return self._run("cat_file", path, timeout=timeout, **kwargs)  # type: ignore[no-any-return, unused-ignore]
         return _hedge.first_good(
             lambda: asyncio.run_coroutine_threadsafe(self.fs._cat_file(path, **kwargs), self.fs.loop),
