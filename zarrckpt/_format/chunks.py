@@ -55,8 +55,6 @@ _BITSHUFFLE, _MEMCPYED, _ZSTD = 0x4, 0x2, 4 << 5
 _BLOSC_MAX_BYTES = 2**31 - 1 - BLOSC_HEADER
 # Chunks smaller than this are never compressed: a few KiB saved cost a codec per read.
 MIN_COMPRESSED_BYTES = 64 * 2**10
-# The most a stored chunk holds beyond its data: blosc's header and the checksum.
-MOST_FRAMING = BLOSC_HEADER + CHECKSUM_BYTES
 
 
 
@@ -160,16 +158,11 @@ class ChunkCodec:
         """What is wrong with a chunk object of `size` bytes, or None: uncompressed, every
         chunk object has exactly `stored_bytes`; compressed, at least blosc's header and
         at most `stored_bytes`."""
-        least = self.stored_bytes if self.compression is None else BLOSC_HEADER + self.stored_bytes - self.framed_bytes
+        least = self.stored_bytes if self.compression is None else self.stored_bytes - self.data_bytes
         if least <= size <= self.stored_bytes:
             return None
         expected = self.stored_bytes if self.compression is None else f"{least} to {self.stored_bytes}"
         return f"has {size} bytes, expected {expected}"
-
-    @property
-    def framed_bytes(self) -> int:
-        """The most bytes a chunk object holds before its checksum."""
-        return self._framed(self.stored_bytes)
 
     def _framed(self, size: int) -> int:
         """How many of a chunk object's `size` bytes come before its checksum."""
