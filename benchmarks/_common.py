@@ -11,8 +11,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import json
 import os
 import statistics
+import subprocess
 import time
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -311,3 +313,19 @@ def fmt(values, unit: str = "s", digits: int = 3) -> str:
     """'best / median' of a series of timings."""
     best, median = best_median(values)
     return f"{best:.{digits}f} / {median:.{digits}f} {unit}".rstrip()
+
+
+def run_job(commands, env, timeout):
+    """Starts one process per command together (a JAX job's processes) and returns, in
+    order, what each printed last on a `RESULT <json>` line; SystemExit with the end of
+    its output where a process failed or printed none."""
+    procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for command in commands]
+    results = []
+    for pid, proc in enumerate(procs):
+        out, _ = proc.communicate(timeout=timeout)
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            raise SystemExit(f"process {pid} of {len(procs)} failed:\n{out[-4000:]}")
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    return results

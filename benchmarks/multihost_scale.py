@@ -30,6 +30,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import _common as common  # noqa: E402  (the job launcher; it imports no jax)
 
 
 def parse_args(argv=None):
@@ -154,16 +156,8 @@ def run_scale(count, rounds, parent):
     directory = os.path.join(parent, f"p{count}")
     os.makedirs(directory + ".pids")  # see leave_job
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", f"127.0.0.1:{port}", str(count), str(pid),
-                               directory, str(rounds)], env=child_env(1), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for pid in range(count)]
-    results = []
-    for pid, proc in enumerate(procs):
-        out, _ = proc.communicate(timeout=1800)
-        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            raise SystemExit(f"process {pid} of {count} failed:\n{out[-4000:]}")
-        results.append(json.loads(lines[-1][len("RESULT "):]))
+    results = common.run_job([[sys.executable, __file__, "--worker", f"127.0.0.1:{port}", str(count), str(pid),
+                               directory, str(rounds)] for pid in range(count)], child_env(1), 1800)
     shutil.rmtree(directory, ignore_errors=True)
     shutil.rmtree(directory + ".pids", ignore_errors=True)
     checkpoint = results[0]["checkpoint_bytes"]

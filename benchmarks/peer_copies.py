@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -159,16 +158,8 @@ def main(argv=None) -> int:
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}")
     rest = [a for a in (argv if argv is not None else sys.argv[1:])]
     try:
-        procs = [subprocess.Popen([sys.executable, __file__, *rest, "--worker", f"127.0.0.1:{port}", str(pid),
-                                   directory, "-"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True) for pid in range(PROCESSES)]
-        results = []
-        for pid, proc in enumerate(procs):
-            out, _ = proc.communicate(timeout=3600)
-            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                raise SystemExit(f"process {pid} failed:\n{out[-4000:]}")
-            results.append(json.loads(lines[-1][len("RESULT "):]))
+        results = common.run_job([[sys.executable, __file__, *rest, "--worker", f"127.0.0.1:{port}", str(pid),
+                                   directory, "-"] for pid in range(PROCESSES)], env, 3600)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
         shutil.rmtree(os.path.join(args.local_dir, os.path.basename(directory)), ignore_errors=True)

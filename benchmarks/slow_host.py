@@ -26,13 +26,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import _common as common  # noqa: E402  (the job launcher)
 import multihost_scale as scale  # noqa: E402  (its job helpers: ports, environment, leaving)
 
 
@@ -102,16 +102,9 @@ def main() -> int:
                      f"--rounds={args.rounds}"]
         env = scale.child_env(4)
         env["PYTHONPATH"] = os.pathsep.join([HERE, env["PYTHONPATH"]])
-        procs = [subprocess.Popen([sys.executable, __file__, *forwarded, "--worker", coordinator, str(pid), directory],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for pid in range(2)]
-        outputs = []
-        for pid, proc in enumerate(procs):
-            out, _ = proc.communicate(timeout=1800)
-            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                raise SystemExit(f"process {pid} failed:\n{out[-4000:]}")
-            outputs.append(json.loads(lines[-1][len("RESULT "):])["results"])
+        outputs = [result["results"] for result in common.run_job(
+            [[sys.executable, __file__, *forwarded, "--worker", coordinator, str(pid), directory] for pid in range(2)],
+            env, 1800)]
     finally:
         shutil.rmtree(parent, ignore_errors=True)
     print(f"2 processes x 4 CPU devices, {args.size_mib:g} MiB a state; a fast process: {args.latency_ms:g} ms a "
