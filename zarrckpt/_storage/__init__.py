@@ -40,7 +40,7 @@ from ..errors import CheckpointLocationError
 from .guard import DEFAULT_REQUEST_TIMEOUT_S, RETRIES, Guarded, NotAFileInCheckpoint
 from .local import LOCAL_CONCURRENCY, LocalDisk, UnsafeDirectory
 from .remote import OBJECT_STORE_CONCURRENCY, OTHER, PROTOCOLS, Fsspec
-from .store import Entry, Store
+from .store import Check, Entry, Store
 
 __all__ = ["DEFAULT_REQUEST_TIMEOUT_S", "LOCAL_CONCURRENCY", "OBJECT_STORE_CONCURRENCY", "RETRIES", "Entry",
            "NotAFileInCheckpoint", "Location", "redacted_url", "resolve"]
@@ -236,7 +236,7 @@ class Location:
         raise OSError(f"cannot write {self.url.rstrip('/')}/{key}: another writer keeps writing it (tried "
                       f"{_LATE_TRIES} times)")
 
-    def read(self, key: str, *, limit: int | None = None, check: Callable[[bytes], str | None] | None = None) -> bytes:
+    def read(self, key: str, *, limit: int | None = None, check: Check | None = None) -> bytes:
         """The whole object `key` below this location (its first `limit` bytes with a
         limit), in one request (two, hedged, where one is slow: see `hedge`; `check`
         says what is wrong with an answer, so that a good one wins); FileNotFoundError
@@ -256,7 +256,7 @@ class Location:
 
         return _concurrency.run_all(attempt, keys, 1 if self.is_local else len(keys))
 
-    def read_into(self, key: str, *buffers: memoryview, check: Callable[[bytes], str | None] | None = None) -> int:
+    def read_into(self, key: str, *buffers: memoryview, check: Check | None = None) -> int:
         """Reads object `key` into `buffers`, filling each in turn (as far as the object
         goes); returns the object's size. `check`: as for `read`.
 

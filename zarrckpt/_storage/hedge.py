@@ -39,7 +39,7 @@ from typing import Any
 
 from .. import _concurrency, _stats
 from . import guard as _guard
-from .store import DeadlinePassed
+from .store import Check, DeadlinePassed
 
 SHARE = 0.05
 _TAIL = 0.95
@@ -49,9 +49,6 @@ _BURST = 4.0
 _SAMPLES = 20
 _WINDOW = 256  # the latest answers of each size kept
 _POLL_S = 0.05
-
-# What is wrong with an answer (bytes), or None.
-Check = Callable[[bytes], "str | None"]
 
 
 class Hedging:

@@ -38,7 +38,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 
-from .store import Entry, NotAFile, Store
+from .store import Check, Entry, NotAFile, Store
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _SPECIAL = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
@@ -93,11 +93,11 @@ class LocalDisk(Store):
         copy(self.root, source, key, exclusive=exclusive, together=self._together)
 
     def read(self, key: str, limit: int | None, *, timeout: float | None,
-             check: Callable[[bytes], str | None] | None = None) -> bytes:
+             check: Check | None = None) -> bytes:
         return read(self.root, key, limit)
 
     def read_into(self, key: str, buffers: Sequence[memoryview], *, timeout: float | None,
-                  check: Callable[[bytes], str | None] | None = None) -> tuple[int, int]:
+                  check: Check | None = None) -> tuple[int, int]:
         return read_into(self.root, key, buffers)
 
     def read_range(self, key: str, start: int, buffer: memoryview, *, timeout: float | None) -> int:

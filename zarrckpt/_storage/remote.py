@@ -29,7 +29,7 @@ import fsspec.asyn
 import numpy as np
 
 from . import guard as _guard, hedge as _hedge
-from .store import DeadlinePassed, Entry, Store
+from .store import Check, DeadlinePassed, Entry, Store
 
 log = logging.getLogger("zarrckpt")
 
@@ -179,7 +179,7 @@ class Fsspec(Store):
         thread waits on (and may cancel): an asynchronous client's."""
         return isinstance(self.fs, fsspec.asyn.AsyncFileSystem) and not self.fs.asynchronous
 
-    def _cat(self, path: str, *, nbytes: int, timeout: float | None, check: _hedge.Check | None = None,
+    def _cat(self, path: str, *, nbytes: int, timeout: float | None, check: Check | None = None,
              **kwargs: Any) -> bytes:
         """`fs.cat_file(path, **kwargs)` (as `_run`), hedged on an asynchronous client
         (see `hedge`: `nbytes` is about what it moves, `check` what is wrong with an answer)."""
@@ -305,13 +305,13 @@ class Fsspec(Store):
         return self.protocol.create != "process"  # all but memory://, which lives in this process
 
     def read(self, key: str, limit: int | None, *, timeout: float | None,
-             check: _hedge.Check | None = None) -> bytes:
+             check: Check | None = None) -> bytes:
         if limit is not None:
             return self._cat(self._path(key), start=0, end=limit, nbytes=limit, timeout=timeout, check=check)
         return self._cat(self._path(key), nbytes=0, timeout=timeout, check=check, **self.read_options)
 
     def read_into(self, key: str, buffers: Sequence[memoryview], *, timeout: float | None,
-                  check: _hedge.Check | None = None) -> tuple[int, int]:
+                  check: Check | None = None) -> tuple[int, int]:
         data = np.frombuffer(self._cat(self._path(key), nbytes=sum(map(len, buffers)), timeout=timeout, check=check,
                                        **self.read_options), np.uint8)
         offset = 0

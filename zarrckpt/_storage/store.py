@@ -39,6 +39,11 @@ class NotAFile(OSError):
         self.what = what
 
 
+# What is wrong with the bytes a read answered, or None (a chunk codec's `damage`):
+# where a store may choose between answers (a hedged read, see `hedge`), a good one wins.
+Check = Callable[[bytes], "str | None"]
+
+
 class DeadlinePassed(TimeoutError):
     """A request abandoned at its deadline (`Store` methods' `timeout`)."""
 
@@ -98,14 +103,14 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def read(self, key: str, limit: int | None, *, timeout: float | None,
-             check: Callable[[bytes], str | None] | None = None) -> bytes:
+             check: Check | None = None) -> bytes:
         """The object `key` (its first `limit` bytes, with a limit). `check`: what is
         wrong with an answer, or None, where a store may choose between answers (a
         hedged read, see `hedge`)."""
 
     @abc.abstractmethod
     def read_into(self, key: str, buffers: Sequence[memoryview], *, timeout: float | None,
-                  check: Callable[[bytes], str | None] | None = None) -> tuple[int, int]:
+                  check: Check | None = None) -> tuple[int, int]:
         """Reads object `key` into `buffers` in turn; its size and the bytes read.
         `check`: as for `read`, of the whole object."""
 
