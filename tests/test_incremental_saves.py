@@ -415,3 +415,124 @@ def test_a_step_replaced_by_save_checkpoint_while_a_manager_holds_the_run_is_ref
         np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), step)["w"]),
                                       np.arange(2.0**20))
     zarrckpt.save_checkpoint(str(tmp_path), 1, {"w": np.zeros(4), "s": 1}, overwrite=True)  # released: allowed
+
+
+# -- save_checkpoint(unchanged_since=...): the same without a manager --------------------
+
+
+def inodes(step_dir: Path, leaf: str) -> dict[str, int]:
+    return {k: s.st_ino for k, s in chunk_files(step_dir, leaf).items()}
+
+
+@pytest.mark.parametrize("frozen_as_given", [True, False], ids=["same arrays", "rebuilt arrays"])
+def test_save_checkpoint_unchanged_since_links_the_base_it_saved_and_every_step_restores_alone(
+        tmp_path, frozen_as_given):
+    state, optimizer = lora_state()
+    saved = {}
+    for step in range(1, 5):
+        state = train(state, optimizer, frozen_as_given=frozen_as_given)
+        zarrckpt.save_checkpoint(str(tmp_path), step, state, unchanged_since=step - 1 if step > 1 else None)
+        saved[step] = as_numpy(state)
+    # Saves given unchanged_since fingerprint what they write: rebuilt arrays are sampled at
+    # step 2, looked at whole at 3, linked from 4.
+    first_linked = 2 if frozen_as_given else 4
+    for leaf in ("params.base.w", "params.base.embed"):
+        for step in range(first_linked, 5):
+            assert inodes(tmp_path / f"{step:010d}", leaf) == inodes(tmp_path / f"{first_linked - 1:010d}", leaf)
+        assert first_linked == 2 or inodes(tmp_path / "0000000002", leaf) != inodes(tmp_path / "0000000001", leaf)
+    assert all(s.st_nlink == 1 for s in chunk_files(tmp_path / "0000000004", "params.lora.b").values())
+    for step in (1, 2, 3):
+        shutil.rmtree(tmp_path / f"{step:010d}")
+    restored = zarrckpt.load_checkpoint(str(tmp_path), 4, as_numpy(lora_state()[0]))
+    jax.tree.map(np.testing.assert_array_equal, as_numpy(restored), saved[4])
+    assert zarrckpt.verify(str(tmp_path / "0000000004")).ok
+
+
+@pytest.mark.parametrize("restore", ["load_checkpoint", "load_checkpoint_if_it_exists"])
+def test_save_checkpoint_unchanged_since_the_step_restored_links_what_training_left_as_it_was(tmp_path, restore):
+    state, optimizer = lora_state()
+    zarrckpt.save_checkpoint(str(tmp_path), 1, state)
+    zarrckpt._save.unchanged._runs.clear()  # a new process: it knows only what it restores
+    if restore == "load_checkpoint":
+        state = zarrckpt.load_checkpoint(str(tmp_path), 1, state)
+    else:
+        state, _ = zarrckpt.load_checkpoint_if_it_exists(str(tmp_path), state)
+    state = train(state, optimizer, frozen_as_given=True)
+    zarrckpt.save_checkpoint(str(tmp_path), 2, state, unchanged_since=1)
+    assert inodes(tmp_path / "0000000002", "params.base.w") == inodes(tmp_path / "0000000001", "params.base.w")
+    assert all(s.st_nlink == 1 for s in chunk_files(tmp_path / "0000000002", "params.lora.b").values())
+    shutil.rmtree(tmp_path / "0000000001")
+    restored = zarrckpt.load_checkpoint(str(tmp_path), 2, as_numpy(lora_state()[0]))
+    jax.tree.map(np.testing.assert_array_equal, as_numpy(restored), as_numpy(state))
+
+
+def test_save_checkpoint_unchanged_since_a_step_not_saved_or_restored_last_writes_every_chunk(tmp_path):
+    state = {"w": fsdp(jnp.arange(2**20, dtype=jnp.float32))}
+    for step in (1, 2):
+        zarrckpt.save_checkpoint(str(tmp_path), step, state)
+    zarrckpt.save_checkpoint(str(tmp_path), 3, state, unchanged_since=1)  # step 2 was saved last
+    assert all(s.st_nlink == 1 for s in chunk_files(tmp_path / "0000000003", "w").values())
+    zarrckpt.save_checkpoint(str(tmp_path), 4, state, unchanged_since=3)
+    assert inodes(tmp_path / "0000000004", "w") == inodes(tmp_path / "0000000003", "w")
+
+
+def test_save_checkpoint_unchanged_since_a_step_another_save_replaced_writes_every_chunk(tmp_path):
+    """Another job's save replaced step 1 after this process saved it: the arrays this
+    process holds are not what step 1 holds any more, and nothing is made from it."""
+    state = {"w": fsdp(jnp.arange(2**20, dtype=jnp.float32))}
+    zarrckpt.save_checkpoint(str(tmp_path), 1, state)
+    zarrckpt.save_pytree(str(tmp_path / "0000000001"), {"w": np.zeros(2**20, np.float32)}, overwrite=True)
+    zarrckpt.save_checkpoint(str(tmp_path), 2, state, unchanged_since=1)
+    assert all(s.st_nlink == 1 for s in chunk_files(tmp_path / "0000000002", "w").values())
+    np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), 2)["w"]), np.arange(2**20))
+
+
+@pytest.mark.parametrize("change", ["replaced", "deleted"])
+def test_a_step_replaced_while_save_checkpoint_links_from_it_fails_the_save_and_the_next_commits(
+        tmp_path, monkeypatch, change):
+    state = {"w": fsdp(jnp.arange(2**20, dtype=jnp.float32)), "step": jnp.array(1)}
+    zarrckpt.save_checkpoint(str(tmp_path), 1, state)
+    copy, done = zarrckpt._storage.local.LocalDisk.copy, []
+
+    def copy_then_change(self, key, source, **kwargs):
+        copy(self, key, source, **kwargs)
+        if not done:  # another job's save replaces step 1 (or its retention deletes it) mid-links
+            done.append(True)
+            if change == "replaced":
+                zarrckpt.save_pytree(str(tmp_path / "0000000001"), {"w": np.zeros(2**20, np.float32), "step": 9},
+                                     overwrite=True)
+            else:
+                zarrckpt._commit.remove(zarrckpt._storage.resolve(str(tmp_path / "0000000001")))
+
+    monkeypatch.setattr(zarrckpt._storage.local.LocalDisk, "copy", copy_then_change)
+    with pytest.raises(zarrckpt.CheckpointWriteError, match="unchanged_since"):
+        zarrckpt.save_checkpoint(str(tmp_path), 2, {**state, "step": jnp.array(2)}, unchanged_since=1)
+    assert done and 2 not in zarrckpt.all_steps(str(tmp_path))
+    monkeypatch.undo()
+    zarrckpt.save_checkpoint(str(tmp_path), 2, {**state, "step": jnp.array(2)}, unchanged_since=1, overwrite=True)
+    restored = zarrckpt.load_checkpoint(str(tmp_path), 2)
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(2**20))
+    assert zarrckpt.verify(str(tmp_path / "0000000002")).ok
+
+
+@pytest.mark.parametrize(("value", "error"), [(3, ValueError), (-1, ValueError), ("2", TypeError), (2.0, TypeError)])
+def test_save_checkpoint_refuses_a_bad_unchanged_since_naming_it(tmp_path, value, error):
+    with pytest.raises(error, match="unchanged_since"):
+        zarrckpt.save_checkpoint(str(tmp_path), 3, {"w": np.arange(4)}, unchanged_since=value)
+    assert not tmp_path.joinpath("0000000003").exists()
+
+
+def test_on_s3_save_checkpoint_unchanged_since_copies_inside_the_store(new_store):
+    store = new_store("s3")
+    state, optimizer = lora_state()
+    for step in (1, 2):
+        state = train(state, optimizer, frozen_as_given=True)
+        store.server.recorder.reset()
+        zarrckpt.save_checkpoint(store.url, step, state, storage_options=store.options,
+                                 unchanged_since=1 if step == 2 else None)
+    base_bytes = 1024 * 2048 * 2 + 512 * 2048 * 4
+    assert store.server.recorder.bytes_received < 0.2 * base_bytes
+    assert store.server.recorder.copies
+    fsspec.filesystem("s3", **store.options).rm(f"{store.url}/0000000001", recursive=True)
+    restored = zarrckpt.load_checkpoint(store.url, 2, as_numpy(lora_state()[0]), storage_options=store.options)
+    jax.tree.map(np.testing.assert_array_equal, as_numpy(restored), as_numpy(state))

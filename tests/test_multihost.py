@@ -79,6 +79,17 @@ def test_a_frozen_base_over_two_processes_is_linked_by_each_from_the_third_save(
     assert inodes[2] != inodes[1] and inodes[3] == inodes[2] and inodes[4] == inodes[2], inodes
     for r in results:
         assert r["step"] == 4 and r["base"] == 0.5 and r["head"] == 4.0, r
+def test_save_checkpoint_unchanged_since_over_two_processes_links_each_process_s_chunks(tmp_path):
+    """Each process links the chunks it writes of the frozen base from the step before;
+    the newest step restores exactly once the two before it are deleted."""
+    results = multiprocess.run("mp_checkpoint", "unchanged", str(tmp_path / "run"))
+    inodes = {int(step): dict(files) for step, files in results[0]["inodes"].items()}
+    assert len(inodes[3]) > 1, inodes  # chunks written by both processes
+    assert inodes[2] == inodes[1] and inodes[3] == inodes[1], inodes
+    for r in results:
+        assert r["base_ok"] and r["head_ok"], r
+
+
 def test_sigterm_to_one_process_of_two_stops_both_loops_at_one_saved_step(tmp_path):
     results = multiprocess.run("mp_manager", "preempted", str(tmp_path / "run"))
     stops = {result["stopped"] for result in results}

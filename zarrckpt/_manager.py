@@ -310,8 +310,7 @@ class CheckpointManager:
         job.before_prepare = before_prepare
         seen = self._unchanged.mark(job.plans, job.arrays, location) if self._unchanged is not None else None
         # The job holds the state: the commit's report must not.
-        nbytes, reused, known = job.nbytes, job.reused_bytes, self._unchanged
-        reused_from = {plan.reuse_from.url for plan in job.plans if plan.reuse_from is not None}
+        nbytes, note, known = job.nbytes, job.reuse_note(), self._unchanged
 
         def committed() -> None:
             seconds = time.perf_counter() - started
@@ -327,9 +326,7 @@ class CheckpointManager:
                     + (f" ({started - called:.3f}s of it waiting for the previous save)"
                        if started - called >= 0.001 else ""))
                 log.info("checkpoint step %d committed to %s: %s%s%s", step, self._root.url,
-                         _progress.rate(nbytes, seconds), blocked,
-                         f"; {_progress.size(reused)} unchanged, made from {', '.join(sorted(reused_from))}, "
-                         "not written (process 0's part)" if reused else "")
+                         _progress.rate(nbytes, seconds), blocked, note)
             if known is not None and seen is not None:
                 known.committed(seen)
             if self._policy.deletes:

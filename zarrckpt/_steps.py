@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ from . import _commit, _concurrency, _lease, _multihost, _options, _restore, _sa
 from ._format import naming as _naming
 from ._restore import checkpoint as _reader, orbax as _orbax
 from ._storage import Location
-from .errors import CheckpointLocationError, CheckpointNotFoundError
+from .errors import CheckpointLocationError, CheckpointNotFoundError, CheckpointWriteError
 
 log = logging.getLogger("zarrckpt")
 
@@ -31,25 +32,90 @@ def save_checkpoint(
     progress: bool | None = None,
     checksums: bool = True,
     compression: str | None = None,
+    unchanged_since: int | None = None,
 ) -> None:
     """Saves `state` as step `step` under `checkpoint_dir` and commits it.
 
-    Agreement, like `save_pytree`, whose options it takes (see there). Raises what
-    `save_pytree` raises; CheckpointExistsError if the step is committed and
-    `overwrite` is False, ValueError for a bad step; with `overwrite`,
-    DirectoryInUseError, naming the holder, if a live `CheckpointManager` holds
-    `checkpoint_dir` (its next save would take the replaced step for the one it saved,
-    and make unchanged chunks from it). A lease found unreleased whose holder may be
-    alive on another machine is watched first, as a manager claiming it would (2.5
-    heartbeats).
+    Agreement, like `save_pytree`, whose options it takes (see there), and:
+
+    Args:
+      unchanged_since: a committed step of `checkpoint_dir` that this process saved
+        (with `save_checkpoint`) or restored (with `load_checkpoint` or
+        `load_checkpoint_if_it_exists`) last there. Each jax.Array leaf that holds
+        exactly what that step holds of it (the very same array, or every shard with
+        the fingerprint it had when saved: see a `CheckpointManager`'s
+        `reuse_unchanged`) has its chunks made from that step's (a hard link, a copy
+        inside S3 or GCS) instead of copied off the devices and written; the new step
+        is complete on its own. A step this process does not know so, or that another
+        save has deleted or replaced since, is not used: every chunk is written (a log
+        line says why). A save given it also fingerprints what it writes, so that
+        leaves rebuilt with the same values are found unchanged by the next one.
+
+    Raises what `save_pytree` raises; CheckpointExistsError if the step is committed
+    and `overwrite` is False, ValueError for a bad step (or `unchanged_since` equal to
+    `step`); with `overwrite`, DirectoryInUseError, naming the holder, if a live
+    `CheckpointManager` holds `checkpoint_dir` (its next save would take the replaced
+    step for the one it saved, and make unchanged chunks from it). A lease found
+    unreleased whose holder may be alive on another machine is watched first, as a
+    manager claiming it would (2.5 heartbeats). CheckpointWriteError, with nothing
+    committed, if step `unchanged_since` is deleted or replaced while chunks are made
+    from it.
     """
     options = _options.SaveOptions(overwrite=overwrite, max_chunk_bytes=max_chunk_bytes,
                                    min_chunk_bytes=min_chunk_bytes, max_inflight_bytes=max_inflight_bytes,
                                    max_workers=max_workers, timeout_s=timeout_s, progress=progress,
                                    checksums=checksums, compression=compression)
-    loc = _storage.resolve(checkpoint_dir, storage_options).step(step)
-    _save.save(loc, state, options,
-               before_prepare=(lambda: _lease.refuse_if_held(loc, "save_checkpoint")) if overwrite else None)
+    _options.check("unchanged_since", unchanged_since, _options.COUNT_OR_ZERO + "?")
+    if unchanged_since == step:
+        raise ValueError(f"unchanged_since={unchanged_since} is the step being saved: name the step its unchanged "
+                         "chunks are made from")
+    root = _storage.resolve(checkpoint_dir, storage_options)
+    loc = root.step(step)
+    source = None if unchanged_since is None else root.step(unchanged_since)
+    job = _save.SaveJob.create(loc, state, options,
+                               before_prepare=(lambda: _lease.refuse_if_held(loc, "save_checkpoint"))
+                               if overwrite else None)
+    known = _save.of_run(root.url)
+    trusted = None if source is None else _trusted(known, source)
+    if source is None or trusted is None:
+        seen = known.saw(job.plans, job.arrays, loc)
+    else:
+        seen = known.mark(job.plans, job.arrays, loc, source=source)
+        if any(plan.reuse_from is not None for plan in job.plans):
+            job.after_writes = functools.partial(_still, source, trusted)
+    try:
+        _save.write(job)
+    except BaseException:
+        known.forget()  # the step its chunks would come from may be gone
+        raise
+    known.committed(seen, job.save_id)
+
+
+def _trusted(known: _save.Unchanged, source: Location) -> str | None:
+    """The identity of committed step `source` if this process knows its leaves as they
+    are now (it saved or restored that very save), else None, saying why."""
+    step = known.step()
+    if step is None or step[0] != source.url:
+        log.info("%s is not the step this process saved or restored last in that directory: every chunk of this "
+                 "save is written (unchanged_since)", source.url)
+        return None
+    head = _commit.head(source)
+    if head.state is not _commit.State.COMMITTED or head.save_id != step[1]:
+        log.warning("%s was deleted or replaced by another save since this process saved or restored it: every "
+                    "chunk of this save is written (unchanged_since)", source.url)
+        known.forget()
+        return None
+    return step[1]
+
+
+def _still(source: Location, save_id: str) -> None:
+    """Raises CheckpointWriteError unless `source` is still committed as save `save_id`:
+    then every chunk made from it was that save's (a replacement uncommits a step
+    before it changes a chunk)."""
+    now = _commit.head(source)
+    if now.state is not _commit.State.COMMITTED or now.save_id != save_id:
+        raise CheckpointWriteError(f"{source.url}, the step named by unchanged_since, was deleted or replaced while "
+                                   "this save made unchanged chunks from it: save again")
 
 
 def all_steps(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
@@ -177,7 +243,10 @@ def load_checkpoint_if_it_exists(
                                    load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
                                    max_workers=max_workers, progress=progress)
     _options.check("timeout_s", timeout_s, _options.NUMBER)
-    state, step, _ = restore_latest(_storage.resolve(checkpoint_dir, storage_options), target, options, timeout_s)
+    root = _storage.resolve(checkpoint_dir, storage_options)
+    state, step, ckpt = restore_latest(root, target, options, timeout_s)
+    if ckpt is not None:
+        _save.of_run(root.url).restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id)  # for `unchanged_since`
     return state, step or 0
 
 
@@ -206,7 +275,10 @@ def load_checkpoint(
     options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast, donate_target=donate_target,
                                    load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
                                    max_workers=max_workers, progress=progress)
-    return load_step(_storage.resolve(checkpoint_dir, storage_options), step, target, options)[0]
+    root = _storage.resolve(checkpoint_dir, storage_options)
+    state, ckpt = load_step(root, step, target, options)
+    _save.of_run(root.url).restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id)  # for `unchanged_since`
+    return state
 
 
 def load_step(root: Location, step: int, target: Any, options: _options.LoadOptions

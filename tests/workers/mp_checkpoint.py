@@ -1,4 +1,5 @@
-"""Multi-process save / restore worker: `save DIR STEP`, `restore DIR MESH`, `fail DIR PROCESS`."""
+"""Multi-process save / restore worker: `save DIR STEP`, `restore DIR MESH`, `fail DIR PROCESS`,
+`unchanged DIR`."""
 
 from __future__ import annotations
 
@@ -102,4 +103,35 @@ def fail(directory: str, failing: str) -> None:
            latest_after=zarrckpt.latest_step(directory, storage_options=STORAGE_OPTIONS))
 
 
-{"save": save, "restore": restore, "fail": fail}[args[0]](*args[1:])
+def unchanged(directory: str) -> None:
+    """A frozen base sharded over the devices of both processes, the same arrays at
+    every step, beside a leaf that changes: three `save_checkpoint` calls, the second
+    and third with `unchanged_since`; then steps 1 and 2 deleted and step 3 restored in
+    a new state. Reports each step's base chunk files (name and inode) as this process
+    sees them, and the values restored."""
+    import pathlib
+    import shutil
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
+    host = np.arange(2048 * 2048, dtype=np.float32).reshape(2048, 2048)
+    base = jax.make_array_from_callback(host.shape, NamedSharding(mesh, P("data", "model")), lambda i: host[i])
+    for step in (1, 2, 3):
+        head = global_array("replicated", NamedSharding(mesh, P()), float(step))
+        zarrckpt.save_checkpoint(directory, step, {"base": base, "head": head},
+                                 unchanged_since=step - 1 if step > 1 else None)
+    inodes = {step: sorted((p.name, p.stat().st_ino) for p in (pathlib.Path(directory) / f"{step:010d}" / "base")
+                           .iterdir() if p.name != "zarr.json") for step in (1, 2, 3)}
+    multihost_utils.sync_global_devices("listed")
+    if jax.process_index() == 0:
+        for step in (1, 2):
+            shutil.rmtree(pathlib.Path(directory) / f"{step:010d}")
+    multihost_utils.sync_global_devices("deleted")
+    target = {"base": NamedSharding(mesh, P("data", "model")), "head": NamedSharding(mesh, P())}
+    restored = zarrckpt.load_checkpoint(directory, 3, target)
+    base_ok = all(np.array_equal(np.asarray(s.data), host[s.index]) for s in restored["base"].addressable_shards)
+    head_ok = all(np.array_equal(np.asarray(s.data), expected("replicated", SHAPES["replicated"]) + np.float32(3))
+                  for s in restored["head"].addressable_shards)
+    report(inodes=inodes, base_ok=base_ok, head_ok=head_ok)
+
+
+{"save": save, "restore": restore, "fail": fail, "unchanged": unchanged}[args[0]](*args[1:])

@@ -2,8 +2,8 @@
 
 from .background import BackgroundSave
 from .compression import Compressor
-from .protocol import PER_PROCESS, SHARED, Commit, SaveJob, save, save_pytree, stage
-from .unchanged import Unchanged
+from .protocol import PER_PROCESS, SHARED, Commit, SaveJob, save, save_pytree, stage, write
+from .unchanged import Unchanged, of_run
 
-__all__ = ["PER_PROCESS", "SHARED", "BackgroundSave", "Commit", "Compressor", "SaveJob", "Unchanged", "save",
-           "save_pytree", "stage"]
+__all__ = ["PER_PROCESS", "SHARED", "BackgroundSave", "Commit", "Compressor", "SaveJob", "Unchanged", "of_run",
+           "save", "save_pytree", "stage", "write"]

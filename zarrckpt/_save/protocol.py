@@ -110,10 +110,17 @@ def save(loc: _storage.Location, tree: Any, options: SaveOptions, *,
     """`save_pytree` at `loc`: plan, then write as the budget lets each unit in; returns
     the job done. Agreement."""
     job = SaveJob.create(loc, tree, options, extra_metadata=extra_metadata, before_prepare=before_prepare)
+    write(job)
+    return job
+
+
+def write(job: SaveJob) -> None:
+    """Runs `job`, writing as it copies, on the calling thread, and says so on process 0
+    (with what was made from a committed step). Agreement."""
+    note = job.reuse_note()
     seconds = job.run_admitted()
     if _multihost.process_index() == 0:
-        log.info("saved %s: %d leaves, %s", loc.url, len(job.plans), _progress.rate(job.nbytes, seconds))
-    return job
+        log.info("saved %s: %d leaves, %s%s", job.loc.url, len(job.plans), _progress.rate(job.nbytes, seconds), note)
 
 
 Work = Iterable[tuple[ArrayPlan, WriteUnit]]
@@ -176,6 +183,9 @@ class SaveJob:
     budget: _concurrency.ByteBudget
     channel: str = "save"
     before_prepare: Callable[[], None] | None = None  # run on process 0 first: a lease check
+    # Run on each process once its writes are in, before the commit: that the step its
+    # unchanged chunks were made from is still the one they were made from.
+    after_writes: Callable[[], None] | None = None
     save_id: str | None = None  # this save's identity, once prepared (see `_commit`)
     commit: Commit = SHARED
     # Which chunks are compressed, with `options.compression` (a manager's outlasts a save).
@@ -239,6 +249,13 @@ class SaveJob:
     def reused_bytes(self) -> int:
         """Bytes of this process's writes made from a committed step (`reuse_from`)."""
         return sum(unit.nbytes for plan in self.plans if plan.reuse_from is not None for unit in plan.writes)
+
+    def reuse_note(self) -> str:
+        """For a log line: what this process makes from committed steps instead of
+        writing it ("" where nothing)."""
+        sources = sorted({plan.reuse_from.url for plan in self.plans if plan.reuse_from is not None})
+        return (f"; {_progress.size(self.reused_bytes)} unchanged, made from {', '.join(sources)}, not written "
+                "(process 0's part)" if sources else "")
 
     def units(self) -> Work:
         """This process's writes to copy off the devices (all but those made from a
@@ -311,9 +328,7 @@ class SaveJob:
             try:
                 self.save_id = self.commit.prepare(op, self._prepare)
                 self.compressor.start()
-                op.check("write", lambda: _write_all(loc, work, self._array_metadata(),
-                                                     self.options.max_workers or loc.concurrency, advance,
-                                                     self.compressor))
+                op.check("write", lambda: self._write(work, advance))
                 self.commit.commit(op, lambda: _commit.commit(loc, _zarrjson.group_document(
                     self.group["attributes"], self.arrays)))
             except BaseException as e:
@@ -321,6 +336,12 @@ class SaveJob:
                 raise
         seconds = time.perf_counter() - started
         return seconds
+
+    def _write(self, work: Work, advance: Callable[[int], None]) -> None:
+        _write_all(self.loc, work, self._array_metadata(), self.options.max_workers or self.loc.concurrency, advance,
+                   self.compressor)
+        if self.after_writes is not None:
+            self.after_writes()
 
     def _array_metadata(self) -> list[tuple[ArrayPlan, dict[str, Any]]]:
         """The `zarr.json` documents this process writes, each with its array's plan:

@@ -25,6 +25,7 @@ process is written unless it is the same array.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -86,27 +87,48 @@ class Unchanged:
     def __init__(self) -> None:
         self._keys = np.frombuffer(secrets.token_bytes(8), np.uint32).copy()
         self._known: dict[str, Known] = {}
+        self._save_id: str | None = None  # the identity of the step known, where told (see `of_run`)
         self._lock = threading.Lock()
 
     def mark(self, plans: Sequence[ArrayPlan], documents: dict[str, dict[str, Any]],
-             step: _storage.Location) -> dict[str, Known]:
+             step: _storage.Location, *, source: _storage.Location | None = None) -> dict[str, Known]:
         """Sets `reuse_from` on each plan of a save to `step` whose leaf is unchanged
-        since the newest committed step this process knows; returns what `step` will
-        hold once committed (for `committed`). Computes the fingerprints it needs on
-        the devices, and waits for them. Never raises: every process of a save must go
+        since the newest committed step this process knows (with `source`: only if that
+        step is `source`, whose chunks it then names); returns what `step` will hold
+        once committed (for `committed`). Computes the fingerprints it needs on the
+        devices, and waits for them. Never raises: every process of a save must go
         into it, so a failure here leaves every leaf to be written."""
         try:
-            return self._mark(plans, documents, step)
+            return self._mark(plans, documents, step, source)
         except Exception:
             log.warning("could not tell which leaves are unchanged: this save writes them all", exc_info=True)
             for plan in plans:
                 plan.reuse_from = None
             return {}
 
+    def saw(self, plans: Sequence[ArrayPlan], documents: dict[str, dict[str, Any]],
+            step: _storage.Location) -> dict[str, Known]:
+        """What `step` will hold once committed (for `committed`), learnt without looking
+        for unchanged leaves (no fingerprint, nothing reused): a later save finds the
+        very same arrays unchanged."""
+        return {plan.leaf.name: Known(step, documents[plan.leaf.name], weakref.ref(plan.leaf.value))
+                for plan in plans if plan.moved is None and plan.leaf.name in documents
+                and isinstance(plan.leaf.value, jax.Array)}
+
+    def step(self) -> tuple[str, str | None] | None:
+        """The URL of the step whose leaves this process knows, and that step's identity
+        where it was told; None when it knows none."""
+        with self._lock:
+            known = next(iter(self._known.values()), None)
+            return None if known is None else (known.step.url, self._save_id)
+
     def _mark(self, plans: Sequence[ArrayPlan], documents: dict[str, dict[str, Any]],
-              step: _storage.Location) -> dict[str, Known]:
+              step: _storage.Location, source: _storage.Location | None) -> dict[str, Known]:
         with self._lock:
             known = dict(self._known)
+        if source is not None:  # the caller's step, reached through its own store
+            known = {name: dataclasses.replace(k, step=source) for name, k in known.items()
+                     if k.step.url == source.url}
         seen: dict[str, Known] = {}
         sampled: list[tuple[ArrayPlan, dict[Region, jax.Array], Known | None]] = []
         for plan in plans:
@@ -153,16 +175,19 @@ class Unchanged:
                 plan.reuse_from = before.step
         return seen
 
-    def committed(self, seen: dict[str, Known]) -> None:
-        """The save that `mark` returned `seen` for committed: its step is now what this
-        process knows (of leaves not in it, nothing: an older step may be deleted)."""
+    def committed(self, seen: dict[str, Known], save_id: str | None = None) -> None:
+        """The save that `mark` (or `saw`) returned `seen` for committed, with identity
+        `save_id`: its step is now what this process knows (of leaves not in it,
+        nothing: an older step may be deleted)."""
         with self._lock:
-            self._known = seen
+            self._known, self._save_id = seen, save_id
 
-    def restored(self, step: _storage.Location, stored: Mapping[str, Any], state: Any) -> None:
-        """`step`, whose leaves by name are `stored` (each with its shape and codec), was
-        restored into `state`: each jax.Array of it that `step` holds (not a leaf of a
-        partial restore's target that `step` lacks) holds exactly what `step` does."""
+    def restored(self, step: _storage.Location, stored: Mapping[str, Any], state: Any,
+                 save_id: str | None = None) -> None:
+        """`step` (identity `save_id`), whose leaves by name are `stored` (each with its
+        shape and codec), was restored into `state`: each jax.Array of it that `step`
+        holds (not a leaf of a partial restore's target that `step` lacks) holds exactly
+        what `step` does."""
         known = {}
         for path, value in jax.tree_util.tree_flatten_with_path(state)[0]:
             if not isinstance(value, jax.Array):
@@ -174,7 +199,7 @@ class Unchanged:
             if leaf is not None and isinstance(leaf.codec, ChunkCodec):
                 known[leaf.name] = Known(step, _zarrjson.array_document(leaf.shape, leaf.codec), weakref.ref(value))
         with self._lock:
-            self._known = known
+            self._known, self._save_id = known, save_id
 
     def dropped(self, urls: set[str]) -> None:
         """The steps at `urls` were deleted: nothing is made from them any more."""
@@ -184,7 +209,26 @@ class Unchanged:
     def forget(self) -> None:
         """Nothing known: after a failed save or a deletion, the next save writes all."""
         with self._lock:
-            self._known = {}
+            self._known, self._save_id = {}, None
+
+
+# Directories of steps (by URL) whose newest step saved or restored by this process
+# through `save_checkpoint` and `load_checkpoint` is known, the most recent first.
+_RUNS = 8
+_runs: collections.OrderedDict[str, Unchanged] = collections.OrderedDict()
+_runs_lock = threading.Lock()
+
+
+def of_run(url: str) -> Unchanged:
+    """What this process knows of the newest step it saved or restored in the directory
+    of steps at `url` without a manager (for `save_checkpoint`'s `unchanged_since`): of
+    the last `_RUNS` directories, each with keys of its own."""
+    with _runs_lock:
+        found = _runs.pop(url, None) or Unchanged()
+        _runs[url] = found
+        while len(_runs) > _RUNS:
+            _runs.popitem(last=False)
+        return found
 
 
 def _shards_written(plan: ArrayPlan) -> dict[Region, jax.Array]:
