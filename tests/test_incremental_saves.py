@@ -490,8 +490,12 @@ def test_save_checkpoint_unchanged_since_a_step_another_save_replaced_writes_eve
 @pytest.mark.parametrize("change", ["replaced", "deleted"])
 def test_a_step_replaced_while_save_checkpoint_links_from_it_fails_the_save_and_the_next_commits(
         tmp_path, monkeypatch, change):
-    state = {"w": fsdp(jnp.arange(2**20, dtype=jnp.float32)), "step": jnp.array(1)}
+    """One writer, so that the links after the change see it: a replaced step's chunks are
+    the replacement's, a deleted one's are gone; either way the save says so, by the
+    option that named the step."""
+    state = {"w": fsdp(jnp.arange(2**21, dtype=jnp.float32)), "step": jnp.array(1)}
     zarrckpt.save_checkpoint(str(tmp_path), 1, state)
+    assert len(chunk_files(tmp_path / "0000000001", "w")) == 8
     copy, done = zarrckpt._storage.local.LocalDisk.copy, []
 
     def copy_then_change(self, key, source, **kwargs):
@@ -499,20 +503,81 @@ def test_a_step_replaced_while_save_checkpoint_links_from_it_fails_the_save_and_
         if not done:  # another job's save replaces step 1 (or its retention deletes it) mid-links
             done.append(True)
             if change == "replaced":
-                zarrckpt.save_pytree(str(tmp_path / "0000000001"), {"w": np.zeros(2**20, np.float32), "step": 9},
+                # Chunked as step 1 was: the links after this one find the replacement's chunks.
+                zarrckpt.save_pytree(str(tmp_path / "0000000001"), {"w": fsdp(jnp.zeros(2**21)), "step": 9},
                                      overwrite=True)
             else:
                 zarrckpt._commit.remove(zarrckpt._storage.resolve(str(tmp_path / "0000000001")))
 
     monkeypatch.setattr(zarrckpt._storage.local.LocalDisk, "copy", copy_then_change)
     with pytest.raises(zarrckpt.CheckpointWriteError, match="unchanged_since"):
-        zarrckpt.save_checkpoint(str(tmp_path), 2, {**state, "step": jnp.array(2)}, unchanged_since=1)
+        zarrckpt.save_checkpoint(str(tmp_path), 2, {**state, "step": jnp.array(2)}, unchanged_since=1, max_workers=1)
     assert done and 2 not in zarrckpt.all_steps(str(tmp_path))
     monkeypatch.undo()
     zarrckpt.save_checkpoint(str(tmp_path), 2, {**state, "step": jnp.array(2)}, unchanged_since=1, overwrite=True)
     restored = zarrckpt.load_checkpoint(str(tmp_path), 2)
-    np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(2**20))
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(2**21))
     assert zarrckpt.verify(str(tmp_path / "0000000002")).ok
+
+
+def test_a_step_replaced_behind_a_managers_back_fails_its_next_save_instead_of_linking_the_replacement(tmp_path):
+    """`save_pytree(overwrite=True)` into a step takes no lease: the manager's save that
+    links from that step finds it replaced after its links, and commits nothing."""
+    state = {"w": fsdp(jnp.arange(2**20, dtype=jnp.float32)), "step": jnp.array(1)}
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        zarrckpt.save_pytree(str(tmp_path / "0000000001"), {"w": fsdp(jnp.zeros(2**20)), "step": 9},
+                             overwrite=True)  # chunked as step 1 was: links find the replacement's chunks
+        mgr.save(2, {**state, "step": jnp.array(2)})
+        with pytest.raises(zarrckpt.CheckpointWriteError, match="reuse_unchanged"):
+            mgr.wait()
+        mgr.save(3, {**state, "step": jnp.array(3)})
+    assert zarrckpt.all_steps(str(tmp_path)) == [1, 3]
+    np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), 3)["w"]), np.arange(2**20))
+
+
+def test_save_checkpoint_refused_or_a_numpy_look_at_a_step_keeps_what_the_process_knows(tmp_path):
+    state = {"w": fsdp(jnp.arange(2**20, dtype=jnp.float32))}
+    zarrckpt.save_checkpoint(str(tmp_path), 1, state)
+    with pytest.raises(zarrckpt.CheckpointExistsError):
+        zarrckpt.save_checkpoint(str(tmp_path), 1, state)
+    zarrckpt.load_checkpoint(str(tmp_path), 1)  # numpy values: no array of the state is from it
+    zarrckpt.save_checkpoint(str(tmp_path), 2, state, unchanged_since=1)
+    assert inodes(tmp_path / "0000000002", "w") == inodes(tmp_path / "0000000001", "w")
+
+
+def test_save_checkpoint_whose_step_cannot_be_read_writes_every_chunk(tmp_path, monkeypatch, caplog):
+    state = {"w": fsdp(jnp.arange(2**20, dtype=jnp.float32))}
+    zarrckpt.save_checkpoint(str(tmp_path), 1, state)
+    head = zarrckpt._commit.head
+
+    def failing(loc):
+        if loc.url.endswith("0000000001"):
+            raise PermissionError("access denied")
+        return head(loc)
+
+    monkeypatch.setattr(zarrckpt._commit, "head", failing)
+    with caplog.at_level("WARNING", logger="zarrckpt"):
+        zarrckpt.save_checkpoint(str(tmp_path), 2, state, unchanged_since=1)
+    assert any("0000000001" in r.getMessage() and "access denied" in r.getMessage() for r in caplog.records)
+    assert all(s.st_nlink == 1 for s in chunk_files(tmp_path / "0000000002", "w").values())
+
+
+def test_the_log_line_of_a_save_says_what_it_made_from_a_step_and_only_then(tmp_path, caplog):
+    state = {"w": fsdp(jnp.arange(2**20, dtype=jnp.float32))}
+    with caplog.at_level("INFO", logger="zarrckpt"):
+        with zarrckpt.CheckpointManager(str(tmp_path / "managed")) as mgr:
+            for step in (1, 2):
+                mgr.save(step, state)
+        for step in (1, 2):
+            zarrckpt.save_checkpoint(str(tmp_path / "by-hand"), step, state,
+                                     unchanged_since=1 if step == 2 else None)
+    lines = [r.getMessage() for r in caplog.records if "committed to" in r.getMessage() or "saved " in r.getMessage()]
+    notes = [line for line in lines if "4.0 MiB unchanged, made from" in line]
+    assert len(lines) == 4 and len(notes) == 2, lines
+    assert any("0000000001" in line.split("made from", 1)[1] and "managed" in line for line in notes)
+    assert any("0000000001" in line.split("made from", 1)[1] and "by-hand" in line for line in notes)
 
 
 @pytest.mark.parametrize(("value", "error"), [(3, ValueError), (-1, ValueError), ("2", TypeError), (2.0, TypeError)])

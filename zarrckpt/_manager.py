@@ -308,7 +308,10 @@ class CheckpointManager:
                             f" and {len(found) - 5} more leaves" if len(found) > 5 else "")
 
         job.before_prepare = before_prepare
-        seen = self._unchanged.mark(job.plans, job.arrays, location) if self._unchanged is not None else None
+        seen = None
+        if self._unchanged is not None:
+            seen = self._unchanged.mark(job.plans, job.arrays, location)
+            job.after_writes = self._unchanged.after_writes(job.plans, "reuse_unchanged")
         # The job holds the state: the commit's report must not.
         nbytes, note, known = job.nbytes, job.reuse_note(), self._unchanged
 
@@ -328,7 +331,7 @@ class CheckpointManager:
                 log.info("checkpoint step %d committed to %s: %s%s%s", step, self._root.url,
                          _progress.rate(nbytes, seconds), blocked, note)
             if known is not None and seen is not None:
-                known.committed(seen)
+                known.committed(seen, save.save_id)
             if self._policy.deletes:
                 self._retain()
 
@@ -447,7 +450,7 @@ class CheckpointManager:
         else:
             (state, ckpt), tier = _steps.load_step(self._root, step, target, options), "persistent"
         if self._unchanged is not None and ckpt is not None:  # a save reuses the restored step's chunks...
-            self._unchanged.restored(ckpt.loc, ckpt.leaves, state)
+            self._unchanged.restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id)
         elif self._unchanged is not None:  # ...and none after a local step, none of any older save's
             self._unchanged.forget()
         self._restored_step = restored

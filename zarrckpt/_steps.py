@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -12,7 +12,7 @@ from . import _commit, _concurrency, _lease, _multihost, _options, _restore, _sa
 from ._format import naming as _naming
 from ._restore import checkpoint as _reader, orbax as _orbax
 from ._storage import Location
-from .errors import CheckpointLocationError, CheckpointNotFoundError, CheckpointWriteError
+from .errors import CheckpointLocationError, CheckpointNotFoundError
 
 log = logging.getLogger("zarrckpt")
 
@@ -47,9 +47,11 @@ def save_checkpoint(
         `reuse_unchanged`) has its chunks made from that step's (a hard link, a copy
         inside S3 or GCS) instead of copied off the devices and written; the new step
         is complete on its own. A step this process does not know so, or that another
-        save has deleted or replaced since, is not used: every chunk is written (a log
-        line says why). A save given it also fingerprints what it writes, so that
-        leaves rebuilt with the same values are found unchanged by the next one.
+        save has deleted or replaced since, is not used: every chunk is written (a
+        warning says why). A save that makes chunks from it also fingerprints the
+        leaves it compares, so that leaves rebuilt with the same values are found
+        unchanged by the next such save. This process knows the last 8 directories it
+        saved to or restored from so.
 
     Raises what `save_pytree` raises; CheckpointExistsError if the step is committed
     and `overwrite` is False, ValueError for a bad step (or `unchanged_since` equal to
@@ -75,47 +77,46 @@ def save_checkpoint(
     job = _save.SaveJob.create(loc, state, options,
                                before_prepare=(lambda: _lease.refuse_if_held(loc, "save_checkpoint"))
                                if overwrite else None)
-    known = _save.of_run(root.url)
-    trusted = None if source is None else _trusted(known, source)
-    if source is None or trusted is None:
-        seen = known.saw(job.plans, job.arrays, loc)
-    else:
+    known = _save.of_run(_run_key(root))
+    if source is not None and _trusted(known, source):
         seen = known.mark(job.plans, job.arrays, loc, source=source)
-        if any(plan.reuse_from is not None for plan in job.plans):
-            job.after_writes = functools.partial(_still, source, trusted)
+        job.after_writes = known.after_writes(job.plans, "unchanged_since")
+    else:
+        seen = known.saw(job.plans, job.arrays, loc)
     try:
         _save.write(job)
     except BaseException:
-        known.forget()  # the step its chunks would come from may be gone
+        if job.save_id is not None:  # past the refusals: the step its chunks would come from may be gone
+            known.forget()
         raise
     known.committed(seen, job.save_id)
 
 
-def _trusted(known: _save.Unchanged, source: Location) -> str | None:
-    """The identity of committed step `source` if this process knows its leaves as they
-    are now (it saved or restored that very save), else None, saying why."""
+def _run_key(loc: Location) -> str:
+    """`loc` as `_save.of_run` knows it: one name however a local path is spelled."""
+    return os.path.realpath(loc.url) if loc.is_local else loc.url
+
+
+def _trusted(known: _save.Unchanged, source: Location) -> bool:
+    """Whether this process knows the leaves of committed step `source` as they are now
+    (it saved or restored that very save, `save_id` and all); says why not."""
     step = known.step()
-    if step is None or step[0] != source.url:
-        log.info("%s is not the step this process saved or restored last in that directory: every chunk of this "
-                 "save is written (unchanged_since)", source.url)
-        return None
-    head = _commit.head(source)
+    if step is None or step[1] is None or _run_key(step[0]) != _run_key(source):
+        log.warning("%s is not a step this process saved or restored last in that directory: every chunk of this "
+                    "save is written (unchanged_since)", source.url)
+        return False
+    try:
+        head = _commit.head(source)
+    except Exception as e:  # written whole, as every other process may go on to do: never left waiting
+        log.warning("could not read %s's commit (%s): every chunk of this save is written (unchanged_since)",
+                    source.url, e)
+        return False
     if head.state is not _commit.State.COMMITTED or head.save_id != step[1]:
         log.warning("%s was deleted or replaced by another save since this process saved or restored it: every "
                     "chunk of this save is written (unchanged_since)", source.url)
         known.forget()
-        return None
-    return step[1]
-
-
-def _still(source: Location, save_id: str) -> None:
-    """Raises CheckpointWriteError unless `source` is still committed as save `save_id`:
-    then every chunk made from it was that save's (a replacement uncommits a step
-    before it changes a chunk)."""
-    now = _commit.head(source)
-    if now.state is not _commit.State.COMMITTED or now.save_id != save_id:
-        raise CheckpointWriteError(f"{source.url}, the step named by unchanged_since, was deleted or replaced while "
-                                   "this save made unchanged chunks from it: save again")
+        return False
+    return True
 
 
 def all_steps(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
@@ -246,7 +247,7 @@ def load_checkpoint_if_it_exists(
     root = _storage.resolve(checkpoint_dir, storage_options)
     state, step, ckpt = restore_latest(root, target, options, timeout_s)
     if ckpt is not None:
-        _save.of_run(root.url).restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id)  # for `unchanged_since`
+        _save.of_run(_run_key(root)).restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id)  # for `unchanged_since`
     return state, step or 0
 
 
@@ -277,7 +278,7 @@ def load_checkpoint(
                                    max_workers=max_workers, progress=progress)
     root = _storage.resolve(checkpoint_dir, storage_options)
     state, ckpt = load_step(root, step, target, options)
-    _save.of_run(root.url).restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id)  # for `unchanged_since`
+    _save.of_run(_run_key(root)).restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id)  # for `unchanged_since`
     return state
 
 

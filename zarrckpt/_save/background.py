@@ -43,6 +43,7 @@ class BackgroundSave:
         self._staging_failed = False
         self._ended = False  # whether the writer has taken the staging's last item
         self.staged: float | None = None  # when `start` had dispatched every copy (perf_counter)
+        self.save_id: str | None = None  # the identity of the save, once committed (see `_commit`)
         self._name = name
         self._thread: threading.Thread | None = None
         # Set by the save itself when it has committed or failed: a `Thread.join` that a
@@ -119,6 +120,7 @@ class BackgroundSave:
     def _run(self, job: SaveJob, work: Work) -> None:
         try:
             job.run(work)
+            self.save_id = job.save_id
             self._on_commit()
         except BaseException as e:
             self._drop_staged()

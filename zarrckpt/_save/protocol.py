@@ -253,7 +253,7 @@ class SaveJob:
     def reuse_note(self) -> str:
         """For a log line: what this process makes from committed steps instead of
         writing it ("" where nothing)."""
-        sources = sorted({plan.reuse_from.url for plan in self.plans if plan.reuse_from is not None})
+        sources = sorted({plan.reuse_from.url for plan in self.plans if plan.reuse_from is not None and plan.writes})
         return (f"; {_progress.size(self.reused_bytes)} unchanged, made from {', '.join(sources)}, not written "
                 "(process 0's part)" if sources else "")
 
@@ -338,8 +338,13 @@ class SaveJob:
         return seconds
 
     def _write(self, work: Work, advance: Callable[[int], None]) -> None:
-        _write_all(self.loc, work, self._array_metadata(), self.options.max_workers or self.loc.concurrency, advance,
-                   self.compressor)
+        try:
+            _write_all(self.loc, work, self._array_metadata(), self.options.max_workers or self.loc.concurrency,
+                       advance, self.compressor)
+        except Exception:
+            if self.after_writes is not None:  # a chunk gone from under a link: the step's deletion says why
+                self.after_writes()
+            raise
         if self.after_writes is not None:
             self.after_writes()
 

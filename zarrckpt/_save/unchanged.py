@@ -32,7 +32,7 @@ import logging
 import secrets
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -40,11 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .. import _storage
+from .. import _commit, _storage
 from .._format import tree as _tree, zarrjson as _zarrjson
 from .._format.chunks import ChunkCodec
 from .._regions import Region, region_size, replicas_of
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointWriteError
 from .host_copies import shards_of
 from .plan import ArrayPlan
 
@@ -93,8 +93,8 @@ class Unchanged:
     def mark(self, plans: Sequence[ArrayPlan], documents: dict[str, dict[str, Any]],
              step: _storage.Location, *, source: _storage.Location | None = None) -> dict[str, Known]:
         """Sets `reuse_from` on each plan of a save to `step` whose leaf is unchanged
-        since the newest committed step this process knows (with `source`: only if that
-        step is `source`, whose chunks it then names); returns what `step` will hold
+        since the newest committed step this process knows (with `source`: that step,
+        as the caller reaches it, whose chunks it then names); returns what `step` will hold
         once committed (for `committed`). Computes the fingerprints it needs on the
         devices, and waits for them. Never raises: every process of a save must go
         into it, so a failure here leaves every leaf to be written."""
@@ -115,20 +115,35 @@ class Unchanged:
                 for plan in plans if plan.moved is None and plan.leaf.name in documents
                 and isinstance(plan.leaf.value, jax.Array)}
 
-    def step(self) -> tuple[str, str | None] | None:
-        """The URL of the step whose leaves this process knows, and that step's identity
-        where it was told; None when it knows none."""
+    def after_writes(self, plans: Sequence[ArrayPlan], option: str) -> Callable[[], None] | None:
+        """For `SaveJob.after_writes`: a check, run once this process's writes are in,
+        that the step its `plans` made chunks from (`mark`) is still committed as the
+        save this process knows, raising CheckpointWriteError (naming `option`, the
+        caller's keyword) if another writer deleted or replaced it meanwhile. A
+        replacement uncommits a step before it changes a chunk, so every chunk made
+        before the check was that save's. None where nothing was made from a step, or
+        its identity was never told."""
+        sources = {plan.reuse_from for plan in plans if plan.reuse_from is not None and plan.writes}
+        with self._lock:
+            save_id = self._save_id
+        if not sources or save_id is None:
+            return None
+        (source,) = sources  # one step known at a time
+        return functools.partial(_still, source, save_id, option)
+
+    def step(self) -> tuple[_storage.Location, str | None] | None:
+        """The step whose leaves this process knows, and that step's identity where it
+        was told; None when it knows none."""
         with self._lock:
             known = next(iter(self._known.values()), None)
-            return None if known is None else (known.step.url, self._save_id)
+            return None if known is None else (known.step, self._save_id)
 
     def _mark(self, plans: Sequence[ArrayPlan], documents: dict[str, dict[str, Any]],
               step: _storage.Location, source: _storage.Location | None) -> dict[str, Known]:
         with self._lock:
             known = dict(self._known)
-        if source is not None:  # the caller's step, reached through its own store
-            known = {name: dataclasses.replace(k, step=source) for name, k in known.items()
-                     if k.step.url == source.url}
+        if source is not None:  # the step known (the caller made sure), reached through the caller's store
+            known = {name: dataclasses.replace(k, step=source) for name, k in known.items()}
         seen: dict[str, Known] = {}
         sampled: list[tuple[ArrayPlan, dict[Region, jax.Array], Known | None]] = []
         for plan in plans:
@@ -198,6 +213,8 @@ class Unchanged:
                 continue
             if leaf is not None and isinstance(leaf.codec, ChunkCodec):
                 known[leaf.name] = Known(step, _zarrjson.array_document(leaf.shape, leaf.codec), weakref.ref(value))
+        if not known:  # restored as numpy values, say: what the arrays hold is as known before
+            return
         with self._lock:
             self._known, self._save_id = known, save_id
 
@@ -212,6 +229,13 @@ class Unchanged:
             self._known, self._save_id = {}, None
 
 
+def _still(source: _storage.Location, save_id: str, option: str) -> None:
+    now = _commit.head(source)
+    if now.state is not _commit.State.COMMITTED or now.save_id != save_id:
+        raise CheckpointWriteError(f"{source.url}, the step this save made unchanged chunks from ({option}), was "
+                                   "deleted or replaced by another writer meanwhile: save again")
+
+
 # Directories of steps (by URL) whose newest step saved or restored by this process
 # through `save_checkpoint` and `load_checkpoint` is known, the most recent first.
 _RUNS = 8
@@ -221,8 +245,9 @@ _runs_lock = threading.Lock()
 
 def of_run(url: str) -> Unchanged:
     """What this process knows of the newest step it saved or restored in the directory
-    of steps at `url` without a manager (for `save_checkpoint`'s `unchanged_since`): of
-    the last `_RUNS` directories, each with keys of its own."""
+    of steps at `url` (its resolved URL; a local path made absolute, links resolved)
+    without a manager (for `save_checkpoint`'s `unchanged_since`): of the last `_RUNS`
+    directories, each with keys of its own."""
     with _runs_lock:
         found = _runs.pop(url, None) or Unchanged()
         _runs[url] = found
