@@ -264,6 +264,42 @@ def test_fingerprints_tell_a_single_flipped_bit_apart(dtype, place, bit, sample)
         assert fa != fb
 
 
+def _documented_fingerprint(values: np.ndarray, keys: np.ndarray, stride: int) -> tuple[int, int]:
+    """docs/pytree-zarr-checkpoint.md's fingerprint, in numpy, of `values` taken every
+    `stride` elements: per word, MurmurHash3's finalizer of (word XOR (mixed place +
+    key)), summed modulo 2**32, for each key."""
+    def mix(h: np.ndarray) -> np.ndarray:
+        h = h ^ (h >> 16)
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h = h ^ (h >> 13)
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        return h ^ (h >> 16)
+
+    taken = values.reshape(-1)[::stride]
+    if taken.dtype == np.bool_:
+        taken = taken.astype(np.uint8)
+    raw = np.ascontiguousarray(taken).view(np.uint8)
+    size = taken.dtype.itemsize
+    if size in (1, 2) and taken.size % (4 // size):  # widened one to a word
+        words = taken.view({1: np.uint8, 2: np.uint16}[size]).astype(np.uint64)
+    else:
+        words = raw.view(np.uint32).astype(np.uint64)
+    place = mix((np.arange(words.size, dtype=np.uint64) * stride * 0x9E3779B9) & 0xFFFFFFFF)
+    return tuple(int(mix(words ^ ((place + int(k)) & 0xFFFFFFFF)).sum() & 0xFFFFFFFF) for k in keys)
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["whole", "sample"])
+@pytest.mark.parametrize(("dtype", "size"), [("bfloat16", 3 * 2**20), ("float32", 1000 * 1001), ("int8", 4099),
+                                             ("uint16", 6), ("bool", 10_000), ("int32", 4096)])
+def test_the_fingerprint_is_the_function_the_format_states(dtype, size, sample):
+    values = np.random.default_rng(1).integers(0, 2**32, size, dtype=np.uint64).astype(np.uint32)
+    array = np.frombuffer(values.tobytes(), np.dtype(jnp.dtype(dtype)))[:size] if dtype != "bool" else values % 2 == 1
+    keys = np.array([0x9E3779B9, 7], np.uint32)
+    (found,) = _unchanged._fingerprints([{((0, size),): jnp.asarray(array)}], sample=sample, keys=keys)
+    stride = max(1, size // _unchanged._SAMPLE) if sample else 1
+    assert found == {((0, size),): _documented_fingerprint(array, keys, stride)}
+
+
 def test_leaves_no_fingerprint_can_be_taken_of_are_saved_and_restored_whole(tmp_path, monkeypatch):
     """int4 weights (narrower than a byte), a state offloaded to host memory, and a leaf
     whose fingerprints fail to compute (the device out of memory): each is written
