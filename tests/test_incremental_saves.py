@@ -290,7 +290,8 @@ def _documented_fingerprint(values: np.ndarray, keys: np.ndarray, stride: int) -
 
 @pytest.mark.parametrize("sample", [False, True], ids=["whole", "sample"])
 @pytest.mark.parametrize(("dtype", "size"), [("bfloat16", 3 * 2**20), ("float32", 1000 * 1001), ("int8", 4099),
-                                             ("uint16", 6), ("bool", 10_000), ("int32", 4096)])
+                                             ("uint8", 4096), ("uint16", 6), ("bool", 10_000), ("int32", 4096),
+                                             ("complex64", 5000)])
 def test_the_fingerprint_is_the_function_the_format_states(dtype, size, sample):
     values = np.random.default_rng(1).integers(0, 2**32, size, dtype=np.uint64).astype(np.uint32)
     array = np.frombuffer(values.tobytes(), np.dtype(jnp.dtype(dtype)))[:size] if dtype != "bool" else values % 2 == 1
