@@ -638,3 +638,46 @@ def test_on_s3_save_checkpoint_unchanged_since_copies_inside_the_store(new_store
     fsspec.filesystem("s3", **store.options).rm(f"{store.url}/0000000001", recursive=True)
     restored = zarrckpt.load_checkpoint(store.url, 2, as_numpy(lora_state()[0]), storage_options=store.options)
     jax.tree.map(np.testing.assert_array_equal, as_numpy(restored), as_numpy(state))
+
+
+def test_a_numpy_restore_of_a_step_replaced_behind_a_managers_back_makes_the_next_save_write_everything(tmp_path):
+    state = {"w": fsdp(jnp.arange(2**20, dtype=jnp.float32))}
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        zarrckpt.save_pytree(str(tmp_path / "0000000001"), {"w": fsdp(jnp.zeros(2**20))}, overwrite=True)
+        mgr.restore(None, step=1)  # the replacement's values, as numpy: the step holds what the arrays do not
+        mgr.save(2, state)
+    assert all(s.st_nlink == 1 for s in chunk_files(tmp_path / "0000000002", "w").values())
+    np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), 2)["w"]), np.arange(2**20))
+
+
+def test_a_write_failing_for_its_own_reason_beside_links_is_raised_as_it_is(tmp_path, monkeypatch):
+    """The chunk of leaf `step` cannot be written (a read-only file system) after every
+    link is made, and the step linked from is deleted meanwhile: the save raises the
+    write's own error, which saving again would meet, not the deletion."""
+    state = {"w": fsdp(jnp.arange(2**20, dtype=jnp.float32)), "step": jnp.array(1)}
+    zarrckpt.save_checkpoint(str(tmp_path), 1, state)
+    write = zarrckpt._storage.local.LocalDisk.write
+
+    def refusing(self, key, parts, **kwargs):
+        *_, leaf, name = ["", *key.split("/")]
+        if leaf == "step" and name.startswith("c"):  # the chunk of leaf `step`, after the links (one writer)
+            zarrckpt._commit.remove(zarrckpt._storage.resolve(str(tmp_path / "0000000001")))
+            raise PermissionError(13, "read-only file system", key)
+        return write(self, key, parts, **kwargs)
+
+    monkeypatch.setattr(zarrckpt._storage.local.LocalDisk, "write", refusing)
+    with pytest.raises(zarrckpt.CheckpointWriteError, match="read-only file system") as raised:
+        zarrckpt.save_checkpoint(str(tmp_path), 2, {**state, "step": jnp.array(2)}, unchanged_since=1,
+                                 max_workers=1)
+    assert "unchanged_since" not in str(raised.value)
+
+
+def test_save_checkpoint_knows_a_local_directory_however_it_is_spelled(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    state = {"w": fsdp(jnp.arange(2**20, dtype=jnp.float32))}
+    zarrckpt.save_checkpoint("run", 1, state)
+    zarrckpt.save_checkpoint(f"file://{tmp_path}/run/", 2, state, unchanged_since=1)
+    zarrckpt.save_checkpoint(f"{tmp_path}/./run", 3, state, unchanged_since=2)
+    assert inodes(tmp_path / "run" / "0000000003", "w") == inodes(tmp_path / "run" / "0000000001", "w")

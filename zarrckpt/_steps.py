@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 from . import _commit, _concurrency, _lease, _multihost, _options, _restore, _save, _storage
 from ._format import naming as _naming
 from ._restore import checkpoint as _reader, orbax as _orbax
+from ._save.unchanged import where
 from ._storage import Location
 from .errors import CheckpointLocationError, CheckpointNotFoundError
 
@@ -40,8 +40,8 @@ def save_checkpoint(
 
     Args:
       unchanged_since: a committed step of `checkpoint_dir` that this process saved
-        (with `save_checkpoint`) or restored (with `load_checkpoint` or
-        `load_checkpoint_if_it_exists`) last there. Each jax.Array leaf that holds
+        (with `save_checkpoint`), or restored into jax.Arrays (with `load_checkpoint`
+        or `load_checkpoint_if_it_exists`), last there. Each jax.Array leaf that holds
         exactly what that step holds of it (the very same array, or every shard with
         the fingerprint it had when saved: see a `CheckpointManager`'s
         `reuse_unchanged`) has its chunks made from that step's (a hard link, a copy
@@ -77,10 +77,10 @@ def save_checkpoint(
     job = _save.SaveJob.create(loc, state, options,
                                before_prepare=(lambda: _lease.refuse_if_held(loc, "save_checkpoint"))
                                if overwrite else None)
-    known = _save.of_run(_run_key(root))
-    if source is not None and _trusted(known, source):
-        seen = known.mark(job.plans, job.arrays, loc, source=source)
-        job.after_writes = known.after_writes(job.plans, "unchanged_since")
+    known = _save.of_run(where(root))
+    if source is not None and (trusted := _trusted(known, source)) is not None:
+        seen = known.mark(job.plans, job.arrays, loc, source=source, save_id=trusted)
+        job.after_writes = known.after_writes(job.plans, "unchanged_since", trusted)
     else:
         seen = known.saw(job.plans, job.arrays, loc)
     try:
@@ -92,31 +92,31 @@ def save_checkpoint(
     known.committed(seen, job.save_id)
 
 
-def _run_key(loc: Location) -> str:
-    """`loc` as `_save.of_run` knows it: one name however a local path is spelled."""
-    return os.path.realpath(loc.url) if loc.is_local else loc.url
-
-
-def _trusted(known: _save.Unchanged, source: Location) -> bool:
-    """Whether this process knows the leaves of committed step `source` as they are now
-    (it saved or restored that very save, `save_id` and all); says why not."""
+def _trusted(known: _save.Unchanged, source: Location) -> str | None:
+    """The identity of committed step `source` if this process knows its leaves as they
+    are now (it saved or restored that very save); else None, saying why."""
     step = known.step()
-    if step is None or step[1] is None or _run_key(step[0]) != _run_key(source):
-        log.warning("%s is not a step this process saved or restored last in that directory: every chunk of this "
-                    "save is written (unchanged_since)", source.url)
-        return False
+    if step is None or where(step[0]) != where(source):
+        log.warning("%s is not the step this process saved, or restored into jax.Arrays, last in that directory: "
+                    "every chunk of this save is written (unchanged_since)", source.url)
+        return None
+    if step[1] is None:
+        log.warning("%s was saved before checkpoints had an identity (or by seqax): nothing tells that it is still "
+                    "the step this process knows, and every chunk of this save is written (unchanged_since)",
+                    source.url)
+        return None
     try:
         head = _commit.head(source)
     except Exception as e:  # written whole, as every other process may go on to do: never left waiting
         log.warning("could not read %s's commit (%s): every chunk of this save is written (unchanged_since)",
                     source.url, e)
-        return False
+        return None
     if head.state is not _commit.State.COMMITTED or head.save_id != step[1]:
         log.warning("%s was deleted or replaced by another save since this process saved or restored it: every "
                     "chunk of this save is written (unchanged_since)", source.url)
         known.forget()
-        return False
-    return True
+        return None
+    return step[1]
 
 
 def all_steps(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
@@ -247,7 +247,7 @@ def load_checkpoint_if_it_exists(
     root = _storage.resolve(checkpoint_dir, storage_options)
     state, step, ckpt = restore_latest(root, target, options, timeout_s)
     if ckpt is not None:
-        _save.of_run(_run_key(root)).restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id)  # for `unchanged_since`
+        _save.of_run(where(root)).restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id)  # for `unchanged_since`
     return state, step or 0
 
 
@@ -278,7 +278,7 @@ def load_checkpoint(
                                    max_workers=max_workers, progress=progress)
     root = _storage.resolve(checkpoint_dir, storage_options)
     state, ckpt = load_step(root, step, target, options)
-    _save.of_run(_run_key(root)).restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id)  # for `unchanged_since`
+    _save.of_run(where(root)).restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id)  # for `unchanged_since`
     return state
 
 

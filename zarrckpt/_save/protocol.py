@@ -341,9 +341,14 @@ class SaveJob:
         try:
             _write_all(self.loc, work, self._array_metadata(), self.options.max_workers or self.loc.concurrency,
                        advance, self.compressor)
-        except Exception:
-            if self.after_writes is not None:  # a chunk gone from under a link: the step's deletion says why
-                self.after_writes()
+        except Exception as e:
+            if self.after_writes is not None and _missing(e):  # a chunk gone from under a link: say why
+                try:
+                    self.after_writes()
+                except errors.CheckpointWriteError as gone:
+                    raise gone from e
+                except Exception:  # the store failing on: the writes' own error says it
+                    pass
             raise
         if self.after_writes is not None:
             self.after_writes()
@@ -458,6 +463,17 @@ def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, compres
             compressor.wrote(sum(memoryview(p).nbytes for p in parts), time.perf_counter() - started)
     finally:
         unit.release()
+
+
+def _missing(e: BaseException) -> bool:
+    """Whether `e` comes of something not found (a file or object gone), through the
+    errors that wrap it."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, FileNotFoundError):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1  # type: ignore[assignment]
+    return False
 
 
 @contextlib.contextmanager

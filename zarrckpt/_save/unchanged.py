@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import os
 import secrets
 import threading
 import weakref
@@ -91,15 +92,17 @@ class Unchanged:
         self._lock = threading.Lock()
 
     def mark(self, plans: Sequence[ArrayPlan], documents: dict[str, dict[str, Any]],
-             step: _storage.Location, *, source: _storage.Location | None = None) -> dict[str, Known]:
+             step: _storage.Location, *, source: _storage.Location | None = None,
+             save_id: str | None = None) -> dict[str, Known]:
         """Sets `reuse_from` on each plan of a save to `step` whose leaf is unchanged
-        since the newest committed step this process knows (with `source`: that step,
-        as the caller reaches it, whose chunks it then names); returns what `step` will hold
-        once committed (for `committed`). Computes the fingerprints it needs on the
-        devices, and waits for them. Never raises: every process of a save must go
-        into it, so a failure here leaves every leaf to be written."""
+        since the newest committed step this process knows (with `source`: only if that
+        step is `source`, as save `save_id`, whose chunks it then names as the caller
+        reaches them); returns what `step` will hold once committed (for `committed`).
+        Computes the fingerprints it needs on the devices, and waits for them. Never
+        raises: every process of a save must go into it, so a failure here leaves every
+        leaf to be written."""
         try:
-            return self._mark(plans, documents, step, source)
+            return self._mark(plans, documents, step, source, save_id)
         except Exception:
             log.warning("could not tell which leaves are unchanged: this save writes them all", exc_info=True)
             for plan in plans:
@@ -115,18 +118,20 @@ class Unchanged:
                 for plan in plans if plan.moved is None and plan.leaf.name in documents
                 and isinstance(plan.leaf.value, jax.Array)}
 
-    def after_writes(self, plans: Sequence[ArrayPlan], option: str) -> Callable[[], None] | None:
+    def after_writes(self, plans: Sequence[ArrayPlan], option: str,
+                     save_id: str | None = None) -> Callable[[], None] | None:
         """For `SaveJob.after_writes`: a check, run once this process's writes are in,
-        that the step its `plans` made chunks from (`mark`) is still committed as the
-        save this process knows, raising CheckpointWriteError (naming `option`, the
-        caller's keyword) if another writer deleted or replaced it meanwhile. A
-        replacement uncommits a step before it changes a chunk, so every chunk made
-        before the check was that save's. None where nothing was made from a step, or
-        its identity was never told."""
+        that the step its `plans` made chunks from (`mark`) is still committed as save
+        `save_id` (by default, the one this process knows), raising
+        CheckpointWriteError (naming `option`, the caller's keyword) if another writer
+        deleted or replaced it meanwhile. A replacement uncommits a step before it
+        changes a chunk, so every chunk made before the check was that save's. None
+        where nothing was made from a step."""
         sources = {plan.reuse_from for plan in plans if plan.reuse_from is not None and plan.writes}
-        with self._lock:
-            save_id = self._save_id
-        if not sources or save_id is None:
+        if save_id is None:
+            with self._lock:
+                save_id = self._save_id
+        if not sources or save_id is None:  # `mark` makes nothing from a step of unknown identity
             return None
         (source,) = sources  # one step known at a time
         return functools.partial(_still, source, save_id, option)
@@ -139,11 +144,14 @@ class Unchanged:
             return None if known is None else (known.step, self._save_id)
 
     def _mark(self, plans: Sequence[ArrayPlan], documents: dict[str, dict[str, Any]],
-              step: _storage.Location, source: _storage.Location | None) -> dict[str, Known]:
+              step: _storage.Location, source: _storage.Location | None, save_id: str | None) -> dict[str, Known]:
         with self._lock:
-            known = dict(self._known)
-        if source is not None:  # the step known (the caller made sure), reached through the caller's store
-            known = {name: dataclasses.replace(k, step=source) for name, k in known.items()}
+            known, known_id = dict(self._known), self._save_id
+        if known_id is None:  # a step of unknown identity: nothing can tell that it is still the one known
+            known = {}
+        if source is not None:  # that step, as known, reached through the caller's store
+            known = {name: dataclasses.replace(k, step=source) for name, k in known.items()
+                     if known_id == save_id and where(k.step) == where(source)}
         seen: dict[str, Known] = {}
         sampled: list[tuple[ArrayPlan, dict[Region, jax.Array], Known | None]] = []
         for plan in plans:
@@ -213,10 +221,12 @@ class Unchanged:
                 continue
             if leaf is not None and isinstance(leaf.codec, ChunkCodec):
                 known[leaf.name] = Known(step, _zarrjson.array_document(leaf.shape, leaf.codec), weakref.ref(value))
-        if not known:  # restored as numpy values, say: what the arrays hold is as known before
-            return
         with self._lock:
-            self._known, self._save_id = known, save_id
+            if known:
+                self._known, self._save_id = known, save_id
+            elif any(where(k.step) == where(step) for k in self._known.values()) and save_id != self._save_id:
+                self._known, self._save_id = {}, None  # the step known was replaced: it holds what it did not
+            # else restored as numpy values, say: what the arrays hold is as known before
 
     def dropped(self, urls: set[str]) -> None:
         """The steps at `urls` were deleted: nothing is made from them any more."""
@@ -227,6 +237,11 @@ class Unchanged:
         """Nothing known: after a failed save or a deletion, the next save writes all."""
         with self._lock:
             self._known, self._save_id = {}, None
+
+
+def where(loc: _storage.Location) -> str:
+    """`loc` as this module knows it: one name however a local path is spelled."""
+    return os.path.realpath(loc.path) if loc.is_local else loc.url
 
 
 def _still(source: _storage.Location, save_id: str, option: str) -> None:
