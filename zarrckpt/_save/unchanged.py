@@ -251,8 +251,8 @@ def _still(source: _storage.Location, save_id: str, option: str) -> None:
                                    "deleted or replaced by another writer meanwhile: save again")
 
 
-# Directories of steps (by URL) whose newest step saved or restored by this process
-# through `save_checkpoint` and `load_checkpoint` is known, the most recent first.
+# Directories of steps (by `where`) whose newest step saved or restored by this process
+# through `save_checkpoint` and `load_checkpoint` is known, the least recent first.
 _RUNS = 8
 _runs: collections.OrderedDict[str, Unchanged] = collections.OrderedDict()
 _runs_lock = threading.Lock()
@@ -260,7 +260,7 @@ _runs_lock = threading.Lock()
 
 def of_run(url: str) -> Unchanged:
     """What this process knows of the newest step it saved or restored in the directory
-    of steps at `url` (its resolved URL; a local path made absolute, links resolved)
+    of steps `url` (as `where` names it: a local path made absolute, links resolved)
     without a manager (for `save_checkpoint`'s `unchanged_since`): of the last `_RUNS`
     directories, each with keys of its own."""
     with _runs_lock:
