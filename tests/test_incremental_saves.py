@@ -456,6 +456,26 @@ def test_a_step_replaced_by_save_checkpoint_while_a_manager_holds_the_run_is_ref
     zarrckpt.save_checkpoint(str(tmp_path), 1, {"w": np.zeros(4), "s": 1}, overwrite=True)  # released: allowed
 
 
+def test_save_pytree_over_a_step_of_a_run_a_manager_holds_is_refused(tmp_path):
+    base = fsdp(jnp.arange(2.0**20))
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"w": base})
+        mgr.wait()
+        with pytest.raises(zarrckpt.DirectoryInUseError):
+            zarrckpt.save_pytree(str(tmp_path / "0000000001"), {"w": fsdp(jnp.zeros(2**20))}, overwrite=True)
+        mgr.save(2, {"w": base})
+    np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), 2)["w"]), np.arange(2.0**20))
+    zarrckpt.save_pytree(str(tmp_path / "0000000001"), {"w": np.zeros(4)}, overwrite=True)  # released: allowed
+
+
+def replace_from_outside(step_dir: Path, state) -> None:
+    """Another program replaces a step: a checkpoint made elsewhere, moved into place."""
+    made = step_dir.with_name(step_dir.name + ".new")
+    zarrckpt.save_pytree(str(made), state)
+    shutil.rmtree(step_dir)
+    made.rename(step_dir)
+
+
 # -- save_checkpoint(unchanged_since=...): the same without a manager --------------------
 
 
@@ -560,14 +580,14 @@ def test_a_step_replaced_while_save_checkpoint_links_from_it_fails_the_save_and_
 
 
 def test_a_step_replaced_behind_a_managers_back_fails_its_next_save_instead_of_linking_the_replacement(tmp_path):
-    """`save_pytree(overwrite=True)` into a step takes no lease: the manager's save that
-    links from that step finds it replaced after its links, and commits nothing."""
+    """Another program replaces a step (no lease asked): the manager's save that links
+    from that step finds it replaced after its links, and commits nothing."""
     state = {"w": fsdp(jnp.arange(2**20, dtype=jnp.float32)), "step": jnp.array(1)}
     with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
         mgr.save(1, state)
         mgr.wait()
-        zarrckpt.save_pytree(str(tmp_path / "0000000001"), {"w": fsdp(jnp.zeros(2**20)), "step": 9},
-                             overwrite=True)  # chunked as step 1 was: links find the replacement's chunks
+        # Chunked as step 1 was: the links find the replacement's chunks.
+        replace_from_outside(tmp_path / "0000000001", {"w": fsdp(jnp.zeros(2**20)), "step": 9})
         mgr.save(2, {**state, "step": jnp.array(2)})
         with pytest.raises(zarrckpt.CheckpointWriteError, match="reuse_unchanged"):
             mgr.wait()
@@ -647,7 +667,7 @@ def test_a_numpy_restore_of_a_step_replaced_behind_a_managers_back_makes_the_nex
     with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
         mgr.save(1, state)
         mgr.wait()
-        zarrckpt.save_pytree(str(tmp_path / "0000000001"), {"w": fsdp(jnp.zeros(2**20))}, overwrite=True)
+        replace_from_outside(tmp_path / "0000000001", {"w": fsdp(jnp.zeros(2**20))})
         mgr.restore(None, step=1)  # the replacement's values, as numpy: the step holds what the arrays do not
         mgr.save(2, state)
     assert all(s.st_nlink == 1 for s in chunk_files(tmp_path / "0000000002", "w").values())

@@ -52,5 +52,6 @@ class CheckpointLocationError(CheckpointError, ValueError):
 
 class DirectoryInUseError(CheckpointLocationError):
     """Another live job holds the directory: another CheckpointManager (or import) the
-    checkpoint directory, or a job of the same run the `local_directory`. Names the
-    holder."""
+    checkpoint directory, or a job of the same run the `local_directory`; or a save
+    with overwrite (`save_pytree`, `save_checkpoint`), `cp` or `import` would replace a
+    step of a directory a live manager holds. Names the holder."""

@@ -37,6 +37,7 @@ import zarr
 
 from .. import _commit, _concurrency, _multihost, _objects, _options, _peers, _progress, _regions, _storage, errors
 from .._format import naming as _naming, tree as _tree, zarrjson as _zarrjson
+from .._lease import refuse_if_held
 from .._options import SaveOptions
 from . import plan as _planning, transfer as _transfer
 from .compression import Compressor
@@ -95,6 +96,10 @@ def save_pytree(
       TypeError, ValueError: an option of the wrong type or value (named).
       UnsupportedLeafError: a leaf or key that cannot be saved (names its key path).
       CheckpointExistsError: `url` holds a committed checkpoint and overwrite is False.
+      DirectoryInUseError: with overwrite, `url` is a step of a directory of steps
+        that a live `CheckpointManager` holds (names the holder); a lease left
+        unreleased whose holder may be alive elsewhere is watched first (2.5
+        heartbeats).
       CheckpointWriteError: a write failed on some process (names process and leaf);
         nothing was committed.
       CoordinationTimeoutError: a process did not arrive at an agreement in time.
@@ -102,7 +107,10 @@ def save_pytree(
     options = SaveOptions(overwrite=overwrite, max_chunk_bytes=max_chunk_bytes, min_chunk_bytes=min_chunk_bytes,
                           max_inflight_bytes=max_inflight_bytes, max_workers=max_workers, timeout_s=timeout_s,
                           progress=progress, checksums=checksums, compression=compression)
-    save(_storage.resolve(url, storage_options), tree, options)
+    loc = _storage.resolve(url, storage_options)
+    # A step of a run a live manager holds: replaced, it would hold what the manager's
+    # record of it does not (its next save would link the replacement's chunks).
+    save(loc, tree, options, before_prepare=(lambda: refuse_if_held(loc, "save_pytree")) if overwrite else None)
 
 
 def save(loc: _storage.Location, tree: Any, options: SaveOptions, *,
