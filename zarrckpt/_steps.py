@@ -247,7 +247,7 @@ def load_checkpoint_if_it_exists(
     root = _storage.resolve(checkpoint_dir, storage_options)
     state, step, ckpt = restore_latest(root, target, options, timeout_s)
     if ckpt is not None:
-        _save.of_run(where(root)).restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id)  # for `unchanged_since`
+        _restored(root, ckpt, state)
     return state, step or 0
 
 
@@ -278,8 +278,14 @@ def load_checkpoint(
                                    max_workers=max_workers, progress=progress)
     root = _storage.resolve(checkpoint_dir, storage_options)
     state, ckpt = load_step(root, step, target, options)
-    _save.of_run(where(root)).restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id)  # for `unchanged_since`
+    _restored(root, ckpt, state)
     return state
+
+
+def _restored(root: Location, ckpt: _reader.Checkpoint, state: Any) -> None:
+    """Tells what this process knows of `root` (for `save_checkpoint`'s `unchanged_since`)
+    that `ckpt` was restored into `state`."""
+    _save.of_run(where(root)).restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id)
 
 
 def load_step(root: Location, step: int, target: Any, options: _options.LoadOptions
