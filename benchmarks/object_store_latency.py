@@ -6,7 +6,8 @@
 The store is fsspec's memory file system (or a local directory, --target local)
 behind a wrapper file system, `latency://`, that holds every request for
 --latency-ms, and moves its bytes over one shared link of --bandwidth-mb-s (a
-request waits for the link while others use it), counting requests and bytes.
+request waits for the link while others use it; one zarrckpt gives up is cancelled
+and frees the link of the bytes it had left), counting requests and bytes.
 zarrckpt sees it as any other remote store (its default object-store concurrency).
 
 Two trees, each saved and restored (onto the same shardings) --repeats times:
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import json
 import math
 import os
@@ -56,7 +58,7 @@ from jax.sharding import (
 )
 
 import zarrckpt  # noqa: E402
-from zarrckpt import _storage  # noqa: E402
+from zarrckpt import _concurrency, _storage  # noqa: E402
 
 SMALL_LEAF_LEN = 256  # float32: 1 KiB
 RESTORE_TARGET_RTTS = 20
@@ -86,7 +88,20 @@ class LatencyFileSystem(fsspec.AbstractFileSystem):
             done = time.perf_counter() + self.latency_s
             if nbytes:
                 done = self._link_free_at = max(done, self._link_free_at) + nbytes / self.bandwidth
-        time.sleep(max(0.0, done - time.perf_counter()))
+        # A request zarrckpt gives up (another process read its part) is cancelled, as an
+        # asynchronous client's is: the bytes it had still to move free the link for the
+        # requests made after it.
+        gone = _concurrency.given_up()
+        if gone is None:
+            time.sleep(max(0.0, done - time.perf_counter()))
+            return
+        try:
+            gone.result(timeout=max(0.0, done - time.perf_counter()))
+        except concurrent.futures.TimeoutError:
+            return
+        with self._lock:
+            self._link_free_at -= min(max(0.0, done - time.perf_counter()), nbytes / self.bandwidth)
+        raise OSError(f"{kind} request cancelled")
 
     def reset(self) -> None:
         with self._lock:

@@ -1,7 +1,7 @@
 """A restore of two processes when one of them reads 10x slower than the other (a noisy
 neighbour, a throttled NIC), against both reading fast.
 
-    python benchmarks/slow_host.py                   # 64 MiB, 10 ms and 1 GB/s per process, 5 rounds
+    python benchmarks/slow_host.py                   # 4 leaves of 64 MiB, 10 ms and 1 GB/s per process, 5 rounds
     python benchmarks/slow_host.py --slow-factor 5 --size-mib 128
 
 Two JAX processes on localhost (jax.distributed, gloo, 4 CPU devices each) restore one
@@ -14,9 +14,10 @@ on disk). Two states, each restored --rounds times after one:
     so a slow process holds both for its share;
   - fully sharded (each process holds and reads its own half).
 Figures: the worst process's restore time, median of the rounds, both fast against one
-slow, and their ratio. zarrckpt does not take a slow process's unread chunks over (yet):
-the data-parallel ratio is what that would improve, down to what reading every chunk on
-the fast process costs.
+slow, and their ratio. In the data-parallel state the fast process reads the slow one's
+part too once it is late, and sends it over the device network (`_restore.relief`); the
+slow one gives up its own reads of it. A fully sharded state has no such part: each
+process reads what only its own devices hold.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def worker(coordinator: str, pid: int, directory: str, args: argparse.Namespace)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-mib", type=float, default=64.0, help="each state's size (default 64)")
+    parser.add_argument("--size-mib", type=float, default=64.0, help="each of a state's 4 leaves (default 64)")
     parser.add_argument("--latency-ms", type=float, default=10.0, help="a fast process's, per request (default 10)")
     parser.add_argument("--bandwidth-mb-s", type=float, default=1000.0, help="a fast process's (default 1000)")
     parser.add_argument("--slow-factor", type=float, default=10.0, help="how much slower process 1 is (default 10)")
@@ -107,7 +108,7 @@ def main() -> int:
             env, 1800)]
     finally:
         shutil.rmtree(parent, ignore_errors=True)
-    print(f"2 processes x 4 CPU devices, {args.size_mib:g} MiB a state; a fast process: {args.latency_ms:g} ms a "
+    print(f"2 processes x 4 CPU devices, 4 leaves of {args.size_mib:g} MiB; a fast process: {args.latency_ms:g} ms a "
           f"request, {args.bandwidth_mb_s:g} MB/s; process 1 slow: {args.slow_factor:g}x both")
     for state in ("data-parallel", "fully sharded"):
         fast, slow = (statistics.median(max(out[f"{state}, {setting}"][r] for out in outputs)

@@ -200,3 +200,24 @@ def test_at_the_deadline_an_answer_in_hand_is_returned_even_a_wrong_one():
     futures, start = requests(None, b"wrong")
     assert hedge.first_good(start, learnt(), nbytes=0, timeout=0.5, check=lambda data: "damaged") == b"wrong"
     assert futures[0].cancelled()
+
+
+def test_a_read_given_up_by_its_operation_cancels_its_requests_at_once():
+    """A restore gives up a read another process has made for it (`_restore.relief`):
+    the request still unanswered is cancelled then, not left holding a connection."""
+    futures, start = requests(None)
+    began = threading.Event()
+
+    def read(_):
+        began.set()
+        return hedge.first_good(start, hedge.Hedging(), nbytes=0, timeout=30, check=None)
+
+    with zarrckpt._concurrency.Operation(1, "test") as op:
+        window = op.window([0], read, budget=zarrckpt._concurrency.ByteBudget(1), nbytes=lambda _: 1,
+                           abandon=lambda _: began.is_set())
+        assert [result for _, result, _ in window] == [zarrckpt._concurrency.ABANDONED]
+    for _ in range(100):  # the request is cancelled on the reading thread, as it wakes
+        if futures[0].cancelled():
+            break
+        time.sleep(0.01)
+    assert futures[0].cancelled()

@@ -4,13 +4,16 @@ Three shapes, all on an `Operation` (a thread pool and the fate of one job):
 - `Operation.fan_out`: run a function on many items at once; optionally each item
   holds bytes of a `ByteBudget` (a `Hold`) until it ends (copies, checksum reads);
 - `Operation.window`: the same, but results come back in the items' order and items
-  are admitted only while a budget has room (restore and export reads, staging);
+  are admitted only while a budget has room (restore and export reads, staging); an
+  item its consumer no longer needs (another process read it) may be given up;
 - `run_all`: `fan_out` for a few small requests (listings, metadata reads).
 
 The failure rule is the same for all: once one item of an operation has failed, no
 new item starts (queued ones are cancelled), every storage request made for the
 operation checks `aborted()` first and before each retry (see `_storage`), and the
-first failure is raised once the items already running have ended.
+first failure is raised once the items already running have ended. An item given up
+(`window`'s `abandon`) is the exception: nothing waits for it, it ends on its own (at
+its next request, which it does not make), and what it raises is dropped.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
 
 _current = threading.local()  # the Operation whose item this thread is running
 _DONE = object()
+# What `Operation.window` yields as the result of an item given up.
+ABANDONED: Any = object()
+# How often a window waiting for an item asks whether it is still needed.
+_ABANDON_POLL_S = 0.02
 
 
 class Aborted(Exception):
@@ -39,9 +46,11 @@ class Aborted(Exception):
 
 
 def aborted() -> bool:
-    """Whether the operation this thread is working for has already failed."""
+    """Whether the operation this thread is working for has already failed, or has
+    given up the item this thread is running."""
     op = getattr(_current, "op", None)
-    return op is not None and op.error is not None
+    item = getattr(_current, "item", None)
+    return op is not None and (op.error is not None or (item is not None and item.abandoned))
 
 
 class ByteBudget:
@@ -86,6 +95,13 @@ class ByteBudget:
             self._cv.notify_all()
 
 
+def given_up() -> concurrent.futures.Future[None] | None:
+    """A future done once the item this thread is running is given up (None outside an
+    operation): a request waiting on futures waits on it too, and cancels itself."""
+    item = getattr(_current, "item", None)
+    return None if item is None else item.gone
+
+
 def spare(nbytes: int) -> Hold | None:
     """`nbytes` for something this thread's operation may do without (a second request
     for a slow read), from the byte budget it keeps (the newest) without waiting; None
@@ -106,6 +122,20 @@ class Hold:
         budget, self._budget = self._budget, None
         if budget is not None:
             budget._give_back(self.nbytes)
+
+
+class _Item:
+    """One item submitted to an operation; `abandoned` once its consumer gave it up,
+    and `gone` done then (a wait can include it: see `given_up`)."""
+
+    def __init__(self) -> None:
+        self.abandoned = False
+        self.gone: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.thread: threading.Thread | None = None  # the pool thread running it
+
+    def abandon(self) -> None:
+        self.abandoned = True
+        self.gone.set_result(None)
 
 
 class _Pool(concurrent.futures.ThreadPoolExecutor):
@@ -143,6 +173,7 @@ class Operation:
         self._lock = threading.Lock()
         self.error: BaseException | None = None
         self._budgets: list[ByteBudget] = []
+        self._running: dict[concurrent.futures.Future[Any], _Item] = {}
 
     def __enter__(self) -> Operation:
         return self
@@ -150,7 +181,12 @@ class Operation:
     def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> None:
         if error is not None:
             self.fail(error)
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:  # a thread still running an item given up ends by itself
+            stray = {item.thread for item in self._running.values() if item.abandoned}
+        for thread in list(self._pool._threads):
+            if thread not in stray:
+                thread.join()
 
     def fail(self, error: BaseException) -> None:
         """Marks the operation failed (the first error wins) and aborts its budgets."""
@@ -165,20 +201,30 @@ class Operation:
         """Runs `fn(*args)` on the pool as part of this operation; a failure fails it.
         Raises the operation's first failure instead once it has failed."""
         self._raise_if_failed()
+        item = _Item()
 
         def run() -> _R:
             if self.error is not None:
                 raise Aborted("not started: the operation had already failed")
-            _current.op = self
+            _current.op, _current.item, item.thread = self, item, threading.current_thread()
             try:
                 return fn(*args)
             except BaseException as e:
-                self.fail(e)
+                if not item.abandoned:
+                    self.fail(e)
                 raise
             finally:
-                _current.op = None
+                _current.op = _current.item = None
 
-        return self._pool.submit(run)
+        future = self._pool.submit(run)
+        with self._lock:
+            self._running[future] = item
+        future.add_done_callback(self._ended)
+        return future
+
+    def _ended(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._running.pop(future, None)
 
     def fan_out(self, items: Iterable[_T], fn: Callable[[_T], _R], *, budget: ByteBudget | None = None,
                 nbytes: Callable[[_T], int] = lambda item: 0,
@@ -222,8 +268,8 @@ class Operation:
         return [results[i] for i in range(len(results))]
 
     def window(self, items: Iterable[_T], fn: Callable[[_T], _R], *, budget: ByteBudget,
-               nbytes: Callable[[_T], int],
-               admit: Callable[[_T], None] | None = None) -> Iterator[tuple[_T, _R, Hold]]:
+               nbytes: Callable[[_T], int], admit: Callable[[_T], None] | None = None,
+               abandon: Callable[[_T], bool] | None = None) -> Iterator[tuple[_T, _R, Hold]]:
         """`fn(item)` for every item, concurrently, yielded as (item, result, hold) in
         order.
 
@@ -232,6 +278,12 @@ class Operation:
         (which releases each hold when it is done with the bytes, or hands it on to
         whoever is) can make room. `admit(item)` runs on the calling thread once the
         item's bytes are taken, just before it starts.
+
+        With `abandon`, an item not yet finished when its turn comes is given up as
+        soon as `abandon(item)` is true (asked every few milliseconds while waiting):
+        it is yielded with the result `ABANDONED` at once; it keeps its bytes until
+        it ends, makes no further request (`aborted()` is true for it), its failure
+        is dropped, and leaving the operation does not wait for it.
         """
         self._watch(budget)
         pending: collections.deque[tuple[_T, concurrent.futures.Future[_R], Hold]] = collections.deque()
@@ -239,19 +291,30 @@ class Operation:
             for item in items:
                 size = nbytes(item)
                 while (hold := budget.take(size, block=not pending)) is None:
-                    yield self._settle(pending.popleft())
+                    yield self._settle(pending.popleft(), abandon)
                 if admit is not None:
                     admit(item)
                 pending.append((item, self.submit(fn, item), hold))
             while pending:
-                yield self._settle(pending.popleft())
+                yield self._settle(pending.popleft(), abandon)
         except BaseException as e:
             self.fail(e)
             self._raise_if_failed()  # the first failure, not the `Aborted` it caused here
             raise
 
-    def _settle(self, entry: tuple[_T, concurrent.futures.Future[_R], Hold]) -> tuple[_T, _R, Hold]:
+    def _settle(self, entry: tuple[_T, concurrent.futures.Future[_R], Hold],
+                abandon: Callable[[_T], bool] | None) -> tuple[_T, _R, Hold]:
         item, future, hold = entry
+        while abandon is not None and not future.done():
+            if abandon(item):
+                with self._lock:
+                    running = self._running.get(future)
+                    if running is not None:  # still running: given up, its bytes kept until it ends
+                        running.abandon()
+                        future.add_done_callback(lambda _: hold.release())
+                        return item, ABANDONED, Hold(None, 0)
+                break
+            concurrent.futures.wait([future], timeout=_ABANDON_POLL_S)
         try:
             return item, future.result(), hold
         except BaseException:

@@ -19,6 +19,11 @@ service whatever the process count (none with a single process):
   the same again, with each process's own error passed in and every process's
   returned, not raised (which processes' local copies failed a read).
 
+A third use is a board, where whoever gets there first decides: `Agreement.claim` sets
+a key unless it is set (the service picks the one winner), `Agreement.post` sets one
+outright, `Agreement.look` waits a while for one, `Agreement.listing` reads a
+directory of them (a restore's fast process taking over a slow one's reads).
+
 Each `Agreement` is one operation with its own key namespace; when it is closed,
 every process counts itself out, and the last one deletes the namespace.
 
@@ -144,6 +149,42 @@ class Agreement:
         that must learn which processes failed, not only that some did. Agreement."""
         failures = {process_index(): _report(error)} if error is not None else {}
         return {p: failure["message"] for p, failure in self._meet(tag, None, failures, gather=False)[0].items()}
+
+    def claim(self, key: str, value: str) -> str:
+        """Sets `key` to `value` unless some process set it first; returns what it holds
+        (`value` if this call set it). Needs a coordinated job."""
+        client, full = _client(), f"{self._prefix}/{key}"
+        self._used = True
+        try:
+            client.key_value_set(full, value)
+        except Exception as e:  # some versions refuse a second writer aloud, others silently
+            if "ALREADY_EXISTS" not in str(e):
+                raise
+        return client.key_value_try_get(full)
+
+    def post(self, key: str, value: str) -> None:
+        """Sets `key` to `value`, over what it held. Needs a coordinated job."""
+        self._used = True
+        _client().key_value_set(f"{self._prefix}/{key}", value, allow_overwrite=True)
+
+    def look(self, key: str, timeout_s: float) -> str | None:
+        """What `key` holds, waiting up to `timeout_s` for it to be set; None if it was
+        not by then (a wait that is part of the caller's plan, not counted against the
+        operation's timeout). Needs a coordinated job."""
+        self._used = True
+        try:
+            return _client().blocking_key_value_get(f"{self._prefix}/{key}", max(1, int(timeout_s * 1000)))
+        except Exception as e:  # the client raises a runtime error on deadline, and on any other failure
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
+            return None
+
+    def listing(self, prefix: str) -> dict[str, str]:
+        """Every key set under `prefix/` (by its last part) with its value. Needs a
+        coordinated job."""
+        self._used = True
+        return {key.rsplit("/", 1)[1]: value
+                for key, value in _client().key_value_dir_get(f"{self._prefix}/{prefix}/")}
 
     def _everyone(self, tag: str, step: Callable[[], _T], gather: bool) -> list[_T]:
         mine: BaseException | None = None

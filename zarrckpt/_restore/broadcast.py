@@ -48,19 +48,24 @@ def _shared(x: jax.Array | tuple[jax.Array, ...], share: Share) -> jax.Array:
     same = np.dtype(f"uint{dtype.itemsize * 8}")
     wide = np.dtype(np.int64) if dtype.itemsize == 8 else np.dtype(np.int32)
     axes = tuple(_plan.replica_axes(share.sharding))
-    mesh, spec = share.sharding.mesh, share.sharding.spec
+    # Routes meet the blocks where they were read: the staged slices, when staged (the
+    # program's out_shardings then reshard them onto the target).
+    mesh, spec = share.sharding.mesh, (share.staging or share.sharding).spec
 
     def total(block: jax.Array, *moved: jax.Array) -> jax.Array:
         # Sums and ors with zeros are exact on the bits (as integers): -0.0 and NaN
         # payloads survive. Each part is read once: the others hold zeros there.
-        boolean = block.dtype == np.bool_
-        bits = block.astype(same) if boolean else jax.lax.bitcast_convert_type(block, same)
+        def as_bits(x: jax.Array) -> jax.Array:
+            return x.astype(same) if x.dtype == np.bool_ else jax.lax.bitcast_convert_type(x, same)
+
+        bits = as_bits(block)
         for blocks, route in zip(moved, share.routes):
-            sent = jax.lax.ppermute(blocks, mesh.axis_names, route)  # peers' reads, to where they belong
-            bits = bits | (sent.astype(same) if boolean else jax.lax.bitcast_convert_type(sent, same))
+            # Peers' reads, to where they belong, moved as integers: a permute of bf16 on
+            # CPU devices turns a NaN's payload into the canonical NaN.
+            bits = bits | jax.lax.ppermute(as_bits(blocks), mesh.axis_names, route)
         if share.summed:
             bits = jax.lax.convert_element_type(jax.lax.psum(jax.lax.convert_element_type(bits, wide), axes), same)
-        return bits.astype(np.bool_) if boolean else jax.lax.bitcast_convert_type(bits, block.dtype)
+        return bits.astype(np.bool_) if block.dtype == np.bool_ else jax.lax.bitcast_convert_type(bits, block.dtype)
 
     # check_vma off: blocks replicated along an axis are sent along it all the same.
     return jax.shard_map(total, mesh=mesh, in_specs=(spec,) * len(staged), out_specs=spec,

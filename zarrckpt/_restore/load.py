@@ -7,6 +7,7 @@
                 budget, and build each leaf on the target's devices
     broadcast   leaves several processes need, read once for all, moved onto their
                 targets over the device network
+    relief      a slow process's part of those leaves read by another for it
 
 A jax.Array is read region by region, only the regions this process's devices of the
 target sharding hold, and built from pieces on those devices, which is what makes
@@ -23,12 +24,12 @@ from typing import Any
 
 import jax
 
-from .. import _concurrency, _multihost, _options, _progress, _storage
+from .. import _concurrency, _multihost, _options, _progress, _stats, _storage
 from .._format import dtypes as _dtypes, tree as _tree
 from .._options import LoadOptions
 from .._regions import Region, region_shape
 from ..errors import CheckpointError
-from . import broadcast as _broadcast, checkpoint as _reader
+from . import broadcast as _broadcast, checkpoint as _reader, relief as _relief
 from .match import Request, match, saved_form
 from .plan import Placement
 
@@ -83,7 +84,12 @@ def load_pytree(
         serves each byte once, not once per host. Leaves
         wait on the devices, staged, until shared in groups of about
         `max_inflight_bytes` (one leaf more at most): that is the extra device memory
-        it costs. Off: every process reads all it needs itself.
+        it costs. A process still reading its part of a group after half as long
+        again as its buddy (processes 2k and 2k+1) took for its own is relieved: the
+        buddy reads that part too and sends it over the device network, and the slow
+        process gives its own reads of it up (a group so helped costs its staged
+        size again in device memory, and the buddy's host memory for the part).
+        Off: every process reads all it needs itself.
       max_inflight_bytes: bound on host bytes read and not yet placed on devices.
       max_workers: concurrent reads (default: one per core, 8 to 32, on a local disk;
         128 on an object store; 100 on GCS).
@@ -206,23 +212,42 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[Request], options: LoadOp
     # groups of about max_inflight_bytes (that bounds the extra memory), the same
     # groups in the same order on every process, as sharing is collective.
     sharing = _broadcast.groups([r for r in requests if r.share is not None], options.max_inflight_bytes)
+    # A slow process's part of a group may be read by another (see `relief`); not from
+    # the local tier (a gate), whose copies and routes are its own.
+    relief = _relief.start(ckpt, sharing, options) if gate is None else None
 
     def share_ready() -> None:
         while sharing and all(r.stored.name in done for r in sharing[0]):
             if gate is not None:
                 gate(None)  # every process has read its part of these leaves
-            _broadcast.share(sharing.pop(0), done)
+            group = sharing.pop(0)
+            _broadcast.share(relief.settle(group, done) if relief is not None else group, done)
 
-    share_ready()
-    with _concurrency.Operation(options.max_workers or ckpt.loc.concurrency, "read") as op:
-        for read, result, hold in op.window(reads, lambda r: r.fetch(ckpt), budget=budget,
-                                            nbytes=lambda r: r.nbytes, admit=donate):
-            hold.release()  # the pieces are on their devices, or small
-            pieces += result
-            if read.last:
-                request = read.request
-                done[request.stored.name] = request.form.build(request.stored, pieces)
-                advance(request.nbytes)
-                pieces = []
-                share_ready()
+    def fetch(read: _Read) -> list[Any]:
+        return read.fetch(ckpt) if relief is None else relief.fetch(read.request, read.box, read.places)
+
+    abandon = None if relief is None else lambda read: relief.covered(read.request)
+
+    try:
+        share_ready()
+        with _concurrency.Operation(options.max_workers or ckpt.loc.concurrency, "read") as op:
+            for read, result, hold in op.window(reads, fetch, budget=budget, nbytes=lambda r: r.nbytes, admit=donate,
+                                                abandon=abandon):
+                hold.release()  # the pieces are on their devices, or small
+                if result is _concurrency.ABANDONED:
+                    _stats.add("reads_given_up")
+                    result = _relief.Relief.zeros(read.request, read.places)
+                pieces += result
+                if read.last:
+                    request = read.request
+                    done[request.stored.name] = request.form.build(request.stored, pieces)
+                    advance(request.nbytes)
+                    pieces = []
+                    share_ready()
+    except BaseException as e:
+        if relief is not None:
+            relief.close(e)  # the others learn of it at their next barrier, not waiting for this process
+        raise
+    if relief is not None:
+        relief.close()
     return done

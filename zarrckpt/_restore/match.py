@@ -249,7 +249,7 @@ def sharded(dtype: np.dtype, sharding: jax.sharding.Sharding, stored: _reader.St
             and _plan.held_by_several_processes(sharding, stored.shape)):
         staged = _plan.staging_sharding(sharding, stored.shape, stored.chunks)
         if staged is not None:
-            return sharded(dtype, staged, stored)[0], Share(sharding, summed=False)
+            return sharded(dtype, staged, stored)[0], Share(sharding, summed=False, staging=staged)
         if _plan.summable(dtype):
             readers = _plan.one_readers(sharding, stored.shape, stored.chunks, stored.name)
             return OneReader(dtype, sharding, readers), Share(sharding, summed=True)
@@ -263,13 +263,14 @@ class Share:
     """Load and broadcast's second half for one leaf: onto the target's `sharding`, by a
     reshard of the staged slices, or (`summed`) by a sum over the replicas of what one
     replica read of each part, the others holding zeros there. With `routes` (the local
-    tier's peer copies, see `_restore.copies`), the staged leaf comes with one array of
-    blocks per route, read by peers, which each route's permute sends to the devices
-    holding them first."""
+    tier's peer copies, see `_restore.copies`; a slow process's reads done by another,
+    see `_restore.relief`), the staged leaf comes with one array of blocks per route,
+    read by peers, which each route's permute sends to the devices holding them first."""
 
     sharding: jax.sharding.NamedSharding
     summed: bool
     routes: tuple[tuple[tuple[int, int], ...], ...] = ()
+    staging: jax.sharding.NamedSharding | None = None  # the staged slices' sharding, when not `summed`
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,9 @@ Each takes its bytes from the byte budget of the operation it serves, without wa
 (`_concurrency.spare`): no room, no second request. Only reads are hedged (a chunk read
 twice is the same bytes; a write's second request could land late, see `_commit`), and
 only on a client whose requests can be cancelled (an asynchronous one: s3fs, gcsfs),
-so that a request given up on ends at once instead of holding a connection.
+so that a request given up on ends at once instead of holding a connection. A read
+whose operation gives it up (another process read the same part: `_restore.relief`)
+cancels its requests at once, hedged or not, and raises `Aborted`.
 
 Good: where both requests may still answer, an answer is taken only if `check` (the
 chunk codec's: size, checksum, header) finds nothing wrong with it; a wrong one is kept
@@ -134,6 +136,7 @@ def first_good(start: Callable[[], concurrent.futures.Future[bytes]], hedging: H
     hedged, not_before = False, began  # a second request: sent; not to be asked for before
     kept: bytes | None = None
     error: Exception | None = None
+    gone = _concurrency.given_up()  # done if the read is given up: its requests are cancelled then
     try:
         while True:
             now = time.monotonic()
@@ -149,10 +152,14 @@ def first_good(start: Callable[[], concurrent.futures.Future[bytes]], hedging: H
                 delay = hedging.delay(nbytes)
                 until = _POLL_S if delay is None else max(0.0, max(not_before, began + delay) - now)
                 wait = until if left is None else min(left, until)
-            done, _ = concurrent.futures.wait(list(requests), timeout=max(0.0, wait) if wait is not None else None,
+            waited: list[concurrent.futures.Future[Any]] = [*requests, *([gone] if gone else [])]
+            done, _ = concurrent.futures.wait(waited,
+                                              timeout=max(0.0, wait) if wait is not None else None,
                                               return_when=concurrent.futures.FIRST_COMPLETED)
+            if gone is not None and gone.done():
+                raise _concurrency.Aborted("read given up: another process read it")
             for request in done:
-                sent = requests.pop(request)
+                sent = requests.pop(request)  # `gone` is not done here
                 try:
                     data = request.result()
                 except Exception as e:  # the other request may still answer, unless this is final

@@ -1,0 +1,279 @@
+"""A slow process does not hold a restore: with load and broadcast, a process that has
+read its part of a group of shared leaves reads its buddy's part too when the buddy is
+late, and sends it over the device network; the buddy stops waiting for its own reads.
+
+A second read, not a hand-over of unread work: a process starts its reads of a group
+at once (its byte budget holds a group), so a slow one has nothing unstarted to give;
+what it waits for is in flight.
+
+Per group of leaves shared together (`broadcast.groups`, the same on every process),
+on a board in the coordination service (`_multihost.Agreement`):
+  fate/G/P     set once, by whoever is first: "own" by P when it has read its part;
+               "by H" by P's buddy H, when P is still not done after half as long
+               again as H took (`_PATIENCE`, at least `_PATIENCE_FLOOR_S`), before H
+               reads P's part
+  covered/G/P  H's reads of P's part are in ("by H"; or "failed": P reads on), or
+               P's own fate is set ("own"): P's watcher thread stops waiting for it
+  a barrier, after which no fate changes: every process reads fate/G/ and builds the
+               same program, with a route from each helper's devices to its buddy's
+Buddies are processes 2k and 2k+1: each waits on one key, whatever the process count.
+A process whose reads fail meets the others at the next barrier with its failure, so
+that they raise it instead of waiting for it.
+The blocks a helper read travel by a permute from its devices to its buddy's (same rank
+by id) and are ORed in before the sum or reshard (`broadcast`): a part read by both
+processes is the same bits either way, so a race between them changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _concurrency, _multihost, _stats
+from .._format import dtypes as _dtypes
+from .._options import LoadOptions
+from .._regions import Region, region_of, region_shape, relative
+from . import checkpoint as _reader
+from .match import OneReader, Request, Sharded, ShardedByReaders, cut
+
+log = logging.getLogger("zarrckpt")
+
+# The buddy is late once it is still reading after half as long again as this process took.
+_PATIENCE = 0.5
+_PATIENCE_FLOOR_S = 0.05
+# The board's waits are a restore's own reads, which may be long: a dead process shows
+# here only after this (a restore without the board would wait in a collective forever).
+_TIMEOUT_S = 24 * 3600.0
+_WATCH_S = 60.0  # each blocking read of the watcher; closing wakes it sooner
+
+
+def start(ckpt: _reader.Checkpoint, groups: list[list[Request]], options: LoadOptions) -> Relief | None:
+    """The relief of this restore's sharing `groups`, or None where there is none to
+    give (one process, no coordination service, no process with a buddy)."""
+    count = _multihost.process_count()
+    if count < 2 or not groups or not _multihost.coordinated():
+        return None
+    return Relief(ckpt, groups, options)
+
+
+class Relief:
+    """One restore's relief (see the module's docstring); `close` it when the restore
+    ends, however it ends."""
+
+    def __init__(self, ckpt: _reader.Checkpoint, groups: list[list[Request]], options: LoadOptions) -> None:
+        self._ckpt, self._options = ckpt, options
+        self._me = _multihost.process_index()
+        buddy = self._me ^ 1
+        self._buddy = buddy if buddy < _multihost.process_count() else None
+        self._group = {r.stored.name: g for g, group in enumerate(groups) for r in group}
+        # The leaves of each group the buddy may read for this process, and this one for it.
+        self._mine = [{r.stored.name for r in group if _route(r, self._buddy, self._me)} for group in groups]
+        self._theirs = [[r for r in group if _route(r, self._me, self._buddy)] for group in groups]
+        self._covered = [threading.Event() for _ in groups]
+        self._settled = 0  # groups whose barrier this process has met
+        self._told = False
+        self._started = time.monotonic()
+        self._board = _multihost.Agreement("relief", _TIMEOUT_S, what="restore")
+        self._closing = threading.Event()
+        self._watching = 0
+        self._watcher = threading.Thread(target=self._watch, name="zarrckpt-relief", daemon=True)
+        if any(self._mine):
+            self._watcher.start()
+
+    def covered(self, request: Request) -> bool:
+        """Whether the buddy has read this process's part of `request` for it."""
+        g = self._group.get(request.stored.name)
+        return g is not None and self._covered[g].is_set() and request.stored.name in self._mine[g]
+
+    def fetch(self, request: Request, box: Region, places: Any) -> list[Any]:
+        """This process's read of `box` of `request`, or `ABANDONED` where the buddy read
+        it (before it started, or by the time it failed)."""
+        if self.covered(request):
+            return _concurrency.ABANDONED
+        try:
+            return request.form.fetch(self._ckpt, request.stored, box, places)
+        except Exception:
+            if self.covered(request):
+                return _concurrency.ABANDONED
+            raise
+
+    @staticmethod
+    def zeros(request: Request, places: Any) -> list[Any]:
+        """What `fetch` would have returned for a read given up, in zeros: the buddy's
+        blocks are ORed into them (see the module's docstring)."""
+        form = request.form
+        if isinstance(form, ShardedByReaders):
+            return [jnp.zeros(region_shape(region), form.dtype, device=device)
+                    for region, devices in places.items() for device in devices]
+        return [(region, np.zeros(region_shape(region), form.dtype)) for region in places]
+
+    def settle(self, group: list[Request], done: dict[str, Any]) -> list[Request]:
+        """Before `group` is shared: takes the buddy's part over if it is late, agrees
+        with every process on who read what for whom, and returns `group` with the
+        routes that bring those reads (their blocks added to `done`). Collective."""
+        g = self._settled
+        me, buddy, board = self._me, self._buddy, self._board
+        read: dict[str, list[tuple[Region, np.ndarray, list[jax.Device]]]] | None = None
+        # If the buddy took this process's part over, its blocks come with the routes below.
+        own = not self._mine[g] or board.claim(f"fate/{g}/{me}", "own") == "own"
+        if own and self._mine[g]:
+            board.post(f"covered/{g}/{me}", "own")  # wakes this process's watcher
+        if own and buddy is not None and self._theirs[g]:
+            patience = max(_PATIENCE_FLOOR_S, _PATIENCE * (time.monotonic() - self._started))
+            if board.look(f"fate/{g}/{buddy}", patience) is None and \
+                    board.claim(f"fate/{g}/{buddy}", f"by {me}") == f"by {me}":
+                read = self._read_for(buddy, g, patience)
+                board.post(f"covered/{g}/{buddy}", f"by {me}" if read is not None else "failed")
+        self._settled += 1
+        try:
+            board.check(f"settled/{g}", lambda: None)
+        except Exception:
+            self._told = True  # another process's failure: it met this barrier to report it
+            raise
+        helpers = {int(p): int(v.split()[1]) for p, v in board.listing(f"fate/{g}").items() if v.startswith("by ")}
+        if not helpers:
+            return group
+        out = []
+        for request in group:
+            route = tuple(pair for helped, helper in sorted(helpers.items())
+                          for pair in (_route(request, helper, helped) or ()))
+            if not route:
+                out.append(request)
+                continue
+            done[request.stored.name] = (done[request.stored.name], _blocks(request, route, (read or {}).get(
+                request.stored.name, [])))
+            assert request.share is not None  # a route is only for a shared leaf (`_route`)
+            out.append(dataclasses.replace(request, share=dataclasses.replace(request.share, routes=(route,))))
+        return out
+
+    def _read_for(self, buddy: int, g: int, waited: float
+                  ) -> dict[str, list[tuple[Region, np.ndarray, list[jax.Device]]]] | None:
+        """The buddy's part of group `g`, as (region, values, the buddy's devices it goes
+        to) by leaf; None if a read failed (the buddy then reads on: this was a spare)."""
+        reads = [(r, box, places) for r in self._theirs[g] for box, places in r.form.reads(r.stored, buddy)]
+        started = time.monotonic()
+
+        def one(read: tuple[Request, Region, Any]) -> list[tuple[Region, np.ndarray, list[jax.Device]]]:
+            request, box, places = read
+            readers = dict(request.form.readers) if isinstance(request.form, OneReader) else {}
+            return [(region, values, places[region] or [readers[region]])
+                    for region, values in cut(self._ckpt.read(request.stored, box), request.form.dtype, box, places)]
+
+        try:
+            with _concurrency.Operation(self._options.max_workers or self._ckpt.loc.concurrency, "relief") as op:
+                results = op.fan_out(reads, one, budget=_concurrency.ByteBudget(self._options.max_inflight_bytes),
+                                     nbytes=lambda read: _dtypes.nbytes(region_shape(read[1]), read[0].form.dtype))
+        except Exception as e:  # the buddy's own reads go on; its failure, if any, is its to raise
+            log.debug("restore of %s: reading process %d's part for it failed: %r", self._ckpt.url, buddy, e)
+            return None
+        out: dict[str, list[tuple[Region, np.ndarray, list[jax.Device]]]] = {}
+        for (request, _, _), pieces in zip(reads, results):
+            out.setdefault(request.stored.name, []).extend(pieces)
+        nbytes = sum(values.nbytes for pieces in results for _, values, _ in pieces)
+        _stats.add("relief_bytes_read", nbytes)
+        log.info("restore of %s: process %d was still reading its part of %d leaves %.2fs after process %d had "
+                 "read its own; process %d read it (%.1f MiB in %.2fs) and sent it over the device network",
+                 self._ckpt.url, buddy, len(out), waited, self._me, self._me, nbytes / 2**20,
+                 time.monotonic() - started)
+        return out
+
+    def _watch(self) -> None:
+        """On its own thread: marks each group whose part of this process the buddy has
+        read, as soon as the buddy posts it (`covered`)."""
+        try:
+            for g, names in enumerate(self._mine):
+                if not names:
+                    continue
+                self._watching = g
+                while not self._closing.is_set():
+                    value = self._board.look(f"covered/{g}/{self._me}", _WATCH_S)
+                    if value is not None:
+                        if value.startswith("by "):
+                            self._covered[g].set()
+                        break
+        except Exception as e:  # the coordination service is gone: nothing is given up, reads go on
+            log.debug("restore of %s: watching for relief stopped: %r", self._ckpt.url, e)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Ends the watcher (waking it if it waits) and counts this process out of the board.
+        With the `error` this process's reads failed with (not one learnt from another
+        process at a barrier), it first meets the others at the next group's barrier and
+        reports it there, so that they raise it instead of waiting for this process."""
+        self._closing.set()
+        if isinstance(error, Exception) and not self._told and self._settled < len(self._mine):
+            try:
+                self._board.check(f"settled/{self._settled}", functools.partial(_reraise, error))
+            except Exception:
+                pass  # raised on every other process; here the caller raises `error` itself
+        while self._watcher.is_alive():  # a restore that failed: its watcher may wait on any group
+            try:
+                self._board.post(f"covered/{self._watching}/{self._me}", "closed")
+            except Exception:
+                break  # the service is gone: the watcher's read ends by itself, and it is a daemon
+            self._watcher.join(0.1)
+        self._board.close()
+
+
+def _reraise(error: BaseException) -> None:
+    raise error
+
+
+def _route(request: Request, helper: int | None, helped: int | None) -> tuple[tuple[int, int], ...] | None:
+    """The permute from `helper`'s devices to `helped`'s (same rank by id, as mesh
+    positions) that carries `helped`'s part of `request`, or None when `helper` cannot
+    read it for `helped`: the leaf is not shared, or already routed (the local tier), or
+    its blocks differ in shape, or the two processes' devices in its mesh differ in
+    number, or `helped` reads none of it."""
+    form, share = request.form, request.share
+    if helper is None or helped is None or share is None or share.routes or type(form) not in (
+            Sharded, ShardedByReaders, OneReader):
+        return None
+    sharding = form.sharding  # type: ignore[attr-defined]  # the sharded forms above
+    if not isinstance(sharding, jax.sharding.NamedSharding) or any(
+            dim % count for dim, count in zip(request.stored.shape, _counts(sharding, len(request.stored.shape)))):
+        return None
+    flat = list(sharding.mesh.devices.flat)
+    givers = sorted((d for d in flat if d.process_index == helper), key=lambda d: d.id)
+    takers = sorted((d for d in flat if d.process_index == helped), key=lambda d: d.id)
+    if not takers or len(givers) != len(takers) or not form.reads(request.stored, helped):
+        return None
+    position = {device: i for i, device in enumerate(flat)}
+    return tuple((position[a], position[b]) for a, b in zip(givers, takers))
+
+
+def _counts(sharding: jax.sharding.NamedSharding, ndim: int) -> list[int]:
+    """How many blocks each dimension is cut into."""
+    spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
+    return [int(np.prod([sharding.mesh.shape[a] for a in (() if e is None else e if isinstance(e, tuple) else (e,))]))
+            for e in spec]
+
+
+def _blocks(request: Request, route: Sequence[tuple[int, int]],
+            pieces: list[tuple[Region, np.ndarray, list[jax.Device]]]) -> jax.Array:
+    """The array of blocks this process sends along `route` for `request`: on each of
+    its devices, what it read for the device the route sends that block to (zeros
+    where it read nothing, as on every process that helped no one)."""
+    sharding = request.form.sharding  # type: ignore[attr-defined]  # a sharded form (`_route`)
+    shape, dtype = request.stored.shape, request.form.dtype
+    flat = list(sharding.mesh.devices.flat)
+    back = {flat[b]: flat[a] for a, b in route}
+    where = sharding.devices_indices_map(shape)
+    block = sharding.shard_shape(shape)
+    host: dict[jax.Device, np.ndarray] = {}
+    for region, values, devices in pieces:
+        for device in devices:
+            sender = back[device]
+            data = host.setdefault(sender, np.zeros(block, dtype))
+            data[relative(region, region_of(where[device], shape))] = values
+    arrays = [jax.device_put(host[d], d) if d in host else jnp.zeros(block, dtype, device=d)
+              for d in sharding.addressable_devices]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
