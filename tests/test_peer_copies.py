@@ -13,9 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import ml_dtypes
 import multiprocess
+import numpy as np
 import pytest
 from builders import copies, flip_bit, logged_bytes, one_state
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import zarrckpt
 from zarrckpt import _peers
@@ -164,3 +168,25 @@ def test_one_process_has_no_peer(tmp_path: Path, caplog: pytest.LogCaptureFixtur
     with zarrckpt.CheckpointManager(persistent, local_directory=local, local_save_interval_steps=1) as mgr:
         state, step = mgr.restore(one_state(1, 0))
         assert (step, mgr.restored_tier, state["step"]) == (1, "local", 1)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64", "bool", "int8"])
+def test_blocks_moved_to_a_peer_keep_every_bit(dtype: str) -> None:
+    """A peer copy's blocks cross the device network by a permute: -0.0 and NaN payloads
+    arrive as they left (a permute of bf16 on CPU devices once made every NaN canonical)."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
+    width = np.dtype(dtype if dtype != "bfloat16" else np.uint16).itemsize
+    raw = np.random.default_rng(0).integers(0, 256, (8, 4 * width), dtype=np.uint8)
+    values = raw.view(np.uint8 if dtype == "bool" else f"uint{width * 8}")
+    if dtype == "bool":
+        values = (values & 1).astype(bool)
+    elif dtype in ("bfloat16", "float16", "float32", "float64"):
+        top = np.array(1, values.dtype) << (width * 8 - 1)
+        values[:, 0] = top  # -0.0
+        values[:, 1] = ~top  # a NaN whose payload is all ones
+        values[:, 2] = ~top - 2  # another payload
+    host = values.view(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype) if dtype != "bool" else values
+    with jax.enable_x64(dtype == "float64"):
+        array = jax.device_put(host, NamedSharding(mesh, P("x")))
+        moved = _peers.move(array, tuple((i, (i + 1) % 8) for i in range(8)))
+        assert np.asarray(moved).tobytes() == np.roll(host, 1, axis=0).tobytes()

@@ -31,13 +31,15 @@ def test_four_processes_save_and_restore_on_four_two_and_one(saved, processes, l
 def test_replicated_state_is_read_from_the_store_once(saved, layout, inflight):
     """Load and broadcast: 4 processes that each need all (or a host's share) of the
     state read it about once in total, and get the right values on every device; with
-    a small max_inflight_bytes the leaves are shared a few at a time."""
+    a small max_inflight_bytes the leaves are shared a few at a time. A process late
+    with its part (on a busy machine, any may be) has it read again by its buddy: those
+    bytes are counted apart (`relief_bytes_read`), and only they are read twice."""
     directory, _ = saved
     shared = multiprocess.run("mp_scale", "restore", directory, layout, "on", str(inflight), processes=4,
                               devices=2)
     alone = multiprocess.run("mp_scale", "restore", directory, layout, "off", str(inflight), processes=4, devices=2)
     checkpoint = shared[0]["checkpoint_bytes"]
-    read_shared = sum(r["bytes_read"] for r in shared) / checkpoint
+    read_shared = sum(r["bytes_read"] - r["relieved"] for r in shared) / checkpoint
     read_alone = sum(r["bytes_read"] for r in alone) / checkpoint
     assert all(r["checked"] > 0 for r in shared + alone)
     # Bytes are counted exactly: 1.006 here, the group metadata each process reads.

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 log = logging.getLogger("zarrckpt")
 
@@ -127,9 +128,24 @@ def move(array: jax.Array, route: Pairs) -> jax.Array:
 @functools.lru_cache(maxsize=256)
 def _permute(sharding: jax.sharding.NamedSharding, route: Pairs) -> Any:
     mesh, spec = sharding.mesh, sharding.spec
+
+    def send(block: jax.Array) -> jax.Array:
+        return from_bits(jax.lax.ppermute(bits(block), mesh.axis_names, route), block.dtype)
+
     # check_vma off: a block replicated along an axis is sent along it all the same.
-    return jax.jit(jax.shard_map(lambda block: jax.lax.ppermute(block, mesh.axis_names, route), mesh=mesh,
-                                 in_specs=spec, out_specs=spec, check_vma=False))
+    return jax.jit(jax.shard_map(send, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+
+def bits(x: jax.Array) -> jax.Array:
+    """`x` as unsigned integers of its width (bool: uint8), to move or sum exactly: a
+    permute of bf16 on CPU devices turns a NaN's payload into the canonical NaN."""
+    unsigned = np.dtype(f"uint{x.dtype.itemsize * 8}")
+    return x.astype(unsigned) if x.dtype == np.bool_ else jax.lax.bitcast_convert_type(x, unsigned)
+
+
+def from_bits(x: jax.Array, dtype: Any) -> jax.Array:
+    """The inverse of `bits`: integers back as `dtype`."""
+    return x.astype(np.bool_) if dtype == np.bool_ else jax.lax.bitcast_convert_type(x, dtype)
 
 
 def inverse(route: Pairs) -> Pairs:

@@ -20,7 +20,9 @@ def add(name: str, amount: int = 1) -> None:
 
 def snapshot() -> dict[str, int]:
     """Every counter: `store_<action>` requests (read, write, list, delete, check),
-    `store_bytes_read`, `store_bytes_written`, `coordination_calls`."""
+    `store_bytes_read`, `store_bytes_written`, `coordination_calls`; of a restore's
+    relief (`_restore.relief`), `relief_bytes_read` (a late process's part, read again
+    by its buddy) and `reads_given_up` (the late process's own reads of it)."""
     with _lock:
         return dict(_counts)
 

@@ -85,6 +85,7 @@ def restore(directory: str, layout: str, broadcast: str = "on", max_inflight_byt
     checked = check_shards(restored, SHAPES)
     counts = _stats.snapshot()
     report(step=step, checked=checked, step_value=restored["step"], bytes_read=counts.get("store_bytes_read", 0),
+           relieved=counts.get("relief_bytes_read", 0),
            reads=counts.get("store_read", 0), calls=counts.get("coordination_calls", 0),
            checkpoint_bytes=sum(int(np.prod(s)) * 4 for s in SHAPES.values()))
 

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import _peers
 from . import plan as _plan
 from .match import Request, Share
 
@@ -55,17 +56,12 @@ def _shared(x: jax.Array | tuple[jax.Array, ...], share: Share) -> jax.Array:
     def total(block: jax.Array, *moved: jax.Array) -> jax.Array:
         # Sums and ors with zeros are exact on the bits (as integers): -0.0 and NaN
         # payloads survive. Each part is read once: the others hold zeros there.
-        def as_bits(x: jax.Array) -> jax.Array:
-            return x.astype(same) if x.dtype == np.bool_ else jax.lax.bitcast_convert_type(x, same)
-
-        bits = as_bits(block)
+        bits = _peers.bits(block)
         for blocks, route in zip(moved, share.routes):
-            # Peers' reads, to where they belong, moved as integers: a permute of bf16 on
-            # CPU devices turns a NaN's payload into the canonical NaN.
-            bits = bits | jax.lax.ppermute(as_bits(blocks), mesh.axis_names, route)
+            bits = bits | jax.lax.ppermute(_peers.bits(blocks), mesh.axis_names, route)  # peers' reads, placed
         if share.summed:
             bits = jax.lax.convert_element_type(jax.lax.psum(jax.lax.convert_element_type(bits, wide), axes), same)
-        return bits.astype(np.bool_) if block.dtype == np.bool_ else jax.lax.bitcast_convert_type(bits, block.dtype)
+        return _peers.from_bits(bits, block.dtype)
 
     # check_vma off: blocks replicated along an axis are sent along it all the same.
     return jax.shard_map(total, mesh=mesh, in_specs=(spec,) * len(staged), out_specs=spec,

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _concurrency, _multihost, _stats
+from .. import _concurrency, _multihost, _peers, _stats
 from .._format import dtypes as _dtypes
 from .._options import LoadOptions
 from .._regions import Region, region_of, region_shape, relative
@@ -238,23 +238,24 @@ def _route(request: Request, helper: int | None, helped: int | None) -> tuple[tu
             Sharded, ShardedByReaders, OneReader):
         return None
     sharding = form.sharding  # type: ignore[attr-defined]  # the sharded forms above
-    if not isinstance(sharding, jax.sharding.NamedSharding) or any(
-            dim % count for dim, count in zip(request.stored.shape, _counts(sharding, len(request.stored.shape)))):
+    if not _peers.movable(sharding, request.stored.shape):
         return None
-    flat = list(sharding.mesh.devices.flat)
+    if isinstance(form, OneReader) and not any(device.process_index == helped for _, device in form.readers):
+        return None  # else `helped` has devices in the mesh, so a part of the staged slices to read
+    return _pairs(sharding.mesh, helper, helped)
+
+
+@functools.lru_cache(maxsize=64)
+def _pairs(mesh: jax.sharding.Mesh, helper: int, helped: int) -> tuple[tuple[int, int], ...] | None:
+    """`_route`'s permute for any leaf on `mesh` (None where the two processes' devices
+    in it differ in number, or `helped` has none)."""
+    flat = list(mesh.devices.flat)
     givers = sorted((d for d in flat if d.process_index == helper), key=lambda d: d.id)
     takers = sorted((d for d in flat if d.process_index == helped), key=lambda d: d.id)
-    if not takers or len(givers) != len(takers) or not form.reads(request.stored, helped):
+    if not takers or len(givers) != len(takers):
         return None
     position = {device: i for i, device in enumerate(flat)}
     return tuple((position[a], position[b]) for a, b in zip(givers, takers))
-
-
-def _counts(sharding: jax.sharding.NamedSharding, ndim: int) -> list[int]:
-    """How many blocks each dimension is cut into."""
-    spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
-    return [int(np.prod([sharding.mesh.shape[a] for a in (() if e is None else e if isinstance(e, tuple) else (e,))]))
-            for e in spec]
 
 
 def _blocks(request: Request, route: Sequence[tuple[int, int]],
