@@ -21,6 +21,16 @@ def test_a_process_whose_reads_never_finish_is_relieved_and_both_restore_exactly
     assert slow["relieved"] == 0 and slow["given_up"] > 0, slow
 
 
+def test_a_relieved_process_whose_stuck_reads_hold_its_byte_budget_moves_on(saved):
+    """With a budget of 4 KiB, each group of leaves is about one leaf, and process 1's
+    stuck reads of the first hold all of it: the reads of the groups after, relieved in
+    turn, are given up without taking bytes, so the restore ends (without that, not
+    before the stuck reads were let go, after it)."""
+    fast, slow = multiprocess.run("mp_relief", "restore", saved, "stuck", "4096", timeout=90)
+    assert fast["checked"] == slow["checked"] == 6 * 4, (fast, slow)
+    assert fast["relieved"] > 0 and slow["given_up"] > 0, (fast, slow)
+
+
 def test_a_failed_spare_read_leaves_the_slow_process_to_read_its_own_part(saved):
     fast, slow = multiprocess.run("mp_relief", "restore", saved, "spare-fails")
     assert fast["checked"] == slow["checked"] == 6 * 4, (fast, slow)

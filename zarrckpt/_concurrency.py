@@ -70,9 +70,9 @@ class ByteBudget:
         self._error: BaseException | None = None
         self._cv = threading.Condition()
 
-    def take(self, nbytes: int, *, block: bool = True) -> Hold | None:
-        """Takes `nbytes`, waiting for room (or returning None without `block`); raises
-        `Aborted` once the budget has been aborted."""
+    def take(self, nbytes: int, *, block: bool = True, timeout: float | None = None) -> Hold | None:
+        """Takes `nbytes`, waiting for room (or returning None without `block`, or when
+        `timeout` seconds pass first); raises `Aborted` once the budget has been aborted."""
         with self._cv:
             while True:
                 if self._error is not None:
@@ -80,9 +80,8 @@ class ByteBudget:
                 if self._used == 0 or self._used + nbytes <= self._limit:
                     self._used += nbytes
                     return Hold(self, nbytes)
-                if not block:
+                if not block or not self._cv.wait(timeout):
                     return None
-                self._cv.wait()
 
     def _give_back(self, nbytes: int) -> None:
         with self._cv:
@@ -164,7 +163,7 @@ class Operation:
     """A pool of `workers` threads doing the items of one job, which fails as a whole.
 
     Use as a context manager: leaving it (normally or by an exception) cancels what
-    has not started and waits for what is running.
+    has not started and waits for what is running, but for items given up (`window`).
     """
 
     def __init__(self, workers: int, name: str) -> None:
@@ -283,15 +282,25 @@ class Operation:
         soon as `abandon(item)` is true (asked every few milliseconds while waiting):
         it is yielded with the result `ABANDONED` at once; it keeps its bytes until
         it ends, makes no further request (`aborted()` is true for it), its failure
-        is dropped, and leaving the operation does not wait for it.
+        is dropped, and leaving the operation does not wait for it. An item for which
+        `abandon` is true before it starts never starts, and takes no bytes: a window
+        whose budget is held by items given up still moves past the items it no
+        longer needs.
         """
         self._watch(budget)
         pending: collections.deque[tuple[_T, concurrent.futures.Future[_R], Hold]] = collections.deque()
         try:
             for item in items:
                 size = nbytes(item)
-                while (hold := budget.take(size, block=not pending)) is None:
-                    yield self._settle(pending.popleft(), abandon)
+                while (hold := budget.take(size, block=not pending,
+                                           timeout=None if abandon is None else _ABANDON_POLL_S)) is None:
+                    if pending:
+                        yield self._settle(pending.popleft(), abandon)
+                    elif abandon is not None and abandon(item):
+                        break
+                if hold is None:  # given up before it started
+                    pending.append((item, _finished(ABANDONED), Hold(None, 0)))
+                    continue
                 if admit is not None:
                     admit(item)
                 pending.append((item, self.submit(fn, item), hold))
@@ -336,6 +345,12 @@ class Operation:
     def _raise_if_failed(self) -> None:
         if self.error is not None:
             raise self.error
+
+
+def _finished(result: _R) -> concurrent.futures.Future[_R]:
+    future: concurrent.futures.Future[_R] = concurrent.futures.Future()
+    future.set_result(result)
+    return future
 
 
 def run_all(fn: Callable[[_T], _R], items: Sequence[_T], workers: int, name: str = "io") -> list[_R]:

@@ -3,7 +3,8 @@ two processes restore replicated leaves with load and broadcast while process 1'
 chunk reads are held.
 
     save DIR                 save the state (both processes)
-    restore DIR HOLD         restore it onto every device, check every shard, report;
+    restore DIR HOLD [BYTES] restore it onto every device (max_inflight_bytes BYTES, 2 GiB
+                             unless said), check every shard, report;
                              HOLD says what process 1's chunk reads do:
         none                 nothing: both fast
         stuck                each waits until the restore has returned, then fails
@@ -92,14 +93,14 @@ def hold_reads(hold: str, released: threading.Event) -> None:
     _storage.Location.read, _storage.Location.read_into = held_read, held_read_into
 
 
-def restore(directory: str, hold: str) -> None:
+def restore(directory: str, hold: str, max_inflight_bytes: str = str(2**31)) -> None:
     released = threading.Event()
     hold_reads(hold, released)
     _stats.reset()
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
         Mesh(np.array(jax.devices()), ("x",)), P())), state())
     try:
-        restored = zarrckpt.load_checkpoint(directory, 1, target)
+        restored = zarrckpt.load_checkpoint(directory, 1, target, max_inflight_bytes=int(max_inflight_bytes))
     except Exception as e:
         report(error_type=type(e).__name__, error=str(e))
         return

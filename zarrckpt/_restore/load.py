@@ -214,7 +214,7 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[Request], options: LoadOp
     sharing = _broadcast.groups([r for r in requests if r.share is not None], options.max_inflight_bytes)
     # A slow process's part of a group may be read by another (see `relief`); not from
     # the local tier (a gate), whose copies and routes are its own.
-    relief = _relief.start(ckpt, sharing, options) if gate is None else None
+    relief = _relief.start(ckpt, sharing, options, {r.request.stored.name for r in reads}) if gate is None else None
 
     def share_ready() -> None:
         while sharing and all(r.stored.name in done for r in sharing[0]):

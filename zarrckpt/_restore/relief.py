@@ -10,8 +10,10 @@ Per group of leaves shared together (`broadcast.groups`, the same on every proce
 on a board in the coordination service (`_multihost.Agreement`):
   fate/G/P     set once, by whoever is first: "own" by P when it has read its part;
                "by H" by P's buddy H, when P is still not done after half as long
-               again as H took (`_PATIENCE`, at least `_PATIENCE_FLOOR_S`), before H
-               reads P's part
+               again as H took over the group (`_PATIENCE`, at least
+               `_PATIENCE_FLOOR_S`; from H's settling of the group before; H read a
+               part of it, or it has no measure and never helps), before H reads
+               P's part; "failed" by P when its reads failed (H neither waits nor reads)
   covered/G/P  H's reads of P's part are in ("by H"; or "failed": P reads on), or
                P's own fate is set ("own"): P's watcher thread stops waiting for it
   a barrier, after which no fate changes: every process reads fate/G/ and builds the
@@ -56,20 +58,23 @@ _TIMEOUT_S = 24 * 3600.0
 _WATCH_S = 60.0  # each blocking read of the watcher; closing wakes it sooner
 
 
-def start(ckpt: _reader.Checkpoint, groups: list[list[Request]], options: LoadOptions) -> Relief | None:
-    """The relief of this restore's sharing `groups`, or None where there is none to
-    give (one process, no coordination service, no process with a buddy)."""
+def start(ckpt: _reader.Checkpoint, groups: list[list[Request]], options: LoadOptions,
+          reading: set[str]) -> Relief | None:
+    """The relief of this restore's sharing `groups` (`reading`: the leaves this process
+    reads a part of), or None where there is none to give (one process, no coordination
+    service)."""
     count = _multihost.process_count()
     if count < 2 or not groups or not _multihost.coordinated():
         return None
-    return Relief(ckpt, groups, options)
+    return Relief(ckpt, groups, options, reading)
 
 
 class Relief:
     """One restore's relief (see the module's docstring); `close` it when the restore
     ends, however it ends."""
 
-    def __init__(self, ckpt: _reader.Checkpoint, groups: list[list[Request]], options: LoadOptions) -> None:
+    def __init__(self, ckpt: _reader.Checkpoint, groups: list[list[Request]], options: LoadOptions,
+                 reading: set[str]) -> None:
         self._ckpt, self._options = ckpt, options
         self._me = _multihost.process_index()
         buddy = self._me ^ 1
@@ -77,11 +82,14 @@ class Relief:
         self._group = {r.stored.name: g for g, group in enumerate(groups) for r in group}
         # The leaves of each group the buddy may read for this process, and this one for it.
         self._mine = [{r.stored.name for r in group if _route(r, self._buddy, self._me)} for group in groups]
-        self._theirs = [[r for r in group if _route(r, self._me, self._buddy)] for group in groups]
+        # Only a process that read a part of a group itself knows how long the buddy's
+        # should take: one that read none (its leaves all dealt to others) never helps.
+        self._theirs = [[r for r in group if _route(r, self._me, self._buddy)]
+                        if any(r.stored.name in reading for r in group) else [] for group in groups]
         self._covered = [threading.Event() for _ in groups]
         self._settled = 0  # groups whose barrier this process has met
         self._told = False
-        self._started = time.monotonic()
+        self._since = time.monotonic()  # when this process began on the group to settle next
         self._board = _multihost.Agreement("relief", _TIMEOUT_S, what="restore")
         self._closing = threading.Event()
         self._watching = 0
@@ -128,7 +136,7 @@ class Relief:
         if own and self._mine[g]:
             board.post(f"covered/{g}/{me}", "own")  # wakes this process's watcher
         if own and buddy is not None and self._theirs[g]:
-            patience = max(_PATIENCE_FLOOR_S, _PATIENCE * (time.monotonic() - self._started))
+            patience = max(_PATIENCE_FLOOR_S, _PATIENCE * (time.monotonic() - self._since))
             if board.look(f"fate/{g}/{buddy}", patience) is None and \
                     board.claim(f"fate/{g}/{buddy}", f"by {me}") == f"by {me}":
                 read = self._read_for(buddy, g, patience)
@@ -139,6 +147,7 @@ class Relief:
         except Exception:
             self._told = True  # another process's failure: it met this barrier to report it
             raise
+        self._since = time.monotonic()
         helpers = {int(p): int(v.split()[1]) for p, v in board.listing(f"fate/{g}").items() if v.startswith("by ")}
         if not helpers:
             return group
@@ -211,6 +220,8 @@ class Relief:
         self._closing.set()
         if isinstance(error, Exception) and not self._told and self._settled < len(self._mine):
             try:
+                # The buddy must not wait for this process's part, nor read it for it.
+                self._board.claim(f"fate/{self._settled}/{self._me}", "failed")
                 self._board.check(f"settled/{self._settled}", functools.partial(_reraise, error))
             except Exception:
                 pass  # raised on every other process; here the caller raises `error` itself
