@@ -19,10 +19,11 @@ service whatever the process count (none with a single process):
   the same again, with each process's own error passed in and every process's
   returned, not raised (which processes' local copies failed a read).
 
-A third use is a board, where whoever gets there first decides: `Agreement.claim` sets
-a key unless it is set (the service picks the one winner), `Agreement.post` sets one
-outright, `Agreement.look` waits a while for one, `Agreement.listing` reads a
-directory of them (a restore's fast process taking over a slow one's reads).
+A third use is a board, where whoever gets there first decides: `Agreement.offer` sets
+a key unless it is set (the service picks the one winner; `claim` also says whether it
+was this call), `Agreement.post` sets one outright, `Agreement.look` waits a while for
+one, and `Agreement.meet` is a barrier where each process may leave a note for all (a
+restore's fast process taking over a slow one's reads, `_restore.relief`).
 
 Each `Agreement` is one operation with its own key namespace; when it is closed,
 every process counts itself out, and the last one deletes the namespace.
@@ -150,17 +151,20 @@ class Agreement:
         failures = {process_index(): _report(error)} if error is not None else {}
         return {p: failure["message"] for p, failure in self._meet(tag, None, failures, gather=False)[0].items()}
 
-    def claim(self, key: str, value: str) -> str:
-        """Sets `key` to `value` unless some process set it first; returns what it holds
-        (`value` if this call set it). Needs a coordinated job."""
-        client, full = _client(), f"{self._prefix}/{key}"
+    def offer(self, key: str, value: str) -> None:
+        """Sets `key` to `value` unless some process set it first (then leaves it as it
+        is, without saying so: one call). Needs a coordinated job."""
         self._used = True
         try:
-            client.key_value_set(full, value)
+            _client().key_value_set(f"{self._prefix}/{key}", value)
         except Exception as e:  # some versions refuse a second writer aloud, others silently
             if "ALREADY_EXISTS" not in str(e):
                 raise
-        return client.key_value_try_get(full)
+
+    def claim(self, key: str, value: str) -> bool:
+        """`offer`, and whether this call is the one that set `key`. Needs a coordinated job."""
+        self.offer(key, value)
+        return _client().key_value_try_get(f"{self._prefix}/{key}") == value
 
     def post(self, key: str, value: str) -> None:
         """Sets `key` to `value`, over what it held. Needs a coordinated job."""
@@ -179,12 +183,27 @@ class Agreement:
                 raise
             return None
 
-    def listing(self, prefix: str) -> dict[str, str]:
-        """Every key set under `prefix/` (by its last part) with its value. Needs a
-        coordinated job."""
+    def meet(self, tag: str, note: str | None = None, error: BaseException | None = None) -> dict[int, str]:
+        """Every process leaves `note` (None: nothing to say) or its `error`, and waits at
+        a barrier for every other; returns every note left, by process. Raises on every
+        process any process's error (as `check`). Two calls per process with nothing to
+        say, whatever the process count; a timeout does not name who never came (no
+        arrival marks: that would be a third call). Agreement."""
+        if process_count() == 1:
+            if error is not None:
+                self._raise({0: _report(error)}, error)
+            return {} if note is None else {0: note}
+        client, base = _client(), f"{self._prefix}/{tag}"
         self._used = True
-        return {key.rsplit("/", 1)[1]: value
-                for key, value in _client().key_value_dir_get(f"{self._prefix}/{prefix}/")}
+        if error is not None or note is not None:
+            said = {"failure": _report(error)} if error is not None else {"note": note}
+            client.key_value_set(f"{base}/{process_index()}", json.dumps(said))
+        self._wait(tag, lambda c, ms: c.wait_at_barrier(base, ms), [])
+        left = {int(key.rsplit("/", 1)[1]): json.loads(value) for key, value in client.key_value_dir_get(f"{base}/")}
+        failures = {p: said["failure"] for p, said in left.items() if "failure" in said}
+        if failures:
+            self._raise(failures, error)
+        return {p: said["note"] for p, said in left.items()}
 
     def _everyone(self, tag: str, step: Callable[[], _T], gather: bool) -> list[_T]:
         mine: BaseException | None = None
@@ -257,9 +276,10 @@ class Agreement:
                 arrived = {int(key.rsplit("/", 1)[1])
                            for key, _ in client.key_value_dir_get(f"{self._prefix}/{tag}/arrived/")}
                 expected = [p for p in range(process_count()) if p not in arrived]
+            who = f"processes {expected}" if expected else "some processes"
             raise CoordinationTimeoutError(
                 f"process {process_index()} waited {self._timeout_s:.0f}s in all for '{self._channel}' (at "
-                f"'{tag}') but processes {expected} never arrived ({str(e).splitlines()[0]})"
+                f"'{tag}') but {who} never arrived ({str(e).splitlines()[0]})"
             ) from None
         finally:
             self._waited += time.monotonic() - started

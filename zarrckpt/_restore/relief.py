@@ -14,15 +14,20 @@ on a board in the coordination service (`_multihost.Agreement`):
                `_PATIENCE_FLOOR_S`; from H's settling of the group before; H read a
                part of it, or it has no measure and never helps), before H reads
                P's part; "failed" by P when its reads failed (H neither waits nor reads)
-  covered/G/P  H's reads of P's part are in ("by H"; or "failed": P reads on), or
-               P's own fate is set ("own"): P's watcher thread stops waiting for it
-  a barrier, after which no fate changes: every process reads fate/G/ and builds the
-               same program, with a route from each helper's devices to its buddy's
-Buddies are processes 2k and 2k+1: each waits on one key, whatever the process count.
-A process whose reads fail meets the others at the next barrier with its failure, so
-that they raise it instead of waiting for it.
-The blocks a helper read travel by a permute from its devices to its buddy's (same rank
-by id) and are ORed in before the sum or reshard (`broadcast`): a part read by both
+  covered/G/P  after "by H": H's reads of P's part are in ("by H"), or failed
+               ("failed": P reads on). P's watcher thread waits on these two keys.
+  settled/G    a barrier, after which no fate changes; a helper whose reads came in
+               leaves the note "helped P" there. With any note, every process builds
+               the group's program with one permute between every two buddies'
+               devices, both ways (zeros where nobody helped: one program whoever
+               helped whom, compiled once). A process whose reads failed leaves its failure instead,
+               at the barrier of the group it had not settled, and every process
+               raises it rather than wait for it.
+Each process makes about five calls per group with nothing to relieve (its fate, a wait
+on its buddy's, the watcher's wait on its own, the barrier and its notes), whatever the
+process count: buddies are processes 2k and 2k+1.
+The blocks a helper read travel by that permute from its devices to its buddy's (same
+rank by id) and are ORed in before the sum or reshard (`broadcast`): a part read by both
 processes is the same bits either way, so a race between them changes nothing.
 """
 
@@ -92,7 +97,7 @@ class Relief:
         self._since = time.monotonic()  # when this process began on the group to settle next
         self._board = _multihost.Agreement("relief", _TIMEOUT_S, what="restore")
         self._closing = threading.Event()
-        self._watching = 0
+        self._watching = (0, "")  # the group and key the watcher waits on
         self._watcher = threading.Thread(target=self._watch, name="zarrckpt-relief", daemon=True)
         if any(self._mine):
             self._watcher.start()
@@ -131,31 +136,30 @@ class Relief:
         g = self._settled
         me, buddy, board = self._me, self._buddy, self._board
         read: dict[str, list[tuple[Region, np.ndarray, list[jax.Device]]]] | None = None
-        # If the buddy took this process's part over, its blocks come with the routes below.
-        own = not self._mine[g] or board.claim(f"fate/{g}/{me}", "own") == "own"
-        if own and self._mine[g]:
-            board.post(f"covered/{g}/{me}", "own")  # wakes this process's watcher
-        if own and buddy is not None and self._theirs[g]:
+        if self._mine[g]:
+            # Left as it is if the buddy took this part over: its blocks come with the routes.
+            board.offer(f"fate/{g}/{me}", "own")
+        if buddy is not None and self._theirs[g]:
+            # A buddy that helped this process set its own fate first: it is not late.
             patience = max(_PATIENCE_FLOOR_S, _PATIENCE * (time.monotonic() - self._since))
-            if board.look(f"fate/{g}/{buddy}", patience) is None and \
-                    board.claim(f"fate/{g}/{buddy}", f"by {me}") == f"by {me}":
+            if board.look(f"fate/{g}/{buddy}", patience) is None and board.claim(f"fate/{g}/{buddy}", f"by {me}"):
                 read = self._read_for(buddy, g, patience)
                 board.post(f"covered/{g}/{buddy}", f"by {me}" if read is not None else "failed")
         self._settled += 1
         try:
-            board.check(f"settled/{g}", lambda: None)
+            notes = board.meet(f"settled/{g}", f"helped {buddy}" if read is not None else None)
         except Exception:
             self._told = True  # another process's failure: it met this barrier to report it
             raise
         self._since = time.monotonic()
-        helpers = {int(p): int(v.split()[1]) for p, v in board.listing(f"fate/{g}").items() if v.startswith("by ")}
-        if not helpers:
+        if not notes:
             return group
+        # Every buddy pair's permute, whoever helped whom: one program per group of leaves
+        # for any relief (each other set of pairs would compile one of its own).
         out = []
         for request in group:
-            route = tuple(pair for helped, helper in sorted(helpers.items())
-                          for pair in (_route(request, helper, helped) or ()))
-            if not route:
+            route = _swaps(request)
+            if route is None:
                 out.append(request)
                 continue
             done[request.stored.name] = (done[request.stored.name], _blocks(request, route, (read or {}).get(
@@ -200,17 +204,19 @@ class Relief:
         read, as soon as the buddy posts it (`covered`)."""
         try:
             for g, names in enumerate(self._mine):
-                if not names:
-                    continue
-                self._watching = g
-                while not self._closing.is_set():
-                    value = self._board.look(f"covered/{g}/{self._me}", _WATCH_S)
-                    if value is not None:
-                        if value.startswith("by "):
-                            self._covered[g].set()
-                        break
+                if names and (self._until(f"fate/{g}/{self._me}", g) or "").startswith("by ") and \
+                        (self._until(f"covered/{g}/{self._me}", g) or "").startswith("by "):
+                    self._covered[g].set()
         except Exception as e:  # the coordination service is gone: nothing is given up, reads go on
             log.debug("restore of %s: watching for relief stopped: %r", self._ckpt.url, e)
+
+    def _until(self, key: str, g: int) -> str | None:
+        """What `key` of group `g` is set to, waiting for it; None once closing."""
+        self._watching = (g, key)
+        while not self._closing.is_set():
+            if (value := self._board.look(key, _WATCH_S)) is not None:
+                return value
+        return None
 
     def close(self, error: BaseException | None = None) -> None:
         """Ends the watcher (waking it if it waits) and counts this process out of the board.
@@ -221,39 +227,53 @@ class Relief:
         if isinstance(error, Exception) and not self._told and self._settled < len(self._mine):
             try:
                 # The buddy must not wait for this process's part, nor read it for it.
-                self._board.claim(f"fate/{self._settled}/{self._me}", "failed")
-                self._board.check(f"settled/{self._settled}", functools.partial(_reraise, error))
+                self._board.offer(f"fate/{self._settled}/{self._me}", "failed")
+                self._board.meet(f"settled/{self._settled}", error=error)
             except Exception:
                 pass  # raised on every other process; here the caller raises `error` itself
-        while self._watcher.is_alive():  # a restore that failed: its watcher may wait on any group
+        while self._watcher.is_alive():  # a restore that failed: its watcher may wait on any key
             try:
-                self._board.post(f"covered/{self._watching}/{self._me}", "closed")
+                self._board.post(self._watching[1], "closed")
             except Exception:
                 break  # the service is gone: the watcher's read ends by itself, and it is a daemon
             self._watcher.join(0.1)
         self._board.close()
 
 
-def _reraise(error: BaseException) -> None:
-    raise error
+def _swaps(request: Request) -> tuple[tuple[int, int], ...] | None:
+    """The permute between every two buddies' devices, both ways, for `request`'s blocks;
+    None where its blocks cannot be moved so (see `_routable`)."""
+    if not _routable(request):
+        return None
+    return _swap(request.form.sharding.mesh) or None  # type: ignore[attr-defined]  # a sharded form
+
+
+@functools.lru_cache(maxsize=64)
+def _swap(mesh: jax.sharding.Mesh) -> tuple[tuple[int, int], ...]:
+    processes = {device.process_index for device in mesh.devices.flat}
+    return tuple(pair for p in sorted(processes) if p ^ 1 in processes for pair in (_pairs(mesh, p, p ^ 1) or ()))
+
+
+def _routable(request: Request) -> bool:
+    """Whether `request`'s blocks can be read by one process for another and moved to
+    it: a shared leaf not already routed (the local tier), read by a sharded form whose
+    blocks all have one shape."""
+    form, share = request.form, request.share
+    return (share is not None and not share.routes and type(form) in (Sharded, ShardedByReaders, OneReader)
+            and _peers.movable(form.sharding, request.stored.shape))  # type: ignore[attr-defined]
 
 
 def _route(request: Request, helper: int | None, helped: int | None) -> tuple[tuple[int, int], ...] | None:
     """The permute from `helper`'s devices to `helped`'s (same rank by id, as mesh
     positions) that carries `helped`'s part of `request`, or None when `helper` cannot
-    read it for `helped`: the leaf is not shared, or already routed (the local tier), or
-    its blocks differ in shape, or the two processes' devices in its mesh differ in
-    number, or `helped` reads none of it."""
-    form, share = request.form, request.share
-    if helper is None or helped is None or share is None or share.routes or type(form) not in (
-            Sharded, ShardedByReaders, OneReader):
+    read it for `helped`: not `_routable`, or the two processes' devices in its mesh
+    differ in number, or `helped` reads none of it."""
+    if helper is None or helped is None or not _routable(request):
         return None
-    sharding = form.sharding  # type: ignore[attr-defined]  # the sharded forms above
-    if not _peers.movable(sharding, request.stored.shape):
-        return None
+    form = request.form
     if isinstance(form, OneReader) and not any(device.process_index == helped for _, device in form.readers):
         return None  # else `helped` has devices in the mesh, so a part of the staged slices to read
-    return _pairs(sharding.mesh, helper, helped)
+    return _pairs(form.sharding.mesh, helper, helped)  # type: ignore[attr-defined]  # a sharded form
 
 
 @functools.lru_cache(maxsize=64)
