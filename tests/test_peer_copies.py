@@ -170,22 +170,28 @@ def test_one_process_has_no_peer(tmp_path: Path, caplog: pytest.LogCaptureFixtur
         assert (step, mgr.restored_tier, state["step"]) == (1, "local", 1)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64", "bool", "int8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64", "bool", "int8", "complex64",
+                                   "int4", "float4_e2m1fn"])
 def test_blocks_moved_to_a_peer_keep_every_bit(dtype: str) -> None:
     """A peer copy's blocks cross the device network by a permute: -0.0 and NaN payloads
-    arrive as they left (a permute of bf16 on CPU devices once made every NaN canonical)."""
+    arrive as they left (a permute of bf16 on CPU devices once made every NaN canonical),
+    and dtypes that are no integers of their width (complex, 4-bit) move as they are."""
     mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
-    width = np.dtype(dtype if dtype != "bfloat16" else np.uint16).itemsize
-    raw = np.random.default_rng(0).integers(0, 256, (8, 4 * width), dtype=np.uint8)
-    values = raw.view(np.uint8 if dtype == "bool" else f"uint{width * 8}")
-    if dtype == "bool":
-        values = (values & 1).astype(bool)
-    elif dtype in ("bfloat16", "float16", "float32", "float64"):
-        top = np.array(1, values.dtype) << (width * 8 - 1)
-        values[:, 0] = top  # -0.0
-        values[:, 1] = ~top  # a NaN whose payload is all ones
-        values[:, 2] = ~top - 2  # another payload
-    host = values.view(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype) if dtype != "bool" else values
+    kind = np.dtype(getattr(ml_dtypes, dtype, dtype))
+    if kind.itemsize == 1 and kind.kind != "b" and dtype not in ("int8",):  # 4-bit: a value per byte
+        host = np.arange(8 * 4).reshape(8, 4).astype(kind)
+    else:
+        width = kind.itemsize
+        raw = np.random.default_rng(0).integers(0, 256, (8, 4 * width), dtype=np.uint8)
+        values = raw.view(np.uint8 if dtype == "bool" else f"uint{width * 8}")
+        if dtype == "bool":
+            values = (values & 1).astype(bool)
+        elif kind.kind in "fc":
+            top = np.array(1, values.dtype) << (width * 8 - 1)
+            values[:, 0] = top  # -0.0
+            values[:, 1] = ~top  # a NaN whose payload is all ones (for complex: in one part)
+            values[:, 2] = ~top - 2  # another payload
+        host = values if dtype == "bool" else values.view(kind)
     with jax.enable_x64(dtype == "float64"):
         array = jax.device_put(host, NamedSharding(mesh, P("x")))
         moved = _peers.move(array, tuple((i, (i + 1) % 8) for i in range(8)))

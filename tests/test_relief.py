@@ -31,6 +31,16 @@ def test_a_relieved_process_whose_stuck_reads_hold_its_byte_budget_moves_on(save
     assert fast["relieved"] > 0 and slow["given_up"] > 0, (fast, slow)
 
 
+def test_a_leaf_no_process_can_read_for_another_is_shared_as_always_beside_relieved_ones(saved):
+    """A complex leaf (two floats, no integers of its width to OR) in the same group as
+    relieved leaves: its reads on the slow process are waited for (and, first in the
+    tree's order, outlast the others'), the others' are read by the fast process too,
+    and every leaf is exact on both processes."""
+    fast, slow = multiprocess.run("mp_relief", "restore", saved, "slow", timeout=120)
+    assert fast["checked"] == slow["checked"] == 7 * 4, (fast, slow)
+    assert fast["relieved"] > 0, fast
+
+
 def test_a_failed_spare_read_leaves_the_slow_process_to_read_its_own_part(saved):
     fast, slow = multiprocess.run("mp_relief", "restore", saved, "spare-fails")
     assert fast["checked"] == slow["checked"] == 6 * 4, (fast, slow)

@@ -285,7 +285,7 @@ class Operation:
         is dropped, and leaving the operation does not wait for it. An item for which
         `abandon` is true before it starts never starts, and takes no bytes: a window
         whose budget is held by items given up still moves past the items it no
-        longer needs.
+        longer needs (`admit` still runs for them).
         """
         self._watch(budget)
         pending: collections.deque[tuple[_T, concurrent.futures.Future[_R], Hold]] = collections.deque()
@@ -298,7 +298,9 @@ class Operation:
                         yield self._settle(pending.popleft(), abandon)
                     elif abandon is not None and abandon(item):
                         break
-                if hold is None:  # given up before it started
+                if hold is None:  # given up before it started (admitted all the same: see `admit`)
+                    if admit is not None:
+                        admit(item)
                     pending.append((item, _finished(ABANDONED), Hold(None, 0)))
                     continue
                 if admit is not None:

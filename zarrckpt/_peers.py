@@ -130,15 +130,25 @@ def _permute(sharding: jax.sharding.NamedSharding, route: Pairs) -> Any:
     mesh, spec = sharding.mesh, sharding.spec
 
     def send(block: jax.Array) -> jax.Array:
+        if not as_bits(block.dtype):  # moved as they are (no NaN payload to lose: see `as_bits`)
+            return jax.lax.ppermute(block, mesh.axis_names, route)
         return from_bits(jax.lax.ppermute(bits(block), mesh.axis_names, route), block.dtype)
 
     # check_vma off: a block replicated along an axis is sent along it all the same.
     return jax.jit(jax.shard_map(send, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
 
+def as_bits(dtype: Any) -> bool:
+    """Whether values of `dtype` can be taken as unsigned integers of their width
+    (`bits`): not complex (two floats), not narrower than a byte (int4, float4)."""
+    dtype = np.dtype(dtype)
+    return dtype.kind != "c" and (dtype == np.bool_ or jax.dtypes.itemsize_bits(dtype) == 8 * dtype.itemsize)
+
+
 def bits(x: jax.Array) -> jax.Array:
-    """`x` as unsigned integers of its width (bool: uint8), to move or sum exactly: a
-    permute of bf16 on CPU devices turns a NaN's payload into the canonical NaN."""
+    """`x` (of a dtype `as_bits` accepts) as unsigned integers of its width (bool:
+    uint8), to move, or or, or sum exactly: a permute of bf16 on CPU devices turns a
+    NaN's payload into the canonical NaN."""
     unsigned = np.dtype(f"uint{x.dtype.itemsize * 8}")
     return x.astype(unsigned) if x.dtype == np.bool_ else jax.lax.bitcast_convert_type(x, unsigned)
 

@@ -13,12 +13,18 @@ chunk reads are held.
                              has failed (process 0 fails it on purpose), then reads on
         denied               each fails at once (permission denied): the restore fails
                              on both processes, and process 0 says why
+        slow                 each takes 8 s; the state restored includes a complex leaf,
+                             which no process reads for another (it is no integers of
+                             its width): shared as always, beside the relieved ones
+The other ways restore every leaf but the complex one, whose held reads nobody else
+could make.
 """
 
 from __future__ import annotations
 
 import re
 import threading
+import time
 
 from common import expected, init, report
 
@@ -31,11 +37,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import zarrckpt  # noqa: E402
 from zarrckpt import _stats, _storage  # noqa: E402
 
-# Staged: cut over the 8 devices at chunk boundaries (then resharded onto every device);
+# Staged (staged, half, cplx): cut over the 8 devices at chunk boundaries (then resharded
+# onto every device);
 # the small ones, one chunk each, are read by one process (s4-s6 by process 1: the turn
 # starts at the crc32 of the name) and summed over the replicas.
-SHAPES = {"staged": (64, 128), "half": (64, 16), "s0": (5, 5), "s4": (10, 3), "s5": (7,), "s6": (3, 3)}
-DTYPES = {"half": "bfloat16", "s6": "bfloat16"}
+SHAPES = {"staged": (64, 128), "half": (64, 16), "s0": (5, 5), "s4": (10, 3), "s5": (7,), "s6": (3, 3),
+          "cplx": (64, 8)}
+DTYPES = {"half": "bfloat16", "s6": "bfloat16", "cplx": "complex64"}
 CHUNK = re.compile(r"/c[./]\d")
 SIGNAL = "zarrckpt-test/spare-failed"  # process 0 sets it when its read for process 1 fails
 
@@ -56,7 +64,8 @@ def state() -> dict:
 
 
 def save(directory: str) -> None:
-    zarrckpt.save_checkpoint(directory, 1, state(), timeout_s=60)
+    # Chunks of one shard each (no merging of small shards): the sharded leaves are staged.
+    zarrckpt.save_checkpoint(directory, 1, state(), timeout_s=60, min_chunk_bytes=1)
     report(saved=True)
 
 
@@ -73,6 +82,8 @@ def hold_reads(hold: str, released: threading.Event) -> None:
         if jax.process_index() == 1 and hold == "stuck":
             released.wait(120)
             raise OSError(f"held read of {key} let go after the restore")
+        if jax.process_index() == 1 and hold == "slow":
+            time.sleep(8)
         if jax.process_index() == 1 and hold == "denied":
             raise PermissionError(f"reading {key} denied on purpose")
         if jax.process_index() == 1 and hold == "spare-fails":
@@ -97,16 +108,19 @@ def restore(directory: str, hold: str, max_inflight_bytes: str = str(2**31)) -> 
     released = threading.Event()
     hold_reads(hold, released)
     _stats.reset()
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
-        Mesh(np.array(jax.devices()), ("x",)), P())), state())
+    names = [name for name in SHAPES if name != "cplx" or hold == "slow"]
+    replicated = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P())
+    target = {name: jax.ShapeDtypeStruct(SHAPES[name], np.dtype(values(name).dtype), sharding=replicated)
+              for name in names}
     try:
-        restored = zarrckpt.load_checkpoint(directory, 1, target, max_inflight_bytes=int(max_inflight_bytes))
+        restored = zarrckpt.load_checkpoint(directory, 1, target, max_inflight_bytes=int(max_inflight_bytes),
+                                            partial=True)
     except Exception as e:
         report(error_type=type(e).__name__, error=str(e))
         return
     released.set()
     checked = 0
-    for name in SHAPES:  # every addressable shard, bit for bit
+    for name in names:  # every addressable shard, bit for bit
         for shard in restored[name].addressable_shards:
             assert np.asarray(shard.data).tobytes() == values(name)[shard.index].tobytes(), (name, shard.index)
             checked += 1

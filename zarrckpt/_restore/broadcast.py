@@ -41,31 +41,35 @@ def _program(shares: tuple[Share, ...]) -> Callable[..., Any]:
 
 
 def _shared(x: jax.Array | tuple[jax.Array, ...], share: Share) -> jax.Array:
-    """Inside the program: one leaf as its target holds it."""
-    if not share.summed and not share.routes:
-        return x  # type: ignore[return-value]  # out_shardings reshards it
+    """Inside the program: one leaf as its target holds it.
+
+    Moved, summed and resharded as unsigned integers of its width wherever its dtype
+    allows (`_peers.bits`): sums and ors with zeros are then exact, and -0.0 and NaN
+    payloads survive, which a reshard or permute of bf16 on CPU devices does not."""
     staged = x if isinstance(x, tuple) else (x,)
     dtype = staged[0].dtype
+    if not _peers.as_bits(dtype):  # complex, 4-bit: never summed nor routed (`plan.summable`, `relief`)
+        assert not share.summed and not share.routes, (dtype, share)
+        return staged[0]  # out_shardings reshards it
     same = np.dtype(f"uint{dtype.itemsize * 8}")
     wide = np.dtype(np.int64) if dtype.itemsize == 8 else np.dtype(np.int32)
     axes = tuple(_plan.replica_axes(share.sharding))
-    # Routes meet the blocks where they were read: the staged slices, when staged (the
-    # program's out_shardings then reshard them onto the target).
+    # Routes meet the blocks where they were read: the staged slices, when staged.
     mesh, spec = share.sharding.mesh, (share.staging or share.sharding).spec
 
     def total(block: jax.Array, *moved: jax.Array) -> jax.Array:
-        # Sums and ors with zeros are exact on the bits (as integers): -0.0 and NaN
-        # payloads survive. Each part is read once: the others hold zeros there.
+        # Each part is read once (or, relieved, twice the same): the others hold zeros there.
         bits = _peers.bits(block)
         for blocks, route in zip(moved, share.routes):
             bits = bits | jax.lax.ppermute(_peers.bits(blocks), mesh.axis_names, route)  # peers' reads, placed
         if share.summed:
             bits = jax.lax.convert_element_type(jax.lax.psum(jax.lax.convert_element_type(bits, wide), axes), same)
-        return _peers.from_bits(bits, block.dtype)
+        return bits
 
     # check_vma off: blocks replicated along an axis are sent along it all the same.
-    return jax.shard_map(total, mesh=mesh, in_specs=(spec,) * len(staged), out_specs=spec,
+    bits = jax.shard_map(total, mesh=mesh, in_specs=(spec,) * len(staged), out_specs=spec,
                          check_vma=not share.routes)(*staged)
+    return _peers.from_bits(jax.lax.with_sharding_constraint(bits, share.sharding), dtype)
 
 
 def groups(requests: list[Request], max_bytes: int) -> list[list[Request]]:

@@ -84,11 +84,15 @@ def load_pytree(
         serves each byte once, not once per host. Leaves
         wait on the devices, staged, until shared in groups of about
         `max_inflight_bytes` (one leaf more at most): that is the extra device memory
-        it costs. A process still reading its part of a group after half as long
-        again as its buddy (processes 2k and 2k+1) took for its own is relieved: the
-        buddy reads that part too and sends it over the device network, and the slow
-        process gives its own reads of it up (a group so helped costs its staged
-        size again in device memory, and the buddy's host memory for the part).
+        it costs. A process still reading its part of a group half as long again
+        after its buddy (processes 2k and 2k+1) read its own part as the buddy took
+        is relieved: the buddy reads that part too and sends it over the device
+        network, and the slow process gives its own reads of it up. That holds for
+        leaves on a NamedSharding with blocks of one shape and a dtype of integers of
+        its width (not complex, not 4-bit), between buddies with as many devices in
+        the mesh, where the buddy read a part of the group itself. A group in which
+        any process was relieved costs every process its staged size again in device
+        memory, and the helper host memory for the part it read.
         Off: every process reads all it needs itself.
       max_inflight_bytes: bound on host bytes read and not yet placed on devices.
       max_workers: concurrent reads (default: one per core, 8 to 32, on a local disk;
@@ -228,10 +232,15 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[Request], options: LoadOp
 
     abandon = None if relief is None else lambda read: relief.covered(read.request)
 
+    def admit(read: _Read) -> None:
+        donate(read)
+        if relief is not None:
+            relief.began(read.request)
+
     try:
         share_ready()
         with _concurrency.Operation(options.max_workers or ckpt.loc.concurrency, "read") as op:
-            for read, result, hold in op.window(reads, fetch, budget=budget, nbytes=lambda r: r.nbytes, admit=donate,
+            for read, result, hold in op.window(reads, fetch, budget=budget, nbytes=lambda r: r.nbytes, admit=admit,
                                                 abandon=abandon):
                 hold.release()  # the pieces are on their devices, or small
                 if result is _concurrency.ABANDONED:
@@ -240,6 +249,8 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[Request], options: LoadOp
                 pieces += result
                 if read.last:
                     request = read.request
+                    if relief is not None:
+                        relief.ended(request)
                     done[request.stored.name] = request.form.build(request.stored, pieces)
                     advance(request.nbytes)
                     pieces = []

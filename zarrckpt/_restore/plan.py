@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from .. import _peers
 from .._regions import (
     HostOf,
     Region,
@@ -125,5 +126,6 @@ def staging_sharding(target: jax.sharding.NamedSharding, shape: tuple[int, ...],
 
 
 def summable(dtype: np.dtype) -> bool:
-    """Whether a sum over replicas can carry this dtype's bits exactly (as integers)."""
-    return dtype.kind != "c" and dtype.itemsize in (1, 2, 4, 8)
+    """Whether a sum over replicas can carry this dtype's bits exactly (as integers of
+    its width: not complex, not narrower than a byte)."""
+    return _peers.as_bits(dtype)

@@ -9,11 +9,12 @@ what it waits for is in flight.
 Per group of leaves shared together (`broadcast.groups`, the same on every process),
 on a board in the coordination service (`_multihost.Agreement`):
   fate/G/P     set once, by whoever is first: "own" by P when it has read its part;
-               "by H" by P's buddy H, when P is still not done after half as long
-               again as H took over the group (`_PATIENCE`, at least
-               `_PATIENCE_FLOOR_S`; from H's settling of the group before; H read a
-               part of it, or it has no measure and never helps), before H reads
-               P's part; "failed" by P when its reads failed (H neither waits nor reads)
+               "by H" by P's buddy H, when P is still not done half as long again
+               after H's last read of the group came in as H took from its first
+               read's start (`_PATIENCE`, at least `_PATIENCE_FLOOR_S`; a process that
+               read no part of the group has no measure and never helps), before H
+               reads P's part; "failed" by P when its reads failed (H neither waits
+               nor reads)
   covered/G/P  after "by H": H's reads of P's part are in ("by H"), or failed
                ("failed": P reads on). P's watcher thread waits on these two keys.
   settled/G    a barrier, after which no fate changes; a helper whose reads came in
@@ -49,6 +50,7 @@ from .. import _concurrency, _multihost, _peers, _stats
 from .._format import dtypes as _dtypes
 from .._options import LoadOptions
 from .._regions import Region, region_of, region_shape, relative
+from ..errors import CheckpointError
 from . import checkpoint as _reader
 from .match import OneReader, Request, Sharded, ShardedByReaders, cut
 
@@ -94,13 +96,27 @@ class Relief:
         self._covered = [threading.Event() for _ in groups]
         self._settled = 0  # groups whose barrier this process has met
         self._told = False
-        self._since = time.monotonic()  # when this process began on the group to settle next
+        # When this process's first read of each group started, and its last came in.
+        self._began: dict[int, float] = {}
+        self._ended: dict[int, float] = {}
         self._board = _multihost.Agreement("relief", _TIMEOUT_S, what="restore")
         self._closing = threading.Event()
         self._watching = (0, "")  # the group and key the watcher waits on
         self._watcher = threading.Thread(target=self._watch, name="zarrckpt-relief", daemon=True)
         if any(self._mine):
             self._watcher.start()
+
+    def began(self, request: Request) -> None:
+        """A read of `request` by this process starts (or is given up before it starts)."""
+        g = self._group.get(request.stored.name)
+        if g is not None:
+            self._began.setdefault(g, time.monotonic())
+
+    def ended(self, request: Request) -> None:
+        """This process's last read of `request` is in (or given up)."""
+        g = self._group.get(request.stored.name)
+        if g is not None:
+            self._ended[g] = time.monotonic()
 
     def covered(self, request: Request) -> bool:
         """Whether the buddy has read this process's part of `request` for it."""
@@ -141,17 +157,18 @@ class Relief:
             board.offer(f"fate/{g}/{me}", "own")
         if buddy is not None and self._theirs[g]:
             # A buddy that helped this process set its own fate first: it is not late.
-            patience = max(_PATIENCE_FLOOR_S, _PATIENCE * (time.monotonic() - self._since))
+            now = time.monotonic()
+            began, ended = self._began.get(g, now), self._ended.get(g, now)
+            patience = max(_PATIENCE_FLOOR_S, ended + _PATIENCE * (ended - began) - now)
             if board.look(f"fate/{g}/{buddy}", patience) is None and board.claim(f"fate/{g}/{buddy}", f"by {me}"):
                 read = self._read_for(buddy, g, patience)
                 board.post(f"covered/{g}/{buddy}", f"by {me}" if read is not None else "failed")
         self._settled += 1
         try:
             notes = board.meet(f"settled/{g}", f"helped {buddy}" if read is not None else None)
-        except Exception:
-            self._told = True  # another process's failure: it met this barrier to report it
+        except CheckpointError:
+            self._told = True  # another process's failure (or a timeout): nobody waits for this one's
             raise
-        self._since = time.monotonic()
         if not notes:
             return group
         # Every buddy pair's permute, whoever helped whom: one program per group of leaves
@@ -257,9 +274,10 @@ def _swap(mesh: jax.sharding.Mesh) -> tuple[tuple[int, int], ...]:
 def _routable(request: Request) -> bool:
     """Whether `request`'s blocks can be read by one process for another and moved to
     it: a shared leaf not already routed (the local tier), read by a sharded form whose
-    blocks all have one shape."""
+    blocks all have one shape, of a dtype whose blocks can be ORed as integers."""
     form, share = request.form, request.share
     return (share is not None and not share.routes and type(form) in (Sharded, ShardedByReaders, OneReader)
+            and _peers.as_bits(form.dtype)
             and _peers.movable(form.sharding, request.stored.shape))  # type: ignore[attr-defined]
 
 
