@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 log = logging.getLogger("zarrckpt")
@@ -143,6 +144,14 @@ def as_bits(dtype: Any) -> bool:
     (`bits`): not complex (two floats), not narrower than a byte (int4, float4)."""
     dtype = np.dtype(dtype)
     return dtype.kind != "c" and (dtype == np.bool_ or jax.dtypes.itemsize_bits(dtype) == 8 * dtype.itemsize)
+
+
+def carried_exactly(dtype: Any, mesh: Any) -> bool:
+    """Whether XLA's own collectives between `mesh`'s devices keep every bit of `dtype`:
+    all but bf16 on CPU devices, whose collectives turn a NaN's payload into the
+    canonical NaN (those go as `bits`)."""
+    return not (np.dtype(dtype) == np.dtype(jnp.bfloat16)
+                and any(device.platform == "cpu" for device in mesh.devices.flat))
 
 
 def bits(x: jax.Array) -> jax.Array:

@@ -43,14 +43,17 @@ def _program(shares: tuple[Share, ...]) -> Callable[..., Any]:
 def _shared(x: jax.Array | tuple[jax.Array, ...], share: Share) -> jax.Array:
     """Inside the program: one leaf as its target holds it.
 
-    Moved, summed and resharded as unsigned integers of its width wherever its dtype
-    allows (`_peers.bits`): sums and ors with zeros are then exact, and -0.0 and NaN
-    payloads survive, which a reshard or permute of bf16 on CPU devices does not."""
+    Summed, ORed and permuted as unsigned integers of its width (`_peers.bits`): sums
+    and ors with zeros are then exact, -0.0 and NaN payloads survive. Resharded by XLA
+    as it is where that keeps every bit (`_peers.carried_exactly`), else as integers too,
+    through a program of its own that XLA cannot fold back (slower: about 1.7x on CPU)."""
     staged = x if isinstance(x, tuple) else (x,)
     dtype = staged[0].dtype
-    if not _peers.as_bits(dtype):  # complex, 4-bit: never summed nor routed (`plan.summable`, `relief`)
-        assert not share.summed and not share.routes, (dtype, share)
-        return staged[0]  # out_shardings reshards it
+    if not share.summed and not share.routes and (
+            not _peers.as_bits(dtype) or _peers.carried_exactly(dtype, share.sharding.mesh)):
+        return staged[0]  # out_shardings reshards it (XLA's own reshard: the fastest)
+    # Complex and 4-bit leaves are never summed nor routed (`plan.summable`, `relief`).
+    assert _peers.as_bits(dtype), (dtype, share)
     same = np.dtype(f"uint{dtype.itemsize * 8}")
     wide = np.dtype(np.int64) if dtype.itemsize == 8 else np.dtype(np.int32)
     axes = tuple(_plan.replica_axes(share.sharding))
@@ -67,9 +70,11 @@ def _shared(x: jax.Array | tuple[jax.Array, ...], share: Share) -> jax.Array:
         return bits
 
     # check_vma off: blocks replicated along an axis are sent along it all the same.
-    bits = jax.shard_map(total, mesh=mesh, in_specs=(spec,) * len(staged), out_specs=spec,
+    exact = share.summed or _peers.carried_exactly(dtype, mesh)  # nothing left to move, or XLA may
+    bits = jax.shard_map(lambda *blocks: _peers.from_bits(total(*blocks), dtype) if exact else total(*blocks),
+                         mesh=mesh, in_specs=(spec,) * len(staged), out_specs=spec,
                          check_vma=not share.routes)(*staged)
-    return _peers.from_bits(jax.lax.with_sharding_constraint(bits, share.sharding), dtype)
+    return bits if exact else _peers.from_bits(jax.lax.with_sharding_constraint(bits, share.sharding), dtype)
 
 
 def groups(requests: list[Request], max_bytes: int) -> list[list[Request]]:
