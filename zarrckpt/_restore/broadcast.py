@@ -70,11 +70,11 @@ def _shared(x: jax.Array | tuple[jax.Array, ...], share: Share) -> jax.Array:
         return bits
 
     # check_vma off: blocks replicated along an axis are sent along it all the same.
-    exact = share.summed or _peers.carried_exactly(dtype, mesh)  # nothing left to move, or XLA may
-    bits = jax.shard_map(lambda *blocks: _peers.from_bits(total(*blocks), dtype) if exact else total(*blocks),
-                         mesh=mesh, in_specs=(spec,) * len(staged), out_specs=spec,
+    bits = jax.shard_map(total, mesh=mesh, in_specs=(spec,) * len(staged), out_specs=spec,
                          check_vma=not share.routes)(*staged)
-    return bits if exact else _peers.from_bits(jax.lax.with_sharding_constraint(bits, share.sharding), dtype)
+    if not share.summed and not _peers.carried_exactly(dtype, mesh):
+        bits = jax.lax.with_sharding_constraint(bits, share.sharding)  # resharded as integers, not by out_shardings
+    return _peers.from_bits(bits, dtype)
 
 
 def groups(requests: list[Request], max_bytes: int) -> list[list[Request]]:

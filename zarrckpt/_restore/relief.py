@@ -101,7 +101,7 @@ class Relief:
         self._ended: dict[int, float] = {}
         self._board = _multihost.Agreement("relief", _TIMEOUT_S, what="restore")
         self._closing = threading.Event()
-        self._watching = (0, "")  # the group and key the watcher waits on
+        self._watching = ""  # the key the watcher waits on
         self._watcher = threading.Thread(target=self._watch, name="zarrckpt-relief", daemon=True)
         if any(self._mine):
             self._watcher.start()
@@ -221,15 +221,15 @@ class Relief:
         read, as soon as the buddy posts it (`covered`)."""
         try:
             for g, names in enumerate(self._mine):
-                if names and (self._until(f"fate/{g}/{self._me}", g) or "").startswith("by ") and \
-                        (self._until(f"covered/{g}/{self._me}", g) or "").startswith("by "):
+                if names and (self._until(f"fate/{g}/{self._me}") or "").startswith("by ") and \
+                        (self._until(f"covered/{g}/{self._me}") or "").startswith("by "):
                     self._covered[g].set()
         except Exception as e:  # the coordination service is gone: nothing is given up, reads go on
             log.debug("restore of %s: watching for relief stopped: %r", self._ckpt.url, e)
 
-    def _until(self, key: str, g: int) -> str | None:
-        """What `key` of group `g` is set to, waiting for it; None once closing."""
-        self._watching = (g, key)
+    def _until(self, key: str) -> str | None:
+        """What `key` is set to, waiting for it; None once closing."""
+        self._watching = key
         while not self._closing.is_set():
             if (value := self._board.look(key, _WATCH_S)) is not None:
                 return value
@@ -250,7 +250,7 @@ class Relief:
                 pass  # raised on every other process; here the caller raises `error` itself
         while self._watcher.is_alive():  # a restore that failed: its watcher may wait on any key
             try:
-                self._board.post(self._watching[1], "closed")
+                self._board.post(self._watching, "closed")
             except Exception:
                 break  # the service is gone: the watcher's read ends by itself, and it is a daemon
             self._watcher.join(0.1)
