@@ -91,7 +91,10 @@ def synced_before(events: list[tuple[str, str]], end: int, path: str) -> bool:
                for what, where in events[last + 1:end])
 
 
-def test_a_commit_is_on_stable_storage_before_its_marker(tmp_path, events):
+@pytest.mark.parametrize("kept", ["as many directories as are written", "one directory"])
+def test_a_commit_is_on_stable_storage_before_its_marker(tmp_path, events, kept, monkeypatch):
+    if kept == "one directory":  # the others are opened and closed as each is written
+        monkeypatch.setattr(_local, "_KEPT_DIRECTORIES", 1)
     run = tmp_path / "run"
     state = {"w": np.arange(2**16, dtype=np.float32), "b": np.ones(8), "step": 1}
     with zarrckpt.CheckpointManager(str(run), keep_last=1) as mgr:

@@ -24,6 +24,7 @@ EMPTY_COMPONENT = "%"  # an empty-string key; "%" alone is never produced by esc
 MAX_NAME_LENGTH = 200  # file systems refuse path components over 255 bytes
 _HASHED_PREFIX_LENGTH = 160
 _UNESCAPED = re.compile(r"[A-Za-z0-9_\-]")
+_ALL_UNESCAPED = re.compile(r"[A-Za-z0-9_\-]+")
 _STEP_DIR = re.compile(r"[0-9]{10,}")
 # Every array name `leaf_name` can produce: escaped components joined by ".", or a
 # hashed long name (a prefix of one, "~", 32 hex digits). Never "/", never a leading
@@ -43,6 +44,8 @@ def escape_component(text: str) -> str:
     """
     if text == "":
         return EMPTY_COMPONENT
+    if _ALL_UNESCAPED.fullmatch(text):  # most names: one match, not one per character
+        return text
     return "".join(
         c if _UNESCAPED.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode("utf-8"))
         for c in text

@@ -20,11 +20,12 @@ class HostCopy:
     are read from: a part of a shard, a whole shard, or a whole array, which several
     chunks may share."""
 
-    __slots__ = ("array", "_shards")
+    __slots__ = ("array", "_shards", "_plain")
 
     def __init__(self, array: Any = None) -> None:
         self.array = array
         self._shards: dict[jax.Device, Any] | None = None
+        self._plain: bool | None = None  # whether its buffers can be viewed in place: asked once
 
     def view(self, device: jax.Device | None, take: Slices | None) -> np.ndarray:
         """`take` of the copy (of its shard on `device`, for a whole array), in place:
@@ -37,7 +38,9 @@ class HostCopy:
         if isinstance(data, jax.Array):
             data.block_until_ready()  # outside the lock: other writers' copies may be here already
         with _ASKING_JAX:
-            host = _in_place(data, self)
+            if self._plain is None:  # the array's shards share its memory kind, layout and dtype
+                self._plain = _plain(self.array)
+            host = _in_place(data, self) if self._plain else None
         # A copy out, where a view cannot be had, outside the lock: it may wait for a
         # device's transfer (the pageable path).
         host = np.asarray(data) if host is None else host
@@ -60,34 +63,41 @@ def shards_of(array: jax.Array) -> dict[jax.Device, jax.Array]:
 _ASKING_JAX = threading.Lock()
 
 
+def _plain(array: Any) -> bool:
+    """Whether the buffers of `array` (a jax.Array in host memory) are in numpy's bytes,
+    so that `_in_place` may view them: not a sub-byte type, packed, nor a tiled or
+    transposed layout (those are copied out with `np.asarray`, as is the pageable path's
+    copy: a numpy copy, or one on its way). The layout asked of an array is its shards'."""
+    if not _in_host_memory(array):
+        return False
+    try:
+        layout = array.format.layout  # type: ignore[attr-defined, unused-ignore]  # not in jax 0.10's stubs
+        return (jax.dtypes.itemsize_bits(array.dtype) >= 8 and not layout.tiling
+                and not layout.sub_byte_element_size_in_bits
+                and tuple(layout.major_to_minor) == tuple(range(array.ndim)))
+    except (AttributeError, NotImplementedError):  # a runtime that does not say: numpy's way
+        return False
+
+
 def _in_place(data: jax.Array, owner: HostCopy) -> np.ndarray | None:
-    """`data` (one device's array in host memory) as a read-only numpy view of its
-    buffer, which keeps `data` and `owner` alive for as long as the view (or any view
+    """`data` (one device's array in host memory, `_plain`) as a read-only numpy view of
+    its buffer, which keeps `data` and `owner` alive for as long as the view (or any view
     of it) is; None where it is to be copied out with `np.asarray`.
 
     Not `np.asarray(data)`: that view holds the buffer through the runtime's
     external-reference count, and on the GPU runtime (the PJRT C API, jax 0.11) a
     writer dropping the last copy of a pinned buffer aborted the process with such
     holds outstanding ("Non-zero type 1 hold on destruction"). Here nothing is held
-    but Python references. A buffer not in numpy's bytes (a sub-byte type, packed; a
-    tiled or transposed layout) is copied out instead, as is the pageable path's
-    (a numpy copy, or one on its way). Called with `_ASKING_JAX` held, once a
-    jax.Array is ready."""
-    if not _in_host_memory(data):
+    but Python references. Called with `_ASKING_JAX` held, once a jax.Array is ready."""
+    if data.size == 0:
         return None
     try:
-        layout = data.format.layout  # type: ignore[attr-defined, unused-ignore]  # not in jax 0.10's stubs
-        plain = (data.size > 0 and jax.dtypes.itemsize_bits(data.dtype) >= 8 and not layout.tiling
-                 and not layout.sub_byte_element_size_in_bits
-                 and tuple(layout.major_to_minor) == tuple(range(data.ndim)))
-        if plain:
-            address = data.unsafe_buffer_pointer()
+        address = data.unsafe_buffer_pointer()
     except (AttributeError, NotImplementedError):  # a runtime that does not say: numpy's way
-        plain = False
-    if not plain:
         return None
-    raw = np.asarray(_Buffer(address, data.nbytes, (data, owner)))
-    return raw.view(data.dtype).reshape(data.shape)
+    dtype = np.dtype(data.dtype)
+    raw = np.asarray(_Buffer(address, data.size * dtype.itemsize, (data, owner)))
+    return raw.view(dtype).reshape(data.shape)
 
 
 def _in_host_memory(data: Any) -> bool:

@@ -17,8 +17,9 @@ A durable write reaches stable storage before it returns, with every directory e
 leading to it: the file's data is synced (`fdatasync`) before it is closed, its
 directory after it is created or renamed into place (an atomic write: a temporary
 file renamed over the old one), and each directory it had to create, in its parent.
-Writes made together (`LocalDisk.together`: a save's chunks and array documents) open
-each directory once, and, where the platform offers it safely, are synced together:
+Writes made together (`LocalDisk.together`: a save's chunks and array documents) reach
+each directory from its parent, kept open, and, where the platform offers it safely,
+are synced together:
 one `syncfs` of the file system when they end, in place of a sync per file and per
 directory (see `Together`).
 """
@@ -450,23 +451,19 @@ def _copy_bytes(f: int, size: int, fd: int, name: str, path: str, *, exclusive: 
 
 
 def _write_file(fd: int, name: str, flags: int, parts: Sequence[object], path: str, *, durable: bool) -> None:
-    """Opens `name` in the directory `fd` with `flags` and writes `parts` into it, as they
-    are (no copy to join them); with `durable`, on stable storage before returning.
-
-    A file that is there already is emptied first, unless it has other hard links (a
-    chunk another step shares): then its name is unlinked and a new file made in its
-    place, so that no write ever changes the bytes another step holds."""
-    f = _open_below(fd, name, flags, path)
+    """Makes `name` in the directory `fd` and writes `parts` into it, as they are (no copy
+    to join them); with `durable`, on stable storage before returning. A file there
+    already is FileExistsError with `flags` of O_EXCL; else it is opened with `flags`
+    and emptied first, unless it has other hard links (a chunk another step shares):
+    then its name is unlinked and a new file made in its place, so that no write ever
+    changes the bytes another step holds."""
     try:
-        if not stat.S_ISREG((found := os.fstat(f)).st_mode):  # a planted FIFO or device: never written into
-            raise _not_regular(found.st_mode, path)
-        if found.st_nlink > 1:
-            os.close(f)
-            f = -1
-            os.unlink(name, dir_fd=fd)
-            f = _open_below(fd, name, _CREATE, path)
-        elif found.st_size:
-            os.ftruncate(f, 0)
+        f = _open_below(fd, name, _CREATE, path)  # most writes make a new file: nothing there to look at
+    except FileExistsError:
+        if flags & os.O_EXCL:
+            raise
+        f = _emptied(fd, name, _open_below(fd, name, flags, path), path)
+    try:
         for part in parts:
             view = memoryview(part).cast("B")  # type: ignore[arg-type]
             while view:
@@ -474,8 +471,28 @@ def _write_file(fd: int, name: str, flags: int, parts: Sequence[object], path: s
         if durable:
             os.fdatasync(f)
     finally:
+        os.close(f)
+
+
+def _emptied(fd: int, name: str, f: int, path: str) -> int:
+    """The file `f`, found at `name` in the directory `fd`, to be written from its start:
+    emptied, or, where other hard links share it (a chunk another step holds), a new
+    file made in its place. Never a special file. Closes `f` on failure."""
+    try:
+        if not stat.S_ISREG((found := os.fstat(f)).st_mode):  # a planted FIFO or device: never written into
+            raise _not_regular(found.st_mode, path)
+        if found.st_nlink > 1:
+            os.close(f)
+            f = -1
+            os.unlink(name, dir_fd=fd)
+            return _open_below(fd, name, _CREATE, path)
+        if found.st_size:
+            os.ftruncate(f, 0)
+        return f
+    except BaseException:
         if f >= 0:
             os.close(f)
+        raise
 
 
 def remove_file(root: str, key: str) -> None:
@@ -554,20 +571,20 @@ def exists(root: str, key: str) -> bool:
 
 class Together:
     """Writes made together below `root` (one save's chunks and array documents), for
-    `LocalDisk.together`: directories are opened once and kept open until they end (up
-    to a bound on descriptors); and where one sync of the whole file system is as safe
-    as a sync per file and per directory, what they write there is synced once, when
-    they end (`__exit__` returns only then), instead of as it is written.
+    `LocalDisk.together`: each directory is reached from its parent, and up to
+    `_KEPT_DIRECTORIES` are kept open until the writes end; and where one sync of the
+    whole file system is as safe as a sync per file and per directory, what they write
+    there is synced once, when they end (`__exit__` returns only then), instead of as it
+    is written.
 
     That holds for `syncfs` on Linux 5.17 and later, which fails with any writeback
     error of the file system since the descriptor it is given was opened (the first
     directory opened on it, kept open: opened before anything was written there) and
     with any error of the file system's own sync (its journal, log or transaction
     commit: before 5.17 those were not reported), on file systems whose sync commits
-    their metadata too (`_WHOLE_SYNCS`), and for the writes in the first
-    `_KEPT_DIRECTORIES` directories: past those, and elsewhere (NFS, FUSE, overlay, an
-    older kernel), each write syncs as it goes, as outside. What it costs: a `syncfs`
-    also waits for what other programs have left to write on that file system.
+    their metadata too (`_WHOLE_SYNCS`). Elsewhere (NFS, FUSE, overlay, an older kernel)
+    each write syncs as it goes, as outside. What it costs: a `syncfs` also waits for
+    what other programs have left to write on that file system.
 
     The descriptors are closed when the last call using one ends: a writer thread
     that outlives the block (its join cut short by a second Ctrl-C) never writes
@@ -611,9 +628,8 @@ class Together:
             if self._ended:
                 raise OSError(errno.EBADF, f"the writes made together below {self.root} have ended")
             self._users += 1
+            found = self._open.get(key)
         try:
-            with self._lock:
-                found = self._open.get(key)
             if found is not None:
                 yield found
                 return
@@ -626,10 +642,11 @@ class Together:
                     if device not in self._anchors and self._whole[device]:
                         self._anchors[device] = os.dup(fd)  # its sample of the file system's errors: taken now
                     found = self._open.get(key)  # another thread's, opened meanwhile
-                    if found is None and len(self._open) < _KEPT_DIRECTORIES:
-                        self._open[key] = found = (fd, device in self._anchors)
-                        fd = -1
-                yield found if found is not None else (fd, False)
+                    if found is None:
+                        found = (fd, device in self._anchors)
+                        if len(self._open) < _KEPT_DIRECTORIES:
+                            self._open[key], fd = found, -1
+                yield found
             finally:
                 if fd >= 0:
                     os.close(fd)
@@ -640,30 +657,30 @@ class Together:
                     self._close()
 
     def _opened(self, key: str, create: bool) -> int:
-        try:
-            return _open_directory(self.root, key, False, False)
-        except FileNotFoundError:
-            if not create:
-                raise
+        """Opens `root/key` below its parent (made if missing, with `create`), which is
+        reached the same way: one call per directory where its parent is kept open."""
         if not _parts(key):
-            return _open_root(self.root, True, True)
+            return _open_root(self.root, create, True)
         parent, name = _split(key)
-        with self.directory(parent) as (fd, deferred):
+        with self.directory(parent, create=create) as (fd, deferred):
+            path = os.path.join(self.root, key)
+            try:
+                return _open_below(fd, name, _DIRECTORY, path)
+            except FileNotFoundError:
+                if not create:
+                    raise
             with contextlib.suppress(FileExistsError):  # another thread's, made meanwhile
                 os.mkdir(name, dir_fd=fd)
             if not deferred:
                 os.fsync(fd)
-            return _open_below(fd, name, _DIRECTORY, os.path.join(self.root, key))
+            return _open_below(fd, name, _DIRECTORY, path)
 
 
 # A file at least this large is synced as it is made, even in writes made together.
 _SYNCED_AS_WRITTEN = 1 << 20
-# Directories a `Together` keeps open, whose writes wait for its one sync: at most a
-# quarter of the descriptors the process may have. Bounded for speed too: on the
-# development machine's ext4 a save of 10,000 small leaves (20,000 files) was 30%
-# slower with every file left to one syncfs than synced one by one, while a save of a
-# few hundred files was 20% faster with one.
-_KEPT_DIRECTORIES = max(16, min(256, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4))
+# Directories a `Together` keeps open: at most a quarter of the descriptors the process
+# may have.
+_KEPT_DIRECTORIES = max(16, min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4))
 # File systems whose `syncfs` writes out their data and commits their metadata
 # (journal, log, transaction), and reports both's errors from Linux 5.17 on.
 _WHOLE_SYNCS = frozenset({"ext4", "xfs", "btrfs", "tmpfs"})
