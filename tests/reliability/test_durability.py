@@ -154,3 +154,20 @@ def test_a_writer_left_running_past_the_end_of_writes_made_together_keeps_its_di
     thread.join(30)
     assert seen["a"] == str(tmp_path / "a")
     assert len(os.listdir("/proc/self/fd")) == opened
+
+
+def test_ext4_syncs_a_save_whole_only_with_its_journal(tmp_path):
+    """Without a journal ext4 keeps directory blocks and bitmaps in the block device's
+    cache, which `syncfs` writes out after its flush of the disk's cache: a save there
+    must sync file by file. The journal is told here by jbd2's own entry for the device,
+    not by what zarrckpt reads."""
+    device = os.stat(tmp_path).st_dev
+    try:
+        name = os.path.basename(os.readlink(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}"))
+        journals = os.listdir("/proc/fs/jbd2") if os.path.isdir("/proc/fs/jbd2") else []
+    except OSError:
+        pytest.skip("no /sys or /proc here to tell the file system's device")
+    if not os.path.isdir(f"/proc/fs/ext4/{name}") or _local._SYNCFS is None or _local._kernel() < (5, 17):
+        pytest.skip("the test directory is not on ext4, or this kernel never syncs a save whole")
+    journaled = any(entry.startswith(f"{name}-") for entry in journals)
+    assert _local._syncs_whole(device) == journaled

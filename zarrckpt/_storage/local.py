@@ -17,9 +17,9 @@ A durable write reaches stable storage before it returns, with every directory e
 leading to it: the file's data is synced (`fdatasync`) before it is closed, its
 directory after it is created or renamed into place (an atomic write: a temporary
 file renamed over the old one), and each directory it had to create, in its parent.
-Writes made together (`LocalDisk.together`: a save's chunks and array documents) reach
-each directory from its parent, kept open, and, where the platform offers it safely,
-are synced together:
+Writes made together (`LocalDisk.together`: a save's chunks and array documents) open
+each directory from its parent, keep most open, and, where the platform offers it
+safely, are synced together:
 one `syncfs` of the file system when they end, in place of a sync per file and per
 directory (see `Together`).
 """
@@ -582,8 +582,9 @@ class Together:
     directory opened on it, kept open: opened before anything was written there) and
     with any error of the file system's own sync (its journal, log or transaction
     commit: before 5.17 those were not reported), on file systems whose sync commits
-    their metadata too (`_WHOLE_SYNCS`). Elsewhere (NFS, FUSE, overlay, an older kernel)
-    each write syncs as it goes, as outside. What it costs: a `syncfs` also waits for
+    their metadata too (`_WHOLE_SYNCS`; ext4 with its journal only). Elsewhere (NFS,
+    FUSE, overlay, ext4 without a journal, an older kernel) each write syncs as it goes,
+    as outside. What it costs: a `syncfs` also waits for
     what other programs have left to write on that file system.
 
     The descriptors are closed when the last call using one ends: a writer thread
@@ -682,7 +683,8 @@ _SYNCED_AS_WRITTEN = 1 << 20
 # may have.
 _KEPT_DIRECTORIES = max(16, min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4))
 # File systems whose `syncfs` writes out their data and commits their metadata
-# (journal, log, transaction), and reports both's errors from Linux 5.17 on.
+# (journal, log, transaction), and reports both's errors from Linux 5.17 on: ext4 only
+# with its journal (`_has_journal`).
 _WHOLE_SYNCS = frozenset({"ext4", "xfs", "btrfs", "tmpfs"})
 
 
@@ -712,10 +714,25 @@ def _syncs_whole(device: int) -> bool:
             for line in mounts:
                 fields = line.split()
                 if fields[2] == wanted:
-                    return fields[fields.index("-") + 1] in _WHOLE_SYNCS
+                    kind = fields[fields.index("-") + 1]
+                    return kind in _WHOLE_SYNCS and (kind != "ext4" or _has_journal(device))
     except (OSError, ValueError, IndexError):
         pass
     return False
+
+
+def _has_journal(device: int) -> bool:
+    """Whether the ext4 file system on `device` has a journal (its mount then shows a
+    `data=` mode). Without one, ext4 keeps directory blocks and bitmaps in the block
+    device's cache, and `syncfs` flushes the disk's own cache before it writes those
+    out, so they may not be on stable storage when it returns; a sync of each file and
+    directory flushes after them."""
+    try:
+        name = os.path.basename(os.readlink(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}"))
+        with open(f"/proc/fs/ext4/{name}/options") as options:
+            return any(option.startswith("data=") for option in options.read().split())
+    except OSError:
+        return False
 
 
 def _syncfs(fd: int, root: str) -> None:
