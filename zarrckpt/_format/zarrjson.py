@@ -30,8 +30,8 @@ def array_document(shape: Sequence[int], codec: ChunkCodec,
     """The `zarr.json` of one leaf's array, whose chunks `codec` stores. Without
     `attributes`, arrays of the same shape and codec (whatever their names) share one
     document object, never to be changed: a model's many leaves of a few shapes then
-    hold a few documents, not one each (10,000 documents of 11 dicts and lists made a
-    save's objects pass Python's threshold for a full garbage collection)."""
+    hold a few documents, not one each (10,000 documents of 11 dicts and lists each were
+    most of the objects a save kept, which Python's full garbage collections scan)."""
     if attributes is None:
         return _shared_document(tuple(shape), dataclasses.replace(codec, array=""))
     return _document(shape, codec, attributes)

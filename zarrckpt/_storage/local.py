@@ -236,22 +236,28 @@ def _walk(root: str, parts: list[str], create: bool, durable: bool) -> int:
         path = root
         for name in parts:
             path = os.path.join(path, name)
-            try:
-                child = _open_below(fd, name, _DIRECTORY, path)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(name, dir_fd=fd)
-                if durable:
-                    os.fsync(fd)
-                child = _open_below(fd, name, _DIRECTORY, path)
+            child = _open_child(fd, name, path, create=create, sync=durable)
             os.close(fd)
             fd = child
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _open_child(fd: int, name: str, path: str, *, create: bool, sync: bool) -> int:
+    """Opens the directory `name` in the directory `fd`, never through a link; made if
+    missing, with `create` (then, with `sync`, synced into its parent)."""
+    try:
+        return _open_below(fd, name, _DIRECTORY, path)
+    except FileNotFoundError:
+        if not create:
+            raise
+    with contextlib.suppress(FileExistsError):  # another thread's or process's, made meanwhile
+        os.mkdir(name, dir_fd=fd)
+    if sync:
+        os.fsync(fd)
+    return _open_below(fd, name, _DIRECTORY, path)
 
 
 def _split(key: str) -> tuple[str, str]:
@@ -664,17 +670,7 @@ class Together:
             return _open_root(self.root, create, True)
         parent, name = _split(key)
         with self.directory(parent, create=create) as (fd, deferred):
-            path = os.path.join(self.root, key)
-            try:
-                return _open_below(fd, name, _DIRECTORY, path)
-            except FileNotFoundError:
-                if not create:
-                    raise
-            with contextlib.suppress(FileExistsError):  # another thread's, made meanwhile
-                os.mkdir(name, dir_fd=fd)
-            if not deferred:
-                os.fsync(fd)
-            return _open_below(fd, name, _DIRECTORY, path)
+            return _open_child(fd, name, os.path.join(self.root, key), create=create, sync=not deferred)
 
 
 # A file at least this large is synced as it is made, even in writes made together.
