@@ -1,7 +1,7 @@
 """What putting a save on stable storage costs, and which way is cheaper: a sync of each
-file as it is written (and of its directory), one `syncfs` of the whole file system at
-the end, or zarrckpt's way (one `syncfs` at the end, files of 1 MiB or more synced as
-they are written), against no sync at all.
+file as it is written (and of each directory once, when the writes end), one `syncfs`
+of the whole file system at the end, or zarrckpt's way where that is safe (one `syncfs`
+at the end, files of 1 MiB or more synced as they are written), against no sync at all.
 
     python benchmarks/durability.py --dir /var/tmp     # a real disk (tmpfs syncs nothing)
 

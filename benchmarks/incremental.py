@@ -2,18 +2,20 @@
 CheckpointManager, with `reuse_unchanged` on and off, side by side in one run.
 
     python benchmarks/incremental.py                        # 512 MiB base; local disk and S3 (moto)
-    python benchmarks/incremental.py --base-mib 2048 --targets local --saves 8
+    python benchmarks/incremental.py --base-mib 2048 --targets local --saves 20
 
 The state: a bf16 base of about --base-mib (an embedding and --layers layers of q, k, v,
 o and a 4x MLP, each matrix sharded by rows over every device), frozen; rank-8 adapters
 on q and v of every layer (f32) with their adam state, changed at every step. Each run
-trains one step between saves and saves every step, --saves saves. Two ways to keep the
-base frozen:
+trains --saves steps and saves each step's state twice, side by side: by a manager with
+reuse on and by one with it off, taking turns to go first (so that a shared machine's
+slow spells fall on both). Two ways to keep the base frozen:
   same     the step returns only the adapters: the base stays the same arrays;
   rebuilt  the base comes back from the jitted step as new arrays with the same values
            (`base + 0`, as `optax.apply_updates` makes a frozen weight's zero update):
            reuse needs the fingerprints, and starts at the third save.
-Measured per save (saves 3 on), best / median:
+Measured per save (saves 3 on), best / median, and the ratio on / off both of the
+medians and step by step (the median of each step's ratio):
   - bytes written: local, the bytes of the step's files that no other step links; S3,
     the bytes of the request bodies moto's server received;
   - a sync save (async_save=False) to the local disk: how long `save` takes;
@@ -28,6 +30,7 @@ fast as a whole step's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -44,8 +47,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-mib", type=float, default=512, help="size of the frozen base (default 512)")
     parser.add_argument("--layers", type=int, default=4, help="transformer layers of the base (default 4)")
-    parser.add_argument("--saves", type=int, default=6, help="saves per run (default 6; the first 2 not counted)")
-    parser.add_argument("--restores", type=int, default=5, help="rounds of the restore comparison (default 5)")
+    parser.add_argument("--saves", type=int, default=12,
+                        help="saves per run (default 12; the first 2 not counted)")
+    parser.add_argument("--restores", type=int, default=10, help="rounds of the restore comparison (default 10)")
     parser.add_argument("--targets", default="local,s3", help="local, s3 or both (default local,s3)")
     parser.add_argument("--dir", default=None, help="where local runs write (default: a new directory on /dev/shm)")
     _common.add_platform_arguments(parser)
@@ -118,42 +122,59 @@ def new_bytes(step_dir: Path) -> int:
                and (info := path.stat()).st_nlink == 1)
 
 
-def run(url: str, state, optimizer, *, reuse: bool, mode: str, saves: int, asynchronous: bool,
-        storage_options=None, server=None) -> dict[str, list[float]]:
+def run(urls: dict[bool, str], state, optimizer, *, mode: str, saves: int, asynchronous: bool,
+        storage_options=None, server=None) -> dict[bool, dict[str, list[float]]]:
+    """Trains `saves` steps; each step's state is saved by two managers side by side,
+    reuse on and off (`urls` by `reuse_unchanged`), taking turns to go first, so that
+    both meet the same moments of a shared machine. Returns, per manager, how long each
+    `save` blocked and the bytes each wrote (saves 3 on)."""
     import jax
 
     import zarrckpt
 
     base, adapters, opt_state = state
     step_fn = trainer(optimizer, rebuilt=mode == "rebuilt", full=mode == "full")
-    out: dict[str, list[float]] = {"blocked": [], "bytes": []}
-    with zarrckpt.CheckpointManager(url, reuse_unchanged=reuse, async_save=asynchronous,
-                                    storage_options=storage_options) as mgr:
+    out: dict[bool, dict[str, list[float]]] = {reuse: {"blocked": [], "bytes": []} for reuse in urls}
+    with contextlib.ExitStack() as stack:
+        managers = {reuse: stack.enter_context(zarrckpt.CheckpointManager(
+            url, reuse_unchanged=reuse, async_save=asynchronous, storage_options=storage_options))
+            for reuse, url in urls.items()}
         for step in range(1, saves + 1):
             base, adapters, opt_state = step_fn(base, adapters, opt_state, step)
             jax.block_until_ready((base, adapters, opt_state))
-            if server is not None:
-                server.recorder.reset()
-            started = time.perf_counter()
-            mgr.save(step, {"base": base, "adapters": adapters, "opt_state": opt_state})
-            blocked = time.perf_counter() - started
-            mgr.wait()
-            written = server.recorder.bytes_received if server is not None else new_bytes(Path(url) / f"{step:010d}")
-            if step > 2:
-                out["blocked"].append(blocked)
-                out["bytes"].append(written)
-            if step > 2:  # as retention would, out of the timed part: memory holds a few steps only
-                older = f"{url.rstrip('/')}/{step - 2:010d}"
-                if server is None:
-                    shutil.rmtree(older)
-                else:
-                    import fsspec
-                    fsspec.filesystem("s3", **storage_options).rm(older, recursive=True)
+            for reuse in sorted(urls, reverse=step % 2 == 1):
+                if server is not None:
+                    server.recorder.reset()
+                started = time.perf_counter()
+                managers[reuse].save(step, {"base": base, "adapters": adapters, "opt_state": opt_state})
+                blocked = time.perf_counter() - started
+                managers[reuse].wait()  # never two saves at once
+                url = urls[reuse]
+                written = (server.recorder.bytes_received if server is not None
+                           else new_bytes(Path(url) / f"{step:010d}"))
+                if step > 2:
+                    out[reuse]["blocked"].append(blocked)
+                    out[reuse]["bytes"].append(written)
+                    # As retention would, out of the timed part: memory holds a few steps only.
+                    older = f"{url.rstrip('/')}/{step - 2:010d}"
+                    if server is None:
+                        shutil.rmtree(older)
+                    else:
+                        import fsspec
+                        fsspec.filesystem("s3", **storage_options).rm(older, recursive=True)
     return out
 
 
 def best_median(values: list[float]) -> str:
     return f"{min(values):.3f} / {statistics.median(values):.3f}"
+
+
+def ratios(on: list[float], off: list[float]) -> str:
+    """The ratio of the medians, and the median of each pair's ratio (a step's two
+    saves, a round's two restores: run back to back, so that a shared machine's slow
+    spells touch both)."""
+    step_by_step = statistics.median(a / b for a, b in zip(on, off))
+    return f"{statistics.median(on) / statistics.median(off):.4g} | {step_by_step:.4g}"
 
 
 def main(argv=None) -> None:
@@ -174,29 +195,25 @@ def main(argv=None) -> None:
         if "local" in args.targets:
             results = {}
             for mode in ("same", "rebuilt", "full"):
-                for reuse in (True, False):
-                    for asynchronous in ((False, True) if mode != "full" else (False,)):
-                        url = str(root / f"{mode}-{reuse}-{asynchronous}")
-                        results[mode, reuse, asynchronous] = run(
-                            url, (base, adapters, opt_state), optimizer, reuse=reuse, mode=mode,
-                            saves=args.saves, asynchronous=asynchronous)
-            print("\nlocal disk (per save, best / median):")
-            print("| base | | reuse on | reuse off | ratio (median) |")
-            print("|---|---|---|---|---|")
-            for mode in ("same", "rebuilt"):
-                on, off = results[mode, True, False], results[mode, False, False]
-                print(f"| {mode} | bytes written (x a full save) | {best_median([b / full_save for b in on['bytes']])} "
-                      f"| {best_median([b / full_save for b in off['bytes']])} | "
-                      f"{statistics.median(on['bytes']) / statistics.median(off['bytes']):.4f} |")
-                print(f"| {mode} | sync save, s | {best_median(on['blocked'])} | {best_median(off['blocked'])} | "
-                      f"{statistics.median(on['blocked']) / statistics.median(off['blocked']):.3f} |")
-                on, off = results[mode, True, True], results[mode, False, True]
-                print(f"| {mode} | async save blocks, s | {best_median(on['blocked'])} | "
-                      f"{best_median(off['blocked'])} | "
-                      f"{statistics.median(on['blocked']) / statistics.median(off['blocked']):.3f} |")
-            on, off = results["full", True, False], results["full", False, False]
-            print(f"| full fine-tune | sync save, s | {best_median(on['blocked'])} | {best_median(off['blocked'])} | "
-                  f"{statistics.median(on['blocked']) / statistics.median(off['blocked']):.3f} |")
+                for asynchronous in ((False, True) if mode != "full" else (False,)):
+                    urls = {reuse: str(root / f"{mode}-{reuse}-{asynchronous}") for reuse in (True, False)}
+                    paired = run(urls, (base, adapters, opt_state), optimizer, mode=mode, saves=args.saves,
+                                 asynchronous=asynchronous)
+                    for reuse in paired:
+                        results[mode, reuse, asynchronous] = paired[reuse]
+            print("\nlocal disk (per save, best / median; ratio of medians, and the median of each step's "
+                  "ratio):")
+            print("| base | | reuse on | reuse off | ratio | step by step |")
+            print("|---|---|---|---|---|---|")
+            rows = [(mode, what, asynchronous) for mode in ("same", "rebuilt")
+                    for what, asynchronous in (("bytes written (x a full save)", False), ("sync save, s", False),
+                                               ("async save blocks, s", True))]
+            for mode, what, asynchronous in [*rows, ("full", "sync save, s", False)]:
+                key = "bytes" if what.startswith("bytes") else "blocked"
+                on, off = results[mode, True, asynchronous][key], results[mode, False, asynchronous][key]
+                scale = full_save if key == "bytes" else 1
+                print(f"| {mode} | {what} | {best_median([v / scale for v in on])} | "
+                      f"{best_median([v / scale for v in off])} | {ratios(on, off)} |")
             restore(root / "same-True-False", root / "same-False-False", args.saves, args.restores,
                     (base, adapters, opt_state))
         if "s3" in args.targets:
@@ -212,14 +229,13 @@ def restore(reused: Path, whole: Path, step: int, rounds: int, state) -> None:
 
     target = {"base": state[0], "adapters": state[1], "opt_state": state[2]}
     times: dict[str, list[float]] = {"reused": [], "whole": []}
-    for _ in range(rounds):
-        for name, url in (("reused", reused), ("whole", whole)):
+    for r in range(rounds):
+        for name, url in (("reused", reused), ("whole", whole))[::1 if r % 2 else -1]:  # turns going first
             started = time.perf_counter()
             jax.block_until_ready(zarrckpt.load_checkpoint(str(url), step, target))
             times[name].append(time.perf_counter() - started)
-    ratio = statistics.median(times["reused"]) / statistics.median(times["whole"])
     print(f"\nrestore of the newest step, s: saved with reuse {best_median(times['reused'])}, saved whole "
-          f"{best_median(times['whole'])} (ratio of medians {ratio:.3f})")
+          f"{best_median(times['whole'])} (ratio of medians, step by step: {ratios(times['reused'], times['whole'])})")
 
 
 def s3(root: Path, state, optimizer, saves: int, full_save: int) -> None:
@@ -228,11 +244,9 @@ def s3(root: Path, state, optimizer, saves: int, full_save: int) -> None:
 
     server = S3Server()
     try:
-        results = {}
-        for reuse in (True, False):
-            url = f"s3://{server.new_bucket()}/run"
-            results[reuse] = run(url, state, optimizer, reuse=reuse, mode="same", saves=saves, asynchronous=False,
-                                 storage_options=server.options(), server=server)
+        bucket = server.new_bucket()
+        results = run({reuse: f"s3://{bucket}/run-{reuse}" for reuse in (True, False)}, state, optimizer,
+                      mode="same", saves=saves, asynchronous=False, storage_options=server.options(), server=server)
         on, off = results[True], results[False]
         share = {reuse: best_median([b / full_save for b in results[reuse]["bytes"]]) for reuse in results}
         print(f"\nS3 (moto on loopback), bytes the server received per save (x a full save): reuse on "

@@ -8,6 +8,7 @@ a sync of each file and directory, and with the one `syncfs` that ends a save's 
 where the file system allows it (`_storage.local.Together`).
 """
 
+import errno
 import os
 import threading
 
@@ -105,8 +106,9 @@ def test_a_commit_is_on_stable_storage_before_its_marker(tmp_path, events, kept,
     commit = events.index(("rename", marker), events.index(("rename", marker)) + 1)  # the second: the commit
     files = [str(p) for p in step.rglob("*") if p.is_file() and p != step / "zarr.json"]
     assert len(files) == 6 and [f for f in files if not synced_before(events, commit, f)] == []  # chunks, metadata
-    directories = [str(step / "w"), str(step / "b"), str(step / "step"), str(step)]
-    assert [d for d in directories if not synced_before(events, commit, d)] == []  # every directory
+    directories = [str(p) for p in step.rglob("*") if p.is_dir()]
+    assert len(directories) == 3  # w, b, step
+    assert [d for d in [*directories, str(step)] if not synced_before(events, commit, d)] == []
     after = events[commit + 1:]
     assert after[0] == ("fsync", str(step))  # the marker's rename, durable before anything else happens
     assert ("delete", str(run / "0000000001")) in after  # retention: only once step 2 is durable
@@ -171,3 +173,38 @@ def test_ext4_syncs_a_save_whole_only_with_its_journal(tmp_path):
         pytest.skip("the test directory is not on ext4, or this kernel never syncs a save whole")
     journaled = any(entry.startswith(f"{name}-") for entry in journals)
     assert _local._syncs_whole(device) == journaled
+
+
+def test_a_sync_failing_where_a_save_s_writes_end_fails_the_save_and_commits_nothing(tmp_path, events, monkeypatch):
+    """What a save writes together is synced when the writes end (one `syncfs`, or each
+    directory they made entries in, once): a sync that fails there (EIO: the disk lost
+    what it had been given) fails the save, nothing of it is committed, and the next
+    save commits."""
+    run = tmp_path / "run"
+    state = {"w": np.arange(2**16, dtype=np.float32), "b": np.ones(8)}
+    failing = str(run / "0000000002" / "w")  # an array's directory: synced with the save's writes
+    fsync, syncfs = os.fsync, _local._SYNCFS
+
+    def lost(sync, where):
+        def call(fd):
+            if where is None or os.readlink(f"/proc/self/fd/{fd}") == where:
+                raise OSError(errno.EIO, "Input/output error")
+            return sync(fd)
+        return call
+
+    with zarrckpt.CheckpointManager(str(run), async_save=False) as mgr:
+        mgr.save(1, state)
+        monkeypatch.setattr(os, "fsync", lost(fsync, failing))
+        monkeypatch.setattr(_local, "_SYNCFS", lost(syncfs, None))  # a save's writes end with its only one
+        with pytest.raises(zarrckpt.CheckpointWriteError) as raised:
+            mgr.save(2, state)
+        assert zarrckpt.all_steps(str(run)) == [1]
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(_local, "_SYNCFS", syncfs)
+        mgr.save(3, state)
+    assert zarrckpt.all_steps(str(run)) == [1, 3]
+    error, seen = raised.value, []
+    while error is not None:
+        seen.append(getattr(error, "errno", None))
+        error = error.__cause__ or error.__context__
+    assert errno.EIO in seen

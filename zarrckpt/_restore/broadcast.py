@@ -52,7 +52,7 @@ def _shared(x: jax.Array | tuple[jax.Array, ...], share: Share) -> jax.Array:
     if not share.summed and not share.routes and (
             not _peers.as_bits(dtype) or _peers.carried_exactly(dtype, share.sharding.mesh)):
         return staged[0]  # out_shardings reshards it (XLA's own reshard: the fastest)
-    # Complex and 4-bit leaves are never summed nor routed (`plan.summable`, `relief`).
+    # Complex and 4-bit leaves are never summed nor routed (`_peers.as_bits`, `relief`).
     assert _peers.as_bits(dtype), (dtype, share)
     same = np.dtype(f"uint{dtype.itemsize * 8}")
     wide = np.dtype(np.int64) if dtype.itemsize == 8 else np.dtype(np.int32)

@@ -40,7 +40,7 @@ import numpy as np
 from .. import _peers
 from .._format import dtypes as _dtypes
 from .._regions import Region, chunks_touching, intersect, region_of, region_shape, relative, replicas_of
-from . import checkpoint as _reader, plan as _plan
+from . import checkpoint as _reader
 from .match import Form, OneReader, OwnValue, Request, Sharded, Share, cut, sharded
 from .plan import Placement
 
@@ -113,7 +113,7 @@ def plan(requests: list[Request], held: Holdings, me: int, holders: Sequence[Seq
                 planned.append(dataclasses.replace(request, form=direct, share=None))
                 own += sum(_dtypes.nbytes(region_shape(box), form.dtype) for box, _ in direct.reads(stored, me))
                 continue
-            if not (_plan.summable(form.dtype) and isinstance(sharding, jax.sharding.NamedSharding)):
+            if not (_peers.as_bits(form.dtype) and isinstance(sharding, jax.sharding.NamedSharding)):
                 raise Unrebuildable(f"leaf {stored.where}: some process's local copy lacks parts it needs")
             # Blocks of uneven shapes cannot be permuted (jax 0.12 makes no such array yet):
             # their parts come from the copies alone, or the restore falls back.

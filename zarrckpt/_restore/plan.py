@@ -14,9 +14,7 @@ import zlib
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 
-from .. import _peers
 from .._regions import (
     HostOf,
     Region,
@@ -123,9 +121,3 @@ def staging_sharding(target: jax.sharding.NamedSharding, shape: tuple[int, ...],
             return None
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
         *(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries)))
-
-
-def summable(dtype: np.dtype) -> bool:
-    """Whether a sum over replicas can carry this dtype's bits exactly (as integers of
-    its width: not complex, not narrower than a byte)."""
-    return _peers.as_bits(dtype)

@@ -18,16 +18,17 @@ leading to it: the file's data is synced (`fdatasync`) before it is closed, its
 directory after it is created or renamed into place (an atomic write: a temporary
 file renamed over the old one), and each directory it had to create, in its parent.
 Writes made together (`LocalDisk.together`: a save's chunks and array documents) open
-each directory from its parent, keep most open, and, where the platform offers it
-safely, are synced together:
-one `syncfs` of the file system when they end, in place of a sync per file and per
-directory (see `Together`).
+each directory from its parent, keep most open, and are synced together when they end:
+each directory they made entries in once (not once per entry), and, where the platform
+offers it safely, everything by one `syncfs` of the file system in place of a sync per
+file and per directory (see `Together`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import errno
 import functools
 import os
@@ -39,6 +40,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 
+from .. import _concurrency
 from .store import Check, Entry, NotAFile, Store
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -341,12 +343,12 @@ def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable
     one whole. `durable`: on stable storage (data, and with `atomic` the rename) before
     returning, or, in writes made `together`, before they end."""
     parent, name = _split(key)
-    with _in_directory(root, parent, together, create=True, durable=durable) as (fd, deferred):
+    with _in_directory(root, parent, together, create=True, durable=durable) as (fd, synced):
         target = f"{name}.{uuid.uuid4().hex}.tmp" if atomic else name
         nbytes = sum(memoryview(part).nbytes for part in parts)  # type: ignore[arg-type, misc]
         # An atomic write is renamed over the old file: its bytes must be there first.
         _write_file(fd, target, _WRITE, parts, os.path.join(root, key),
-                    durable=durable and (atomic or _synced_as_made(deferred, nbytes)))
+                    durable=durable and (atomic or _synced_as_made(synced, nbytes)))
         if atomic:
             try:
                 os.replace(target, name, src_dir_fd=fd, dst_dir_fd=fd)  # replaces a link itself, never its target
@@ -354,29 +356,39 @@ def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable
                 with contextlib.suppress(OSError):
                     os.unlink(target, dir_fd=fd)
                 raise
-        if durable and not deferred:
+        if durable and synced is Synced.AS_MADE:
             os.fsync(fd)  # the file's entry in its directory
+
+
+class Synced(enum.Enum):
+    """When what a durable write makes in a directory reaches stable storage."""
+
+    AS_MADE = "each file and each entry in the directory as it is made"
+    ENTRIES_AT_END = "each file as it is made; the directory's new entries when the writes made together end"
+    AT_END = "all of it, by one sync of the file system when the writes made together end"
 
 
 @contextlib.contextmanager
 def _in_directory(root: str, key: str, together: Together | None, *, create: bool = False,
-                  durable: bool = False) -> Iterator[tuple[int, bool]]:
+                  durable: bool = False) -> Iterator[tuple[int, Synced]]:
     """The directory `root/key` (made if missing, with `create`; then with `durable`,
-    synced into its parent), and whether what is written there is synced when the
-    writes made `together` end rather than as it is written."""
+    synced into its parent, or, in writes made `together`, when they end), and when
+    what a durable write makes there is synced. A directory opened with `create` and
+    `durable` is where such a write makes entries."""
     if together is None:
         with directory(root, key, create=create, durable=durable) as fd:
-            yield fd, False
+            yield fd, Synced.AS_MADE
     else:
-        with together.directory(key, create=create) as found:
+        with together.directory(key, create=create, durable=durable) as found:
             yield found
 
 
-def _synced_as_made(deferred: bool, nbytes: int) -> bool:
+def _synced_as_made(synced: Synced, nbytes: int) -> bool:
     """Whether a file of `nbytes` that a durable write or copy makes is synced as it is
-    made: always, unless the end of writes made together syncs it; and a large one even
-    then, so that its writeback overlaps what follows instead of all coming at the end."""
-    return not deferred or nbytes >= _SYNCED_AS_WRITTEN
+    made: unless the end of writes made together syncs the whole file system; and a
+    large one even then, so that its writeback overlaps what follows instead of all
+    coming at the end."""
+    return synced is not Synced.AT_END or nbytes >= _SYNCED_AS_WRITTEN
 
 
 def create(root: str, key: str, parts: Sequence[object]) -> None:
@@ -411,7 +423,7 @@ def copy(root: str, src: str, dst: str, *, exclusive: bool, together: Together |
     parent, name = _split(dst)
     source_parent, source_name = _split(src)
     with (_in_directory(root, source_parent, together) as (source_fd, _),
-          _in_directory(root, parent, together, create=True, durable=True) as (fd, deferred)):
+          _in_directory(root, parent, together, create=True, durable=True) as (fd, synced)):
         for _ in range(_LINK_TRIES):
             try:
                 os.link(source_name, name, src_dir_fd=source_fd, dst_dir_fd=fd, follow_symlinks=False)
@@ -425,7 +437,7 @@ def copy(root: str, src: str, dst: str, *, exclusive: bool, together: Together |
                     raise
                 with _opened(root, src, together) as (f, size):
                     _copy_bytes(f, size, fd, name, os.path.join(root, dst), exclusive=exclusive,
-                                durable=_synced_as_made(deferred, size))
+                                durable=_synced_as_made(synced, size))
                 break
         else:
             raise FileExistsError(errno.EEXIST, f"{os.path.join(root, dst)} keeps being made by another writer")
@@ -434,7 +446,7 @@ def copy(root: str, src: str, dst: str, *, exclusive: bool, together: Together |
             os.unlink(name, dir_fd=fd)
             path = os.path.join(root, src)
             raise NotAFile(path) if stat.S_ISLNK(made) else _not_regular(made, path)
-        if not deferred:
+        if synced is Synced.AS_MADE:
             os.fsync(fd)
 
 
@@ -578,20 +590,21 @@ def exists(root: str, key: str) -> bool:
 class Together:
     """Writes made together below `root` (one save's chunks and array documents), for
     `LocalDisk.together`: each directory is reached from its parent, and up to
-    `_KEPT_DIRECTORIES` are kept open until the writes end; and where one sync of the
-    whole file system is as safe as a sync per file and per directory, what they write
-    there is synced once, when they end (`__exit__` returns only then), instead of as it
-    is written.
+    `_KEPT_DIRECTORIES` are kept open until the writes end. What they write is synced
+    when they end (`__exit__` returns only then), not as it is written: where one sync
+    of the whole file system is as safe as a sync per file and per directory, by one
+    `syncfs`; elsewhere each file is synced as it is written, and each directory that a
+    durable write made entries in (a file, a link, a directory) once at the end, not
+    once per entry (an array's directory gets its document and each of its chunks).
 
-    That holds for `syncfs` on Linux 5.17 and later, which fails with any writeback
+    One `syncfs` is as safe on Linux 5.17 and later, where it fails with any writeback
     error of the file system since the descriptor it is given was opened (the first
     directory opened on it, kept open: opened before anything was written there) and
     with any error of the file system's own sync (its journal, log or transaction
     commit: before 5.17 those were not reported), on file systems whose sync commits
-    their metadata too (`_WHOLE_SYNCS`; ext4 with its journal only). Elsewhere (NFS,
-    FUSE, overlay, ext4 without a journal, an older kernel) each write syncs as it goes,
-    as outside. What it costs: a `syncfs` also waits for
-    what other programs have left to write on that file system.
+    their metadata too (`_WHOLE_SYNCS`; ext4 with its journal only); not on NFS, FUSE,
+    overlay, ext4 without a journal, or an older kernel. What it costs: a `syncfs` also
+    waits for what other programs have left to write on that file system.
 
     The descriptors are closed when the last call using one ends: a writer thread
     that outlives the block (its join cut short by a second Ctrl-C) never writes
@@ -600,9 +613,10 @@ class Together:
     def __init__(self, root: str) -> None:
         self.root = root
         self._lock = threading.Lock()
-        self._open: dict[str, tuple[int, bool]] = {}  # key: its descriptor; whether synced at the end
+        self._open: dict[str, tuple[int, Synced]] = {}  # key: its descriptor; when what is made there is synced
         self._anchors: dict[int, int] = {}  # device: a descriptor opened there before anything was written
         self._whole: dict[int, bool] = {}  # device: `_syncs_whole`, asked once (device numbers are reused)
+        self._entries: set[str] = set()  # directories whose new entries are synced at the end
         self._users = 0
         self._ended = False
 
@@ -612,6 +626,9 @@ class Together:
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         try:
             if kind is None:  # a failed save is not committed: nothing to sync for it
+                with self._lock:
+                    entries = sorted(self._entries)
+                _concurrency.run_all(self._sync_directory, entries, LOCAL_CONCURRENCY, "sync")
                 for fd in list(self._anchors.values()):
                     _syncfs(fd, self.root)
         finally:
@@ -627,20 +644,25 @@ class Together:
         self._open.clear()
 
     @contextlib.contextmanager
-    def directory(self, key: str, *, create: bool = True) -> Iterator[tuple[int, bool]]:
+    def directory(self, key: str, *, create: bool = True, durable: bool = False) -> Iterator[tuple[int, Synced]]:
         """The directory `root/key`, reached through no symbolic link (made if missing,
-        with `create`), and whether what is written in it is synced at the end rather
-        than as it is written. OSError once the writes have ended."""
+        with `create`), and when what a durable write makes in it is synced (never
+        `Synced.AS_MADE`). With `create` and `durable`, a durable write makes entries
+        in it: where those are synced at the end, so is it. OSError once the writes
+        have ended."""
+        entries = create and durable
         with self._lock:
             if self._ended:
                 raise OSError(errno.EBADF, f"the writes made together below {self.root} have ended")
             self._users += 1
             found = self._open.get(key)
+            if found is not None and entries and found[1] is Synced.ENTRIES_AT_END:
+                self._entries.add(key)
         try:
             if found is not None:
                 yield found
                 return
-            fd = self._opened(key, create)
+            fd = self._opened(key, create, durable)
             try:
                 device = os.fstat(fd).st_dev
                 with self._lock:
@@ -650,9 +672,11 @@ class Together:
                         self._anchors[device] = os.dup(fd)  # its sample of the file system's errors: taken now
                     found = self._open.get(key)  # another thread's, opened meanwhile
                     if found is None:
-                        found = (fd, device in self._anchors)
+                        found = (fd, Synced.AT_END if device in self._anchors else Synced.ENTRIES_AT_END)
                         if len(self._open) < _KEPT_DIRECTORIES:
                             self._open[key], fd = found, -1
+                    if entries and found[1] is Synced.ENTRIES_AT_END:
+                        self._entries.add(key)
                 yield found
             finally:
                 if fd >= 0:
@@ -663,14 +687,20 @@ class Together:
                 if self._ended and self._users == 0:
                     self._close()
 
-    def _opened(self, key: str, create: bool) -> int:
-        """Opens `root/key` below its parent (made if missing, with `create`), which is
-        reached the same way: one call per directory where its parent is kept open."""
+    def _opened(self, key: str, create: bool, durable: bool) -> int:
+        """Opens `root/key` below its parent (made if missing, with `create`; then, with
+        `durable`, synced into it when the writes end), which is reached the same way:
+        one call per directory where its parent is kept open."""
         if not _parts(key):
             return _open_root(self.root, create, True)
         parent, name = _split(key)
-        with self.directory(parent, create=create) as (fd, deferred):
-            return _open_child(fd, name, os.path.join(self.root, key), create=create, sync=not deferred)
+        with self.directory(parent, create=create, durable=durable) as (fd, _):
+            return _open_child(fd, name, os.path.join(self.root, key), create=create, sync=False)
+
+    def _sync_directory(self, key: str) -> None:
+        """Syncs the directory `root/key`: the entries the writes made in it."""
+        with self.directory(key, create=False) as (fd, _):
+            os.fsync(fd)
 
 
 # A file at least this large is synced as it is made, even in writes made together.
