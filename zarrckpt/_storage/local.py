@@ -238,7 +238,8 @@ def _walk(root: str, parts: list[str], create: bool, durable: bool) -> int:
         path = root
         for name in parts:
             path = os.path.join(path, name)
-            child = _open_child(fd, name, path, create=create, sync=durable)
+            sync = functools.partial(os.fsync, fd) if durable else None
+            child = _open_child(fd, name, path, create=create, sync=sync)
             os.close(fd)
             fd = child
     except BaseException:
@@ -247,9 +248,10 @@ def _walk(root: str, parts: list[str], create: bool, durable: bool) -> int:
     return fd
 
 
-def _open_child(fd: int, name: str, path: str, *, create: bool, sync: bool) -> int:
+def _open_child(fd: int, name: str, path: str, *, create: bool, sync: Callable[[], None] | None) -> int:
     """Opens the directory `name` in the directory `fd`, never through a link; made if
-    missing, with `create` (then, with `sync`, synced into its parent)."""
+    missing, with `create`, then `sync()` (its entry in `fd` to stable storage, or
+    noted to be)."""
     try:
         return _open_below(fd, name, _DIRECTORY, path)
     except FileNotFoundError:
@@ -257,8 +259,8 @@ def _open_child(fd: int, name: str, path: str, *, create: bool, sync: bool) -> i
             raise
     with contextlib.suppress(FileExistsError):  # another thread's or process's, made meanwhile
         os.mkdir(name, dir_fd=fd)
-    if sync:
-        os.fsync(fd)
+    if sync is not None:
+        sync()
     return _open_below(fd, name, _DIRECTORY, path)
 
 
@@ -365,15 +367,15 @@ class Synced(enum.Enum):
 
     AS_MADE = "each file and each entry in the directory as it is made"
     ENTRIES_AT_END = "each file as it is made; the directory's new entries when the writes made together end"
-    AT_END = "all of it, by one sync of the file system when the writes made together end"
+    AT_END = "by one sync of the file system when the writes made together end (large files as made)"
 
 
 @contextlib.contextmanager
 def _in_directory(root: str, key: str, together: Together | None, *, create: bool = False,
                   durable: bool = False) -> Iterator[tuple[int, Synced]]:
-    """The directory `root/key` (made if missing, with `create`; then with `durable`,
-    synced into its parent, or, in writes made `together`, when they end), and when
-    what a durable write makes there is synced. A directory opened with `create` and
+    """The directory `root/key` (made if missing, with `create`: then synced into its
+    parent with `durable`, or, in writes made `together`, when they end), and when what
+    a durable write makes there is synced. A directory opened with `create` and
     `durable` is where such a write makes entries."""
     if together is None:
         with directory(root, key, create=create, durable=durable) as fd:
@@ -590,12 +592,13 @@ def exists(root: str, key: str) -> bool:
 class Together:
     """Writes made together below `root` (one save's chunks and array documents), for
     `LocalDisk.together`: each directory is reached from its parent, and up to
-    `_KEPT_DIRECTORIES` are kept open until the writes end. What they write is synced
-    when they end (`__exit__` returns only then), not as it is written: where one sync
-    of the whole file system is as safe as a sync per file and per directory, by one
-    `syncfs`; elsewhere each file is synced as it is written, and each directory that a
-    durable write made entries in (a file, a link, a directory) once at the end, not
-    once per entry (an array's directory gets its document and each of its chunks).
+    `_KEPT_DIRECTORIES` are kept open until the writes end. What they write is on
+    stable storage when they end (`__exit__` returns only then): where one sync of the
+    whole file system is as safe as a sync per file and per directory, by one `syncfs`
+    then (files of 1 MiB or more synced as they are written all the same); elsewhere
+    each file is synced as it is written, and each directory entries were made in (a
+    file, a link, a directory) once at the end, not once per entry (an array's
+    directory gets its document and each of its chunks).
 
     One `syncfs` is as safe on Linux 5.17 and later, where it fails with any writeback
     error of the file system since the descriptor it is given was opened (the first
@@ -648,8 +651,8 @@ class Together:
         """The directory `root/key`, reached through no symbolic link (made if missing,
         with `create`), and when what a durable write makes in it is synced (never
         `Synced.AS_MADE`). With `create` and `durable`, a durable write makes entries
-        in it: where those are synced at the end, so is it. OSError once the writes
-        have ended."""
+        in it: where those are synced at the end, so is it (and so is the parent of a
+        directory made here). OSError once the writes have ended."""
         entries = create and durable
         with self._lock:
             if self._ended:
@@ -662,7 +665,7 @@ class Together:
             if found is not None:
                 yield found
                 return
-            fd = self._opened(key, create, durable)
+            fd = self._opened(key, create)
             try:
                 device = os.fstat(fd).st_dev
                 with self._lock:
@@ -687,15 +690,21 @@ class Together:
                 if self._ended and self._users == 0:
                     self._close()
 
-    def _opened(self, key: str, create: bool, durable: bool) -> int:
-        """Opens `root/key` below its parent (made if missing, with `create`; then, with
-        `durable`, synced into it when the writes end), which is reached the same way:
-        one call per directory where its parent is kept open."""
+    def _opened(self, key: str, create: bool) -> int:
+        """Opens `root/key` below its parent (made if missing, with `create`: then synced
+        into it when the writes end), which is reached the same way: one call per
+        directory where its parent is kept open."""
         if not _parts(key):
             return _open_root(self.root, create, True)
         parent, name = _split(key)
-        with self.directory(parent, create=create, durable=durable) as (fd, _):
-            return _open_child(fd, name, os.path.join(self.root, key), create=create, sync=False)
+        with self.directory(parent, create=create) as (fd, synced):
+            made = functools.partial(self._made_entries, parent) if synced is Synced.ENTRIES_AT_END else None
+            return _open_child(fd, name, os.path.join(self.root, key), create=create, sync=made)
+
+    def _made_entries(self, key: str) -> None:
+        """Notes that entries were made in the directory `root/key`: synced at the end."""
+        with self._lock:
+            self._entries.add(key)
 
     def _sync_directory(self, key: str) -> None:
         """Syncs the directory `root/key`: the entries the writes made in it."""
