@@ -653,20 +653,15 @@ class Together:
         `Synced.AS_MADE`). With `create` and `durable`, a durable write makes entries
         in it: where those are synced at the end, so is it (and so is the parent of a
         directory made here). OSError once the writes have ended."""
-        entries = create and durable
         with self._lock:
             if self._ended:
                 raise OSError(errno.EBADF, f"the writes made together below {self.root} have ended")
             self._users += 1
             found = self._open.get(key)
-            if found is not None and entries and found[1] is Synced.ENTRIES_AT_END:
-                self._entries.add(key)
+        fd = -1  # a descriptor of this call's own, closed when it ends
         try:
-            if found is not None:
-                yield found
-                return
-            fd = self._opened(key, create)
-            try:
+            if found is None:
+                fd = self._opened(key, create)
                 device = os.fstat(fd).st_dev
                 with self._lock:
                     if device not in self._whole:
@@ -678,13 +673,12 @@ class Together:
                         found = (fd, Synced.AT_END if device in self._anchors else Synced.ENTRIES_AT_END)
                         if len(self._open) < _KEPT_DIRECTORIES:
                             self._open[key], fd = found, -1
-                    if entries and found[1] is Synced.ENTRIES_AT_END:
-                        self._entries.add(key)
-                yield found
-            finally:
-                if fd >= 0:
-                    os.close(fd)
+            if create and durable and found[1] is Synced.ENTRIES_AT_END:
+                self._made_entries(key)
+            yield found
         finally:
+            if fd >= 0:
+                os.close(fd)
             with self._lock:
                 self._users -= 1
                 if self._ended and self._users == 0:
