@@ -121,3 +121,38 @@ def test_ctrl_c_while_a_save_copies_the_state_off_the_devices_says_the_step_is_l
         assert len(lost) == 1 and "0000000001" in lost[0].getMessage()
         assert mgr.save(2, state)
     assert zarrckpt.all_steps(str(tmp_path / "run")) == [2]
+
+
+_NO_THREAD_CAN_START = """
+import concurrent.futures
+from zarrckpt import _concurrency
+
+def no_thread(self):
+    raise RuntimeError("can't create new thread at interpreter shutdown")
+
+concurrent.futures.ThreadPoolExecutor._adjust_thread_count = no_thread
+seen = []
+
+def outer_item():
+    outer.fail(OSError("another write of the outer operation failed"))
+    seen.append(_concurrency.run_all(lambda i: (i, _concurrency.aborted()), [1, 2], 2, "inner"))
+    seen.append(_concurrency.aborted())
+
+with _concurrency.Operation(2, "outer") as outer:
+    outer.submit(outer_item).exception()
+print(seen)
+"""
+
+
+def test_an_operation_started_by_an_item_where_no_thread_can_start_runs_and_leaves_the_items_operation():
+    """At the interpreter's exit no thread can start, and an operation runs its items on
+    the thread that submits them (`_concurrency._Pool`). An item that starts an
+    operation of its own (a write reading several small objects) must neither wait for
+    ever on the executors' shared lock (it did: the item ran inside `submit`, which
+    holds it) nor take its own operation away from itself (its writes would no longer
+    see that the operation failed: `aborted`). In a process of its own: a deadlock
+    holds a lock every executor of the process needs."""
+    ran = subprocess.run([sys.executable, "-c", _NO_THREAD_CAN_START], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split("\n")[-2] == "[[(1, False), (2, False)], True]"

@@ -141,22 +141,30 @@ class _Pool(concurrent.futures.ThreadPoolExecutor):
     """A thread pool that goes on where no thread can be started: at the interpreter's
     exit (Python 3.12 starts none once it has begun), a save a manager never closed is
     finished by the exit's wait, with the threads the pool has, or on the thread that
-    asks when it has none (`_adjust_thread_count` is the pool's own hook for starting a
-    thread, called as each item is queued)."""
+    submits when it has none (`_adjust_thread_count` is the pool's own hook for
+    starting a thread, called as each item is queued). That thread runs what is queued
+    once `submit` has let go of the executors' locks: one of them is shared by every
+    executor, and an item that starts an operation of its own submits again."""
+
+    _stranded = False  # a thread could not be started
 
     def _adjust_thread_count(self) -> None:
         try:
             super()._adjust_thread_count()
         except RuntimeError:
-            if self._threads:
-                return  # they take what is queued
+            self._stranded = True
+
+    def submit(self, fn: Callable[..., _R], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[_R]:
+        future = super().submit(fn, *args, **kwargs)
+        if self._stranded and not self._threads:  # with threads, they take what is queued
             while True:
                 try:
                     item = self._work_queue.get_nowait()
                 except queue.Empty:
-                    return
+                    break
                 if item is not None:
                     item.run()
+        return future
 
 
 class Operation:
@@ -205,6 +213,9 @@ class Operation:
         def run() -> _R:
             if self.error is not None:
                 raise Aborted("not started: the operation had already failed")
+            # Put back after: where no thread can start (see `_Pool`), this runs on the
+            # thread that submitted it, which may be running an item of another operation.
+            outer = getattr(_current, "op", None), getattr(_current, "item", None)
             _current.op, _current.item, item.thread = self, item, threading.current_thread()
             try:
                 return fn(*args)
@@ -213,7 +224,7 @@ class Operation:
                     self.fail(e)
                 raise
             finally:
-                _current.op = _current.item = None
+                _current.op, _current.item = outer
 
         future = self._pool.submit(run)
         with self._lock:
