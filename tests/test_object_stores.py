@@ -200,8 +200,10 @@ def test_an_error_quoting_a_credential_is_redacted(monkeypatch):
 
 
 @pytest.mark.parametrize(("options", "within_s"), [
-    # The user's own botocore timeouts of 2 s: each try ends there, and no layer of
-    # retries multiplies another's (the bound the issue set: 60 s with default options).
+    # The user's own botocore timeouts of 2 s: a try ends there (or at zarrckpt's own
+    # deadline, 20 s, where the client's read timeout never fires: a stalled PUT's first
+    # try, in about half the runs here), and no layer of retries multiplies another's
+    # (the bound the issue set: 60 s with default options).
     ({"config_kwargs": {"read_timeout": 2, "connect_timeout": 2}}, 60),
     # No client timeout under a minute: zarrckpt's own deadline abandons each try.
     ({"request_timeout_s": 2}, 2 * 2 + 10),
