@@ -234,7 +234,7 @@ def test_request_timeout_s_is_checked_where_it_is_given():
 
 def test_default_concurrency_per_protocol(s3_server):
     assert _storage.resolve("/tmp/x").concurrency == _storage.LOCAL_CONCURRENCY
-    assert _storage.resolve("memory://x").concurrency == _storage.LOCAL_CONCURRENCY
+    assert _storage.resolve("memory://x").concurrency == _storage.remote.MEMORY.concurrency
     s3 = _storage.resolve("s3://b/x", s3_server.options())
     assert s3.concurrency == _storage.OBJECT_STORE_CONCURRENCY
     # botocore's own default (10 connections) would cap the requests in flight.

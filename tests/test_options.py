@@ -82,6 +82,22 @@ def test_function_options_are_checked_at_the_call(tmp_path):
             mgr.save(-3, train_state())
 
 
+def test_an_option_given_under_another_keyword_is_named_by_that_keyword(tmp_path):
+    """A call with two sets of storage options, or a step under another name, names the
+    keyword the caller wrote, not the one the check was first written for."""
+    src = str(tmp_path / "src")
+    zarrckpt.save_checkpoint(src, 1, train_state())
+    with pytest.raises(TypeError, match=r"^dst_storage_options must be a dict"):
+        zarrckpt.copy_checkpoint(f"{src}/0000000001", "memory://copied/x", dst_storage_options="anon")
+    with pytest.raises(ValueError, match=r"^src_storage_options\['request_timeout_s'\] must be"):
+        zarrckpt.copy_checkpoint(f"{src}/0000000001", "memory://copied/x",
+                                 src_storage_options={"request_timeout_s": 0})
+    with pytest.raises(ValueError, match="option start_after must be 0 or more, got -1"):
+        next(zarrckpt.checkpoints_iterator(src, start_after=-1, timeout_s=0.1))
+    with pytest.raises(TypeError, match="option start_after must be an int, got '1'"):
+        next(zarrckpt.checkpoints_iterator(src, start_after="1", timeout_s=0.1))
+
+
 def test_every_public_call_spells_out_its_options():
     """What help() and an IDE show: no **options anywhere in the public API."""
     import inspect

@@ -323,8 +323,7 @@ def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None,
     """
     _options.check("timeout_s", timeout_s, _options.NUMBER + "?")
     _options.check("poll_interval_s", poll_interval_s, _options.NUMBER)
-    if start_after is not None:
-        _naming.step_dir_name(start_after)  # a bad step is refused here
+    _options.check("start_after", start_after, _options.COUNT_OR_ZERO + "?")
     root = _storage.resolve(checkpoint_dir, storage_options)
     last, first, idle_since = start_after, start_after is None, time.monotonic()
     while True:

@@ -353,13 +353,13 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None, *, option: 
     if not isinstance(url, str) or not url:
         raise ValueError(f"checkpoint URL must be a non-empty string, got {reprlib.repr(url)}")
     if storage_options is not None and not isinstance(storage_options, Mapping):
-        raise TypeError(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
+        raise TypeError(f"{option} must be a dict of fsspec options, got {type(storage_options).__name__}")
     if (one := _ONE_SLASH.match(url)) and one.group(1).lower() in fsspec.available_protocols() and \
             one.group(1).lower() not in ("file", "local"):  # else `gs:/bucket/run` is the local ./gs:/bucket/run
         raise ValueError(f"checkpoint URL {url!r:.300} has one slash after '{one.group(1)}:': write "
                          f"{one.group(1) + '://' + url[len(one.group(0)):]!r:.300}")
     given = dict(storage_options or {})
-    request_timeout_s = _request_timeout(given.pop(REQUEST_TIMEOUT_OPTION, DEFAULT_REQUEST_TIMEOUT_S))
+    request_timeout_s = _request_timeout(given.pop(REQUEST_TIMEOUT_OPTION, DEFAULT_REQUEST_TIMEOUT_S), option)
     scheme = fsspec.core.split_protocol(url)[0] or "file"
     protocol = PROTOCOLS.get(scheme, OTHER)
     options = _merged(protocol.option_defaults, given)
@@ -385,9 +385,9 @@ def is_local_url(url: str) -> bool:
     return (fsspec.core.split_protocol(url)[0] or "file") in ("file", "local")
 
 
-def _request_timeout(value: Any) -> float:
+def _request_timeout(value: Any, option: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"storage_options[{REQUEST_TIMEOUT_OPTION!r}] must be a number of seconds above 0, got "
+        raise ValueError(f"{option}[{REQUEST_TIMEOUT_OPTION!r}] must be a number of seconds above 0, got "
                          f"{value!r}")
     return float(value)
 
