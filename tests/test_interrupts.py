@@ -98,29 +98,70 @@ def test_a_background_save_lets_the_state_go_before_it_says_it_is_done(tmp_path)
     assert seen == [("zarrckpt-save-test", False)]  # freed by the save's thread, before it was done
 
 
-def test_ctrl_c_while_a_save_copies_the_state_off_the_devices_says_the_step_is_lost(tmp_path, caplog, monkeypatch):
-    """A Ctrl-C that lands while `save` dispatches the copies off the devices stops
-    that save (its snapshot is not whole): the log says which step was not saved,
-    nothing of it is committed, and the next save works."""
+@pytest.mark.parametrize(("where", "async_save"), [
+    ("comparing", True),  # planning: the fingerprints of the leaves reuse compares, before the save starts
+    ("copying", True),  # dispatching the copies off the devices: the snapshot is not whole
+    ("writing", False),  # a save run on the calling thread
+])
+def test_ctrl_c_that_stops_a_save_says_the_step_is_lost_and_the_step_saves_again(tmp_path, caplog, monkeypatch,
+                                                                                    where, async_save):
+    """A Ctrl-C that lands in `save` before the save is under way on its own thread stops
+    that save: the log says which step was not saved (its traceback alone does not),
+    nothing of it is committed, and saving the same step again saves it."""
     import jax.numpy as jnp
 
-    from zarrckpt._save import transfer
+    from zarrckpt import _save
+    from zarrckpt._save import protocol, transfer
 
-    copy = transfer.start
+    owner, name = {"comparing": (_save.Unchanged, "mark"), "copying": (transfer, "start"),
+                   "writing": (protocol, "_write_all")}[where]
+    original = getattr(owner, name)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    state = {"w": jnp.arange(4096.0)}
-    with zarrckpt.CheckpointManager(str(tmp_path / "run")) as mgr:
-        monkeypatch.setattr(transfer, "start", interrupted)
+    state = {"w": jnp.arange(4096.0), "frozen": jnp.ones(4096)}
+    run = str(tmp_path / "run")
+    with zarrckpt.CheckpointManager(run, async_save=async_save) as mgr:
+        assert mgr.save(1, state)
+        monkeypatch.setattr(owner, name, interrupted)
         with caplog.at_level("WARNING", logger="zarrckpt"), pytest.raises(KeyboardInterrupt):
-            mgr.save(1, state)
-        monkeypatch.setattr(transfer, "start", copy)
-        lost = [r for r in caplog.records if r.levelname == "WARNING" and "KeyboardInterrupt" in r.getMessage()]
-        assert len(lost) == 1 and "0000000001" in lost[0].getMessage()
-        assert mgr.save(2, state)
-    assert zarrckpt.all_steps(str(tmp_path / "run")) == [2]
+            mgr.save(2, {**state, "w": state["w"] + 1})
+        monkeypatch.setattr(owner, name, original)
+        lost = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(lost) == 1 and "0000000002" in lost[0] and "KeyboardInterrupt" in lost[0], lost
+        mgr.wait()  # no error left behind for the next call
+        assert zarrckpt.all_steps(run) == [1]
+        assert mgr.save(2, {**state, "w": state["w"] + 1})
+    assert zarrckpt.all_steps(run) == [1, 2]
+    restored = zarrckpt.load_checkpoint(run, 2)
+    assert (restored["w"] == jnp.arange(4096.0) + 1).all() and (restored["frozen"] == 1).all()
+
+
+def test_ctrl_c_while_the_manager_takes_its_lease_gives_it_back(tmp_path, monkeypatch):
+    """A Ctrl-C that lands once the lease is taken but before the constructor returns
+    (a notebook's interrupt) leaves no manager to close: the lease is given back, and
+    the directory opens again at once, here and in another process."""
+    from zarrckpt import _lease
+
+    take = _lease.Lease._take
+
+    def taken_then_interrupted(self, number):
+        take(self, number)
+        raise KeyboardInterrupt
+
+    run = str(tmp_path / "run")
+    monkeypatch.setattr(_lease.Lease, "_take", taken_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        zarrckpt.CheckpointManager(run)
+    monkeypatch.setattr(_lease.Lease, "_take", take)
+    with zarrckpt.CheckpointManager(run) as mgr:
+        assert mgr.save(1, {"a": 1})
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    other = subprocess.run([sys.executable, "-c", "import sys, zarrckpt\nwith zarrckpt.CheckpointManager(sys.argv[1]) "
+                            "as mgr: mgr.save(2, {'a': 2})", run], env=env, capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0, other.stderr
+    assert zarrckpt.all_steps(run) == [1, 2]
 
 
 _NO_THREAD_CAN_START = """

@@ -137,26 +137,31 @@ class Lease:
         """Stops renewing the lease and marks it released if it is still ours. Safe to
         call more than once, and from any thread (a finalizer may run on the renewing one)."""
         self._stop.set()
-        if self._thread is None:
-            return  # never claimed: nothing here is ours
-        if self._thread is not threading.current_thread():
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
-        if self._number is not None and self._newest()[0] == self._number:
+        if self._number is None:
+            return  # never claimed: nothing here is ours
+        # Ours only if it still names us: a claim cut short (a Ctrl-C) may never have landed.
+        number, found = self._newest()
+        if number == self._number and found is not None and found.get("owner") == self._owner:
             self._root.write(lease_key(self._number), self._document(released=True), atomic=True)
         self._number = None
 
     def _take(self, number: int) -> None:
         """Creates lease `number`; one claimant of it succeeds, whatever lands when."""
+        # Noted before the request: a claim that a Ctrl-C cuts short once it has landed is
+        # still given back by `release` (which gives back only a lease that names us).
+        self._number = number
         try:
             self._root.create(lease_key(number), self._document())
         except FileExistsError:
             found = self._read(number)
             if found is None or found.get("owner") != self._owner:  # not our own attempt that landed late
+                self._number = None
                 raise DirectoryInUseError(
                     f"{self._root.url} was claimed at the same moment by {_holder(found or {})}: two jobs saving "
                     "into one directory would interleave their checkpoints. Stop the other job, or use another "
                     "directory.") from None
-        self._number = number
         self._thread = threading.Thread(target=self._renew, name="zarrckpt-lease", daemon=True)
         self._thread.start()
         try:

@@ -6,6 +6,7 @@ import atexit
 import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before ours: see _AtExit)
 import dataclasses
 import difflib
+import functools
 import logging
 import math
 import os
@@ -205,19 +206,18 @@ class CheckpointManager:
         self._lease = _lease.Lease(self._root, heartbeat_s) if _multihost.process_index() == 0 else None
         self._tier: _tiers.LocalTier | None = None
         self._closed = True  # until the leases are ours
-        run = self._claim_lease(local is not None)
-        if local is not None and run is not None:
-            try:
+        try:  # a failure or a Ctrl-C from here on gives back what was taken: no caller holds a manager to close
+            run = self._claim_lease(local is not None)
+            if local is not None and run is not None:
                 self._tier = _tiers.LocalTier.open(local, run, local_save_interval_steps or 0, local_keep_last,
                                                    heartbeat_s=heartbeat_s, timeout_s=timeout_s,
                                                    peer_copies=local_peer_copies, peer_group=local_peer_group)
-            except BaseException:
-                if self._lease is not None:
-                    self._lease.release()
-                raise
-        # A manager nobody holds any more (a notebook cell run again) gives its leases
-        # back; the leases' threads never hold the manager.
-        self._release = weakref.finalize(self, _release, self._lease, self._tier)
+            # A manager nobody holds any more (a notebook cell run again) gives its leases
+            # back; the leases' threads never hold the manager.
+            self._release = weakref.finalize(self, _release, self._lease, self._tier)
+        except BaseException:
+            _release(self._lease, self._tier)
+            raise
         self._closed = False
         _close_at_exit.register(self)
 
@@ -261,18 +261,33 @@ class CheckpointManager:
             self._warn_unranked(step, values)
         called = time.perf_counter()
         self.wait()
-        saves = []  # the persistent save first: the one that must not fail
-        if persistent:
-            saves.append(self._persistent_save(step, location, state, values, called))
-        if copy and self._tier is not None and (copy_save := self._tier.save(
-                step, state, self._local_options, self._committed_steps(), self._timeout_s)) is not None:
-            saves.append(copy_save)
-        if not saves:
-            return False
-        with self._lock:
-            self._in_flight, self._in_flight_step = saves, step
-        for save in saves:
-            save.start() if self._async else save.run()
+        saves: list[_save.BackgroundSave] = []  # the persistent save first: the one that must not fail
+        try:
+            if persistent:
+                saves.append(self._persistent_save(step, location, state, values, called))
+            if copy and self._tier is not None and (copy_save := self._tier.save(
+                    step, state, self._local_options, self._committed_steps(), self._timeout_s)) is not None:
+                saves.append(copy_save)
+            if not saves:
+                return False
+            with self._lock:
+                self._in_flight, self._in_flight_step = saves, step
+            for save in saves:
+                save.start() if self._async else save.run()
+        except BaseException as e:
+            unstarted = [save for save in saves if not save.started]
+            with self._lock:  # not in flight, so that a `save` of the step again saves it
+                self._in_flight = [save for save in self._in_flight if save.started and not save.done]
+            if not isinstance(e, Exception):
+                # A Ctrl-C's traceback alone does not say that the step was lost (a save
+                # that had started says so itself).
+                for save in unstarted:
+                    log.warning("%s was not saved: %s before its save started; nothing was committed", save.url,
+                                type(e).__name__)
+                if not saves:
+                    log.warning("%s was not saved: %s before its save started; nothing was committed",
+                                location.url, type(e).__name__)
+            raise
         self._raise_errors()  # without async_save: the persistent save's error
         return True
 
@@ -335,14 +350,18 @@ class CheckpointManager:
             if self._policy.deletes:
                 self._retain()
 
-        save = _save.BackgroundSave(job, f"zarrckpt-save-{step}", on_commit=committed, on_failure=self._failed)
+        save = _save.BackgroundSave(job, f"zarrckpt-save-{step}", on_commit=committed,
+                                    on_failure=functools.partial(self._failed, location.url))
         return save
 
-    def _failed(self, error: BaseException) -> None:
+    def _failed(self, url: str, error: BaseException) -> None:
         """A persistent save failed: raised by the next call on the training thread. The
         next save writes every chunk (the step its chunks would come from may be gone)."""
         if self._unchanged is not None:
             self._unchanged.forget()
+        if not isinstance(error, Exception):  # a Ctrl-C in a save run on this thread: its traceback does not say
+            log.warning("%s was not saved: %s while it was being written; nothing was committed", url,
+                        type(error).__name__)
         with self._lock:
             self._errors.append(error)
 

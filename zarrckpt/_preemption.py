@@ -9,6 +9,7 @@ listens, or at a second SIGTERM, the handler ends the process as SIGTERM does.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -18,6 +19,8 @@ from typing import Any
 from jax.experimental import multihost_utils
 
 from . import _multihost
+
+log = logging.getLogger("zarrckpt")
 
 
 class Notice:
@@ -65,6 +68,9 @@ _listening: weakref.WeakSet[Notice] = weakref.WeakSet()
 def _on_sigterm(signum: int, frame: Any) -> None:
     listening = list(_listening)
     if not listening or any(notice.signalled for notice in listening):
+        if listening:  # else the ending is what the sender asked for, and nothing of ours is in flight
+            log.warning("a second SIGTERM: the process ends now, without waiting for the save in flight (not "
+                        "committed unless it had committed before)")
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nobody listens, or a second one: as SIGTERM does
         os.kill(os.getpid(), signal.SIGTERM)
         return

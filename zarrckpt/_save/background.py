@@ -95,6 +95,11 @@ class BackgroundSave:
         return self._thread is None or self._finished.wait(timeout)
 
     @property
+    def started(self) -> bool:
+        """Whether `start` or `run` has been called (a save never started never ends)."""
+        return self._job is None
+
+    @property
     def done(self) -> bool:
         """Whether the save has committed or failed (a save run on the calling thread
         is done when `run` returns)."""
