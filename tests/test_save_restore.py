@@ -306,3 +306,16 @@ def test_fine_tuning_with_a_new_head(tmp_path):
         backbone, step = mgr.restore({"backbone": fresh["backbone"]}, partial=True)
     model = {**backbone, "head": fresh["head"]}
     assert step == 100 and float(model["backbone"]["w"][0, 0]) == 0.5 and model["head"]["w"].shape == (8, 3)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_save_aimed_at_an_array_inside_a_checkpoint_is_refused_and_the_array_kept(tmp_path, overwrite):
+    """An array's `zarr.json` (a leaf with no chunks: nothing else there) is no save's
+    leftover: a save into it is refused, naming it, and the checkpoint stays whole."""
+    step = tmp_path / "0000000001"
+    zarrckpt.save_pytree(str(step), {"empty": np.zeros((0, 4)), "w": np.ones(3)})
+    before = (step / "empty" / "zarr.json").read_bytes()
+    with pytest.raises(zarrckpt.CheckpointExistsError, match=r"0000000001/empty is a zarr 'array', not a checkpoint"):
+        zarrckpt.save_pytree(str(step / "empty"), {"x": np.ones(2)}, overwrite=overwrite)
+    assert (step / "empty" / "zarr.json").read_bytes() == before
+    assert zarrckpt.verify(str(step)).ok

@@ -33,6 +33,7 @@ from typing import Any
 from . import _seqax
 from ._format import naming as _naming, zarrjson as _zarrjson
 from ._storage import Location, NotAFileInCheckpoint
+from .errors import CheckpointWriteError
 
 log = logging.getLogger("zarrckpt")
 
@@ -172,6 +173,15 @@ def commit(loc: Location, group_document: dict[str, Any]) -> None:
     costs one read whatever its leaf count.
     """
     attributes = {_naming.COMMIT_ATTR: True, **group_document["attributes"]}
+    if not loc.late_safe:
+        # Where the save wrote its uncommitted document first, it must still be there: the
+        # step deleted meanwhile (`zarrckpt gc` or another writer taking it for a
+        # leftover) would otherwise read as committed with its chunks gone.
+        found, ours = head(loc), attributes.get(_naming.META_ATTR, {}).get(SAVE_ID)
+        if found.state is not State.UNCOMMITTED or found.save_id != ours:
+            raise CheckpointWriteError(f"{loc.url} was deleted or replaced by someone else while it was being "
+                                       "saved (zarrckpt gc, or another writer taking it for a leftover); not "
+                                       "committing it")
     write_marker(loc, "zarr.json", _zarrjson.encode_document({**group_document, "attributes": attributes}))
 
 

@@ -184,6 +184,10 @@ def remove_leftover(loc: Location) -> None:
     Refuses, with CheckpointExistsError, when `loc` holds anything a checkpoint would
     not: a mistyped URL must never cost someone their files.
     """
+    group = _commit.read_group(loc)
+    if group is not None and group.document.get("node_type", "group") != "group":  # inside a checkpoint
+        raise CheckpointExistsError(f"{loc.url} is a zarr {group.document['node_type']!r:.40}, not a checkpoint; "
+                                    "refusing to delete it: save somewhere else")
     foreign = not_ours(loc, committed=False)
     if foreign:
         raise CheckpointExistsError(f"{loc.url} is not empty and not a checkpoint (it holds {_some(foreign)}); "

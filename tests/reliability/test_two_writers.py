@@ -206,3 +206,49 @@ def test_a_listing_while_files_come_and_go_beside_it_still_shows_the_files_that_
     finally:
         stop.set()
         churning.join()
+
+
+def test_a_step_zarrckpt_gc_deletes_while_it_is_saved_is_not_committed(tmp_path, monkeypatch):
+    """`zarrckpt gc` (another process, no lease) takes a step being saved, older than the
+    newest committed, for a crash's leftover and deletes it: the save fails, naming the
+    step, rather than commit a step whose chunks are gone; the step saves again after."""
+    from test_cli import run
+
+    from zarrckpt import _commit
+
+    root = str(tmp_path / "run")
+    for step in (1, 10):
+        zarrckpt.save_checkpoint(root, step, {"w": np.full(64, float(step))})
+    commit = _commit.commit
+
+    def gc_first(loc, document):  # the save's writes are done: gc runs before its commit
+        done = run("gc", root, "--keep-last", "5")
+        assert done.returncode == 0 and not (tmp_path / "run" / "0000000003").exists(), done
+        commit(loc, document)
+
+    monkeypatch.setattr(_commit, "commit", gc_first)
+    with pytest.raises(zarrckpt.CheckpointWriteError, match="0000000003 was deleted or replaced"):
+        zarrckpt.save_checkpoint(root, 3, {"w": np.full(64, 3.0)})
+    monkeypatch.setattr(_commit, "commit", commit)
+    assert zarrckpt.all_steps(root) == [1, 10]
+    zarrckpt.save_checkpoint(root, 3, {"w": np.full(64, 3.0)})
+    assert zarrckpt.all_steps(root) == [1, 3, 10] and zarrckpt.verify(f"{root}/0000000003").ok
+    np.testing.assert_array_equal(zarrckpt.load_checkpoint(root, 3)["w"], np.full(64, 3.0))
+
+
+@pytest.mark.parametrize("call", ["save_checkpoint", "save_pytree"])
+def test_a_one_off_save_into_a_step_a_live_manager_holds_is_refused_without_overwrite_too(tmp_path, call):
+    """Without `overwrite` a step the manager is writing reads as a leftover: deleted, it
+    would be replaced by the one-off save's, and the manager's next save would link
+    that save's chunks as its own unchanged ones."""
+    root = tmp_path / "run"
+    with zarrckpt.CheckpointManager(str(root), heartbeat_s=BEAT) as mgr:
+        assert mgr.save(1, {"w": np.ones(64)})
+        with pytest.raises(zarrckpt.DirectoryInUseError, match="in this process"):
+            if call == "save_checkpoint":
+                zarrckpt.save_checkpoint(str(root), 2, {"w": -np.ones(64)})
+            else:
+                zarrckpt.save_pytree(str(root / "0000000002"), {"w": -np.ones(64)})
+        assert not (root / "0000000002").exists()
+    zarrckpt.save_checkpoint(str(root), 2, {"w": -np.ones(64)})  # the manager closed: a one-off writer may
+    assert zarrckpt.all_steps(str(root)) == [1, 2]

@@ -96,7 +96,7 @@ def save_pytree(
       TypeError, ValueError: an option of the wrong type or value (named).
       UnsupportedLeafError: a leaf or key that cannot be saved (names its key path).
       CheckpointExistsError: `url` holds a committed checkpoint and overwrite is False.
-      DirectoryInUseError: with overwrite, `url` is a step of a directory of steps
+      DirectoryInUseError: `url` is a step of a directory of steps
         that a live `CheckpointManager` holds (names the holder); a lease left
         unreleased whose holder may be alive elsewhere is watched first (2.5
         heartbeats).
@@ -108,9 +108,10 @@ def save_pytree(
                           max_inflight_bytes=max_inflight_bytes, max_workers=max_workers, timeout_s=timeout_s,
                           progress=progress, checksums=checksums, compression=compression)
     loc = _storage.resolve(url, storage_options)
-    # A step of a run a live manager holds: replaced, it would hold what the manager's
-    # record of it does not (its next save would link the replacement's chunks).
-    save(loc, tree, options, before_prepare=(lambda: refuse_if_held(loc, "save_pytree")) if overwrite else None)
+    # A step of a run a live manager holds: one it is writing would be taken for a
+    # leftover and deleted, and one replaced would hold what the manager's record of it
+    # does not (its next save would link the replacement's chunks).
+    save(loc, tree, options, before_prepare=lambda: refuse_if_held(loc, "save_pytree"))
 
 
 def save(loc: _storage.Location, tree: Any, options: SaveOptions, *,
