@@ -230,6 +230,24 @@ def test_gc_dry_run_then_for_real(tmp_path):
     assert zarrckpt.all_steps(root) == [2, 3, 5, 6]
 
 
+def test_gc_leaves_uncommitted_steps_to_a_live_manager_and_deletes_them_once_it_is_gone(tmp_path):
+    """An uncommitted step older than the newest committed reads as a crash's leftover,
+    but a live manager may be saving it (`force=True`): gc leaves it while the run's
+    lease is held, saying why, and deletes it once the lease is released."""
+    root = tmp_path / "run"
+    with zarrckpt.CheckpointManager(str(root)) as mgr:
+        for step in (1, 2, 10):
+            assert mgr.save(step, {"x": step}, force=True)
+        (root / "0000000002" / "zarr.json").unlink()  # as a save in progress reads: uncommitted
+        held = run("gc", str(root), "--keep-last", "5")
+        assert held.returncode == 0 and "uncommitted steps" in held.stderr and "left alone" in held.stderr, held
+        assert (root / "0000000002").is_dir()
+    gone = run("gc", str(root), "--keep-last", "5", "--json")
+    assert gone.returncode == 0, gone.stderr
+    assert json.loads(gone.stdout) == {"dry_run": False, "deleted": [2], "kept": [1, 10]}
+    assert not (root / "0000000002").exists() and zarrckpt.all_steps(str(root)) == [1, 10]
+
+
 def test_gc_keeps_every_kth_alone_and_the_best_as_the_manager_does(tmp_path):
     root = str(tmp_path / "run")
     with zarrckpt.CheckpointManager(root, async_save=False) as mgr:

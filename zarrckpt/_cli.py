@@ -37,6 +37,7 @@ from . import (
     _copy,
     _export,
     _import,
+    _lease,
     _metadata,
     _progress,
     _retention,
@@ -433,7 +434,12 @@ def _gc(args: argparse.Namespace) -> int:
     root = _storage.resolve(args.dir, _options(args.storage_option))
     committed = set(_steps.scan(root)[1])
     metrics = _retention.load_metrics(root, committed) if args.keep_best is not None else {}
-    deleted = _retention.apply(root, policy, metrics, dry_run=args.dry_run)
+    # A job holding the run may be saving an older step than its newest (`force`): what
+    # reads as a crash's leftover is left to that job's own retention.
+    if (holder := _lease.unreleased_holder(root)) is not None:
+        print(f"zarrckpt: uncommitted steps under {root.url} are left alone: {holder} holds it, and may be saving "
+              "them", file=sys.stderr)
+    deleted = _retention.apply(root, policy, metrics, dry_run=args.dry_run, leftovers=holder is None)
     kept = sorted(committed - set(deleted))
     if args.json:
         _print_json({"dry_run": args.dry_run, "deleted": deleted, "kept": kept})

@@ -71,6 +71,19 @@ def refuse_if_held(step: Location, what: str) -> None:
         Lease(run, what=what).free()
 
 
+def unreleased_holder(root: Location) -> str | None:
+    """Who holds the lease of the directory of steps `root` (as errors name a holder)
+    while a job may hold it: its newest lease not released, and its writer not
+    provably gone; else None. Reads only, and watches nothing: a job that died without
+    releasing it reads as a holder until the next manager takes it over."""
+    if not root.list_dir(LEASES):
+        return None
+    found = Lease(root)._newest()[1]
+    if found is None or found.get("released") or _alive_here(found) is False:
+        return None
+    return _holder(found)
+
+
 class Lease:
     """A claim on `root`, renewed by a daemon thread. Process 0 only. `what` says who
     claims, in messages ("CheckpointManager", "zarrckpt import")."""

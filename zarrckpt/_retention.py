@@ -118,10 +118,11 @@ def is_pinned(step_loc: Location) -> bool:
 
 
 def apply(root: Location, policy: Policy, metrics: Mapping[int, Mapping[str, Any]], *,
-          dry_run: bool = False) -> list[int]:
+          dry_run: bool = False, leftovers: bool = True) -> list[int]:
     """Deletes what `policy` does not keep under `root`; returns the deleted steps.
 
-    Uncommitted steps older than the newest committed one are leftovers, deleted too;
+    Uncommitted steps older than the newest committed one are leftovers, deleted too
+    unless not `leftovers` (another job may be saving one: `force`, an older step);
     a newer one may be a save in flight, and is never touched. Each deletion removes
     the commit marker first, so an interrupted one leaves only an uncommitted leftover.
     """
@@ -136,8 +137,8 @@ def apply(root: Location, policy: Policy, metrics: Mapping[int, Mapping[str, Any
                  root.url)
         keep.add(finite)
     doomed = sorted(s for s in committed - keep if not is_pinned(root.step(s)))
-    leftovers = sorted(s for s in set(candidates) - committed if s < newest)
-    return [step for step in doomed + leftovers
+    uncommitted = sorted(s for s in set(candidates) - committed if s < newest) if leftovers else []
+    return [step for step in doomed + uncommitted
             if delete(root, step, committed=step in doomed, why="retention" if step in doomed else
                       "uncommitted leftover", dry_run=dry_run)]
 
