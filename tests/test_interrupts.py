@@ -138,6 +138,45 @@ def test_ctrl_c_that_stops_a_save_says_the_step_is_lost_and_the_step_saves_again
     assert (restored["w"] == jnp.arange(4096.0) + 1).all() and (restored["frozen"] == 1).all()
 
 
+def test_ctrl_c_in_the_retention_after_a_commit_does_not_say_the_step_is_lost(tmp_path, caplog, monkeypatch):
+    """With `async_save=False` the retention a commit triggers runs in `save`: a Ctrl-C
+    there stops it, but the step has committed, and no warning says it was not saved."""
+    from zarrckpt import _retention
+
+    apply = _retention.apply
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    run = str(tmp_path / "run")
+    with zarrckpt.CheckpointManager(run, async_save=False, keep_last=1) as mgr:
+        assert mgr.save(1, {"a": 1})
+        monkeypatch.setattr(_retention, "apply", interrupted)
+        with caplog.at_level("WARNING", logger="zarrckpt"), pytest.raises(KeyboardInterrupt):
+            mgr.save(2, {"a": 2})
+        monkeypatch.setattr(_retention, "apply", apply)
+        assert not [r for r in caplog.records if "not saved" in r.getMessage()]
+        assert 2 in zarrckpt.all_steps(run) and not mgr.save(2, {"a": 2})  # committed: not saved again
+
+
+def test_ctrl_c_while_a_local_copy_is_made_names_that_copy(tmp_path, caplog, monkeypatch):
+    """A step due only in the local tier: a Ctrl-C while its copy is made names the copy
+    lost, not the persistent step (never due)."""
+    from zarrckpt import _tiers
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    run, local = str(tmp_path / "run"), str(tmp_path / "local")
+    with zarrckpt.CheckpointManager(run, save_interval_steps=10, local_directory=local,
+                                    local_save_interval_steps=1) as mgr:
+        monkeypatch.setattr(_tiers.LocalTier, "save", interrupted)
+        with caplog.at_level("WARNING", logger="zarrckpt"), pytest.raises(KeyboardInterrupt):
+            mgr.save(3, {"a": 3})
+    lost = [r.getMessage() for r in caplog.records if "not saved" in r.getMessage()]
+    assert len(lost) == 1 and "local copy of step 3" in lost[0] and "0000000003" not in lost[0], lost
+
+
 def test_ctrl_c_while_the_manager_takes_its_lease_gives_it_back(tmp_path, monkeypatch):
     """A Ctrl-C that lands once the lease is taken but before the constructor returns
     (a notebook's interrupt) leaves no manager to close: the lease is given back, and

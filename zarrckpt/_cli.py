@@ -51,7 +51,7 @@ from ._format import naming as _naming, zarrjson as _zarrjson
 from ._metadata import metadata
 from ._restore import orbax as _orbax
 from ._restore.from_copies import peers_of
-from .errors import CheckpointError
+from .errors import CheckpointError, DirectoryInUseError
 
 EXIT_ERROR = 1  # the command could not do its job (message on stderr)
 EXIT_USAGE = 2  # the command line is wrong (argparse's status)
@@ -435,11 +435,18 @@ def _gc(args: argparse.Namespace) -> int:
     committed = set(_steps.scan(root)[1])
     metrics = _retention.load_metrics(root, committed) if args.keep_best is not None else {}
     # A job holding the run may be saving an older step than its newest (`force`): what
-    # reads as a crash's leftover is left to that job's own retention.
-    if (holder := _lease.unreleased_holder(root)) is not None:
-        print(f"zarrckpt: uncommitted steps under {root.url} are left alone: {holder} holds it, and may be saving "
-              "them", file=sys.stderr)
-    deleted = _retention.apply(root, policy, metrics, dry_run=args.dry_run, leftovers=holder is None)
+    # reads as a crash's leftover is left to that job's own retention. Asked only where
+    # there is such a step (a lease left unreleased is watched, as a claimant would).
+    candidates, newest = _steps.scan(root)[0], max(committed, default=None)
+    leftovers = newest is not None and any(step < newest and step not in committed for step in candidates)
+    if leftovers:
+        try:
+            _lease.live_holder(root, "zarrckpt gc")
+        except DirectoryInUseError as e:
+            print(f"zarrckpt: uncommitted steps under {root.url} are left alone, as a save may be writing them: {e}",
+                  file=sys.stderr)
+            leftovers = False
+    deleted = _retention.apply(root, policy, metrics, dry_run=args.dry_run, leftovers=leftovers)
     kept = sorted(committed - set(deleted))
     if args.json:
         _print_json({"dry_run": args.dry_run, "deleted": deleted, "kept": kept})

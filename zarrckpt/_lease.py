@@ -57,31 +57,29 @@ def lease_key(number: int) -> str:
     return f"{LEASES}/{number:010d}"
 
 
-def refuse_if_held(step: Location, what: str) -> None:
+def refuse_if_held(step: Location, what: str, *, existing_only: bool = False) -> None:
     """Raises DirectoryInUseError, naming the holder, if the checkpoint `step` is a step
     of a directory of steps (by its name) whose lease a live job holds: a one-off
     writer into a run (`import`, `cp`) must not write beside a training job (whose
     retention would delete what it wrote, or whose restart would resume from it).
-    Watches a lease found unreleased as a claimant does; takes nothing, so one-off
-    writers never hold each other up."""
+    With `existing_only`, only where `step` holds something already (a step the job
+    may be writing, which the writer would take for a leftover and delete): a new step
+    is written without a look at the lease. Watches a lease found unreleased as a
+    claimant does; takes nothing, so one-off writers never hold each other up."""
     run = step.parent()
     if run is None or _naming.parse_step_dir_name(step.url.rstrip("/").rpartition("/")[2]) is None:
         return
-    if run.list_dir(LEASES):  # else no manager ever ran there
-        Lease(run, what=what).free()
+    if existing_only and not step.exists():
+        return
+    live_holder(run, what)
 
 
-def unreleased_holder(root: Location) -> str | None:
-    """Who holds the lease of the directory of steps `root` (as errors name a holder)
-    while a job may hold it: its newest lease not released, and its writer not
-    provably gone; else None. Reads only, and watches nothing: a job that died without
-    releasing it reads as a holder until the next manager takes it over."""
-    if not root.list_dir(LEASES):
-        return None
-    found = Lease(root)._newest()[1]
-    if found is None or found.get("released") or _alive_here(found) is False:
-        return None
-    return _holder(found)
+def live_holder(root: Location, what: str) -> None:
+    """Raises DirectoryInUseError, naming the holder, if a live job holds the lease of the
+    directory of steps `root`; watches a lease found unreleased as a claimant does (2.5
+    heartbeats), and takes nothing."""
+    if root.list_dir(LEASES):  # else no manager ever ran there
+        Lease(root, what=what).free()
 
 
 class Lease:

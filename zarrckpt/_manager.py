@@ -262,12 +262,17 @@ class CheckpointManager:
         called = time.perf_counter()
         self.wait()
         saves: list[_save.BackgroundSave] = []  # the persistent save first: the one that must not fail
+        making = None  # what the save being made writes, while it is made
         try:
             if persistent:
+                making = location.url
                 saves.append(self._persistent_save(step, location, state, values, called))
-            if copy and self._tier is not None and (copy_save := self._tier.save(
-                    step, state, self._local_options, self._committed_steps(), self._timeout_s)) is not None:
-                saves.append(copy_save)
+            if copy and self._tier is not None:
+                making = f"the local copy of step {step}"
+                if (copy_save := self._tier.save(step, state, self._local_options, self._committed_steps(),
+                                                 self._timeout_s)) is not None:
+                    saves.append(copy_save)
+            making = None
             if not saves:
                 return False
             with self._lock:
@@ -281,12 +286,9 @@ class CheckpointManager:
             if not isinstance(e, Exception):
                 # A Ctrl-C's traceback alone does not say that the step was lost (a save
                 # that had started says so itself).
-                for save in unstarted:
-                    log.warning("%s was not saved: %s before its save started; nothing was committed", save.url,
+                for what in [save.url for save in unstarted] + ([making] if making is not None else []):
+                    log.warning("%s was not saved: %s before its save started; nothing was committed", what,
                                 type(e).__name__)
-                if not saves:
-                    log.warning("%s was not saved: %s before its save started; nothing was committed",
-                                location.url, type(e).__name__)
             raise
         self._raise_errors()  # without async_save: the persistent save's error
         return True
@@ -351,17 +353,20 @@ class CheckpointManager:
                 self._retain()
 
         save = _save.BackgroundSave(job, f"zarrckpt-save-{step}", on_commit=committed,
-                                    on_failure=functools.partial(self._failed, location.url))
+                                    on_failure=functools.partial(self._failed, step, location.url))
         return save
 
-    def _failed(self, url: str, error: BaseException) -> None:
-        """A persistent save failed: raised by the next call on the training thread. The
-        next save writes every chunk (the step its chunks would come from may be gone)."""
+    def _failed(self, step: int, url: str, error: BaseException) -> None:
+        """A persistent save failed, or what its commit triggered (retention): raised by
+        the next call on the training thread. The next save writes every chunk (the step
+        its chunks would come from may be gone)."""
         if self._unchanged is not None:
             self._unchanged.forget()
-        if not isinstance(error, Exception):  # a Ctrl-C in a save run on this thread: its traceback does not say
-            log.warning("%s was not saved: %s while it was being written; nothing was committed", url,
-                        type(error).__name__)
+        with self._lock:
+            committed = step in self._committed
+        if not isinstance(error, Exception) and not committed:  # a Ctrl-C in a save run on this thread
+            log.warning("%s was not saved: %s while it was being written; nothing was committed unless its commit "
+                        "had been written (zarrckpt.all_steps says)", url, type(error).__name__)
         with self._lock:
             self._errors.append(error)
 

@@ -56,9 +56,10 @@ def save_checkpoint(
     Raises what `save_pytree` raises; CheckpointExistsError if the step is committed
     and `overwrite` is False, ValueError for a bad step (or `unchanged_since` equal to
     `step`); DirectoryInUseError, naming the holder, if a live `CheckpointManager`
-    holds `checkpoint_dir` (a step it is writing would be taken for a leftover and
-    deleted, and one replaced would be taken for the one it saved, its unchanged chunks
-    made from it). A lease found
+    holds `checkpoint_dir` and `step` is there already, committed (with `overwrite`:
+    the manager would take the replacement for the step it saved, and make unchanged
+    chunks from it) or not (a step it is writing would be taken for a leftover and
+    deleted). A lease found
     unreleased whose holder may be alive on another machine is watched first, as a
     manager claiming it would (2.5 heartbeats). CheckpointWriteError, with nothing
     committed, if step `unchanged_since` is deleted or replaced while chunks are made
@@ -76,7 +77,8 @@ def save_checkpoint(
     loc = root.step(step)
     source = None if unchanged_since is None else root.step(unchanged_since)
     job = _save.SaveJob.create(loc, state, options,
-                               before_prepare=lambda: _lease.refuse_if_held(loc, "save_checkpoint"))
+                               before_prepare=lambda: _lease.refuse_if_held(loc, "save_checkpoint",
+                                                                            existing_only=not overwrite))
     known = _save.of_run(where(root))
     if source is not None and (trusted := _trusted(known, source)) is not None:
         seen = known.mark(job.plans, job.arrays, loc, source=source, save_id=trusted)

@@ -241,15 +241,39 @@ def test_a_step_zarrckpt_gc_deletes_while_it_is_saved_is_not_committed(tmp_path,
 def test_a_one_off_save_into_a_step_a_live_manager_holds_is_refused_without_overwrite_too(tmp_path, call):
     """Without `overwrite` a step the manager is writing reads as a leftover: deleted, it
     would be replaced by the one-off save's, and the manager's next save would link
-    that save's chunks as its own unchanged ones."""
+    that save's chunks as its own unchanged ones. A new step is written as before."""
     root = tmp_path / "run"
+
+    def one_off(step, value):
+        if call == "save_checkpoint":
+            zarrckpt.save_checkpoint(str(root), step, {"w": np.full(64, value)})
+        else:
+            zarrckpt.save_pytree(str(root / f"{step:010d}"), {"w": np.full(64, value)})
+
     with zarrckpt.CheckpointManager(str(root), heartbeat_s=BEAT) as mgr:
-        assert mgr.save(1, {"w": np.ones(64)})
+        assert mgr.save(1, {"w": np.ones(64)}) and mgr.save(2, {"w": np.full(64, 2.0)})
+        mgr.wait()
+        (root / "0000000002" / "zarr.json").unlink()  # as the manager's save in progress reads: uncommitted
+        before = sorted(p.relative_to(root) for p in (root / "0000000002").rglob("*"))
         with pytest.raises(zarrckpt.DirectoryInUseError, match="in this process"):
-            if call == "save_checkpoint":
-                zarrckpt.save_checkpoint(str(root), 2, {"w": -np.ones(64)})
-            else:
-                zarrckpt.save_pytree(str(root / "0000000002"), {"w": -np.ones(64)})
-        assert not (root / "0000000002").exists()
-    zarrckpt.save_checkpoint(str(root), 2, {"w": -np.ones(64)})  # the manager closed: a one-off writer may
-    assert zarrckpt.all_steps(str(root)) == [1, 2]
+            one_off(2, -1.0)
+        assert sorted(p.relative_to(root) for p in (root / "0000000002").rglob("*")) == before
+        one_off(3, 3.0)  # a step the manager has not begun: written beside it, as before
+    assert zarrckpt.all_steps(str(root)) == [1, 3]
+    one_off(2, -1.0)  # the manager closed: its leftover is a leftover
+    assert zarrckpt.all_steps(str(root)) == [1, 2, 3]
+    np.testing.assert_array_equal(zarrckpt.load_checkpoint(str(root), 2)["w"], np.full(64, -1.0))
+
+
+def test_a_one_off_save_of_a_new_step_does_not_watch_a_lease_left_unreleased(tmp_path, caplog):
+    """A preempted job's lease stays unreleased until the next manager takes it over: a
+    one-off save of a step that is not there yet writes at once, watching nothing (a
+    step that is there, which it would delete or replace, is where the lease matters)."""
+    root = tmp_path / "run"
+    zarrckpt.save_checkpoint(str(root), 1, {"w": np.ones(4)})
+    plant(root, {"owner": "other", "host": "elsewhere", "pid": 2, "beat": 1, "heartbeat_s": 600})
+    with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+        zarrckpt.save_checkpoint(str(root), 2, {"w": np.ones(4)})
+        zarrckpt.save_pytree(str(root / "0000000003"), {"w": np.ones(4)})
+    assert not [r for r in caplog.records if "watching" in r.getMessage()]
+    assert zarrckpt.all_steps(str(root)) == [1, 2, 3]

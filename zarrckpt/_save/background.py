@@ -71,14 +71,15 @@ class BackgroundSave:
         except BaseException as e:  # a Ctrl-C anywhere here included: the writer is told, and waited for
             self._staging_failed = True
             self._queue.put(_STOPPED)  # after an _END, never read
+            # Said here, before the wait that a second Ctrl-C may cut short: the writer
+            # does not report a save whose staging failed, and a Ctrl-C's traceback alone
+            # does not say that the step was lost.
+            log.warning("%s was not saved: %s while its state was being copied off the devices; nothing was "
+                        "committed", self.url, type(e).__name__)
             if thread.ident is None:  # interrupted before it started: nothing else will end it
                 self._writing = None
                 self._finished.set()
             self._finished.wait()
-            # Said here: the writer does not report a save whose staging failed, and a
-            # Ctrl-C's traceback alone does not say that the step was lost.
-            log.warning("%s was not saved: %s while its state was being copied off the devices; nothing was "
-                        "committed", self.url, type(e).__name__)
             raise
 
     def run(self) -> None:

@@ -96,7 +96,7 @@ def save_pytree(
       TypeError, ValueError: an option of the wrong type or value (named).
       UnsupportedLeafError: a leaf or key that cannot be saved (names its key path).
       CheckpointExistsError: `url` holds a committed checkpoint and overwrite is False.
-      DirectoryInUseError: `url` is a step of a directory of steps
+      DirectoryInUseError: `url` is a step, there already, of a directory of steps
         that a live `CheckpointManager` holds (names the holder); a lease left
         unreleased whose holder may be alive elsewhere is watched first (2.5
         heartbeats).
@@ -111,7 +111,7 @@ def save_pytree(
     # A step of a run a live manager holds: one it is writing would be taken for a
     # leftover and deleted, and one replaced would hold what the manager's record of it
     # does not (its next save would link the replacement's chunks).
-    save(loc, tree, options, before_prepare=lambda: refuse_if_held(loc, "save_pytree"))
+    save(loc, tree, options, before_prepare=lambda: refuse_if_held(loc, "save_pytree", existing_only=not overwrite))
 
 
 def save(loc: _storage.Location, tree: Any, options: SaveOptions, *,
