@@ -435,18 +435,18 @@ def _gc(args: argparse.Namespace) -> int:
     committed = set(_steps.scan(root)[1])
     metrics = _retention.load_metrics(root, committed) if args.keep_best is not None else {}
     # A job holding the run may be saving an older step than its newest (`force`): what
-    # reads as a crash's leftover is left to that job's own retention. Asked only where
-    # there is such a step (a lease left unreleased is watched, as a claimant would).
-    candidates, newest = _steps.scan(root)[0], max(committed, default=None)
-    leftovers = newest is not None and any(step < newest and step not in committed for step in candidates)
-    if leftovers:
+    # reads as a crash's leftover is left to that job's own retention (a lease left
+    # unreleased is watched, as a claimant would).
+    def leftovers_free() -> bool:
         try:
             _lease.live_holder(root, "zarrckpt gc")
         except DirectoryInUseError as e:
             print(f"zarrckpt: uncommitted steps under {root.url} are left alone, as a save may be writing them: {e}",
                   file=sys.stderr)
-            leftovers = False
-    deleted = _retention.apply(root, policy, metrics, dry_run=args.dry_run, leftovers=leftovers)
+            return False
+        return True
+
+    deleted = _retention.apply(root, policy, metrics, dry_run=args.dry_run, leftovers_free=leftovers_free)
     kept = sorted(committed - set(deleted))
     if args.json:
         _print_json({"dry_run": args.dry_run, "deleted": deleted, "kept": kept})

@@ -364,11 +364,10 @@ class CheckpointManager:
             self._unchanged.forget()
         with self._lock:
             committed = step in self._committed
+            self._errors.append(error)
         if not isinstance(error, Exception) and not committed:  # a Ctrl-C in a save run on this thread
             log.warning("%s was not saved: %s while it was being written; nothing was committed unless its commit "
                         "had been written (zarrckpt.all_steps says)", url, type(error).__name__)
-        with self._lock:
-            self._errors.append(error)
 
     def _should_save(self, step: int, force: bool) -> bool:
         with self._lock:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from . import _commit, _concurrency, _objects, _options, _steps
@@ -118,12 +118,13 @@ def is_pinned(step_loc: Location) -> bool:
 
 
 def apply(root: Location, policy: Policy, metrics: Mapping[int, Mapping[str, Any]], *,
-          dry_run: bool = False, leftovers: bool = True) -> list[int]:
+          dry_run: bool = False, leftovers_free: Callable[[], bool] | None = None) -> list[int]:
     """Deletes what `policy` does not keep under `root`; returns the deleted steps.
 
     Uncommitted steps older than the newest committed one are leftovers, deleted too
-    unless not `leftovers` (another job may be saving one: `force`, an older step);
-    a newer one may be a save in flight, and is never touched. Each deletion removes
+    unless `leftovers_free`, asked only where there are some, says otherwise (another
+    job may be saving one: `force`, an older step); a newer one may be a save in
+    flight, and is never touched. Each deletion removes
     the commit marker first, so an interrupted one leaves only an uncommitted leftover.
     """
     candidates, committed_steps = _steps.scan(root)
@@ -137,7 +138,9 @@ def apply(root: Location, policy: Policy, metrics: Mapping[int, Mapping[str, Any
                  root.url)
         keep.add(finite)
     doomed = sorted(s for s in committed - keep if not is_pinned(root.step(s)))
-    uncommitted = sorted(s for s in set(candidates) - committed if s < newest) if leftovers else []
+    uncommitted = sorted(s for s in set(candidates) - committed if s < newest)
+    if uncommitted and leftovers_free is not None and not leftovers_free():
+        uncommitted = []
     return [step for step in doomed + uncommitted
             if delete(root, step, committed=step in doomed, why="retention" if step in doomed else
                       "uncommitted leftover", dry_run=dry_run)]

@@ -59,9 +59,8 @@ def save_checkpoint(
     holds `checkpoint_dir` and `step` is there already, committed (with `overwrite`:
     the manager would take the replacement for the step it saved, and make unchanged
     chunks from it) or not (a step it is writing would be taken for a leftover and
-    deleted). A lease found
-    unreleased whose holder may be alive on another machine is watched first, as a
-    manager claiming it would (2.5 heartbeats). CheckpointWriteError, with nothing
+    deleted). A lease found unreleased whose holder may be alive on another machine is
+    watched first, as a manager claiming it would (2.5 heartbeats). CheckpointWriteError, with nothing
     committed, if step `unchanged_since` is deleted or replaced while chunks are made
     from it.
     """
