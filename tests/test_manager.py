@@ -222,6 +222,46 @@ def test_a_diverged_run_never_rotates_out_its_last_finite_step(tmp_path, caplog)
     assert step == 5 and float(restored["w"][0, 0]) == 2.0
 
 
+def test_a_diverged_adapter_is_found_behind_a_frozen_base_of_more_leaves_than_the_check_looks_at(tmp_path):
+    """The NaN check looks at the largest leaves (`_finite.MAX_CHECKED`); leaves made
+    from the step before are not looked at again, so that a frozen base larger than
+    the adapters does not crowd them out of it."""
+    from zarrckpt import _finite
+
+    base = [jnp.full(1024, float(i)) for i in range(_finite.MAX_CHECKED + 2)]  # frozen: the same arrays
+
+    def state(adapter):
+        return {"base": base, "adapter": jnp.full(8, adapter)}
+
+    with zarrckpt.CheckpointManager(str(tmp_path), keep_last=1) as mgr:
+        mgr.save(1, state(1.0))
+        mgr.save(2, state(np.nan))
+        mgr.wait()
+        assert mgr.all_steps() == [1, 2]  # step 2 is marked: step 1 stays, the newest without NaN
+
+
+def test_a_frozen_leaf_holding_nan_marks_every_step_made_from_it(tmp_path):
+    """A leaf unchanged since the step before holds NaN in every step made from it,
+    though the check does not look at it again."""
+    leaves = [jnp.full(1024, float(i)) for i in range(3)]
+
+    def state(bad):
+        return {"w": leaves, "bad": bad}
+
+    nan = jnp.full(16, np.nan)
+    with zarrckpt.CheckpointManager(str(tmp_path), keep_last=1) as mgr:
+        mgr.save(1, state(jnp.zeros(16)))
+        mgr.save(2, state(nan))
+        mgr.save(3, state(nan))  # the same array: made from step 2
+        mgr.wait()
+        assert mgr.all_steps() == [1, 3]
+        nan_again = jnp.full(16, np.nan)  # a new array, checked again
+        mgr.save(4, state(nan_again))
+        mgr.save(5, state(jnp.ones(16)))
+        mgr.wait()
+        assert mgr.all_steps() == [5]
+
+
 def test_delete_and_unpin_by_hand(tmp_path):
     with zarrckpt.CheckpointManager(str(tmp_path), keep_last=2, async_save=False) as mgr:
         for step in (1, 2, 3):

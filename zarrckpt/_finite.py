@@ -3,7 +3,8 @@
 A diverging run saves NaN weights as readily as good ones, and retention would then
 rotate the last good step out. The manager dispatches one reduction per set of this
 process's devices over the state's largest floating-point jax.Array leaves
-(`MAX_CHECKED`; on CPU devices, the first `CPU_SAMPLE` elements of one shard of each)
+(`MAX_CHECKED`; on CPU devices, the first `CPU_SAMPLE` elements of one shard of each),
+but those unchanged since the step it checked last (what it found there holds),
 when `save` is called (the runtime orders a later donation of their buffers after it,
 as it does the copies), and the save waits for its few bytes of answer in the
 background, before it commits; process 0's answer is recorded. A step holding
@@ -18,14 +19,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence, Set as AbstractSet
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._format.tree import Leaf
+from ._format.tree import Leaf, describe_path
 
 log = logging.getLogger("zarrckpt")
 
@@ -41,15 +42,31 @@ MAX_CHECKED = 32
 CPU_SAMPLE = 2**16
 
 
-def start(leaves: Sequence[Leaf]) -> Callable[[], list[str]]:
+class Findings(NamedTuple):
+    """What a check found: the leaves (their array names, `Leaf.name`) it looked at, and
+    the key paths of those holding NaN or an infinity in this process's shards, by
+    name, in tree order."""
+
+    checked: frozenset[str]
+    bad: dict[str, str]
+
+
+def start(leaves: Sequence[Leaf], *, before: Findings | None = None,
+          unchanged: AbstractSet[str] = frozenset()) -> Callable[[], Findings]:
     """Dispatches the check of the largest `MAX_CHECKED` of `leaves`' floating-point
-    jax.Arrays in device memory; returns a call that waits for it and returns the key
-    paths (`Leaf.where`) of those holding NaN or an infinity in this process's shards
-    (process 0's answer is the one recorded: a diverged run's NaN is in every shard).
-    Not collective."""
+    jax.Arrays in device memory; returns a call that waits for it and says what it
+    found (process 0's answer is the one recorded: a diverged run's NaN is in every
+    shard). Not collective.
+
+    The leaves `unchanged` (by name) since the step `before` says what was found in are
+    not looked at again where `before` looked at them: what was found then holds. A
+    frozen base, larger than what trains, would otherwise crowd the leaves that can
+    diverge out of the check."""
+    kept = unchanged & before.checked if before is not None else frozenset()
+    order = [leaf.name for leaf in leaves]
     floats = [leaf for leaf in leaves
               if isinstance(x := leaf.value, jax.Array) and x.size and jnp.issubdtype(x.dtype, jnp.inexact)
-              and x.sharding.memory_kind in (None, "device")]
+              and x.sharding.memory_kind in (None, "device") and leaf.name not in kept]
     chosen = sorted(range(len(floats)), key=lambda i: -floats[i].value.nbytes)[:MAX_CHECKED]
     # One reduction per sharding (a computation cannot mix device orders), over this
     # process's devices alone: an array spanning processes is looked at shard by
@@ -58,15 +75,16 @@ def start(leaves: Sequence[Leaf]) -> Callable[[], list[str]]:
     for i in sorted(chosen):  # in tree order: the same computations on every process
         x = floats[i].value
         if _on_cpu(x):  # a sample: the start of one shard
-            first = x.addressable_shards[0]
-            parts = [(first.data.sharding, first.data)]
+            first = x.addressable_data(0)
+            parts = [(first.sharding, first)]
         elif x.is_fully_addressable:
             parts = [(x.sharding, x)]
         else:
             parts = [(shard.data.sharding, shard.data) for shard in x.addressable_shards]
         for sharding, part in parts:
             groups.setdefault(sharding, []).append((i, part))
-    wheres = [leaf.where for leaf in floats]  # the answer holds no array: the state may go
+    # The answer holds no array: the state may go.
+    named = [(leaf.name, leaf.path) for leaf in floats]
     pending = []
     for group in groups.values():
         try:
@@ -76,14 +94,20 @@ def start(leaves: Sequence[Leaf]) -> Callable[[], list[str]]:
             log.debug("could not check %d leaves for NaN: %s", len(group), e)
     del groups
 
-    def result() -> list[str]:
+    def result() -> Findings:
         bad: set[int] = set()
+        checked: set[int] = set()
         for indices, flags in pending:
             try:
                 bad.update(i for i, ok in zip(indices, np.asarray(flags)) if not ok)
+                checked.update(indices)
             except Exception as e:
                 log.debug("could not check %d leaves for NaN: %s", len(indices), e)
-        return [wheres[i] for i in sorted(bad)]
+        found = {named[i][0]: describe_path(named[i][1]) for i in bad}
+        if before is not None:
+            found.update((name, where) for name, where in before.bad.items() if name in kept)
+        return Findings(frozenset(named[i][0] for i in checked) | kept,
+                        {name: found[name] for name in order if name in found})
 
     return result
 

@@ -187,6 +187,10 @@ class CheckpointManager:
         self._interval_seconds = save_interval_seconds
         self._async = async_save
         self._unchanged = _save.Unchanged() if reuse_unchanged else None
+        # What the NaN check found in the newest step this manager committed (process
+        # 0's), with that save's identity: a leaf made from that very save holds what it
+        # held then.
+        self._findings: tuple[str, str | None, _finite.Findings] | None = None
         self._preemption = _preemption.Notice(listen=save_on_preemption)
         self._warned_unranked = False
         self._warned_older = False
@@ -312,23 +316,31 @@ class CheckpointManager:
         job = _save.SaveJob.create(location, state, self._save_options, channel="manager-save",
                                    extra_metadata={"metrics": metrics} if metrics is not None else None,
                                    compressor=self._compressor)
-        non_finite = _finite.start([plan.leaf for plan in job.plans if plan.moved is None])
         meta = job.meta  # not the job: no cycle may hold the state
+        seen = None
+        if self._unchanged is not None:
+            seen = self._unchanged.mark(job.plans, job.arrays, location)
+            job.after_writes = self._unchanged.after_writes(job.plans, "reuse_unchanged")
+        # The findings of the step the unchanged leaves were made from, where it is the
+        # very save this manager checked.
+        then, source = self._findings, self._unchanged.step() if self._unchanged is not None else None
+        same = then is not None and source is not None and (source[0].url, source[1]) == then[:2]
+        check = _finite.start([plan.leaf for plan in job.plans if plan.moved is None],
+                              before=then[2] if then is not None and same else None,
+                              unchanged={plan.leaf.name for plan in job.plans if plan.reuse_from is not None})
+        findings: list[_finite.Findings] = []  # process 0's, once known
 
         def before_prepare() -> None:  # process 0, in the background, before anything is written
             if self._lease is not None:
                 self._lease.check()
-            if found := non_finite():
+            findings.append(check())
+            if found := list(findings[0].bad.values()):
                 meta[_finite.NON_FINITE] = found
                 log.warning("step %d holds NaN or infinities, in %s%s: saving it; retention keeps the newest step "
                             "without them until a newer one commits", step, ", ".join(found[:5]),
                             f" and {len(found) - 5} more leaves" if len(found) > 5 else "")
 
         job.before_prepare = before_prepare
-        seen = None
-        if self._unchanged is not None:
-            seen = self._unchanged.mark(job.plans, job.arrays, location)
-            job.after_writes = self._unchanged.after_writes(job.plans, "reuse_unchanged")
         # The job holds the state: the commit's report must not.
         nbytes, note, known = job.nbytes, job.reuse_note(), self._unchanged
 
@@ -338,6 +350,7 @@ class CheckpointManager:
                 self._committed.add(step)
                 if metrics is not None:
                     self._metrics[step] = dict(metrics)
+                self._findings = (location.url, save.save_id, findings[0]) if findings else None
             if _multihost.process_index() == 0:
                 # `save` blocked training from its call until the copies were dispatched,
                 # waiting for the save before it included.

@@ -60,9 +60,14 @@ def checked(state: dict, step: int) -> int:
 
 
 def manager(persistent: str, local: str) -> zarrckpt.CheckpointManager:
+    # Process 0 stages one write at a time, waiting for its writer each time, while the
+    # others stage all of theirs at once and so reach each collective move of blocks
+    # first: a staging that waited on its writer before the writer had started hung
+    # every process here.
     return zarrckpt.CheckpointManager(persistent, save_interval_steps=100, local_directory=f"{local}/host"
                                       f"{jax.process_index()}", local_save_interval_steps=50, local_keep_last=1,
-                                      local_peer_copies=1, timeout_s=60)
+                                      local_peer_copies=1, timeout_s=60,
+                                      max_inflight_bytes=1 if jax.process_index() == 0 else 2**30)
 
 
 def save(pairs: list[str]) -> None:

@@ -61,11 +61,21 @@ class BackgroundSave:
         self._writing = job
         thread = threading.Thread(target=self._write, name=self._name, daemon=True)
         self._thread = thread
+
+        def begin() -> None:
+            # The writer starts once the copies are dispatched: beside the staging, its
+            # Python took turns with it at the GIL and doubled how long training was
+            # blocked (600 leaves on CPU: 89 ms, against 141 ms). Sooner where the
+            # staging may wait on it: for writes to give memory back, or for other
+            # processes (a collective move) whose writers may be waiting on this one.
+            if thread.ident is None:
+                thread.start()
+
         try:
-            thread.start()
-            stage(job, self._queue.put)
+            stage(job, self._queue.put, before_waiting=begin)
             self.staged = time.perf_counter()  # before the end: the commit comes after it
             self._queue.put(_END)
+            begin()
         except _concurrency.Aborted:  # the writer failed first, and reports it
             self._queue.put(_STOPPED)
         except BaseException as e:  # a Ctrl-C anywhere here included: the writer is told, and waited for

@@ -275,11 +275,14 @@ class SaveJob:
         """This process's writes made from a committed step: nothing to copy or hold."""
         return ((plan, unit) for plan in self.plans if plan.reuse_from is not None for unit in plan.writes)
 
-    def admitted(self, *, snapshot: bool = False) -> Generator[tuple[ArrayPlan, WriteUnit], None, None]:
+    def admitted(self, *, snapshot: bool = False, before_waiting: Callable[[], None] | None = None
+                 ) -> Generator[tuple[ArrayPlan, WriteUnit], None, None]:
         """This process's writes in order, each holding its bytes of the budget and its
         copy to the host started (see `_transfer`): whenever the budget has room, the
         units it admits go out in batched transfers. With `snapshot`, a batch's
         copies no longer depend on the caller's state once it is yielded.
+        `before_waiting` is called before anything here may wait on others: for room
+        in the budget, or in a collective move (what they wait on must be running).
 
         A peer copy's blocks (see `_peers`) are moved onto this process's devices just
         before its first units are copied, and let go once they all are, so that the
@@ -294,6 +297,8 @@ class SaveJob:
             while moves and position[id(moves[0])] <= index:
                 plan = moves.pop(0)
                 assert plan.moved is not None
+                if before_waiting is not None:
+                    before_waiting()
                 plan.moved.start()
                 if not plan.writes:
                     plan.moved.array = None
@@ -304,7 +309,11 @@ class SaveJob:
             item = next(units, None)
             while item is not None:
                 batch = []
-                hold = self.budget.take(item[1].nbytes)  # the first of a batch waits for room
+                hold = self.budget.take(item[1].nbytes, block=False)
+                if hold is None:  # the first of a batch waits for room
+                    if before_waiting is not None:
+                        before_waiting()
+                    hold = self.budget.take(item[1].nbytes)
                 while item is not None and hold is not None:
                     item[1].hold = hold
                     batch.append(item)
@@ -385,13 +394,14 @@ class SaveJob:
         return save_id
 
 
-def stage(job: SaveJob, put: Callable[[tuple[ArrayPlan, WriteUnit]], None]) -> None:
+def stage(job: SaveJob, put: Callable[[tuple[ArrayPlan, WriteUnit]], None], *,
+          before_waiting: Callable[[], None] | None = None) -> None:
     """An async save's snapshot: hands each of this process's writes of `job` to `put`,
     in order, with its copy to host memory dispatched; returns once every copy is
     dispatched and none depends on the caller's state any more, so training may go on
     and donate its buffers (see `_transfer`). Blocks while `job.budget` is full: each
-    unit holds its bytes until it is written."""
-    for item in job.admitted(snapshot=True):
+    unit holds its bytes until it is written. `before_waiting`: see `SaveJob.admitted`."""
+    for item in job.admitted(snapshot=True, before_waiting=before_waiting):
         put(item)
 
 

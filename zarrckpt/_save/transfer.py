@@ -35,7 +35,7 @@ import numpy as np
 
 from .._concurrency import Hold
 from .._regions import Slices, region_slices
-from .host_copies import HostCopy, SharedHold, shards_of
+from .host_copies import HostCopy, SharedHold, shard_source
 from .plan import ArrayPlan, PartCopy, WriteUnit
 
 log = logging.getLogger("zarrckpt")
@@ -95,7 +95,7 @@ def start(work: Sequence[tuple[ArrayPlan, WriteUnit]], *, snapshot: bool) -> Non
             for unit in units:
                 unit.copies = [PartCopy(put, whole, device, take) for device, take, put in unit.sources]
             continue
-        shards = shards_of(array)  # a synchronous save stages beside its writers
+        shard = shard_source(array)  # a synchronous save stages beside its writers
         by_shard: dict[jax.Device, HostCopy] = {}
         for unit in units:
             copies = []
@@ -103,11 +103,13 @@ def start(work: Sequence[tuple[ArrayPlan, WriteUnit]], *, snapshot: bool) -> Non
                 source = plan.copy_from.get(device) if together else None
                 if source is not None:
                     if (copy := by_shard.get(source)) is None:
-                        copy = by_shard[source] = copy_of(shards[source], source, path)
+                        on, data = shard(source)
+                        copy = by_shard[source] = copy_of(data, on, path)
                     copies.append(PartCopy(put, copy, None, take))
                 else:  # only this chunk's part crosses the link, not the whole shard
-                    piece = shards[device] if take is None else _slicer(_bounds(take))(shards[device])
-                    copies.append(PartCopy(put, copy_of(piece, device, path), None, None))
+                    on, data = shard(device)
+                    piece = data if take is None else _slicer(_bounds(take))(data)
+                    copies.append(PartCopy(put, copy_of(piece, on, path), None, None))
             unit.copies = copies
     if pinned:
         # may_alias=False: a state already in pinned host memory is copied all the same.

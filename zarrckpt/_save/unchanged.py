@@ -46,7 +46,7 @@ from .._format import tree as _tree, zarrjson as _zarrjson
 from .._format.chunks import ChunkCodec
 from .._regions import Region, region_size, replicas_of
 from ..errors import CheckpointError, CheckpointWriteError
-from .host_copies import shards_of
+from .host_copies import shard_source
 from .plan import ArrayPlan
 
 log = logging.getLogger("zarrckpt")
@@ -275,16 +275,17 @@ def _shards_written(plan: ArrayPlan) -> dict[Region, jax.Array]:
     """The shards this process's writes of `plan` read, one device's copy of each, by
     the region of the array it holds, in order."""
     value = plan.leaf.value
-    on, regions = shards_of(value), _regions_of(value)
+    shard, regions = shard_source(value), _regions_of(value)
     shards: dict[Region, jax.Array] = {}
     for device in sorted({part[0] for unit in plan.writes for part in unit.sources}, key=lambda d: d.id):
-        shards.setdefault(regions[device], on[device])
+        if regions[device] not in shards:
+            shards[regions[device]] = shard(device)[1]
     return dict(sorted(shards.items()))
 
 
 def _regions_of(value: jax.Array) -> dict[jax.Device, Region]:
     """The region of `value` each device holds, from its sharding (`replicas_of`, cached:
-    its buffers are asked for through `shards_of` alone)."""
+    its buffers are asked for through `shard_source` alone)."""
     return {device: region for region, devices in replicas_of(value.sharding, value.shape).items()
             for device in devices}
 
