@@ -144,19 +144,27 @@ def many_leaf_tree(leaves: int, size_mib: float, mesh):
 
 
 @functools.cache
-def _plus_zero(treedef, shardings):
+def _plus(treedef, shardings):
     import jax
+    import jax.numpy as jnp
 
-    return jax.jit(lambda *xs: tuple(x + 0 for x in xs), out_shardings=shardings)
+    def add(step, *xs):
+        return tuple(x + step.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.number) else x for x in xs)
+
+    return jax.jit(add, out_shardings=shardings)
 
 
-def fresh(tree):
-    """A new state equal to `tree`, as a train step leaves it: computed on the devices and
-    never copied to the host (a state copied once is cached there and flatters everyone)."""
+def fresh(tree, step: int = 0):
+    """A new state, as a train step leaves it: computed on the devices and never copied
+    to the host (a state copied once is cached there and flatters everyone). With
+    `step`, every number plus `step`, as training changes every value: a state equal to
+    the one a manager saved last is made from that step's chunks (`reuse_unchanged`),
+    not written, and would time a save that writes nothing."""
     import jax
+    import numpy as np
 
     leaves, treedef = jax.tree.flatten(tree)
-    out = _plus_zero(treedef, tuple(x.sharding for x in leaves))(*leaves)
+    out = _plus(treedef, tuple(x.sharding for x in leaves))(np.int32(step), *leaves)
     return jax.block_until_ready(jax.tree.unflatten(treedef, out))
 
 

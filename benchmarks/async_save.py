@@ -158,7 +158,7 @@ def part1(name: str, tree, contenders, repeats: int) -> dict:
         record("pinned complete", done, r)
         line.append(f"bare {copy_s:.3f}s, pinned {dispatched:.3f}/{done:.3f}s")
         for contender in contenders:
-            state = _common.fresh(tree)
+            state = _common.fresh(tree, r + 1)  # changed, as by a train step: nothing to reuse
             with _common.PeakMemory() as memory:
                 started = time.perf_counter()
                 contender.save(state)

@@ -54,28 +54,28 @@ def one_round(state, target, local_root: str, options: dict) -> dict[str, float]
         tiers = dict(storage_options=options, local_directory=local, save_interval_steps=3,
                      local_save_interval_steps=1)
         with zarrckpt.CheckpointManager(persistent, async_save=False, **tiers) as mgr:
-            fresh = common.fresh(state)
+            fresh = common.fresh(state, 1)
             started = time.perf_counter()
             mgr.save(1, fresh)  # local only
             times["local save (sync)"] = time.perf_counter() - started
-            fresh = common.fresh(state)
+            fresh = common.fresh(state, 2)
             started = time.perf_counter()
             mgr.save(2, fresh)  # local only
             times["local save (sync, 2nd)"] = time.perf_counter() - started
         with zarrckpt.CheckpointManager(persistent, async_save=True, **tiers) as mgr:
-            fresh = common.fresh(state)
+            fresh = common.fresh(state, 3)
             started = time.perf_counter()
             mgr.save(4, fresh)  # local only
             times["local save (async): blocked"] = time.perf_counter() - started
             mgr.wait()
             times["local save (async): committed"] = time.perf_counter() - started
         with zarrckpt.CheckpointManager(persistent, async_save=False, storage_options=options) as mgr:
-            fresh = common.fresh(state)
+            fresh = common.fresh(state, 4)
             started = time.perf_counter()
             mgr.save(2, fresh, force=True)
             times["persistent save (sync)"] = time.perf_counter() - started
         with zarrckpt.CheckpointManager(persistent, async_save=True, storage_options=options) as mgr:
-            fresh = common.fresh(state)
+            fresh = common.fresh(state, 5)
             started = time.perf_counter()
             mgr.save(3, fresh, force=True)
             times["persistent save (async): blocked"] = time.perf_counter() - started

@@ -68,6 +68,22 @@ def test_manager_async_saves_and_restores_on_two_processes(tmp_path):
     assert zarrckpt.all_steps(str(tmp_path / "run")) == [4, 6]
 
 
+def test_a_staging_that_fails_on_one_process_fails_the_save_on_both_and_the_next_step_commits_whole(tmp_path):
+    """Process 1's copies off the devices fail as its async save starts: its `save`
+    raises the runtime's error, process 0's save of the step fails saying nothing was
+    committed, and the next save commits every process's chunks (a process whose
+    writer never ran fell a save behind the other: its next save was paired with the
+    other's failed one, and a step committed with its chunks missing)."""
+    run = str(tmp_path / "run")
+    first, second = multiprocess.run("mp_manager", "staging_fails", run)
+    assert "RESOURCE_EXHAUSTED" in second["said"]["save 1"], second
+    assert "nothing was committed" in first["said"]["wait 1"], first
+    for r in (first, second):
+        assert r["said"]["save 2"] is None and r["said"]["wait 2"] is None, r
+        assert r["step"] == 2 and r["values"] == [2.0] and r["steps"] == [2], r
+    assert zarrckpt.verify(run + "/0000000002").ok
+
+
 def test_a_frozen_base_over_two_processes_is_linked_by_each_from_the_third_save(tmp_path):
     """Each process fingerprints the shards it writes, on its own devices, and links its
     chunks; the last step restores alone once the three before it are deleted, one

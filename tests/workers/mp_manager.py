@@ -1,5 +1,5 @@
 """Multi-process CheckpointManager worker: `train DIR`, `timeout DIR`, `late DIR TIMEOUT_S HOLD_S`,
-`preempted DIR` and `frozen DIR`."""
+`preempted DIR`, `frozen DIR` and `staging_fails DIR`."""
 
 from __future__ import annotations
 
@@ -172,4 +172,32 @@ def frozen(directory: str) -> None:
            head=float(np.asarray(restored["head"].addressable_shards[0].data).max()))
 
 
-{"train": train, "timeout": timeout, "late": late, "preempted": preempted, "frozen": frozen}[args[0]](*args[1:])
+def staging_fails(directory: str) -> None:
+    """Process 1's copies of step 1 off the devices fail (the runtime cannot allocate
+    pinned host memory) before its staging has waited on anything; then both processes
+    save step 2. Reports what each save and wait raised, and what step 2 restores to."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
+    put, failed = jax.device_put, []
+
+    def failing_put(*args, **kwargs):
+        if jax.process_index() == 1 and not failed:
+            failed.append(True)
+            raise RuntimeError("RESOURCE_EXHAUSTED: could not allocate pinned host memory (injected)")
+        return put(*args, **kwargs)
+
+    jax.device_put = failing_put
+    said = {}
+    with zarrckpt.CheckpointManager(directory, timeout_s=20) as mgr:
+        for step, call in ((1, "save"), (1, "wait"), (2, "save"), (2, "wait")):
+            try:
+                mgr.save(step, state_on(mesh, float(step))) if call == "save" else mgr.wait()
+                said[f"{call} {step}"] = None
+            except Exception as e:
+                said[f"{call} {step}"] = f"{type(e).__name__}: {e}"
+        restored, step = mgr.restore(state_on(mesh, 0.0))
+    values = sorted({float(np.asarray(s.data).max()) for leaf in restored.values() for s in leaf.addressable_shards})
+    report(said=said, step=step, values=values, steps=zarrckpt.all_steps(directory))
+
+
+{"train": train, "timeout": timeout, "late": late, "preempted": preempted, "frozen": frozen,
+ "staging_fails": staging_fails}[args[0]](*args[1:])

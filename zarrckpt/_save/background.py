@@ -50,6 +50,9 @@ class BackgroundSave:
         # KeyboardInterrupt cut short leaves the thread reading as stopped while it
         # still writes (python/cpython#90882).
         self._finished = threading.Event()
+        # Set once the save's thread may begin: the copies are dispatched, the staging is
+        # about to wait on it (see `start`), or the staging failed.
+        self._go = threading.Event()
 
     def start(self) -> None:
         """Stages every write of the job and returns once the copies are dispatched; the
@@ -61,25 +64,23 @@ class BackgroundSave:
         self._writing = job
         thread = threading.Thread(target=self._write, name=self._name, daemon=True)
         self._thread = thread
-
-        def begin() -> None:
-            # The writer starts once the copies are dispatched: beside the staging, its
-            # Python took turns with it at the GIL and doubled how long training was
-            # blocked (600 leaves on CPU: 89 ms, against 141 ms). Sooner where the
-            # staging may wait on it: for writes to give memory back, or for other
-            # processes (a collective move) whose writers may be waiting on this one.
-            if thread.ident is None:
-                thread.start()
-
+        # The writer waits until the copies are dispatched: beside the staging, its
+        # Python took turns with it at the GIL and doubled how long training was blocked
+        # (600 leaves on CPU: 89 ms, against 141 ms). Sooner where the staging may wait
+        # on it: for writes to give memory back, or in a collective move, whose other
+        # processes' writers may be waiting in an agreement for this one. It always
+        # runs: a failed staging is its to fail on every process.
         try:
-            stage(job, self._queue.put, before_waiting=begin)
+            thread.start()
+            stage(job, self._queue.put, before_waiting=self._go.set)
             self.staged = time.perf_counter()  # before the end: the commit comes after it
             self._queue.put(_END)
-            begin()
+            self._go.set()
         except _concurrency.Aborted:  # the writer failed first, and reports it
             self._queue.put(_STOPPED)
         except BaseException as e:  # a Ctrl-C anywhere here included: the writer is told, and waited for
-            self._staging_failed = True
+            self._staging_failed = True  # before the writer may begin: it must not report the failure again
+            self._go.set()
             self._queue.put(_STOPPED)  # after an _END, never read
             # Said here, before the wait that a second Ctrl-C may cut short: the writer
             # does not report a save whose staging failed, and a Ctrl-C's traceback alone
@@ -118,6 +119,7 @@ class BackgroundSave:
 
     def _write(self) -> None:
         """The save's thread: writes what `start` stages, then says the save is done."""
+        self._go.wait()
         job, self._writing = self._writing, None
         if job is None:  # `start` was interrupted as this thread started, and ended the save
             return
