@@ -77,7 +77,7 @@ class BackgroundSave:
             self._queue.put(_END)
             self._go.set()
         except _concurrency.Aborted:  # the writer failed first, and reports it
-            self._go.set()  # set already: only a running writer aborts the budget
+            self._go.set()  # every way out of here leaves it set (a writer that aborted the budget runs)
             self._queue.put(_STOPPED)
         except BaseException as e:  # a Ctrl-C anywhere here included: the writer is told, and waited for
             self._staging_failed = True  # before the writer may begin: it must not report the failure again
