@@ -27,3 +27,6 @@ run async_save 300 --size-gib 8 --repeats 3 --train-steps 200
 run save_restore 300 --size-gib 8 --repeats 3 --restore-probe --dir /dev/shm/zarrckpt-save-restore
 rm -rf /dev/shm/zarrckpt-save-restore
 run two_tiers 300 --size-gib 8
+# Issue 36's ratios on the devices: how long an async save with reuse blocks training
+# against one without, where the copies cross PCIe.
+run incremental 150 --targets local --saves 8 --restores 3
