@@ -1,6 +1,8 @@
 """An evaluator following a training run: checkpoints_iterator, load_checkpoint, and a
 read that loses the race with retention."""
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -8,7 +10,7 @@ import pytest
 from builders import train_state
 
 import zarrckpt
-from zarrckpt import _storage
+from zarrckpt import _commit, _retention, _steps, _storage
 
 
 def test_checkpoints_iterator_follows_a_training_run(tmp_path):
@@ -84,3 +86,76 @@ def test_an_evaluator_needs_no_manager(tmp_path):
         assert step == 1 and float(back["params"]["w"][0, 0]) == 4.0
         with pytest.raises(zarrckpt.DirectoryInUseError):
             zarrckpt.CheckpointManager(run, heartbeat_s=0.05)
+
+
+def test_verify_of_a_step_retention_deletes_meanwhile_says_it_is_gone_not_damaged(tmp_path, monkeypatch):
+    """`zarrckpt verify` beside a job keeping one step: the step's chunks vanish under
+    it, which is not damage."""
+    run = str(tmp_path)
+    zarrckpt.save_checkpoint(run, 1, train_state())
+    step_dir = _storage.resolve(run).step(1)
+    original = _storage.Location.read
+
+    def delete_then_read(self, key, *args, **options):
+        if key.startswith("params.w/") and _commit.head(step_dir).state is _commit.State.COMMITTED:
+            _retention.delete(_storage.resolve(run), 1, committed=True, why="kept 1")  # marker first, then all
+        return original(self, key, *args, **options)
+
+    monkeypatch.setattr(_storage.Location, "read", delete_then_read)
+    with pytest.raises(zarrckpt.CheckpointNotFoundError, match="was deleted while it was being read"):
+        zarrckpt.verify(step_dir.url)
+
+
+def test_metadata_of_a_step_still_being_written_says_it_is_not_committed_not_corrupt(tmp_path, monkeypatch):
+    """A save between writing its group's metadata and its last array's: `metadata` and
+    `verify` say that the step is not committed and not all there, as `zarrckpt info`
+    does, not that it is damaged."""
+    run = str(tmp_path)
+
+    def never_commits(*args, **kwargs):
+        raise OSError("the save is still running")
+
+    monkeypatch.setattr(_commit, "commit", never_commits)
+    with pytest.raises(zarrckpt.CheckpointWriteError):
+        zarrckpt.save_checkpoint(run, 1, train_state())
+    step_dir = tmp_path / "0000000001"
+    (step_dir / "params.w" / "zarr.json").unlink()  # not written yet
+    for describe in (zarrckpt.metadata, zarrckpt.verify):
+        with pytest.raises(zarrckpt.CheckpointNotFoundError, match="not committed and not all there"):
+            describe(str(step_dir))
+    cli = subprocess.run([sys.executable, "-m", "zarrckpt", "info", str(step_dir)], capture_output=True, text=True)
+    assert cli.returncode == 1 and "not committed and not all there" in cli.stderr, cli.stderr
+
+
+def test_a_newer_step_committed_after_the_listing_whose_steps_retention_deleted_is_found(tmp_path, monkeypatch):
+    """An evaluator lists step N; before it reads step N's marker, the job commits step
+    N+1 and its retention (keep one) deletes step N: the newest step is N+1, never
+    "nothing committed" (which `load_checkpoint_if_it_exists` takes for a fresh start)."""
+    run = str(tmp_path)
+    root = _storage.resolve(run)
+    zarrckpt.save_checkpoint(run, 1, train_state(1.0))
+    listed = _steps.candidate_steps
+    racing = []
+
+    def list_then_train_on(where):
+        steps = listed(where)
+        if racing:  # once per call: the job saves the next step and deletes this one
+            step = racing.pop()
+            zarrckpt.save_checkpoint(run, step + 1, train_state(float(step + 1)))
+            _retention.delete(root, step, committed=True, why="kept 1")
+        return steps
+
+    monkeypatch.setattr(_steps, "candidate_steps", list_then_train_on)
+    racing.append(1)
+    assert zarrckpt.latest_step(run) == 2
+    racing.append(2)
+    assert zarrckpt.all_steps(run) == [3]
+    racing.append(3)
+    back, got = zarrckpt.load_checkpoint_if_it_exists(run, train_state())
+    assert got == 4 and float(back["params"]["w"][0, 0]) == 4.0
+
+
+def test_checkpoints_iterator_pointed_at_a_step_says_so(tmp_path):
+    zarrckpt.save_checkpoint(str(tmp_path), 1, {"x": np.ones(1)})
+    with pytest.raises(zarrckpt.CheckpointLocationError, match="is a checkpoint itself"):
+        next(zarrckpt.checkpoints_iterator(str(tmp_path / "0000000001"), timeout_s=5, poll_interval_s=0.01))

@@ -72,8 +72,9 @@ def metadata(url: str, *, storage_options: dict[str, Any] | None = None) -> Chec
     """Describes the checkpoint at `url` without reading array data. Not collective.
 
     Works on uncommitted checkpoints too (`committed` says which).
-    Raises CheckpointNotFoundError if there is no checkpoint at `url`, and
-    CheckpointCorruptError if its metadata cannot be understood.
+    Raises CheckpointNotFoundError if there is no checkpoint at `url`, or an
+    uncommitted one whose arrays' metadata is not all there (its save still running),
+    and CheckpointCorruptError if its metadata cannot be understood.
     """
     ckpt = _reader.open_checkpoint(_storage.resolve(url, storage_options), require_committed=False)
     leaves = {

@@ -145,10 +145,36 @@ def latest_step(checkpoint_dir: str, *, storage_options: dict[str, Any] | None =
 def latest(root: Location) -> int | None:
     """`latest_step` of the checkpoint directory `root`; CheckpointLocationError if it
     is no directory of steps (see `check_directory_of_steps`)."""
-    step = next((s for s in reversed(candidate_steps(root)) if is_committed(root.step(s))), None)
+    step = None
+    for steps in listings(root):
+        gone = False
+        for candidate in reversed(steps):
+            state = _commit.head(root.step(candidate)).state
+            if state is _commit.State.COMMITTED:
+                step = candidate
+                break
+            gone |= state is _commit.State.ABSENT
+        if step is not None or not gone:
+            break
     if step is None:
         check_directory_of_steps(root)
     return step
+
+
+# A listing is a moment: retention deletes a step only once a newer one has committed,
+# so a listed step found gone where none listed was committed means that a newer one
+# committed after the listing (an evaluator beside a job keeping one step, on a slow
+# store, was told that nothing was committed). The directory is listed again, a few
+# times.
+_LISTINGS = 4
+
+
+def listings(root: Location) -> Iterator[list[int]]:
+    """The step directories under `root` (`candidate_steps`), listed again each time the
+    caller asks, at most `_LISTINGS` times: a caller that finds nothing committed among
+    them, and a listed step gone, asks again."""
+    for _ in range(_LISTINGS):
+        yield candidate_steps(root)
 
 
 def candidate_steps(root: Location) -> list[int]:
@@ -205,10 +231,14 @@ def check_directory_of_steps(root: Location, *, has_steps: bool = False) -> None
 
 def scan(root: Location) -> tuple[list[int], list[int]]:
     """Every step directory under `root`, and the committed ones among them, ascending:
-    one listing, then the first bytes of every commit marker, read concurrently."""
-    steps = candidate_steps(root)
-    committed = _concurrency.run_all(lambda s: is_committed(root.step(s)), steps, root.concurrency)
-    return steps, [s for s, ok in zip(steps, committed) if ok]
+    one listing (more, see `listings`), then the first bytes of every commit marker,
+    read concurrently."""
+    for steps in listings(root):
+        states = _concurrency.run_all(lambda s: _commit.head(root.step(s)).state, steps, root.concurrency)
+        committed = [s for s, state in zip(steps, states) if state is _commit.State.COMMITTED]
+        if committed or _commit.State.ABSENT not in states:
+            break
+    return steps, committed
 
 
 def is_committed(loc: Location) -> bool:
@@ -320,7 +350,8 @@ def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None,
     step after it), then each step committed later, one by one. A step deleted (by
     the training job's retention) before it is yielded is skipped. Checks every
     `poll_interval_s`; returns once `timeout_s` (None: never) has passed without a
-    new step.
+    new step. Raises CheckpointLocationError, where nothing is committed, if
+    `checkpoint_dir` is a checkpoint itself or holds another library's checkpoints.
     """
     _options.check("timeout_s", timeout_s, _options.NUMBER + "?")
     _options.check("poll_interval_s", poll_interval_s, _options.NUMBER)
@@ -328,7 +359,10 @@ def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None,
     root = _storage.resolve(checkpoint_dir, storage_options)
     last, first, idle_since = start_after, start_after is None, time.monotonic()
     while True:
-        new = [s for s in scan(root)[1] if last is None or s > last]
+        committed = scan(root)[1]
+        if not committed:  # a step's own directory, say, which would never yield one
+            check_directory_of_steps(root)
+        new = [s for s in committed if last is None or s > last]
         for step in new[-1:] if first else new:
             if is_committed(root.step(step)):  # not deleted since the listing
                 last = step
@@ -359,13 +393,18 @@ def _newest(root: Location, chosen: dict[str, Any]) -> tuple[int | None, str | N
     """The newest committed step under `root` whose group metadata can be read, and its
     save identity; that metadata goes into `chosen`, so that opening it reads it no
     more. Damaged steps are skipped, with a warning."""
-    candidates = candidate_steps(root)
-    for step in reversed(candidates):
-        loc = root.step(step)
-        group = _commit.read_group(loc)
-        if _commit.state(loc, group) is _commit.State.COMMITTED:
-            chosen["group"] = group
-            return step, group.save_id  # type: ignore[union-attr]
+    for candidates in listings(root):
+        gone = False
+        for step in reversed(candidates):
+            loc = root.step(step)
+            group = _commit.read_group(loc)
+            state = _commit.state(loc, group)
+            if state is _commit.State.COMMITTED:
+                chosen["group"] = group
+                return step, group.save_id  # type: ignore[union-attr]
+            gone |= state is _commit.State.ABSENT
+        if not gone:
+            break
     check_directory_of_steps(root)
     if not root.exists():
         log.warning("nothing to restore: %s does not exist; starting from the state given", root.url)

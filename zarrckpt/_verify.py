@@ -89,8 +89,8 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None, checksums
     `max_workers` bounds the requests in flight (default: the store's concurrency),
     `max_inflight_bytes` the chunk bytes held at once while checksumming; `progress`
     shows a bar while checksumming (default: when stderr is a terminal).
-    Raises CheckpointNotFoundError if there is no checkpoint at `url`, and OSError if
-    the store cannot be read.
+    Raises CheckpointNotFoundError if there is no checkpoint at `url`, or if it was
+    deleted or replaced while it was verified, and OSError if the store cannot be read.
     """
     loc = _storage.resolve(url, storage_options)
     try:
@@ -127,6 +127,9 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None, checksums
                                   nbytes=lambda item: item[0].codec.data_bytes)
             problems += [problem for problem in sums if problem is not None]
             checksummed = len(whole)
+    if problems:
+        # A step deleted (retention) or replaced while it was verified looks damaged: it is not.
+        ckpt.check_unchanged()
     return VerifyReport(loc.url, ckpt.layout, ckpt.committed, len(ckpt.leaves), chunks, checksummed,
                         tuple(problems))
 

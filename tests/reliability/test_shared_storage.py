@@ -195,6 +195,23 @@ def test_a_torn_chunk_of_an_overwrite_is_replaced_not_damage(tmp_path):
         ckpt.read(ckpt.leaves["a"], ((0, ckpt.leaves["a"].shape[0]),))
 
 
+def test_a_read_overlapping_an_overwrite_still_running_says_so(tmp_path, monkeypatch):
+    """The step read is being replaced (the other save not yet committed): the reader
+    is told to read it again once that save commits, not that the step was deleted."""
+    url = str(tmp_path / "ckpt")
+    zarrckpt.save_pytree(url, tree(1.0))
+    ckpt = _reader.open_checkpoint(_storage.resolve(url))
+
+    def still_running(*args, **kwargs):
+        raise OSError("the other save has not committed yet")
+
+    monkeypatch.setattr(zarrckpt._commit, "commit", still_running)
+    with pytest.raises(zarrckpt.CheckpointWriteError):
+        zarrckpt.save_pytree(url, tree(2.0), overwrite=True)
+    with pytest.raises(zarrckpt.CheckpointNotFoundError, match="is being replaced by another save"):
+        ckpt.check_unchanged()
+
+
 def test_cp_overlapping_an_overwrite_with_the_same_tree_commits_nothing(tmp_path, monkeypatch):
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     zarrckpt.save_pytree(src, tree(1.0))

@@ -125,6 +125,10 @@ class Checkpoint:
         if not self.committed or self.layout == _safetensors.LAYOUT:
             return  # a save in progress, which changes by design; a safetensors file, which has no marker
         now = _commit.head(self.loc)
+        if now.state is _commit.State.UNCOMMITTED and now.save_id not in (None, self.save_id):
+            raise CheckpointNotFoundError(
+                f"checkpoint {self.loc.url} is being replaced by another save while it was being read (not yet "
+                "committed): read it again once that save has committed")
         if now.state is not _commit.State.COMMITTED:
             raise CheckpointNotFoundError(
                 f"checkpoint {self.loc.url} was deleted while it was being read (its commit marker is gone: "
@@ -247,7 +251,14 @@ def _open_zarrckpt(loc: Location, committed: bool, meta: dict[str, Any], documen
     try:
         records = _checked_records(spec)  # before any read: names decide which objects are read
         shared = [rec["name"] for _, rec in records if rec.get("type") != "per_process"]
-        arrays = _array_documents(loc, document, shared)
+        try:
+            arrays = _array_documents(loc, document, shared)
+        except CheckpointCorruptError as e:  # MissingObject too
+            if committed:
+                raise
+            # A save still running writes its arrays' metadata beside its chunks: not damage.
+            raise CheckpointNotFoundError(f"checkpoint at {loc.url} is not committed and not all there ({e}): its "
+                                          "save is still running, or stopped part-way") from None
         leaves = {rec["name"]: stored_leaf(path, rec, arrays.get(rec["name"])) for path, rec in records}
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError,
             CheckpointCorruptError) as e:
