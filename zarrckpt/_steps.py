@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from . import _commit, _concurrency, _lease, _multihost, _options, _restore, _save, _storage
 from ._format import naming as _naming
@@ -15,6 +15,7 @@ from ._storage import Location
 from .errors import CheckpointLocationError, CheckpointNotFoundError
 
 log = logging.getLogger("zarrckpt")
+T = TypeVar("T")
 
 
 def save_checkpoint(
@@ -145,20 +146,27 @@ def latest_step(checkpoint_dir: str, *, storage_options: dict[str, Any] | None =
 def latest(root: Location) -> int | None:
     """`latest_step` of the checkpoint directory `root`; CheckpointLocationError if it
     is no directory of steps (see `check_directory_of_steps`)."""
-    step = None
-    for steps in listings(root):
-        gone = False
-        for candidate in reversed(steps):
-            state = _commit.head(root.step(candidate)).state
-            if state is _commit.State.COMMITTED:
-                step = candidate
-                break
-            gone |= state is _commit.State.ABSENT
-        if step is not None or not gone:
-            break
+    step = _newest_committed(root, lambda loc: (_commit.head(loc).state, None))[1]
     if step is None:
         check_directory_of_steps(root)
     return step
+
+
+def _newest_committed(root: Location, look: Callable[[Location], tuple[_commit.State, T]]
+                     ) -> tuple[list[int], int | None, T | None]:
+    """The step directories under `root` (the last listing, see `listings`), the newest
+    of them that `look` (its state, and what else it read) finds committed, newest
+    first, and what `look` read of it; None for both where none is."""
+    for steps in listings(root):
+        gone = False
+        for step in reversed(steps):
+            state, found = look(root.step(step))
+            if state is _commit.State.COMMITTED:
+                return steps, step, found
+            gone |= state is _commit.State.ABSENT
+        if not gone:
+            break
+    return steps, None, None
 
 
 # A listing is a moment: retention deletes a step only once a newer one has committed,
@@ -393,18 +401,14 @@ def _newest(root: Location, chosen: dict[str, Any]) -> tuple[int | None, str | N
     """The newest committed step under `root` whose group metadata can be read, and its
     save identity; that metadata goes into `chosen`, so that opening it reads it no
     more. Damaged steps are skipped, with a warning."""
-    for candidates in listings(root):
-        gone = False
-        for step in reversed(candidates):
-            loc = root.step(step)
-            group = _commit.read_group(loc)
-            state = _commit.state(loc, group)
-            if state is _commit.State.COMMITTED:
-                chosen["group"] = group
-                return step, group.save_id  # type: ignore[union-attr]
-            gone |= state is _commit.State.ABSENT
-        if not gone:
-            break
+    def look(loc: Location) -> tuple[_commit.State, _commit.Group | None]:
+        group = _commit.read_group(loc)
+        return _commit.state(loc, group), group
+
+    candidates, step, group = _newest_committed(root, look)
+    if step is not None and group is not None:
+        chosen["group"] = group
+        return step, group.save_id
     check_directory_of_steps(root)
     if not root.exists():
         log.warning("nothing to restore: %s does not exist; starting from the state given", root.url)
