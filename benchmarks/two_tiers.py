@@ -100,7 +100,12 @@ def main(argv=None) -> int:
     print(f"# two tiers: {common.tree_nbytes(state) / 2**30:.2f} GiB in {len(jax.tree.leaves(state))} leaves on "
           f"{common.describe_platform()}; local tier in {args.local_dir}; persistent store {args.latency_ms:g} ms "
           f"per request, {args.bandwidth_mb_s:g} MB/s; best / median of {args.repeats} rounds after a warm-up")
-    rounds = [one_round(state, target, args.local_dir, options) for _ in range(args.repeats + 1)][1:]
+    rounds = []
+    for r in range(args.repeats + 1):
+        times = one_round(state, target, args.local_dir, options)
+        print(f"  {'warm-up' if r == 0 else f'round {r}'}: " + ", ".join(f"{k} {v:.3f}s" for k, v in times.items()),
+              flush=True)  # a run cut short still says what it measured
+        rounds += [times] if r else []
     for name in rounds[0]:
         print(f"{name:32s} {common.fmt([r[name] for r in rounds])}")
     local, persistent = ([r[f"{t} save (sync)"] for r in rounds] for t in ("local", "persistent"))

@@ -226,3 +226,61 @@ def test_a_read_given_up_by_its_operation_cancels_its_requests_at_once():
             break
         time.sleep(0.01)
     assert futures[0].cancelled()
+
+
+def test_a_read_given_up_cancels_the_requests_of_every_chunk_it_reads_at_once():
+    """A box of chunks is read chunk by chunk at once (an operation inside the read):
+    given up by the restore, each chunk's unanswered request is cancelled too."""
+    futures = [concurrent.futures.Future(), concurrent.futures.Future()]  # never answered
+    sent: list[int] = []
+
+    def chunk(i):
+        def start():
+            sent.append(i)
+            return futures[i]
+        return hedge.first_good(start, hedge.Hedging(), nbytes=0, timeout=30, check=None)
+
+    def read(_):
+        return zarrckpt._concurrency.run_all(chunk, [0, 1], 2)
+
+    with zarrckpt._concurrency.Operation(1, "test") as op:
+        window = op.window([0], read, budget=zarrckpt._concurrency.ByteBudget(1), nbytes=lambda _: 1,
+                           abandon=lambda _: len(sent) == 2)
+        assert [result for _, result, _ in window] == [zarrckpt._concurrency.ABANDONED]
+    for _ in range(200):  # each request is cancelled on its reading thread, as it wakes
+        if all(f.cancelled() for f in futures):
+            break
+        time.sleep(0.01)
+    assert all(f.cancelled() for f in futures)
+
+
+def test_chunks_read_at_once_take_spare_bytes_from_the_restore_budget_and_stop_when_it_fails():
+    """The chunks of one read share its restore's byte budget for second requests (a
+    full budget spares nothing), and stop making requests once another read failed."""
+    concurrency = zarrckpt._concurrency
+    failed, inner_started = threading.Event(), threading.Barrier(3)  # the two chunks and the other read
+
+    def chunk(i):
+        spared = concurrency.spare(5)
+        inner_started.wait()
+        assert failed.wait(30)
+        for _ in range(500):  # the outer operation's failure reaches this thread's requests
+            if concurrency.aborted():
+                return spared
+            time.sleep(0.01)
+        return "never aborted"
+
+    def read(n):
+        if n == 1:
+            inner_started.wait()
+            failed.set()
+            raise OSError("the other read failed")
+        return concurrency.run_all(chunk, [0, 1], 2)
+
+    spared = []
+    with pytest.raises(OSError, match="the other read failed"):
+        with concurrency.Operation(2, "test") as op:
+            for _, result, hold in op.window([0, 1], read, budget=concurrency.ByteBudget(10), nbytes=lambda n: 5):
+                spared.append(result)
+                hold.release()
+    assert spared in ([], [[None, None]]), spared

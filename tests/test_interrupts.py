@@ -230,9 +230,10 @@ def test_an_operation_started_by_an_item_where_no_thread_can_start_runs_and_leav
     operation of its own (a write reading several small objects) must neither wait for
     ever on the executors' shared lock (it did: the item ran inside `submit`, which
     holds it) nor take its own operation away from itself (its writes would no longer
-    see that the operation failed: `aborted`). In a process of its own: a deadlock
-    holds a lock every executor of the process needs."""
+    see that the operation failed: `aborted`); the inner operation's items, part of
+    the failed item, see it too. In a process of its own: a deadlock holds a lock every
+    executor of the process needs."""
     ran = subprocess.run([sys.executable, "-c", _NO_THREAD_CAN_START], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert ran.returncode == 0, ran.stderr
-    assert ran.stdout.split("\n")[-2] == "[[(1, False), (2, False)], True]"
+    assert ran.stdout.split("\n")[-2] == "[[(1, True), (2, True)], True]"

@@ -105,6 +105,15 @@ def test_staging_is_bounded_by_max_inflight_bytes(tmp_path, monkeypatch):
         np.testing.assert_array_equal(np.asarray(restored[k]), np.asarray(v))
 
 
+@pytest.mark.parametrize("memory_gib, budget_gib", [(128, 32), (2048, 512), (24, 8), (0, 8)])
+def test_a_managers_default_byte_budget_is_a_quarter_of_the_memory_and_at_least_8_gib(
+        tmp_path, monkeypatch, memory_gib, budget_gib):
+    # A fixed 8 GiB made an async save of a state just over it wait for a write.
+    monkeypatch.setattr(zarrckpt._concurrency, "memory_bytes", lambda: memory_gib * 2**30)
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        assert mgr._save_options.max_inflight_bytes == budget_gib * 2**30
+
+
 def test_background_errors_are_raised_never_lost(tmp_path, monkeypatch):
     original = _storage.Location.write
 

@@ -319,3 +319,59 @@ def test_a_save_aimed_at_an_array_inside_a_checkpoint_is_refused_and_the_array_k
         zarrckpt.save_pytree(str(step / "empty"), {"x": np.ones(2)}, overwrite=overwrite)
     assert (step / "empty" / "zarr.json").read_bytes() == before
     assert zarrckpt.verify(str(step)).ok
+
+
+def chunk_reads(monkeypatch, meet_first: int = 0):
+    """Counts `read_chunk` calls and the most running at once; with `meet_first`, the
+    first that many must all be running together (a barrier, broken after 20 s)."""
+    import threading
+
+    from zarrckpt._restore import checkpoint as _reader
+
+    seen = {"calls": 0, "now": 0, "most": 0}
+    lock, meet, read_chunk = threading.Lock(), threading.Barrier(max(1, meet_first), timeout=20), _reader.read_chunk
+
+    def counted(*args, **kwargs):
+        with lock:
+            seen["calls"] += 1
+            first = seen["calls"] <= meet_first
+            seen["now"] += 1
+            seen["most"] = max(seen["most"], seen["now"])
+        try:
+            if first:
+                meet.wait()
+            return read_chunk(*args, **kwargs)
+        finally:
+            with lock:
+                seen["now"] -= 1
+
+    monkeypatch.setattr(_reader, "read_chunk", counted)
+    return seen
+
+
+def one_device_leaf(tmp_path):
+    """A 16 MiB leaf on one device saved in 4 chunks: a restore reads it as one box."""
+    device = SingleDeviceSharding(jax.devices()[0])
+    x = jax.device_put(jnp.arange(1024 * 4096, dtype=jnp.float32).reshape(1024, 4096), device)
+    zarrckpt.save_pytree(str(tmp_path / "ckpt"), {"x": x}, max_chunk_bytes=4 * 2**20)
+    return x, {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)}
+
+
+def test_the_chunks_of_one_devices_shard_are_read_at_once(tmp_path, monkeypatch):
+    """A large shard of several chunks (a whole leaf, on one GPU) is read chunk by chunk
+    at once, not one after another: its four chunk reads must meet."""
+    x, target = one_device_leaf(tmp_path)
+    seen = chunk_reads(monkeypatch, meet_first=4)
+    restored = zarrckpt.load_pytree(str(tmp_path / "ckpt"), target)
+    assert seen["calls"] == 4
+    np.testing.assert_array_equal(np.asarray(restored["x"]), np.asarray(x))
+
+
+def test_the_chunks_of_a_shard_are_read_by_no_more_workers_than_the_restore_has(tmp_path, monkeypatch):
+    """The chunks read at once are read by the restore's idle workers: with
+    `max_workers=1` there are none, and they are read one at a time."""
+    x, target = one_device_leaf(tmp_path)
+    seen = chunk_reads(monkeypatch)
+    restored = zarrckpt.load_pytree(str(tmp_path / "ckpt"), target, max_workers=1)
+    assert seen["calls"] == 4 and seen["most"] == 1, seen
+    np.testing.assert_array_equal(np.asarray(restored["x"]), np.asarray(x))

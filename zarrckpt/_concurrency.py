@@ -6,7 +6,8 @@ Three shapes, all on an `Operation` (a thread pool and the fate of one job):
 - `Operation.window`: the same, but results come back in the items' order and items
   are admitted only while a budget has room (restore and export reads, staging); an
   item its consumer no longer needs (another process read it) may be given up;
-- `run_all`: `fan_out` for a few small requests (listings, metadata reads).
+- `run_all`: `fan_out` for a few small requests (listings, metadata reads), or for the
+  chunks of one large read on the workers its operation lends (`spare_workers`).
 
 The failure rule is the same for all: once one item of an operation has failed, no
 new item starts (queued ones are cancelled), every storage request made for the
@@ -14,13 +15,21 @@ operation checks `aborted()` first and before each retry (see `_storage`), and t
 first failure is raised once the items already running have ended. An item given up
 (`window`'s `abandon`) is the exception: nothing waits for it, it ends on its own (at
 its next request, which it does not make), and what it raises is dropped.
+
+An operation started inside an item of another (the chunks of one large restore read,
+read at once by workers the outer operation lends, see `spare_workers`) is part of that
+item: its requests stop when the outer operation fails or gives the item up (those
+waiting on a slow answer are cancelled when it is given up), and take their spare bytes
+from the outer budget.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import itertools
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -45,12 +54,35 @@ class Aborted(Exception):
     """A request was not made because its operation had already failed."""
 
 
+def memory_bytes() -> int:
+    """The memory this process may use: the host's, or its container's limit where lower
+    (cgroup v2 or v1); 0 where neither can be told."""
+    try:
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # a platform that does not say
+        limit = 0
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) > 0:  # "max" where unlimited
+            limit = min(limit, int(text)) if limit else int(text)
+    return limit
+
+
 def aborted() -> bool:
-    """Whether the operation this thread is working for has already failed, or has
-    given up the item this thread is running."""
+    """Whether the operation this thread is working for (or one it is part of) has
+    already failed, or has given up the item this thread is running (or the one its
+    operation is part of)."""
     op = getattr(_current, "op", None)
     item = getattr(_current, "item", None)
-    return op is not None and (op.error is not None or (item is not None and item.abandoned))
+    while op is not None:
+        if op.error is not None or (item is not None and item.abandoned):
+            return True
+        op, item = op.outer
+    return False
 
 
 class ByteBudget:
@@ -96,9 +128,24 @@ class ByteBudget:
 
 def given_up() -> concurrent.futures.Future[None] | None:
     """A future done once the item this thread is running is given up (None outside an
-    operation): a request waiting on futures waits on it too, and cancels itself."""
-    item = getattr(_current, "item", None)
+    operation): a request waiting on futures waits on it too, and cancels itself. In
+    an operation that is part of an item, the nearest item out that can be given up (a
+    window's, with `abandon`)."""
+    op = getattr(_current, "op", None)
+    item = first = getattr(_current, "item", None)
+    while item is not None and not item.can_be_given_up and op is not None:
+        op, item = op.outer
+    item = item or first
     return None if item is None else item.gone
+
+
+def spare_workers(wanted: int) -> contextlib.AbstractContextManager[int]:
+    """Up to `wanted` workers of this thread's operation that no item holds or waits for,
+    lent to this thread's item while the block runs (as its count); none outside an
+    operation. What a large item may do at once beside itself, without making the
+    operation's workers more than they are."""
+    op = getattr(_current, "op", None)
+    return contextlib.nullcontext(0) if op is None else op.lend(wanted)
 
 
 def spare(nbytes: int) -> Hold | None:
@@ -127,7 +174,8 @@ class _Item:
     """One item submitted to an operation; `abandoned` once its consumer gave it up,
     and `gone` done then (a wait can include it: see `given_up`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, can_be_given_up: bool = False) -> None:
+        self.can_be_given_up = can_be_given_up  # a window's with `abandon`
         self.abandoned = False
         self.gone: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.thread: threading.Thread | None = None  # the pool thread running it
@@ -175,12 +223,17 @@ class Operation:
     """
 
     def __init__(self, workers: int, name: str) -> None:
+        # The operation and item this one is part of, when started inside an item.
+        self.outer: tuple[Operation | None, _Item | None] = (getattr(_current, "op", None),
+                                                             getattr(_current, "item", None))
         self._workers = max(1, workers)
         self._pool = _Pool(self._workers, thread_name_prefix=f"zarrckpt-{name}")
         self._lock = threading.Lock()
         self.error: BaseException | None = None
         self._budgets: list[ByteBudget] = []
         self._running: dict[concurrent.futures.Future[Any], _Item] = {}
+        self._live = 0  # items submitted and not ended (counted before they can start)
+        self._lent = 0  # workers lent to items (`lend`)
 
     def __enter__(self) -> Operation:
         return self
@@ -204,11 +257,12 @@ class Operation:
         for budget in budgets:
             budget.abort(error)
 
-    def submit(self, fn: Callable[..., _R], *args: Any) -> concurrent.futures.Future[_R]:
+    def submit(self, fn: Callable[..., _R], *args: Any, can_be_given_up: bool = False
+               ) -> concurrent.futures.Future[_R]:
         """Runs `fn(*args)` on the pool as part of this operation; a failure fails it.
         Raises the operation's first failure instead once it has failed."""
         self._raise_if_failed()
-        item = _Item()
+        item = _Item(can_be_given_up)
 
         def run() -> _R:
             if self.error is not None:
@@ -226,7 +280,14 @@ class Operation:
             finally:
                 _current.op, _current.item = outer
 
-        future = self._pool.submit(run)
+        with self._lock:
+            self._live += 1
+        try:
+            future = self._pool.submit(run)
+        except BaseException:
+            with self._lock:
+                self._live -= 1
+            raise
         with self._lock:
             self._running[future] = item
         future.add_done_callback(self._ended)
@@ -235,6 +296,7 @@ class Operation:
     def _ended(self, future: concurrent.futures.Future[Any]) -> None:
         with self._lock:
             self._running.pop(future, None)
+            self._live -= 1
 
     def fan_out(self, items: Iterable[_T], fn: Callable[[_T], _R], *, budget: ByteBudget | None = None,
                 nbytes: Callable[[_T], int] = lambda item: 0,
@@ -316,7 +378,7 @@ class Operation:
                     continue
                 if admit is not None:
                     admit(item)
-                pending.append((item, self.submit(fn, item), hold))
+                pending.append((item, self.submit(fn, item, can_be_given_up=abandon is not None), hold))
             while pending:
                 yield self._settle(pending.popleft(), abandon)
         except BaseException as e:
@@ -343,10 +405,29 @@ class Operation:
             self._raise_if_failed()  # the first failure, not a later `Aborted`
             raise
 
-    def budget(self) -> ByteBudget | None:
-        """The byte budget this operation's items take from, the newest if several."""
+    @contextlib.contextmanager
+    def lend(self, wanted: int) -> Iterator[int]:
+        """Up to `wanted` of this operation's workers that no item holds or waits for
+        (the items submitted and not ended, and those lent already, count), lent while
+        the block runs: see `spare_workers`. An item submitted meanwhile may still start
+        on an idle thread of the pool: at most twice the workers work at once."""
         with self._lock:
-            return self._budgets[-1] if self._budgets else None
+            count = max(0, min(wanted, self._workers - self._live - self._lent))
+            self._lent += count
+        try:
+            yield count
+        finally:
+            with self._lock:
+                self._lent -= count
+
+    def budget(self) -> ByteBudget | None:
+        """The byte budget this operation's items take from, the newest if several; for
+        one without, that of the operation it is part of."""
+        with self._lock:
+            if self._budgets:
+                return self._budgets[-1]
+        outer = self.outer[0]
+        return None if outer is None else outer.budget()
 
     def _watch(self, budget: ByteBudget) -> None:
         with self._lock:

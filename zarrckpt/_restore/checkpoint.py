@@ -11,7 +11,8 @@ import contextlib
 import dataclasses
 import functools
 import math
-import os
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,7 +33,11 @@ from .._regions import Region, chunks_touching, intersect, region_shape, relativ
 from .._storage import Location
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 
-_MEMORY_BYTES = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+_MEMORY_BYTES = _concurrency.memory_bytes() or sys.maxsize
+# Chunks of one box read at once, at most, and the least a box on a local disk must hold
+# for that (a pool's threads cost about a millisecond to start).
+_BOX_READERS = 8
+_BOX_TOGETHER_BYTES = 16 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,16 +170,36 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
             f"leaf {leaf.where} of {loc.url} needs {nbytes:,} bytes for {box}, more than this machine's "
             f"{_MEMORY_BYTES:,} bytes of memory")
     out = np.empty([b - a for a, b in box], leaf.dtype)
-    for chunk in chunks_touching(box, leaf.chunks, leaf.shape):
+    in_part = threading.Lock()
+
+    def read(chunk: Region) -> None:
         inside = intersect(chunk, box)
         # The trailing Ellipsis keeps a 0-d result a view, not a scalar copy.
         dest = out[(*relative(inside, box), Ellipsis)]  # type: ignore[arg-type]
         # The common case: the chunk's bytes land in the result with no copy.
-        whole = inside == chunk and all(b - a == c for (a, b), c in zip(chunk, leaf.chunks)) \
-            and dest.flags.c_contiguous
-        values = read_chunk(loc, leaf.codec, chunk, out=dest if whole else None)
-        if not whole:
-            dest[...] = values[relative(inside, chunk)]
+        if inside == chunk and all(b - a == c for (a, b), c in zip(chunk, leaf.chunks)) and dest.flags.c_contiguous:
+            read_chunk(loc, leaf.codec, chunk, out=dest)
+            return
+        with in_part:  # read whole into memory no byte budget counts: one such chunk at a time
+            dest[...] = read_chunk(loc, leaf.codec, chunk)[relative(inside, chunk)]
+
+    # A large box of several chunks (a device's whole shard: on one GPU, a whole leaf)
+    # has its chunks read at once, by workers of the restore that no other read holds.
+    # One after another, a state of a few large leaves kept a few cores busy (8 GiB in
+    # 57 leaves, 8 of them large, on one H200: 2.2 GB/s against 5.5 for a plain read of
+    # each leaf's file, all at once) and, over a store with a latency per request, left
+    # its link idle between requests. The chunks are taken as the reads go (hostile
+    # metadata may claim billions of them: the first one missing ends the read).
+    count = math.prod(len(range(a // c, -(-b // c))) for (a, b), c in zip(box, leaf.chunks))
+    together = count > 1 and (not loc.is_local or out.nbytes >= _BOX_TOGETHER_BYTES)
+    chunks = chunks_touching(box, leaf.chunks, leaf.shape)
+    with _concurrency.spare_workers(min(_BOX_READERS, count) - 1 if together else 0) as lent:
+        if lent:
+            with _concurrency.Operation(1 + lent, "read") as op:
+                op.fan_out(chunks, read)
+        else:
+            for chunk in chunks:
+                read(chunk)
     return out
 
 
