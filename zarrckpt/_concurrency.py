@@ -6,8 +6,7 @@ Three shapes, all on an `Operation` (a thread pool and the fate of one job):
 - `Operation.window`: the same, but results come back in the items' order and items
   are admitted only while a budget has room (restore and export reads, staging); an
   item its consumer no longer needs (another process read it) may be given up;
-- `run_all`: `fan_out` for a few small requests (listings, metadata reads), or for the
-  chunks of one large read on the workers its operation lends (`spare_workers`).
+- `run_all`: `fan_out` for a few small requests (listings, metadata reads).
 
 The failure rule is the same for all: once one item of an operation has failed, no
 new item starts (queued ones are cancelled), every storage request made for the
