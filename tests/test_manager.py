@@ -114,6 +114,21 @@ def test_a_managers_default_byte_budget_is_a_quarter_of_the_memory_and_at_least_
         assert mgr._save_options.max_inflight_bytes == budget_gib * 2**30
 
 
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_the_memory_a_process_may_use_is_the_lowest_limit_of_its_cgroup_and_those_above(tmp_path, version):
+    """A Slurm job or systemd slice sets its limit on a cgroup below the root, and a
+    cgroup above may set a lower one; the root says unlimited ("max" in v2, about 2**63
+    in v1)."""
+    top = tmp_path / "sys" / ("memory" if version == "v1" else "")
+    name, unlimited = ("memory.limit_in_bytes", str(2**63 - 4096)) if version == "v1" else ("memory.max", "max")
+    for path, value in (("", unlimited), ("slurm", str(3 * 2**30)), ("slurm/job_7", str(5 * 2**30))):
+        (top / path).mkdir(parents=True, exist_ok=True)
+        (top / path / name).write_text(value + "\n")
+    cgroups = tmp_path / "cgroup"
+    cgroups.write_text("4:memory:/slurm/job_7\n1:cpu:/\n" if version == "v1" else "0::/slurm/job_7\n")
+    assert zarrckpt._concurrency.memory_bytes(str(cgroups), str(tmp_path / "sys")) == 3 * 2**30
+
+
 def test_background_errors_are_raised_never_lost(tmp_path, monkeypatch):
     original = _storage.Location.write
 

@@ -349,29 +349,34 @@ def chunk_reads(monkeypatch, meet_first: int = 0):
     return seen
 
 
-def one_device_leaf(tmp_path):
-    """A 16 MiB leaf on one device saved in 4 chunks: a restore reads it as one box."""
+def one_device_leaves(tmp_path, count: int = 1):
+    """`count` leaves of 16 MiB on one device saved in 4 chunks each: a restore reads
+    each as one box."""
     device = SingleDeviceSharding(jax.devices()[0])
-    x = jax.device_put(jnp.arange(1024 * 4096, dtype=jnp.float32).reshape(1024, 4096), device)
-    zarrckpt.save_pytree(str(tmp_path / "ckpt"), {"x": x}, max_chunk_bytes=4 * 2**20)
-    return x, {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)}
+    tree = {f"x{i}": jax.device_put(jnp.arange(1024 * 4096, dtype=jnp.float32).reshape(1024, 4096) + i, device)
+            for i in range(count)}
+    zarrckpt.save_pytree(str(tmp_path / "ckpt"), tree, max_chunk_bytes=4 * 2**20)
+    return tree, {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device) for k, x in tree.items()}
 
 
 def test_the_chunks_of_one_devices_shard_are_read_at_once(tmp_path, monkeypatch):
     """A large shard of several chunks (a whole leaf, on one GPU) is read chunk by chunk
     at once, not one after another: its four chunk reads must meet."""
-    x, target = one_device_leaf(tmp_path)
+    tree, target = one_device_leaves(tmp_path)
     seen = chunk_reads(monkeypatch, meet_first=4)
     restored = zarrckpt.load_pytree(str(tmp_path / "ckpt"), target)
     assert seen["calls"] == 4
-    np.testing.assert_array_equal(np.asarray(restored["x"]), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(restored["x0"]), np.asarray(tree["x0"]))
 
 
-def test_the_chunks_of_a_shard_are_read_by_no_more_workers_than_the_restore_has(tmp_path, monkeypatch):
-    """The chunks read at once are read by the restore's idle workers: with
-    `max_workers=1` there are none, and they are read one at a time."""
-    x, target = one_device_leaf(tmp_path)
+@pytest.mark.parametrize("workers", [1, 3])
+def test_the_chunks_of_a_shard_are_read_by_no_more_workers_than_the_restore_has(tmp_path, monkeypatch, workers):
+    """The chunks read at once are read by workers of the restore that no other read
+    runs on: six such shards with `max_workers` of 1 or 3 never have more reads at
+    once (the first reads had borrowed workers the later ones then ran on too)."""
+    tree, target = one_device_leaves(tmp_path, 6)
     seen = chunk_reads(monkeypatch)
-    restored = zarrckpt.load_pytree(str(tmp_path / "ckpt"), target, max_workers=1)
-    assert seen["calls"] == 4 and seen["most"] == 1, seen
-    np.testing.assert_array_equal(np.asarray(restored["x"]), np.asarray(x))
+    restored = zarrckpt.load_pytree(str(tmp_path / "ckpt"), target, max_workers=workers)
+    assert seen["calls"] == 24 and seen["most"] <= workers, seen
+    for k, x in tree.items():
+        np.testing.assert_array_equal(np.asarray(restored[k]), np.asarray(x))

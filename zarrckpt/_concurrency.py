@@ -53,22 +53,46 @@ class Aborted(Exception):
     """A request was not made because its operation had already failed."""
 
 
-def memory_bytes() -> int:
-    """The memory this process may use: the host's, or its container's limit where lower
-    (cgroup v2 or v1); 0 where neither can be told."""
+def memory_bytes(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int:
+    """The memory this process may use: the host's, or the lowest limit of its cgroup and
+    the cgroups above it where lower (v2 or v1: a container, a Slurm job, a systemd
+    slice); 0 where none can be told."""
     try:
         limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):  # a platform that does not say
         limit = 0
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    for path in _cgroup_limit_files(cgroups, root):
         try:
             with open(path) as f:
                 text = f.read().strip()
         except OSError:
             continue
-        if text.isdigit() and int(text) > 0:  # "max" where unlimited
+        # "max" (v2) or a number near 2**63 (v1) where unlimited.
+        if text.isdigit() and 0 < int(text) < 2**60:
             limit = min(limit, int(text)) if limit else int(text)
     return limit
+
+
+def _cgroup_limit_files(cgroups: str, root: str) -> list[str]:
+    """The memory limit files of this process's cgroups (as `cgroups` lists them, under
+    `root`) and of every cgroup above them."""
+    try:
+        with open(cgroups) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    files = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if controllers == "":  # v2
+            top, name = root, "memory.max"
+        elif "memory" in controllers.split(","):  # v1
+            top, name = os.path.join(root, "memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [part for part in path.split("/") if part and part != ".."]
+        files += [os.path.join(top, *parts[:depth], name) for depth in range(len(parts), -1, -1)]
+    return files
 
 
 def aborted() -> bool:
@@ -139,10 +163,10 @@ def given_up() -> concurrent.futures.Future[None] | None:
 
 
 def spare_workers(wanted: int) -> contextlib.AbstractContextManager[int]:
-    """Up to `wanted` workers of this thread's operation that no item holds or waits for,
-    lent to this thread's item while the block runs (as its count); none outside an
-    operation. What a large item may do at once beside itself, without making the
-    operation's workers more than they are."""
+    """Up to `wanted` workers of this thread's operation that no item runs on, lent to
+    this thread's item while the block runs (as its count); none outside an operation.
+    What a large item may do at once beside itself, without making the operation's
+    workers more than they are."""
     op = getattr(_current, "op", None)
     return contextlib.nullcontext(0) if op is None else op.lend(wanted)
 
@@ -231,8 +255,8 @@ class Operation:
         self.error: BaseException | None = None
         self._budgets: list[ByteBudget] = []
         self._running: dict[concurrent.futures.Future[Any], _Item] = {}
-        self._live = 0  # items submitted and not ended (counted before they can start)
-        self._lent = 0  # workers lent to items (`lend`)
+        # One for each item running and each worker lent (`lend`): never more than `workers`.
+        self._slots = threading.Semaphore(self._workers)
 
     def __enter__(self) -> Operation:
         return self
@@ -270,23 +294,23 @@ class Operation:
             # thread that submitted it, which may be running an item of another operation.
             outer = getattr(_current, "op", None), getattr(_current, "item", None)
             _current.op, _current.item, item.thread = self, item, threading.current_thread()
+            # A worker lent to another item is not this one's; run on the submitting
+            # thread (no thread can start), it is not a worker's at all.
+            slot = not self._pool._stranded and self._slots.acquire()
             try:
+                if self.error is not None:
+                    raise Aborted("not started: the operation had already failed")
                 return fn(*args)
             except BaseException as e:
                 if not item.abandoned:
                     self.fail(e)
                 raise
             finally:
+                if slot:
+                    self._slots.release()
                 _current.op, _current.item = outer
 
-        with self._lock:
-            self._live += 1
-        try:
-            future = self._pool.submit(run)
-        except BaseException:
-            with self._lock:
-                self._live -= 1
-            raise
+        future = self._pool.submit(run)
         with self._lock:
             self._running[future] = item
         future.add_done_callback(self._ended)
@@ -295,7 +319,6 @@ class Operation:
     def _ended(self, future: concurrent.futures.Future[Any]) -> None:
         with self._lock:
             self._running.pop(future, None)
-            self._live -= 1
 
     def fan_out(self, items: Iterable[_T], fn: Callable[[_T], _R], *, budget: ByteBudget | None = None,
                 nbytes: Callable[[_T], int] = lambda item: 0,
@@ -406,18 +429,17 @@ class Operation:
 
     @contextlib.contextmanager
     def lend(self, wanted: int) -> Iterator[int]:
-        """Up to `wanted` of this operation's workers that no item holds or waits for
-        (the items submitted and not ended, and those lent already, count), lent while
-        the block runs: see `spare_workers`. An item submitted meanwhile may still start
-        on an idle thread of the pool: at most twice the workers work at once."""
-        with self._lock:
-            count = max(0, min(wanted, self._workers - self._live - self._lent))
-            self._lent += count
+        """Up to `wanted` of this operation's workers that no item runs on, lent while
+        the block runs (see `spare_workers`): an item that starts meanwhile waits for
+        one of them, so that no more than `workers` work at once."""
+        count = 0
+        while count < wanted and self._slots.acquire(blocking=False):
+            count += 1
         try:
             yield count
         finally:
-            with self._lock:
-                self._lent -= count
+            for _ in range(count):
+                self._slots.release()
 
     def budget(self) -> ByteBudget | None:
         """The byte budget this operation's items take from, the newest if several; for

@@ -92,9 +92,10 @@ class CheckpointManager:
         fingerprints it compares (so for the step that made the arrays). See
         docs/pytree-zarr-checkpoint.md, "Unchanged chunks", for the guarantee.
       max_inflight_bytes: bound on host memory holding a save's copies off the devices
-        that are not yet written (default: a quarter of the host's memory, at least
-        8 GiB); a larger state makes `save` wait for writes to drain before it has
-        copied everything. `max_staged_bytes`, its name
+        that are not yet written (default: a quarter of the memory this process may
+        use, the host's or its cgroup's limit, at least 8 GiB; each process of a host
+        takes as much: with several on one host, give less); a larger state makes
+        `save` wait for writes to drain before it has copied everything. `max_staged_bytes`, its name
         before, still works, with a DeprecationWarning.
       save_on_preemption: save at a preemption notice (JAX's preemption sync point; in
         a job of one process, SIGTERM), and say so by `reached_preemption`.

@@ -180,8 +180,15 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
         if inside == chunk and all(b - a == c for (a, b), c in zip(chunk, leaf.chunks)) and dest.flags.c_contiguous:
             read_chunk(loc, leaf.codec, chunk, out=dest)
             return
-        with in_part:  # read whole into memory no byte budget counts: one such chunk at a time
-            dest[...] = read_chunk(loc, leaf.codec, chunk)[relative(inside, chunk)]
+        # Read whole into memory of its own: room for it in the restore's byte budget,
+        # or else one such chunk at a time.
+        hold = _concurrency.spare(_dtypes.nbytes(region_shape(chunk), leaf.dtype)) if lent else None
+        with contextlib.nullcontext() if hold is not None else in_part:
+            try:
+                dest[...] = read_chunk(loc, leaf.codec, chunk)[relative(inside, chunk)]
+            finally:
+                if hold is not None:
+                    hold.release()
 
     # A large box of several chunks (a device's whole shard: on one GPU, a whole leaf)
     # has its chunks read at once, by workers of the restore that no other read holds.
