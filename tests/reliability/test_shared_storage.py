@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 import zlib
@@ -162,15 +163,23 @@ def test_seqax_codecs_are_checked_against_a_known_list(tmp_path, compressor, why
 
 def overwrite_during(monkeypatch, url: str, after_reads: int, new_tree: dict) -> None:
     """Makes the next restore's reads overwrite `url` with `new_tree` (a real save) once
-    `after_reads` chunks were read: what another process does at that moment."""
-    reads = []
+    `after_reads` boxes were read: what another process does at that moment. The read
+    that overwrites waits for those before it to end (the restore reads several boxes
+    at once: under load, the first was still reading as the overwrite began, and met
+    a save in progress instead)."""
+    reads, ended = [], threading.Semaphore(0)
     original = _reader._read_box
 
     def reading(loc, leaf, box):
         if len(reads) == after_reads:
+            for _ in range(after_reads):
+                assert ended.acquire(timeout=60)
             zarrckpt.save_pytree(url, new_tree, overwrite=True)
         reads.append(leaf.name)
-        return original(loc, leaf, box)
+        try:
+            return original(loc, leaf, box)
+        finally:
+            ended.release()
 
     monkeypatch.setattr(_reader, "_read_box", reading)
 
