@@ -83,7 +83,9 @@ def _cgroup_limit_files(cgroups: str, root: str) -> list[str]:
         return []
     files = []
     for line in lines:
-        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if line.count(":") < 2:
+            continue
+        _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2
             top, name = root, "memory.max"
         elif "memory" in controllers.split(","):  # v1
@@ -288,18 +290,18 @@ class Operation:
         item = _Item(can_be_given_up)
 
         def run() -> _R:
+            # A worker lent to another item is not this one's; run on the submitting
+            # thread (no thread can start), it is not a worker's at all.
+            slot = not self._pool._stranded and self._slots.acquire()
             if self.error is not None:
+                if slot:
+                    self._slots.release()
                 raise Aborted("not started: the operation had already failed")
             # Put back after: where no thread can start (see `_Pool`), this runs on the
             # thread that submitted it, which may be running an item of another operation.
             outer = getattr(_current, "op", None), getattr(_current, "item", None)
             _current.op, _current.item, item.thread = self, item, threading.current_thread()
-            # A worker lent to another item is not this one's; run on the submitting
-            # thread (no thread can start), it is not a worker's at all.
-            slot = not self._pool._stranded and self._slots.acquire()
             try:
-                if self.error is not None:
-                    raise Aborted("not started: the operation had already failed")
                 return fn(*args)
             except BaseException as e:
                 if not item.abandoned:

@@ -42,7 +42,7 @@ _NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}  # JSON has
 
 def default_inflight_bytes() -> int:
     """A manager's byte budget by default: a quarter of the memory this process may use
-    (the host's, or its container's limit), at least 8 GiB, so that a training state
+    (the host's, or its cgroup's limit), at least 8 GiB, so that a training state
     that size is staged whole and an async save never waits for writes (a fixed 8 GiB
     made `save` of an 8.0001 GiB state on a 128 GiB GPU host block until a chunk was
     written, 0.24 s instead of milliseconds)."""
@@ -95,8 +95,8 @@ class CheckpointManager:
         that are not yet written (default: a quarter of the memory this process may
         use, the host's or its cgroup's limit, at least 8 GiB; each process of a host
         takes as much: with several on one host, give less); a larger state makes
-        `save` wait for writes to drain before it has copied everything. `max_staged_bytes`, its name
-        before, still works, with a DeprecationWarning.
+        `save` wait for writes to drain before it has copied everything.
+        `max_staged_bytes`, its name before, still works, with a DeprecationWarning.
       save_on_preemption: save at a preemption notice (JAX's preemption sync point; in
         a job of one process, SIGTERM), and say so by `reached_preemption`.
       heartbeat_s: how often process 0 renews its lease on the directory; a second
