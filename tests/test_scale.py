@@ -2,11 +2,22 @@
 must not: coordination calls per process, bytes read from the store for replicated
 state, objects per small leaf. A process killed mid-save is named by the others."""
 
+import shutil
+from collections.abc import Iterable
+
 import multiprocess
 import pytest
 
 import zarrckpt
 from zarrckpt import _commit, _storage
+
+
+def then(actions: Iterable[list[str]]) -> list[str]:
+    """Several actions of the worker, one after the other in one job (see workers/mp_scale.py)."""
+    words: list[str] = []
+    for action in actions:
+        words += (["+"] if words else []) + action
+    return words
 
 
 @pytest.fixture(scope="module")
@@ -17,14 +28,20 @@ def saved(tmp_path_factory):
     return directory, results
 
 
+LAYOUTS = ("replicated", "mixed", "sharded")
+
+
 @pytest.mark.parametrize("processes", [4, 2, 1])
-@pytest.mark.parametrize("layout", ["replicated", "mixed", "sharded"])
-def test_four_processes_save_and_restore_on_four_two_and_one(saved, processes, layout):
+def test_four_processes_save_and_restore_on_four_two_and_one(saved, processes):
     directory, _ = saved
     assert zarrckpt.all_steps(directory) == [1]
-    results = multiprocess.run("mp_scale", "restore", directory, layout, processes=processes, devices=2)
+    # One job restores onto each layout in turn.
+    results = multiprocess.run("mp_scale", *then(["restore", directory, layout] for layout in LAYOUTS),
+                               processes=processes, devices=2)
     for r in results:  # every addressable shard checked on every process
-        assert r["step"] == 1 and r["step_value"] == 7 and r["checked"] > 0, (processes, layout, r)
+        for layout, restored in zip(LAYOUTS, r["done"], strict=True):
+            assert restored["step"] == 1 and restored["step_value"] == 7 and restored["checked"] > 0, (
+                processes, layout, restored)
 
 
 @pytest.mark.parametrize("layout, inflight", [("replicated", 2**31), ("mixed", 2**31), ("replicated", 4096)])
@@ -35,9 +52,9 @@ def test_replicated_state_is_read_from_the_store_once(saved, layout, inflight):
     with its part (on a busy machine, any may be) has it read again by its buddy: those
     bytes are counted apart (`relief_bytes_read`), and only they are read twice."""
     directory, _ = saved
-    shared = multiprocess.run("mp_scale", "restore", directory, layout, "on", str(inflight), processes=4,
-                              devices=2)
-    alone = multiprocess.run("mp_scale", "restore", directory, layout, "off", str(inflight), processes=4, devices=2)
+    results = multiprocess.run("mp_scale", *then(["restore", directory, layout, broadcast, str(inflight)]
+                                                 for broadcast in ("on", "off")), processes=4, devices=2)
+    shared, alone = ([r["done"][i] for r in results] for i in (0, 1))
     checkpoint = shared[0]["checkpoint_bytes"]
     read_shared = sum(r["bytes_read"] - r["relieved"] for r in shared) / checkpoint
     read_alone = sum(r["bytes_read"] for r in alone) / checkpoint
@@ -52,10 +69,10 @@ def test_coordination_calls_per_process_do_not_grow_with_the_process_count(saved
     counts = {}
     for processes in (2, 4):
         directory = str(tmp_path / f"p{processes}")
-        saves = multiprocess.run("mp_scale", "save", directory, "1", processes=processes, devices=2)
-        restores = multiprocess.run("mp_scale", "restore", directory, "sharded", "off", processes=processes,
-                                    devices=2)
-        counts[processes] = ([r["calls"] for r in saves], [r["calls"] for r in restores])
+        results = multiprocess.run("mp_scale", *then([["save", directory, "1"],
+                                                      ["restore", directory, "sharded", "off"]]),
+                                   processes=processes, devices=2)
+        counts[processes] = ([r["done"][0]["calls"] for r in results], [r["done"][1]["calls"] for r in results])
     (save2, restore2), (save4, restore4) = counts[2], counts[4]
     assert max(save4) <= max(save2) and max(restore4) <= max(restore2), counts
     assert max(save4) <= 8 and max(restore4) <= 3, counts  # a handful, whatever the process count
@@ -71,7 +88,7 @@ def test_a_small_leaf_is_one_object_per_writing_process(saved):
 
 def test_a_process_killed_mid_save_is_named_and_the_restart_resumes(saved, tmp_path):
     directory = str(tmp_path / "run")
-    multiprocess.run("mp_scale", "save", directory, "1", processes=4, devices=2)
+    shutil.copytree(saved[0], directory)  # step 1, as 4 processes saved it
     results = multiprocess.run("mp_scale", "kill", directory, "2", "2", processes=4, devices=2, expect_ok=False,
                                timeout=120)
     # The victim SIGKILLed; the others leave cleanly, process 0 (the coordination service) last.

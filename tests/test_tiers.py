@@ -19,7 +19,8 @@ from builders import copies, flip_bit, logged_bytes, one_state
 
 import zarrckpt
 
-SCENARIOS = ("all", "replaced", "both_replicas", "other_run", "damaged", "flipped", "flipped_both", "other_count")
+SCENARIOS = ("all", "replaced", "both_replicas", "other_run", "damaged", "flipped", "flipped_both", "other_count",
+             "killed")
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +114,8 @@ def test_other_process_count_restores_persistent(saved: Path) -> None:
         assert (r["step"], r["tier"], r["checked"]) == (100, "persistent", 7), r  # one device each
 
 
-def test_process_killed_mid_local_save_restores_previous_step(tmp_path: Path) -> None:
-    persistent, local = tmp_path / "p", tmp_path / "l"
-    multiprocess.run("mp_tiers", "save", f"{persistent}:{local}", processes=4, devices=2, timeout=300)
+def test_process_killed_mid_local_save_restores_previous_step(saved: Path) -> None:
+    persistent, local = saved / "killed-p", saved / "killed-l"
     # Restored from local step 150, trains on: step 200 is saved to both tiers, then
     # process 2 is killed after writing one chunk of its local copy of step 250.
     died = multiprocess.run("mp_tiers", "die", str(persistent), str(local), "250", "2", processes=4, devices=2,

@@ -35,26 +35,33 @@ REPO = Path(__file__).parent.parent
 WORKER = Path(__file__).parent / "workers" / "user_loops.py"
 
 
-def train(loop: str, ckpt_dir: Path, stop_at: int, total: int, out: Path) -> dict[str, np.ndarray]:
-    """Runs `loop` in a new process, from the newest step committed in `ckpt_dir` up to
-    `stop_at`; returns what the worker wrote (see tests/workers/user_loops.py)."""
+def train(loop: str, total: int, *runs: tuple[Path, int, Path]) -> list[dict[str, np.ndarray]]:
+    """Runs `loop` in a new process, for each of `runs` (ckpt_dir, stop_at, out) in turn
+    from the newest step committed in `ckpt_dir` up to `stop_at`; returns what the worker
+    wrote for each (see tests/workers/user_loops.py)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                XLA_FLAGS="--xla_force_host_platform_device_count=1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(WORKER), loop, str(ckpt_dir), str(stop_at), str(total), str(out)],
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, (f"the {loop} loop (to step {stop_at} in {ckpt_dir}) exited {proc.returncode}:\n"
+    (ckpt_dir, stop_at, out), *more = runs
+    args = [loop, str(ckpt_dir), str(stop_at), str(total), str(out)]
+    args += [str(arg) for run in more for arg in run]
+    proc = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (f"the {loop} loop ({' '.join(args)}) exited {proc.returncode}:\n"
                                   f"{proc.stdout}{proc.stderr}")
-    with np.load(out) as saved:
-        return dict(saved)
+    results = []
+    for _, _, out in runs:
+        with np.load(out) as saved:
+            results.append(dict(saved))
+    return results
 
 
 def interrupted_and_straight(loop: str, tmp_path: Path, stop_at: int, total: int):
-    """(uninterrupted run to `total`, first run to `stop_at`, second run resumed to `total`),
-    each a new process; the interrupted pair shares one checkpoint directory."""
-    straight = train(loop, tmp_path / "straight", total, total, tmp_path / "straight.npz")
-    first = train(loop, tmp_path / "interrupted", stop_at, total, tmp_path / "first.npz")
-    resumed = train(loop, tmp_path / "interrupted", total, total, tmp_path / "resumed.npz")
+    """(uninterrupted run to `total`, first run to `stop_at`, second run resumed to `total`);
+    the interrupted pair shares one checkpoint directory, and the second run is a new
+    process (the first two share one: each starts from nothing of the other's)."""
+    straight, first = train(loop, total, (tmp_path / "straight", total, tmp_path / "straight.npz"),
+                            (tmp_path / "interrupted", stop_at, tmp_path / "first.npz"))
+    (resumed,) = train(loop, total, (tmp_path / "interrupted", total, tmp_path / "resumed.npz"))
     return straight, first, resumed
 
 

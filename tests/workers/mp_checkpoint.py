@@ -1,5 +1,5 @@
-"""Multi-process save / restore worker: `save DIR STEP`, `restore DIR MESH`, `fail DIR PROCESS`,
-`unchanged DIR`."""
+"""Multi-process save / restore worker: `save DIR STEP`, `restore DIR MESH [MESH...]` (one
+restore onto each mesh in turn, in one job), `fail DIR PROCESS`, `unchanged DIR`."""
 
 from __future__ import annotations
 
@@ -51,16 +51,18 @@ def save(directory: str, step: str) -> None:
     report(writes=writers, latest=zarrckpt.latest_step(directory, storage_options=STORAGE_OPTIONS))
 
 
-def restore(directory: str, mesh_name: str) -> None:
-    shape, axes, specs = RESTORE_MESHES[mesh_name]
-    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
-    mesh = Mesh(devices, axes)
-    target = {name: NamedSharding(mesh, spec) for name, spec in specs.items()}
-    target["host"] = np.zeros(SHAPES["host"], np.float32)
-    target["step"] = 0
-    state, step = zarrckpt.load_checkpoint_if_it_exists(directory, target, storage_options=STORAGE_OPTIONS)
-    checked = check_shards(state, SHAPES)
-    report(step=step, checked=checked, step_value=state["step"])
+def restore(directory: str, *mesh_names: str) -> None:
+    restored = []
+    for mesh_name in mesh_names:
+        shape, axes, specs = RESTORE_MESHES[mesh_name]
+        devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+        mesh = Mesh(devices, axes)
+        target = {name: NamedSharding(mesh, spec) for name, spec in specs.items()}
+        target["host"] = np.zeros(SHAPES["host"], np.float32)
+        target["step"] = 0
+        state, step = zarrckpt.load_checkpoint_if_it_exists(directory, target, storage_options=STORAGE_OPTIONS)
+        restored.append({"step": step, "checked": check_shards(state, SHAPES), "step_value": state["step"]})
+    report(**restored[-1], restored=restored)
 
 
 def fail(directory: str, failing: str) -> None:

@@ -1,11 +1,16 @@
 """Multi-process worker for the scale tests, reporting what each process asked of the
 coordination service and of the store (zarrckpt._stats).
 
-    save DIR STEP            save the state (every process), then report
-    restore DIR MESH         restore onto MESH ("replicated", "mixed", "sharded"), check
-                             every addressable shard, report
+    save DIR STEP            save the state (every process)
+    restore DIR MESH [BROADCAST [MAX_INFLIGHT_BYTES]]
+                             restore onto MESH ("replicated", "mixed", "sharded"), check
+                             every addressable shard
     kill DIR STEP VICTIM     like save, but process VICTIM (not 0, which hosts the
                              coordination service) SIGKILLs itself mid-write
+
+Several of them, joined by "+", run one after the other in one job (a job costs its
+processes' start, several seconds of CPU on a small CI machine); the report holds what
+each found, in order ("done"), and what the last found, as a one-action job reports it.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ def state() -> dict:
             "host": expected("host", SHAPES["host"]), "step": 7}
 
 
-def save(directory: str, step: str, victim: int | None = None) -> None:
+def save(directory: str, step: str, victim: int | None = None) -> dict:
     _stats.reset()
     if victim == jax.process_index():
         write = _storage.Location.write
@@ -61,7 +66,7 @@ def save(directory: str, step: str, victim: int | None = None) -> None:
         # dead process; process 0, which hosts the coordination service, last (exit_job).
         exit_job(0)
     counts = _stats.snapshot()
-    report(calls=counts.get("coordination_calls", 0), writes=counts.get("store_write", 0))
+    return {"calls": counts.get("coordination_calls", 0), "writes": counts.get("store_write", 0)}
 
 
 RESTORE_MESHES = {
@@ -73,7 +78,7 @@ RESTORE_MESHES = {
 }
 
 
-def restore(directory: str, layout: str, broadcast: str = "on", max_inflight_bytes: str = str(2**31)) -> None:
+def restore(directory: str, layout: str, broadcast: str = "on", max_inflight_bytes: str = str(2**31)) -> dict:
     _stats.reset()
     devices = np.array(jax.devices()).reshape(jax.process_count(), -1)
     mesh = Mesh(devices, ("hosts", "local"))
@@ -84,16 +89,25 @@ def restore(directory: str, layout: str, broadcast: str = "on", max_inflight_byt
                                                            max_inflight_bytes=int(max_inflight_bytes))
     checked = check_shards(restored, SHAPES)
     counts = _stats.snapshot()
-    report(step=step, checked=checked, step_value=restored["step"], bytes_read=counts.get("store_bytes_read", 0),
-           relieved=counts.get("relief_bytes_read", 0),
-           reads=counts.get("store_read", 0), calls=counts.get("coordination_calls", 0),
-           checkpoint_bytes=sum(int(np.prod(s)) * 4 for s in SHAPES.values()))
+    return {"step": step, "checked": checked, "step_value": restored["step"],
+            "bytes_read": counts.get("store_bytes_read", 0), "relieved": counts.get("relief_bytes_read", 0),
+            "reads": counts.get("store_read", 0), "calls": counts.get("coordination_calls", 0),
+            "checkpoint_bytes": sum(int(np.prod(s)) * 4 for s in SHAPES.values())}
 
 
-mode, *rest = args
-if mode == "save":
-    save(*rest)
-elif mode == "kill":
-    save(rest[0], rest[1], victim=int(rest[2]))
-else:
-    restore(*rest)
+def actions(words: list[str]) -> list[list[str]]:
+    out: list[list[str]] = [[]]
+    for word in words:
+        out.append([]) if word == "+" else out[-1].append(word)
+    return out
+
+
+done = []
+for mode, *rest in actions(args):
+    if mode == "save":
+        done.append(save(*rest))
+    elif mode == "kill":
+        done.append(save(rest[0], rest[1], victim=int(rest[2])))
+    else:
+        done.append(restore(*rest))
+report(**done[-1], done=done)

@@ -1,9 +1,10 @@
 """Training loops written the way flax NNX, equinox and plain jax + grain document them,
 checkpointed with zarrckpt.CheckpointManager (tests/test_user_workflows.py).
 
-One process, one loop:
+One process, one loop (or several, one after the other, each from its own
+CKPT_DIR to its own STOP_AT, written to its own OUT.npz):
 
-    python user_loops.py LOOP CKPT_DIR STOP_AT TOTAL OUT.npz
+    python user_loops.py LOOP CKPT_DIR STOP_AT TOTAL OUT.npz [CKPT_DIR STOP_AT OUT.npz]...
 
 trains LOOP (nnx, equinox or grain) from the newest step committed under CKPT_DIR (or
 from scratch) up to step STOP_AT (at most TOTAL), then writes to OUT.npz the final
@@ -249,10 +250,11 @@ def shards(ckpt_dir: str) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in LOOPS:
-        loop, ckpt_dir, stop_at, total, out = sys.argv[1:]
+        loop, first_dir, first_stop, total, first_out, *more = sys.argv[1:]
         run = {"nnx": nnx_loop, "equinox": equinox_loop, "grain": grain_loop}[loop]
-        result = run(ckpt_dir, min(int(stop_at), int(total)))
-        np.savez(out, **{k: np.asarray(v) for k, v in result.items()})
+        for ckpt_dir, stop_at, out in [(first_dir, first_stop, first_out), *zip(more[::3], more[1::3], more[2::3])]:
+            result = run(ckpt_dir, min(int(stop_at), int(total)))
+            np.savez(out, **{k: np.asarray(v) for k, v in result.items()})
         return
     from common import init
 
