@@ -6,11 +6,11 @@ step restored."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -22,7 +22,7 @@ from builders import copies, flip_bit, logged_bytes, one_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import zarrckpt
-from zarrckpt import _peers
+from zarrckpt import _cli, _peers
 
 
 def save(*runs: Path, processes: int) -> None:
@@ -42,9 +42,12 @@ def copy_of(run: Path, process: int) -> Path:
 
 
 def listed(run: Path, process: int) -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "zarrckpt", "ls", "--json", str(run / "l" / f"host{process}")],
-                         capture_output=True, text=True, check=True).stdout
-    return json.loads(out)
+    """What `zarrckpt ls --json` says of a process's local directory (the command's own
+    code, run here: tests/test_cli.py runs it as a process)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert _cli.main(["ls", "--json", str(run / "l" / f"host{process}")]) == 0
+    return json.loads(out.getvalue())
 
 
 def no_persistent_reads(run: Path) -> None:
