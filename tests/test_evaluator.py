@@ -49,6 +49,32 @@ def test_checkpoints_iterator_follows_a_training_run(tmp_path):
     assert not set(gone) & set(zarrckpt.all_steps(run)), (gone, zarrckpt.all_steps(run))
 
 
+def test_a_poll_of_checkpoints_iterator_reads_only_the_commit_markers_of_steps_newer_than_the_last(
+        tmp_path, monkeypatch):
+    """An evaluator follows a run that keeps many steps (keep_every): each poll reads
+    the markers of the steps after the one it yielded last, not of every step kept (on
+    an object store, a request each, every few seconds)."""
+    run = str(tmp_path)
+    for step in range(1, 41):
+        zarrckpt.save_checkpoint(run, step, {"x": np.full(1, step)})
+    read, polls = [], []
+    head, listing = _commit.head, _steps.candidate_steps
+    monkeypatch.setattr(_commit, "head", lambda loc: read.append(loc.url.rsplit("/", 1)[-1]) or head(loc))
+    monkeypatch.setattr(_steps, "candidate_steps", lambda root: polls.append(1) or listing(root))
+    steps = zarrckpt.checkpoints_iterator(run, timeout_s=0.2, poll_interval_s=0.01)
+    assert next(steps) == 40
+    assert read == ["0000000040", "0000000040"]  # the newest, then once more before it is yielded
+    zarrckpt.save_checkpoint(run, 41, {"x": np.full(1, 41)})
+    zarrckpt.save_checkpoint(run, 42, {"x": np.full(1, 42)})
+    read.clear()  # the saves' own
+    assert next(steps) == 41 and next(steps) == 42
+    assert sorted(read) == ["0000000041", "0000000041", "0000000042", "0000000042"], read
+    read.clear()
+    polls.clear()
+    assert list(steps) == []  # nothing newer until the timeout
+    assert len(polls) >= 2 and read == [], (len(polls), read)
+
+
 def test_checkpoints_iterator_start_after_and_timeout(tmp_path):
     run = str(tmp_path)
     for step in (1, 2, 3):

@@ -237,13 +237,15 @@ def check_directory_of_steps(root: Location, *, has_steps: bool = False) -> None
                                       "cannot see it)")
 
 
-def scan(root: Location) -> tuple[list[int], list[int]]:
-    """Every step directory under `root`, and the committed ones among them, ascending:
-    one listing (more, see `listings`), then the first bytes of every commit marker,
-    read concurrently."""
+def scan(root: Location, *, after: int | None = None) -> tuple[list[int], list[int]]:
+    """Every step directory under `root`, and the committed ones among them (with
+    `after`: among those newer than it), ascending: one listing (more, see
+    `listings`), then the first bytes of each of those commit markers, read
+    concurrently."""
     for steps in listings(root):
-        states = _concurrency.run_all(lambda s: _commit.head(root.step(s)).state, steps, root.concurrency)
-        committed = [s for s, state in zip(steps, states) if state is _commit.State.COMMITTED]
+        looked = steps if after is None else [s for s in steps if s > after]
+        states = _concurrency.run_all(lambda s: _commit.head(root.step(s)).state, looked, root.concurrency)
+        committed = [s for s, state in zip(looked, states) if state is _commit.State.COMMITTED]
         if committed or _commit.State.ABSENT not in states:
             break
     return steps, committed
@@ -357,8 +359,11 @@ def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None,
     First the newest step already committed (or, with `start_after`, every committed
     step after it), then each step committed later, one by one. A step deleted (by
     the training job's retention) before it is yielded is skipped. Checks every
-    `poll_interval_s`; returns once `timeout_s` (None: never) has passed without a
-    new step. Raises CheckpointLocationError, where nothing is committed, if
+    `poll_interval_s`: a listing of the directory, and the commit markers of the steps
+    newer than the last one yielded (the first time, of the newest steps down to the
+    newest committed one), so a poll costs the same however many steps the run keeps.
+    Returns once `timeout_s` (None: never) has passed without a new step. Raises
+    CheckpointLocationError, at a poll that finds no step to yield before any was, if
     `checkpoint_dir` is a checkpoint itself or holds another library's checkpoints.
     """
     _options.check("timeout_s", timeout_s, _options.NUMBER + "?")
@@ -367,16 +372,19 @@ def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None,
     root = _storage.resolve(checkpoint_dir, storage_options)
     last, first, idle_since = start_after, start_after is None, time.monotonic()
     while True:
-        committed = scan(root)[1]
-        if not committed:  # a step's own directory, say, which would never yield one
+        if first:  # the newest step committed already, and none older
+            newest = _newest_committed(root, lambda loc: (_commit.head(loc).state, None))[1]
+            new = [] if newest is None else [newest]
+        else:
+            new = scan(root, after=last)[1]
+        if not new and last == start_after:  # a step's own directory, say, which would never yield one
             check_directory_of_steps(root)
-        new = [s for s in committed if last is None or s > last]
-        for step in new[-1:] if first else new:
+        first = False
+        for step in new:
             if is_committed(root.step(step)):  # not deleted since the listing
                 last = step
                 yield step
                 idle_since = time.monotonic()
-        first = False
         waited = time.monotonic() - idle_since
         if timeout_s is not None and waited >= timeout_s:
             return
