@@ -44,22 +44,24 @@ def test_restore_on_one_process_other_device_count(saved, devices, mesh):
     assert result["step"] == 10 and result["checked"] > 0
 
 
-@pytest.mark.parametrize("failing", [0, 1], ids=["process 0 fails", "process 1 fails"])
 @pytest.mark.parametrize("store", MP_STORES, indirect=True)
-def test_failed_write_on_one_process_commits_nothing(store, failing):
+def test_failed_write_on_one_process_commits_nothing(store):
     """Process 0 is the one that commits: its own failure must stop the commit as
-    surely as another process's. The next save of the step commits, with its values."""
-    results = multiprocess.run("mp_checkpoint", "fail", store.url, str(failing), storage_options=store.options)
-    for r in results:
-        assert r["error"] is not None, r["output"]
-        # Every process is told which process failed, on which leaf, and why.
-        assert f"process {failing}: " in r["error"] and f"process {1 - failing}: " not in r["error"], r["error"]
-        assert "['both']" in r["error"] and "injected write failure" in r["error"], r["error"]
-        # Uncommitted; on S3 and GCS absent, as no group metadata is written before the commit.
-        left = _commit.State.ABSENT if store.kind in ("s3", "gcs") else _commit.State.UNCOMMITTED
-        assert r["latest"] == 1 and r["state"] == left.name, r
-        assert r["latest_after"] == 2 and r["checked"] > 0, r
-    assert zarrckpt.all_steps(store.url, storage_options=store.options) == [1, 2]
+    surely as another process's (one job fails process 0's writes in one run, then
+    process 1's in another). The next save of the step commits, with its values."""
+    urls = [f"{store.url}/process-{failing}-fails" for failing in (0, 1)]
+    results = multiprocess.run("mp_checkpoint", "fail", urls[0], "0", urls[1], "1", storage_options=store.options)
+    for failing, url in enumerate(urls):
+        for r in (result["runs"][failing] for result in results):
+            assert r["error"] is not None, (failing, results[0]["output"])
+            # Every process is told which process failed, on which leaf, and why.
+            assert f"process {failing}: " in r["error"] and f"process {1 - failing}: " not in r["error"], r["error"]
+            assert "['both']" in r["error"] and "injected write failure" in r["error"], r["error"]
+            # Uncommitted; on S3 and GCS absent, as no group metadata is written before the commit.
+            left = _commit.State.ABSENT if store.kind in ("s3", "gcs") else _commit.State.UNCOMMITTED
+            assert r["latest"] == 1 and r["state"] == left.name, (failing, r)
+            assert r["latest_after"] == 2 and r["checked"] > 0, (failing, r)
+        assert zarrckpt.all_steps(url, storage_options=store.options) == [1, 2], failing
 
 
 def test_manager_async_saves_and_restores_on_two_processes(tmp_path):

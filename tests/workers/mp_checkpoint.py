@@ -1,5 +1,6 @@
 """Multi-process save / restore worker: `save DIR STEP`, `restore DIR MESH [MESH...]` (one
-restore onto each mesh in turn, in one job), `fail DIR PROCESS`, `unchanged DIR`."""
+restore onto each mesh in turn, in one job), `fail DIR PROCESS [DIR PROCESS...]` (each in
+turn), `unchanged DIR`."""
 
 from __future__ import annotations
 
@@ -65,7 +66,13 @@ def restore(directory: str, *mesh_names: str) -> None:
     report(**restored[-1], restored=restored)
 
 
-def fail(directory: str, failing: str) -> None:
+def fail(*runs: str) -> None:
+    """`failed` in each of the directories `runs` names (DIR PROCESS pairs), in turn;
+    reports what each found ("runs")."""
+    report(runs=[failed(directory, failing) for directory, failing in zip(runs[::2], runs[1::2], strict=True)])
+
+
+def failed(directory: str, failing: str) -> dict:
     """Step 1 saved, then a save of step 2 whose chunk writes of leaf `both` fail on
     process `failing`, then step 2 saved again: reports the failure, the newest step
     and step 2's commit state after it, and whether the save after it restores
@@ -89,8 +96,7 @@ def fail(directory: str, failing: str) -> None:
     except zarrckpt.CheckpointWriteError as e:
         error = str(e)
     else:
-        report(error=None)
-        return
+        return {"error": None}
     finally:
         _storage.Location.write_new = original
     latest = zarrckpt.latest_step(directory, storage_options=STORAGE_OPTIONS)
@@ -101,8 +107,8 @@ def fail(directory: str, failing: str) -> None:
     target = {name: value.sharding for name, value in state_tree().items() if isinstance(value, jax.Array)}
     target["host"], target["step"] = np.zeros(SHAPES["host"], np.float32), 0
     restored = zarrckpt.load_checkpoint(directory, 2, target, storage_options=STORAGE_OPTIONS)
-    report(error=error, latest=latest, state=state, checked=check_shards(restored, SHAPES),
-           latest_after=zarrckpt.latest_step(directory, storage_options=STORAGE_OPTIONS))
+    return {"error": error, "latest": latest, "state": state, "checked": check_shards(restored, SHAPES),
+            "latest_after": zarrckpt.latest_step(directory, storage_options=STORAGE_OPTIONS)}
 
 
 def unchanged(directory: str) -> None:
