@@ -15,7 +15,6 @@ devices; on a CPU-only machine the example asks XLA for 8 fake devices.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -52,7 +51,6 @@ def loss_fn(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.mean((h @ params["out"]["w"] + params["out"]["b"] - y) ** 2)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
 def train_step(state: dict) -> tuple[dict, jax.Array]:
     rng, data_key = jax.random.split(state["rng"])
     x = jax.random.normal(data_key, (128, 16))
@@ -70,6 +68,9 @@ def train(url: str, steps: int, save_every: int, *, keep_last: int = 3,
     mesh = Mesh(np.array(jax.devices()).reshape(-1, 2 if len(jax.devices()) % 2 == 0 else 1), ("data", "model"))
     # The template fixes structure, shapes, dtypes and shardings; its values are replaced on resume.
     template = init_state(jax.random.PRNGKey(0), mesh)
+    # The state keeps its shardings from step to step (else XLA picks the outputs' own,
+    # and the second step compiles again), and each step's input buffers are reused.
+    step_fn = jax.jit(train_step, donate_argnums=0, out_shardings=(shardings(template, mesh), None))
     with zarrckpt.CheckpointManager(url, save_interval_steps=save_every, keep_last=keep_last,
                                     storage_options=storage_options) as mgr:
         state, step = mgr.restore(template)
@@ -77,7 +78,7 @@ def train(url: str, steps: int, save_every: int, *, keep_last: int = 3,
         print(f"resumed from step {step}: training to step {last}" if mgr.restored_step is not None
               else f"no checkpoint yet: starting from scratch, training to step {last}", flush=True)
         while step < last:
-            state, loss = train_step(state)
+            state, loss = step_fn(state)
             step += 1
             if mgr.save(step, state):
                 print(f"step {step}: loss {float(loss):.4f}, saving to {url}", flush=True)
