@@ -1,17 +1,19 @@
 """The `zarrckpt` command, run as a user runs it: a real process, its output and exit status.
 
-Commands run as `python -m zarrckpt` on this working tree; one test runs the installed
-`zarrckpt` script where the package is installed (CI's `pip install ".[test]"`).
+Commands run as `python -m zarrckpt` on this working tree, each in a process forked
+from one that has imported zarrckpt already (tests/forked_cli.py: the import costs ten
+times the command); one test runs the installed `zarrckpt` script where the package is
+installed (CI's `pip install ".[test]"`).
 """
 
 import json
 import os
 import shutil
 import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
+import forked_cli
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -34,21 +36,9 @@ def run(*args: str, env: dict | None = None, command: list[str] | None = None) -
 
 def run_together(commands: list[list[str]], env: dict | None = None,
                  command: list[str] | None = None) -> list[subprocess.CompletedProcess]:
-    """Runs several `zarrckpt` commands at once (each spends most of its time starting
-    Python and importing JAX); returns their results in order."""
-    environment = dict(os.environ, **(env or {}))
-    environment["PYTHONPATH"] = os.pathsep.join([str(ROOT), environment.get("PYTHONPATH", "")])
-    environment.pop("XLA_FLAGS", None)  # the command needs no fake devices
-    procs = [subprocess.Popen([*(command or [sys.executable, "-m", "zarrckpt"]), *args], env=environment,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in commands]
-    try:
-        outputs = [proc.communicate(timeout=120) for proc in procs]
-        return [subprocess.CompletedProcess(proc.args, proc.returncode, *out) for proc, out in zip(procs, outputs)]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    """Runs several `zarrckpt` commands at once (tests/forked_cli.py); returns their
+    results in order."""
+    return forked_cli.run_together(commands, env=env, command=command)
 
 
 def state(scale: float = 1.0) -> dict:
