@@ -29,8 +29,19 @@ ROOT = Path(__file__).parent.parent
 # Runs in the zygote: the requests come on stdin, a line of JSON each (commands run at
 # once, with their output files); the reply, a line of exit statuses, on stdout.
 _ZYGOTE = r"""
-import json, os, signal, sys, time
+import json, os, signal, sys, tempfile, time
+
+# What the import prints (a warning, say) is every command's output, as it would be.
+replies_fd, errors_fd = os.dup(1), os.dup(2)
+printed = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+os.dup2(printed[0].fileno(), 1)
+os.dup2(printed[1].fileno(), 2)
 import zarrckpt._cli  # noqa: F401  (everything a command imports, once)
+sys.stdout.flush()
+sys.stderr.flush()
+os.dup2(replies_fd, 1)
+os.dup2(errors_fd, 2)
+printed = [(f.seek(0), f.read())[1] for f in printed]
 
 tasks = os.listdir("/proc/self/task")
 if len(tasks) != 1:  # a fork copies one thread only: another's locks would stay held in the child
@@ -44,8 +55,9 @@ while line := requests.readline():
         if pid == 0:  # the command: falls out of this loop into Python's own exit
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)
-            for fd, path in ((1, command["stdout"]), (2, command["stderr"])):
+            for fd, path, before in ((1, command["stdout"], printed[0]), (2, command["stderr"], printed[1])):
                 os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+                os.write(fd, before)
             os.environ.clear()
             os.environ.update(batch["env"])
             sys.argv = ["zarrckpt", *command["args"]]
@@ -79,13 +91,20 @@ class _Zygote:
                    "commands": [{"args": args, "stdout": str(out), "stderr": str(err)}
                                 for args, (out, err) in zip(commands, files)]}
         assert self._proc.stdin is not None and self._proc.stdout is not None
-        self._proc.stdin.write(json.dumps(request) + "\n")
-        self._proc.stdin.flush()
-        reply = self._proc.stdout.readline()
+        try:
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+            reply = self._proc.stdout.readline()
+        except BaseException:  # its reply unread: it must answer no later request
+            self._proc.kill()
+            raise
         if not reply:
             raise RuntimeError(f"the zygote of the CLI tests exited {self._proc.wait()}")
         return [subprocess.CompletedProcess(["zarrckpt", *args], code, out.read_text(), err.read_text())
                 for args, code, (out, err) in zip(commands, json.loads(reply), files)]
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
 
     def close(self) -> None:
         if self._proc.poll() is None:
@@ -109,6 +128,7 @@ def environment(env: dict | None = None) -> dict[str, str]:
     environment = dict(os.environ, **(env or {}))
     environment["PYTHONPATH"] = os.pathsep.join([str(ROOT), environment.get("PYTHONPATH", "")])
     environment.pop("XLA_FLAGS", None)  # the command needs no fake devices
+    environment.pop("PYTEST_CURRENT_TEST", None)  # pytest's, different at each test
     return environment
 
 
@@ -121,6 +141,8 @@ def run_together(commands: list[list[str]], *, env: dict | None = None, command:
     if command is None:
         with _lock, tempfile.TemporaryDirectory(prefix="zarrckpt-cli-") as outputs:
             key, own = json.dumps(full, sort_keys=True), json.dumps(environment(), sort_keys=True)
+            if key in _zygotes and not _zygotes[key].alive():
+                _zygotes.pop(key).close()
             if key not in _zygotes:
                 if not _zygotes:
                     atexit.register(close)

@@ -239,14 +239,16 @@ def check_directory_of_steps(root: Location, *, has_steps: bool = False) -> None
 
 def scan(root: Location, *, after: int | None = None) -> tuple[list[int], list[int]]:
     """Every step directory under `root`, and the committed ones among them (with
-    `after`: among those newer than it), ascending: one listing (more, see
-    `listings`), then the first bytes of each of those commit markers, read
-    concurrently."""
+    `after`: among those newer than it, from one listing, as a step committed since
+    is the next call's), ascending: one listing (more, see `listings`), then the first
+    bytes of each of those commit markers, read concurrently."""
     for steps in listings(root):
         looked = steps if after is None else [s for s in steps if s > after]
         states = _concurrency.run_all(lambda s: _commit.head(root.step(s)).state, looked, root.concurrency)
         committed = [s for s, state in zip(looked, states) if state is _commit.State.COMMITTED]
-        if committed or _commit.State.ABSENT not in states:
+        # A step being saved to an object store reads as absent (see `_commit`): past
+        # `after`, nothing committed is no sign of a newer step committed since.
+        if committed or _commit.State.ABSENT not in states or after is not None:
             break
     return steps, committed
 
@@ -363,7 +365,7 @@ def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None,
     newer than the last one yielded (the first time, of the newest steps down to the
     newest committed one), so a poll costs the same however many steps the run keeps.
     Returns once `timeout_s` (None: never) has passed without a new step. Raises
-    CheckpointLocationError, at a poll that finds no step to yield before any was, if
+    CheckpointLocationError, at a poll that lists no step directory, if
     `checkpoint_dir` is a checkpoint itself or holds another library's checkpoints.
     """
     _options.check("timeout_s", timeout_s, _options.NUMBER + "?")
@@ -373,11 +375,11 @@ def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None,
     last, first, idle_since = start_after, start_after is None, time.monotonic()
     while True:
         if first:  # the newest step committed already, and none older
-            newest = _newest_committed(root, lambda loc: (_commit.head(loc).state, None))[1]
+            steps, newest, _ = _newest_committed(root, lambda loc: (_commit.head(loc).state, None))
             new = [] if newest is None else [newest]
         else:
-            new = scan(root, after=last)[1]
-        if not new and last == start_after:  # a step's own directory, say, which would never yield one
+            steps, new = scan(root, after=last)
+        if not steps:  # a step's own directory, say, which would never yield one
             check_directory_of_steps(root)
         first = False
         for step in new:
