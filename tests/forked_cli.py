@@ -162,6 +162,11 @@ def run_together(commands: list[list[str]], *, env: dict | None = None, command:
                 proc.wait()
 
 
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Runs `zarrckpt ARGS...` (see `run_together`) and waits for it."""
+    return run_together([list(args)], env=env)[0]
+
+
 def close() -> None:
     """Ends the zygotes (at the test process's exit)."""
     with _lock:

@@ -1,10 +1,9 @@
 """An evaluator following a training run: checkpoints_iterator, load_checkpoint, and a
 read that loses the race with retention."""
 
-import subprocess
-import sys
 import threading
 
+import forked_cli
 import numpy as np
 import pytest
 from builders import train_state
@@ -160,7 +159,7 @@ def test_metadata_of_a_step_still_being_written_says_it_is_not_committed_not_cor
     for describe in (zarrckpt.metadata, zarrckpt.verify):
         with pytest.raises(zarrckpt.CheckpointNotFoundError, match="not committed and not all there"):
             describe(str(step_dir))
-    cli = subprocess.run([sys.executable, "-m", "zarrckpt", "info", str(step_dir)], capture_output=True, text=True)
+    cli = forked_cli.run("info", str(step_dir))
     assert cli.returncode == 1 and "not committed and not all there" in cli.stderr, cli.stderr
 
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import logging
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+import forked_cli
 import multiprocess
 import numpy as np
 import pytest
@@ -153,8 +152,9 @@ def test_one_process_restores_the_newer_tier(tmp_path: Path) -> None:
     with zarrckpt.CheckpointManager(persistent) as mgr:  # no local tier: the persistent one
         state, step = mgr.restore(one_state(1, 0))
         assert (step, mgr.restored_tier, state["step"]) == (8, "persistent", 8)
-    listed = subprocess.run([sys.executable, "-m", "zarrckpt", "ls", local], capture_output=True, text=True,
-                            check=True).stdout.splitlines()
+    done = forked_cli.run("ls", local)
+    assert done.returncode == 0, done.stderr
+    listed = done.stdout.splitlines()
     run = copies(persistent, local).parent.name[len("run-"):][:8]
     assert listed[0].split()[:5] == ["run", "process", "peers", "step", "state"]
     assert [line.split()[:5] for line in listed[1:]] == [[run, "0", "-", "6", "committed"],

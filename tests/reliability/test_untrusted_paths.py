@@ -11,11 +11,10 @@ import json
 import logging
 import math
 import os
-import subprocess
-import sys
 import tracemalloc
 from pathlib import Path
 
+import forked_cli
 import numpy as np
 import pytest
 
@@ -85,8 +84,7 @@ def test_gc_leaves_a_step_whose_group_metadata_is_a_directory_and_exits_0(tmp_pa
     there = sorted(os.listdir(broken))
     for step in (2, 3):
         zarrckpt.save_checkpoint(str(tmp_path), step, state(step))
-    done = subprocess.run([sys.executable, "-m", "zarrckpt", "gc", str(tmp_path), "--keep-last", "1"],
-                          capture_output=True, text=True)
+    done = forked_cli.run("gc", str(tmp_path), "--keep-last", "1")
     assert done.returncode == 0, done.stderr
     assert "step 1 " in done.stderr and "zarr.json/" in done.stderr
     assert zarrckpt.all_steps(str(tmp_path)) == [3]
@@ -119,7 +117,7 @@ def test_export_refuses_an_existing_out_unless_told_to_replace_it(tmp_path: Path
     out.write_bytes(b"an earlier export")
     with pytest.raises(FileExistsError, match=r"x\.npz already exists; pass overwrite=True"):
         zarrckpt._export.export_checkpoint(url, str(out))
-    done = subprocess.run([sys.executable, "-m", "zarrckpt", "export", url, str(out)], capture_output=True, text=True)
+    done = forked_cli.run("export", url, str(out))
     assert done.returncode == 1 and "x.npz already exists; pass --overwrite" in done.stderr, done.stderr
     assert out.read_bytes() == b"an earlier export"
     # A link at OUT is replaced itself, never written through.
@@ -127,8 +125,7 @@ def test_export_refuses_an_existing_out_unless_told_to_replace_it(tmp_path: Path
     victim.write_bytes(b"someone's file")
     out.unlink()
     out.symlink_to(victim)
-    done = subprocess.run([sys.executable, "-m", "zarrckpt", "export", url, str(out), "--overwrite"],
-                          capture_output=True, text=True)
+    done = forked_cli.run("export", url, str(out), "--overwrite")
     assert done.returncode == 0, done.stderr
     assert victim.read_bytes() == b"someone's file" and not out.is_symlink()
     assert np.load(out)["w"].tolist() == state(1)["w"].tolist()
