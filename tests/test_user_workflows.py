@@ -45,7 +45,8 @@ def train(loop: str, total: int, *runs: tuple[Path, int, Path]) -> list[dict[str
     (ckpt_dir, stop_at, out), *more = runs
     args = [loop, str(ckpt_dir), str(stop_at), str(total), str(out)]
     args += [str(arg) for run in more for arg in run]
-    proc = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True, text=True,
+                          timeout=120 * len(runs))
     assert proc.returncode == 0, (f"the {loop} loop ({' '.join(args)}) exited {proc.returncode}:\n"
                                   f"{proc.stdout}{proc.stderr}")
     results = []
