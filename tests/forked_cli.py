@@ -63,7 +63,7 @@ while line := requests.readline():
             sys.argv = ["zarrckpt", *command["args"]]
             import runpy
             runpy.run_module("zarrckpt", run_name="__main__", alter_sys=True)
-            sys.exit(0)
+            sys.exit(0)  # never on into the loop: a child must not fork commands of its own
         pids.append(pid)
     deadline, codes = time.monotonic() + batch["timeout"], {}
     while len(codes) < len(pids):
@@ -144,8 +144,6 @@ def run_together(commands: list[list[str]], *, env: dict | None = None, command:
             if key in _zygotes and not _zygotes[key].alive():
                 _zygotes.pop(key).close()
             if key not in _zygotes:
-                if not _zygotes:
-                    atexit.register(close)
                 for other in [k for k in _zygotes if k != own]:
                     _zygotes.pop(other).close()
                 _zygotes[key] = _Zygote(full)
@@ -162,9 +160,9 @@ def run_together(commands: list[list[str]], *, env: dict | None = None, command:
                 proc.wait()
 
 
-def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def run(*args: str, env: dict | None = None, command: list[str] | None = None) -> subprocess.CompletedProcess:
     """Runs `zarrckpt ARGS...` (see `run_together`) and waits for it."""
-    return run_together([list(args)], env=env)[0]
+    return run_together([list(args)], env=env, command=command)[0]
 
 
 def close() -> None:
@@ -172,3 +170,6 @@ def close() -> None:
     with _lock:
         while _zygotes:
             _zygotes.popitem()[1].close()
+
+
+atexit.register(close)

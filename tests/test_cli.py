@@ -9,11 +9,9 @@ installed (CI's `pip install ".[test]"`).
 import json
 import os
 import shutil
-import subprocess
 import sysconfig
 from pathlib import Path
 
-import forked_cli
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -21,24 +19,11 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
+from forked_cli import run, run_together
 from object_store_servers import TEST_KEY, TEST_SECRET
 
 import zarrckpt
 from zarrckpt import _cli, _commit, _retention, _storage
-
-ROOT = Path(__file__).parent.parent
-
-
-def run(*args: str, env: dict | None = None, command: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Runs `zarrckpt ARGS...` and waits for it."""
-    return run_together([list(args)], env=env, command=command)[0]
-
-
-def run_together(commands: list[list[str]], env: dict | None = None,
-                 command: list[str] | None = None) -> list[subprocess.CompletedProcess]:
-    """Runs several `zarrckpt` commands at once (tests/forked_cli.py); returns their
-    results in order."""
-    return forked_cli.run_together(commands, env=env, command=command)
 
 
 def state(scale: float = 1.0) -> dict:
