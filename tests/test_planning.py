@@ -4,15 +4,25 @@ hosts of 1, and every chunk has exactly one writer, every host writes its share 
 replicated data, and every part a host needs is read once, by someone."""
 
 import collections
+import dataclasses
+import gc
+import weakref
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from builders import mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zarrckpt import _multihost, _storage
+from zarrckpt._format import tree as _tree
+from zarrckpt._options import SaveOptions
 from zarrckpt._regions import region_size, replicas_of
 from zarrckpt._restore import plan as read_plan
-from zarrckpt._save import plan as write_plan
+from zarrckpt._save import PlanCache, SaveJob, plan as write_plan
+from zarrckpt.errors import UnsupportedLeafError
 
 
 def host_of(devices_per_host: int):
@@ -65,3 +75,123 @@ def test_load_and_broadcast_reads_each_part_once_spread_over_the_hosts(per_host)
                  for host in range(8 // per_host)]
         assert sum(len(r) for r in reads) == 1
     assert len(readers_of) == 8 // per_host  # many one-chunk leaves spread over every host
+
+
+# -- plans kept from a manager's last save (`_save.plan_cache`) ------------------------
+
+@dataclasses.dataclass
+class Static:
+    """A custom node whose static data cannot be compared with `==` (an array)."""
+
+    w: Any
+    table: np.ndarray
+
+
+jax.tree_util.register_dataclass(Static, data_fields=["w"], meta_fields=["table"])
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+def many_kinds(scale: float) -> dict:
+    """A tree of every kind of leaf whose plan a manager keeps or plans afresh: sharded,
+    replicated and single-device arrays, typed PRNG keys, numpy arrays and scalars,
+    Python numbers, None and empty containers, a named tuple, a large leaf cut into
+    several chunks and small ones merged."""
+    m = mesh()
+    return {
+        "w": jax.device_put(jnp.full((64, 32), scale, jnp.bfloat16), NamedSharding(m, P("data", "model"))),
+        "big": jax.device_put(jnp.full((512, 256), scale, jnp.float32), NamedSharding(m, P("data"))),
+        "small": [jax.device_put(jnp.full((8,), scale), NamedSharding(m, P("model"))) for _ in range(3)],
+        "replicated": jax.device_put(jnp.full((4, 4), scale), NamedSharding(m, P())),
+        "one_device": jnp.full((3,), scale),
+        "key": jax.random.key(int(scale)),
+        "host": np.full((5, 2), scale, np.float64),
+        "scalar": np.int32(scale),
+        "python": [int(scale), float(scale), bool(scale), complex(scale, 1)],
+        "empty": ({}, [], None),
+        "point": Point(jnp.full((2,), scale), np.float32(scale)),
+    }
+
+
+def plans_of(job: SaveJob) -> list[tuple]:
+    """Everything a job's plans say of what is written where, value aside."""
+    return [(plan.leaf.path, plan.leaf.name, plan.shape, plan.dtype, plan.chunks, plan.checksum, plan.compression,
+             plan.copy_from, plan.copy_all, plan.codec, [(u.region, u.nbytes, u.sources) for u in plan.writes],
+             [None if u.host is None else np.asarray(u.host).tolist() for u in plan.writes])
+            for plan in job.plans]
+
+
+def without_time(job: SaveJob) -> dict:
+    return {k: v for k, v in job.meta.items() if k != "created_at"}
+
+
+def planned_afresh(monkeypatch) -> list[int]:
+    """Counts the saves planned afresh: each records its tree (kept plans hold the record)."""
+    calls = []
+    record = _tree.record
+    monkeypatch.setattr(_tree, "record", lambda tree: (calls.append(1), record(tree))[1])
+    return calls
+
+
+@pytest.mark.parametrize("processes", [(0, 1), (1, 4)], ids=["one process", "process 1 of 4"])
+def test_a_tree_of_the_last_saves_signature_is_planned_exactly_as_afresh(tmp_path, monkeypatch, processes):
+    """Kept plans (see `plan_cache`) give what planning afresh gives, value by value:
+    every plan's chunks, writers, parts and codec, the array documents and the tree
+    record; a kept plan holds no value of the save it came from."""
+    monkeypatch.setattr(_multihost, "process_index", lambda: processes[0])
+    monkeypatch.setattr(_multihost, "process_count", lambda: processes[1])
+    loc, options, cache = _storage.resolve(str(tmp_path)), SaveOptions(max_chunk_bytes=2**17), PlanCache()
+    first = SaveJob.create(loc, many_kinds(1.0), options, plans=cache)
+    afresh = planned_afresh(monkeypatch)
+    again = SaveJob.create(loc, many_kinds(2.0), options, plans=cache)
+    assert afresh == []  # planned from the first save's plans
+    afresh = SaveJob.create(loc, many_kinds(2.0), options)
+    assert plans_of(again) == plans_of(afresh)
+    assert again.arrays == afresh.arrays and again.own == afresh.own == {}
+    assert without_time(again) == without_time(afresh)
+    for plan, fresh in zip(again.plans, afresh.plans):  # the values of this save, not of the first
+        assert plan.leaf.value is fresh.leaf.value or np.array_equal(np.asarray(plan.leaf.value),
+                                                                     np.asarray(fresh.leaf.value))
+    first_values = [weakref.ref(plan.leaf.value) for plan in first.plans if isinstance(plan.leaf.value, jax.Array)]
+    del first
+    gc.collect()
+    assert all(ref() is None for ref in first_values), "the cache keeps a value of the save it was planned for"
+
+
+@pytest.mark.parametrize("change", ["sharding", "shape", "dtype", "structure", "kind", "options"])
+def test_a_tree_of_another_signature_is_planned_afresh(tmp_path, monkeypatch, change):
+    """Any change of what planning reads plans the save afresh, and is kept for the next."""
+    m, loc, options, cache = mesh(), _storage.resolve(str(tmp_path)), SaveOptions(), PlanCache()
+
+    def tree(sharding=("data",), shape=(64, 8), dtype=jnp.float32, extra=False, host=False):
+        w = np.ones(shape, dtype) if host else jax.device_put(jnp.ones(shape, dtype), NamedSharding(m, P(*sharding)))
+        return {"w": w, **({"v": 1} if extra else {})}
+
+    SaveJob.create(loc, tree(), options, plans=cache)
+    other, other_options = {"sharding": (tree((None, "model")), options), "shape": (tree(shape=(32, 8)), options),
+                            "dtype": (tree(dtype=jnp.bfloat16), options), "structure": (tree(extra=True), options),
+                            "kind": (tree(host=True), options),
+                            "options": (tree(), SaveOptions(max_chunk_bytes=2**10))}[change]
+    afresh = planned_afresh(monkeypatch)
+    changed = SaveJob.create(loc, other, other_options, plans=cache)
+    assert afresh == [1] and plans_of(changed) == plans_of(SaveJob.create(loc, other, other_options))
+    SaveJob.create(loc, other, other_options, plans=cache)
+    assert afresh == [1, 1], "the new signature's plans were not kept"
+
+
+def test_a_tree_with_a_value_dependent_record_is_planned_afresh_at_every_save(tmp_path, monkeypatch):
+    """A str's record holds its length, a PerProcess's its value, and a Python int past
+    int64 must be refused at every save: such trees are never planned from kept plans,
+    nor a custom node whose static data cannot be compared."""
+    loc, options, cache = _storage.resolve(str(tmp_path)), SaveOptions(), PlanCache()
+    for tree in ({"name": "a", "w": jnp.ones(4)}, {"name": "abcd", "w": jnp.ones(4)}):
+        job = SaveJob.create(loc, tree, options, plans=cache)
+        assert job.plans[0].shape == (len(tree["name"]),)
+    SaveJob.create(loc, {"n": 1}, options, plans=cache)
+    with pytest.raises(UnsupportedLeafError, match=r"\['n'\]"):
+        SaveJob.create(loc, {"n": 2**70}, options, plans=cache)
+    afresh = planned_afresh(monkeypatch)
+    for _ in range(2):
+        SaveJob.create(loc, {"s": Static(jnp.ones(2), np.arange(3))}, options, plans=cache)
+    assert afresh == [1, 1]

@@ -65,8 +65,8 @@ def start(leaves: Sequence[Leaf], *, before: Findings | None = None,
     kept = unchanged & before.checked if before is not None else frozenset()
     order = [leaf.name for leaf in leaves]
     floats = [leaf for leaf in leaves
-              if isinstance(x := leaf.value, jax.Array) and x.size and jnp.issubdtype(x.dtype, jnp.inexact)
-              and x.sharding.memory_kind in (None, "device") and leaf.name not in kept]
+              if leaf.name not in kept and isinstance(x := leaf.value, jax.Array) and x.size
+              and _inexact(x.dtype) and x.sharding.memory_kind in (None, "device")]
     chosen = sorted(range(len(floats)), key=lambda i: -floats[i].value.nbytes)[:MAX_CHECKED]
     # One reduction per sharding (a computation cannot mix device orders), over this
     # process's devices alone: an array spanning processes is looked at shard by
@@ -110,6 +110,11 @@ def start(leaves: Sequence[Leaf], *, before: Findings | None = None,
                         {name: found[name] for name in order if name in found})
 
     return result
+
+
+@functools.lru_cache(maxsize=64)
+def _inexact(dtype: np.dtype) -> bool:  # asked of every leaf at every save: once per dtype
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 def _on_cpu(x: jax.Array) -> bool:

@@ -191,6 +191,7 @@ class CheckpointManager:
         # A local disk takes writes at the speed of memory: compressing never pays there.
         self._local_options = dataclasses.replace(self._save_options, compression=None)
         self._compressor = _save.Compressor()
+        self._plans = _save.PlanCache()  # the last persistent save's, for the next of the same tree
         self._root = _storage.resolve(checkpoint_dir, storage_options)
         local = self._local_directory(local_directory, local_save_interval_steps, local_peer_copies, local_peer_group)
         self._interval_steps = save_interval_steps
@@ -325,7 +326,7 @@ class CheckpointManager:
         self._last_save = time.monotonic()
         job = _save.SaveJob.create(location, state, self._save_options, channel="manager-save",
                                    extra_metadata={"metrics": metrics} if metrics is not None else None,
-                                   compressor=self._compressor)
+                                   compressor=self._compressor, plans=self._plans)
         meta = job.meta  # not the job: no cycle may hold the state
         seen = None
         if self._unchanged is not None:

@@ -147,6 +147,22 @@ class ArrayPlan:
     def codec(self) -> ChunkCodec:
         return ChunkCodec.of(self.leaf.name, self.dtype, self.chunks, self.checksum, self.compression)
 
+    def template(self) -> ArrayPlan | None:
+        """This plan without its leaf's value or anything of its save, for `again`; None
+        where its writes hold the value (a host leaf's), which every save plans afresh."""
+        if any(unit.host is not None for unit in self.writes) or self.moved is not None:
+            return None
+        return self.again(Leaf(self.leaf.path, self.leaf.name, None))
+
+    def again(self, leaf: Leaf) -> ArrayPlan:
+        """This plan for `leaf`: a value of the same kind, shape, dtype and sharding at the
+        same place in a tree of the same structure (see `plan_cache`), with writes of its own."""
+        plan = ArrayPlan(leaf, self.shape, self.dtype, self.chunks,
+                         [WriteUnit(unit.region, unit.nbytes, sources=unit.sources) for unit in self.writes],
+                         self.checksum, self.copy_from, self.copy_all, compression=self.compression)
+        plan.__dict__["codec"] = self.codec  # `codec`'s cache: pure in what the two plans share
+        return plan
+
     @property
     def nbytes(self) -> int:
         return _dtypes.nbytes(self.shape, self.dtype)

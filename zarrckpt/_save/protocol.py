@@ -42,6 +42,7 @@ from .._options import SaveOptions
 from . import plan as _planning, transfer as _transfer
 from .compression import Compressor
 from .plan import ArrayPlan, WriteUnit
+from .plan_cache import PlanCache, Planned
 
 log = logging.getLogger("zarrckpt")
 
@@ -204,16 +205,32 @@ class SaveJob:
     def create(cls, loc: _storage.Location, tree: Any, options: SaveOptions, *,
                extra_metadata: dict[str, Any] | None = None, channel: str = "save",
                before_prepare: Callable[[], None] | None = None, commit: Commit = SHARED,
-               peers: _peers.Peers | None = None, compressor: Compressor | None = None) -> SaveJob:
+               peers: _peers.Peers | None = None, compressor: Compressor | None = None,
+               plans: PlanCache | None = None) -> SaveJob:
         """Plans a save; raises UnsupportedLeafError before anything is written. A
         `PER_PROCESS` save with `peers` (who keeps whose peer copy, see `_peers`) also
         writes the chunks of the processes this one keeps a copy of that its own devices
         lack. `compressor`: the cost model of `options.compression` to go on with (a
-        manager's, which knows how fast its last saves wrote)."""
-        spec, leaves = _tree.record(tree)
+        manager's, which knows how fast its last saves wrote). `plans`: the last save's
+        plans, used where `tree` has the same signature, and given this save's."""
         process, processes = _multihost.process_index(), _multihost.process_count()
-        plans, arrays, own = [], {}, {}
+        # What planning reads besides the tree.
+        key = (options.max_chunk_bytes, options.min_chunk_bytes, options.checksums, options.compression,
+               process, processes, commit.writers)
+        planned, note = None, None
+        if plans is not None and peers is None:
+            planned, values, note = plans.find(tree, key)
+        if planned is not None:
+            spec, version, leaves = planned.spec, planned.version, planned.leaves(values)
+        else:
+            spec, leaves = _tree.record(tree)
+            records = [rec for _, rec in _tree.recorded_leaves(spec)]
+            version = _naming.format_version({rec["type"] for rec in records})
+        job_plans, arrays, own = [], {}, {}
         for i, leaf in enumerate(leaves):
+            if planned is not None and (template := planned.templates[i]) is not None:
+                job_plans.append(template.again(leaf))
+                continue
             if isinstance(leaf.value, _tree.Encoded):  # a PerProcess leaf: this process's value, its own array
                 mine = _tree.Leaf(leaf.path, _naming.per_process_name(leaf.name, process),
                                   leaf.value.data)
@@ -226,14 +243,21 @@ class SaveJob:
                                             processes=processes, writers=commit.writers,
                                             min_chunk_bytes=options.min_chunk_bytes, compression=options.compression)
                 # Every process knows every shared array's metadata without asking the store.
-                arrays[leaf.name] = _zarrjson.array_document(plan.shape, plan.codec)
-                plans.append(plan)
-                plans += _peer_plans(plan, peers, options, process) if peers is not None else []
+                if planned is None:
+                    arrays[leaf.name] = _zarrjson.array_document(plan.shape, plan.codec)
+                job_plans.append(plan)
+                job_plans += _peer_plans(plan, peers, options, process) if peers is not None else []
                 continue
-            plans.append(plan)
-        group = _zarrjson.group_document({_naming.META_ATTR: {**_tree_metadata(spec), **(extra_metadata or {})}})
-        return cls(loc, plans, arrays, own, group, options, _concurrency.ByteBudget(options.max_inflight_bytes),
-                   channel, before_prepare, commit=commit, compressor=compressor or Compressor())
+            job_plans.append(plan)
+        if planned is not None:
+            arrays = planned.arrays
+        elif plans is not None and note is not None:  # one plan per leaf: no peers, no per-process value
+            paths = [(leaf.path, leaf.name, rec["type"] == "prng_key") for leaf, rec in zip(leaves, records)]
+            plans.keep(note, key, Planned(spec, version, paths, [plan.template() for plan in job_plans], arrays))
+        meta = {**_tree_metadata(spec, version), **(extra_metadata or {})}
+        return cls(loc, job_plans, arrays, own, _zarrjson.group_document({_naming.META_ATTR: meta}), options,
+                   _concurrency.ByteBudget(options.max_inflight_bytes), channel, before_prepare, commit=commit,
+                   compressor=compressor or Compressor())
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -428,9 +452,9 @@ def _peer_plans(own: ArrayPlan, peers: _peers.Peers, options: SaveOptions, proce
     return plans
 
 
-def _tree_metadata(spec: dict[str, Any]) -> dict[str, Any]:
+def _tree_metadata(spec: dict[str, Any], version: int) -> dict[str, Any]:
     return {
-        "format_version": _naming.format_version({rec["type"] for _, rec in _tree.recorded_leaves(spec)}),
+        "format_version": version,
         "tree": spec,
         "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax_version": jax.__version__,

@@ -159,11 +159,13 @@ class Unchanged:
             if plan.moved is not None or name not in documents or not isinstance(value, jax.Array):
                 continue
             before = known.get(name)
-            if before is not None and before.document != documents[name]:
+            if before is not None and before.document is not documents[name] and before.document != documents[name]:
                 before = None  # stored otherwise now: its chunks are other chunks
             if before is not None and before.value is not None and before.value() is value:
                 plan.reuse_from = before.step
-                seen[name] = dataclasses.replace(before, step=step, changes=0, quiet=0)
+                # Not `dataclasses.replace`, whose field-by-field look is most of a frozen
+                # base's cost here when the tree has thousands of leaves.
+                seen[name] = Known(step, before.document, before.value, before.samples, before.wholes)
             elif not _fingerprinted(plan):
                 seen[name] = Known(step, documents[name], weakref.ref(value))
             elif before is not None and before.quiet:  # its sample kept: the next look compares with it
