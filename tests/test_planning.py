@@ -19,9 +19,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zarrckpt import _multihost, _storage
 from zarrckpt._format import tree as _tree
 from zarrckpt._options import SaveOptions
+from zarrckpt._peers import Peers
 from zarrckpt._regions import region_size, replicas_of
 from zarrckpt._restore import plan as read_plan
-from zarrckpt._save import PlanCache, SaveJob, plan as write_plan
+from zarrckpt._save import PER_PROCESS, SHARED, PlanCache, SaveJob, plan as write_plan
 from zarrckpt.errors import UnsupportedLeafError
 
 
@@ -135,18 +136,21 @@ def planned_afresh(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("processes", [(0, 1), (1, 4)], ids=["one process", "process 1 of 4"])
-def test_a_tree_of_the_last_saves_signature_is_planned_exactly_as_afresh(tmp_path, monkeypatch, processes):
+@pytest.mark.parametrize("commit", [SHARED, PER_PROCESS], ids=["shared", "local copy"])
+def test_a_tree_of_the_last_saves_signature_is_planned_exactly_as_afresh(tmp_path, monkeypatch, processes, commit):
     """Kept plans (see `plan_cache`) give what planning afresh gives, value by value:
     every plan's chunks, writers, parts and codec, the array documents and the tree
-    record; a kept plan holds no value of the save it came from."""
+    record, for a persistent save and a local-tier copy (each process writes what it
+    holds, no peer copies); a kept plan holds no value of the save it came from."""
     monkeypatch.setattr(_multihost, "process_index", lambda: processes[0])
     monkeypatch.setattr(_multihost, "process_count", lambda: processes[1])
     loc, options, cache = _storage.resolve(str(tmp_path)), SaveOptions(max_chunk_bytes=2**17), PlanCache()
-    first = SaveJob.create(loc, many_kinds(1.0), options, plans=cache)
+    kw = {"commit": commit, "peers": Peers() if commit is PER_PROCESS else None}
+    first = SaveJob.create(loc, many_kinds(1.0), options, plans=cache, **kw)
     afresh = planned_afresh(monkeypatch)
-    again = SaveJob.create(loc, many_kinds(2.0), options, plans=cache)
+    again = SaveJob.create(loc, many_kinds(2.0), options, plans=cache, **kw)
     assert afresh == []  # planned from the first save's plans
-    afresh = SaveJob.create(loc, many_kinds(2.0), options)
+    afresh = SaveJob.create(loc, many_kinds(2.0), options, **kw)
     assert plans_of(again) == plans_of(afresh)
     assert again.arrays == afresh.arrays and again.own == afresh.own == {}
     assert without_time(again) == without_time(afresh)
@@ -181,17 +185,33 @@ def test_a_tree_of_another_signature_is_planned_afresh(tmp_path, monkeypatch, ch
 
 
 def test_a_tree_with_a_value_dependent_record_is_planned_afresh_at_every_save(tmp_path, monkeypatch):
-    """A str's record holds its length, a PerProcess's its value, and a Python int past
-    int64 must be refused at every save: such trees are never planned from kept plans,
-    nor a custom node whose static data cannot be compared."""
+    """A str's record holds its length (numpy's str_ and bytes_ too, stored as UTF-8),
+    a PerProcess's its value, and a Python int past int64 must be refused at every save:
+    such trees are never planned from kept plans, nor a custom node whose static data
+    cannot be compared; the plans of the last of them are not kept."""
     loc, options, cache = _storage.resolve(str(tmp_path)), SaveOptions(), PlanCache()
-    for tree in ({"name": "a", "w": jnp.ones(4)}, {"name": "abcd", "w": jnp.ones(4)}):
-        job = SaveJob.create(loc, tree, options, plans=cache)
-        assert job.plans[0].shape == (len(tree["name"]),)
+    for name in ("a", "abcd", np.str_("abc"), np.str_("ééé"), np.bytes_(b"xy"), np.bytes_(b"xyz")):
+        tree = {"name": name, "w": jnp.ones(4)}
+        assert plans_of(SaveJob.create(loc, tree, options, plans=cache)) == plans_of(SaveJob.create(loc, tree, options))
     SaveJob.create(loc, {"n": 1}, options, plans=cache)
     with pytest.raises(UnsupportedLeafError, match=r"\['n'\]"):
         SaveJob.create(loc, {"n": 2**70}, options, plans=cache)
     afresh = planned_afresh(monkeypatch)
-    for _ in range(2):
-        SaveJob.create(loc, {"s": Static(jnp.ones(2), np.arange(3))}, options, plans=cache)
+    tables = [np.arange(3), np.arange(3)]
+    for table in tables:
+        SaveJob.create(loc, {"s": Static(jnp.ones(2), table)}, options, plans=cache)
     assert afresh == [1, 1]
+    held = [weakref.ref(table) for table in tables]
+    del tables, table
+    gc.collect()
+    assert [ref() for ref in held] == [None, None], "plans that are never used keep a custom node's static data"
+
+
+@pytest.mark.parametrize("key", [True, 1.0, np.int64(1)], ids=repr)
+def test_a_dict_key_equal_to_the_last_saves_but_of_a_type_that_cannot_be_saved_is_refused(tmp_path, key):
+    """`==` takes 1, 1.0, True and numpy's 1 for the same dict key (and jax's tree
+    structures with them): a save after one keyed by 1 still refuses the others."""
+    loc, options, cache = _storage.resolve(str(tmp_path)), SaveOptions(), PlanCache()
+    SaveJob.create(loc, {1: jnp.ones(2)}, options, plans=cache)
+    with pytest.raises(UnsupportedLeafError, match="only str and int dict keys"):
+        SaveJob.create(loc, {key: jnp.ones(2)}, options, plans=cache)

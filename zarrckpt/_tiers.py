@@ -42,7 +42,7 @@ from ._format.copy_record import CopyRecord
 from ._options import LoadOptions, SaveOptions
 from ._restore import copies as _copies
 from ._restore.from_copies import CopiesDamaged, CopyReader, Unusable, open_copy
-from ._save import PER_PROCESS, BackgroundSave, SaveJob
+from ._save import PER_PROCESS, BackgroundSave, PlanCache, SaveJob
 from ._storage import Location
 from .errors import CheckpointError, CheckpointLocationError, DirectoryInUseError
 
@@ -71,6 +71,7 @@ class LocalTier:
         self.last: int | None = None  # the step this manager last saved here
         self.peers = _peers.Peers()  # who keeps whose peer copy
         self._lease = _lease.Lease(self.root, heartbeat_s)
+        self._plans = PlanCache()  # the last copy's, for the next of the same tree
 
     @classmethod
     def open(cls, directory: Location, run: str, interval: int, keep_last: int, *, heartbeat_s: float,
@@ -132,7 +133,7 @@ class LocalTier:
         self.last = step  # tried once: a failed local save is not retried for the same step
         after = max(persistent, default=None)
         job = SaveJob.create(self.root.step(step), state, dataclasses.replace(options, overwrite=True),
-                             channel="manager-local", commit=PER_PROCESS, peers=self.peers)
+                             channel="manager-local", commit=PER_PROCESS, peers=self.peers, plans=self._plans)
         job.meta[copy_record.KEY] = CopyRecord(
             self.run, step, after, _multihost.process_index(), _multihost.process_count(), job.held(),
             self.peers.holders if self.peers is not None else ()).as_meta()

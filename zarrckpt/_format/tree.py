@@ -227,7 +227,7 @@ def leaf_record(leaf: Leaf) -> dict[str, Any]:
             "only jax.Array, numpy arrays and scalars, Python bool/int/float/complex, str, bytes and "
             f"zarrckpt.PerProcess can be saved{hint}"
         )
-    if kind == "int" and isinstance(value, int) and not -(2**63) <= value < 2**63:
+    if kind == "int" and isinstance(value, int) and not _fits_int64(value):
         raise UnsupportedLeafError(f"leaf {leaf.where}: Python int {value} does not fit in int64")
     try:
         dtype = _dtypes.check_savable(PYTHON_DTYPES[kind] if kind in PYTHON_DTYPES else value.dtype)
@@ -235,6 +235,27 @@ def leaf_record(leaf: Leaf) -> dict[str, Any]:
         raise UnsupportedLeafError(f"leaf {leaf.where}: {e}") from None
     return {"kind": "leaf", "name": leaf.name, "type": kind,
             "shape": list(np.shape(value)), "dtype": _dtypes.dtype_name(dtype)}
+
+
+def _fits_int64(value: int) -> bool:
+    return -(2**63) <= value < 2**63
+
+
+def signature(value: Any) -> tuple[Any, ...] | None:
+    """All that `as_stored` and a save's plan read of a leaf stored as it is (a jax or
+    numpy array, a numpy scalar, a Python number that fits): leaves of equal signatures
+    have equal records and plans. None for a leaf stored as something else (a str or
+    bytes, numpy's included, a `PerProcess`, a `Deferred`), or that cannot be saved."""
+    if isinstance(value, (str, bytes, PerProcess, Deferred)):
+        return None
+    if isinstance(value, jax.Array):
+        return (jax.Array, value.shape, value.dtype, value.sharding, value.is_fully_addressable)
+    if isinstance(value, (np.ndarray, np.generic)):
+        return (type(value), value.shape, value.dtype)
+    kind = type(value)
+    if kind is int:
+        return (int,) if _fits_int64(value) else None
+    return (kind,) if kind in (bool, float, complex) else None
 
 
 def record(tree: Any) -> tuple[dict[str, Any], list[Leaf]]:

@@ -1,4 +1,5 @@
-"""The plans of a manager's last save, kept for its next save of the same tree.
+"""The plans of a manager's last save (or its local tier's), kept for its next save of
+the same tree.
 
 A training loop saves a tree of the same structure, leaf kinds, shapes, dtypes and
 shardings at every save, and planning is pure given those: the tree record, each
@@ -7,7 +8,8 @@ cost its async `save` 0.6 s of the training thread's time (of 0.75 s it blocked)
 CPU; a tree of the same signature is now planned from the last save's plans in a
 fraction of that. What a save holds of its own (the leaf values, each chunk's host copy
 and budget, what `unchanged` marks) is made afresh every time, and nothing kept holds a
-leaf's value: the caller's arrays are freed as before.
+leaf's value: the caller's arrays are freed as before (the tree's structure is kept, and
+with it what custom nodes keep as static data).
 """
 
 from __future__ import annotations
@@ -17,12 +19,9 @@ from collections.abc import Hashable
 from typing import Any
 
 import jax
-import numpy as np
 
 from .._format import tree as _tree
 from .plan import ArrayPlan
-
-_INT64 = (-(2**63), 2**63)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,57 +46,43 @@ class Planned:
 class _Kept:
     key: Hashable
     treedef: Any
+    shown: str  # `repr(treedef)`: it tells dict keys apart that `==` takes for the same (1, 1.0, True)
     signatures: list[tuple[Any, ...]]
     planned: Planned
 
 
 class PlanCache:
     """The last save's `Planned`, under its signature: the tree's structure, each leaf's
-    kind, shape, dtype and sharding, and `key` (what else planning depends on: options,
-    process, writers). Used on the training thread alone."""
+    `_tree.signature`, and `key` (what else planning depends on: options, process,
+    writers). It holds the structure (as `jax.tree_util.tree_structure` gives it, with
+    what custom nodes keep as static data), never a leaf's value. Used on the training
+    thread alone."""
 
     def __init__(self) -> None:
         self._kept: _Kept | None = None
 
     def find(self, tree: Any, key: Hashable) -> tuple[Planned | None, list[Any], Any]:
         """The plans of a tree of the same signature as `tree`'s, if the last save's was,
-        with `tree`'s leaf values and a note to pass to `keep` on a miss."""
+        with `tree`'s leaf values and, on a miss, a note for `keep` (None where the tree
+        cannot be planned from kept plans: its next save is not either)."""
         try:
             values, treedef = jax.tree_util.tree_flatten(tree)
         except Exception:  # too deep, or a node that fails to flatten: planning afresh says which
             return None, [], None
-        signatures = [_signature(value) for value in values]
-        kept = self._kept
-        if None in signatures:  # a leaf whose record depends on its value (a str, a `PerProcess`): planned afresh
+        signatures = [_tree.signature(value) for value in values]
+        if None in signatures:  # a leaf whose record depends on its value (a str, a `PerProcess`)
             return None, values, None
-        if kept is None or kept.key != key or kept.signatures != signatures or not _same(kept.treedef, treedef):
-            return None, values, (treedef, signatures)
-        return kept.planned, values, None
+        shown, kept = repr(treedef), self._kept
+        if kept is None or kept.key != key or kept.signatures != signatures or kept.shown != shown:
+            return None, values, (treedef, shown, signatures)
+        try:
+            same = bool(kept.treedef == treedef)
+        except Exception:  # a custom node's static data that cannot be compared (an array): never the same
+            self._kept = None
+            return None, values, None
+        return (kept.planned, values, None) if same else (None, values, (treedef, shown, signatures))
 
     def keep(self, note: Any, key: Hashable, planned: Planned) -> None:
-        """Keeps `planned`, for the signature `find` noted on a miss (None where the
-        tree cannot be planned from the last save's plans)."""
-        treedef, signatures = note
-        self._kept = _Kept(key, treedef, signatures, planned)
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether two tree structures are equal; a custom node's data that cannot be
-    compared (an array among its static fields) counts as different."""
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
-
-
-def _signature(value: Any) -> tuple[Any, ...] | None:
-    """What planning and the tree record read of a leaf; None for a leaf whose record
-    depends on its value, or that does not save (its save plans afresh, and raises)."""
-    if isinstance(value, jax.Array):
-        return (jax.Array, value.shape, value.dtype, value.sharding, value.is_fully_addressable)
-    if isinstance(value, (np.ndarray, np.generic)):
-        return (type(value), value.shape, value.dtype)
-    kind = type(value)
-    if kind is int:
-        return (int,) if _INT64[0] <= value < _INT64[1] else None
-    return (kind,) if kind in (bool, float, complex) else None
+        """Keeps `planned`, under the signature `find` noted on a miss."""
+        treedef, shown, signatures = note
+        self._kept = _Kept(key, treedef, shown, signatures, planned)

@@ -218,7 +218,7 @@ class SaveJob:
         key = (options.max_chunk_bytes, options.min_chunk_bytes, options.checksums, options.compression,
                process, processes, commit.writers)
         planned, note = None, None
-        if plans is not None and peers is None:
+        if plans is not None and (peers is None or not peers.holders):  # else a leaf may have several plans
             planned, values, note = plans.find(tree, key)
         if planned is not None:
             spec, version, leaves = planned.spec, planned.version, planned.leaves(values)
