@@ -1,5 +1,6 @@
 """Leaves beyond arrays: str and bytes, and PerProcess values each process saves for itself."""
 
+import enum
 import json
 import re
 
@@ -8,6 +9,11 @@ import numpy as np
 import pytest
 
 import zarrckpt
+
+
+class Mode(enum.IntEnum):
+    TRAIN = 1
+    EVAL = 2
 
 
 def test_str_and_bytes_leaves_round_trip(tmp_path):
@@ -27,6 +33,17 @@ def test_str_and_bytes_leaves_round_trip(tmp_path):
         zarrckpt.load_pytree(url, {**target, "blob": ""})
     assert zarrckpt.verify(url).ok
     assert zarrckpt.metadata(url).format_version == 3  # older zarrckpt refuses it rather than misread it
+
+
+def test_numpy_strings_and_python_number_subclasses_save_as_what_they_are(tmp_path):
+    """numpy's str_ and bytes_ are a str and bytes, an IntEnum member an int: each saves
+    and restores as one, with or without a target."""
+    url = str(tmp_path / "c")
+    tree = {"name": np.str_("ééé"), "blob": np.bytes_(b"\x00ab"), "mode": Mode.EVAL}
+    zarrckpt.save_pytree(url, tree)
+    back = zarrckpt.load_pytree(url)
+    assert back == {"name": "ééé", "blob": b"\x00ab", "mode": 2} and type(back["mode"]) is int
+    assert zarrckpt.load_pytree(url, {"name": "", "blob": b"", "mode": 0}) == back
 
 
 def test_per_process_leaf_on_one_process(tmp_path):

@@ -97,7 +97,7 @@ def as_stored(leaf: Leaf) -> tuple[Leaf, dict[str, Any]]:
         return leaf, {**leaf_record(leaf), "impl": value.prng_impl}
     if isinstance(value, (str, bytes)):
         data = Leaf(leaf.path, leaf.name, _as_uint8(value.encode("utf-8") if isinstance(value, str) else value))
-        return data, {**leaf_record(data), "type": type(value).__name__}
+        return data, {**leaf_record(data), "type": "str" if isinstance(value, str) else "bytes"}  # numpy's too
     if isinstance(value, PerProcess):
         encoded = Leaf(leaf.path, leaf.name, Encoded.of(value.value, leaf.where))
         return encoded, {"kind": "leaf", "name": leaf.name, "type": "per_process", "shape": [], "dtype": "uint8",
@@ -214,8 +214,8 @@ def leaf_record(leaf: Leaf) -> dict[str, Any]:
         kind = "numpy"
     elif isinstance(value, np.generic):
         kind = "numpy_scalar"
-    elif isinstance(value, (bool, int, float, complex)):
-        kind = type(value).__name__
+    elif isinstance(value, (bool, int, float, complex)):  # an IntEnum member saves as the int it is
+        kind = next(t.__name__ for t in (bool, int, float, complex) if isinstance(value, t))
     else:
         hint = ""
         if callable(value) or type(value).__module__.split(".")[0] == "equinox":
