@@ -16,7 +16,7 @@ import pytest
 from builders import mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zarrckpt import _multihost, _storage
+from zarrckpt import PerProcess, _multihost, _storage
 from zarrckpt._format import tree as _tree
 from zarrckpt._options import SaveOptions
 from zarrckpt._peers import Peers
@@ -190,9 +190,11 @@ def test_a_tree_with_a_value_dependent_record_is_planned_afresh_at_every_save(tm
     such trees are never planned from kept plans, nor a custom node whose static data
     cannot be compared; the plans of the last of them are not kept."""
     loc, options, cache = _storage.resolve(str(tmp_path)), SaveOptions(), PlanCache()
-    for name in ("a", "abcd", np.str_("abc"), np.str_("ééé"), np.bytes_(b"xy"), np.bytes_(b"xyz")):
+    for name in ("a", "abcd", np.str_("abc"), np.str_("ééé"), np.bytes_(b"xy"), np.bytes_(b"xyz"),
+                 PerProcess({"i": 1}), PerProcess({"i": 1000})):
         tree = {"name": name, "w": jnp.ones(4)}
-        assert plans_of(SaveJob.create(loc, tree, options, plans=cache)) == plans_of(SaveJob.create(loc, tree, options))
+        kept, fresh = SaveJob.create(loc, tree, options, plans=cache), SaveJob.create(loc, tree, options)
+        assert plans_of(kept) == plans_of(fresh) and kept.own == fresh.own
     SaveJob.create(loc, {"n": 1}, options, plans=cache)
     with pytest.raises(UnsupportedLeafError, match=r"\['n'\]"):
         SaveJob.create(loc, {"n": 2**70}, options, plans=cache)
