@@ -20,6 +20,11 @@ medians and step by step (the median of each step's ratio):
     the bytes of the request bodies moto's server received;
   - a sync save (async_save=False) to the local disk: how long `save` takes;
   - an async save: how long `save` blocks training (then `wait`, not counted);
+  - a training loop that saves every step asynchronously (a real LoRA step: a forward
+    and backward pass of --batch tokens through the base and the adapters), with reuse
+    on, off and no saves, taking turns round by round: how long `save` blocks per step,
+    waiting for the save before it included, and how much longer a step takes than
+    without saves;
   - a full fine-tune (every leaf changes at every step): the sync save's time;
   - restoring the newest step: a step saved with reuse against one saved whole.
 Targets (issue 36): bytes <= 0.06x a full save; async blocking <= 0.1x and a sync save
@@ -50,6 +55,11 @@ def parse_args(argv=None):
     parser.add_argument("--saves", type=int, default=12,
                         help="saves per run (default 12; the first 2 not counted)")
     parser.add_argument("--restores", type=int, default=10, help="rounds of the restore comparison (default 10)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds of the training loop, the first not counted (default 5; 0 skips it)")
+    parser.add_argument("--loop-steps", type=int, default=8, help="steps of a round of the training loop (default 8)")
+    parser.add_argument("--batch", type=int, default=64,
+                        help="tokens of a step of the training loop (default 64)")
     parser.add_argument("--targets", default="local,s3", help="local, s3 or both (default local,s3)")
     parser.add_argument("--dir", default=None, help="where local runs write (default: a new directory on /dev/shm)")
     _common.add_platform_arguments(parser)
@@ -113,6 +123,83 @@ def trainer(optimizer, rebuilt: bool, full: bool):
         return (base, *step(base, adapters, opt_state, seed)[1:])
 
     return keeping_the_base
+
+
+def lora_step(optimizer, batch: int):
+    """A LoRA fine-tune's step: a forward and backward pass of `batch` tokens through the
+    frozen base with the adapters on q and v; an adam update of the adapters only."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def lora(h, weight, adapter):
+        return h @ weight + (h @ adapter["a"]) @ adapter["b"]
+
+    def loss(adapters, base, tokens):
+        h = base["embed"][tokens].astype(jnp.float32)
+        for layer, adapter in zip(base["layers"], adapters):
+            q, v = lora(h, layer["q"], adapter["q"]), lora(h, layer["v"], adapter["v"])
+            h = h + (jax.nn.silu(q * (h @ layer["k"])) * v) @ layer["o"]
+            h = h + jax.nn.gelu(h @ layer["up"]) @ layer["down"]
+        return jnp.mean(h ** 2)
+
+    @jax.jit
+    def step(base, adapters, opt_state, seed):
+        tokens = jax.random.randint(jax.random.key(seed), (batch,), 0, base["embed"].shape[0])
+        updates, opt_state = optimizer.update(jax.grad(loss)(adapters, base, tokens), opt_state, adapters)
+        return optax.apply_updates(adapters, updates), opt_state
+
+    return step
+
+
+def training_loop(root: Path, state, optimizer, *, batch: int, rounds: int, steps: int) -> None:
+    """Trains with a save at every step, as a training loop does (no `wait`: a save waits
+    for the one before it), by a manager with reuse on, one with it off, and with no
+    saves, each for `steps` steps a round, taking turns to go first. Prints, per step,
+    how long `save` blocked and the step's time (from one step's start to the next's)."""
+    import jax
+
+    import zarrckpt
+
+    base, adapters, opt_state = state
+    step_fn = lora_step(optimizer, batch)
+    settings = ("reuse on", "reuse off", "no saves")
+    blocked: dict[str, list[float]] = {name: [] for name in settings}
+    per_step: dict[str, list[float]] = {name: [] for name in settings}
+    with contextlib.ExitStack() as stack:
+        managers = {name: stack.enter_context(zarrckpt.CheckpointManager(
+            str(root / f"loop-{name.replace(' ', '-')}"), keep_last=2, reuse_unchanged=name == "reuse on"))
+            for name in settings[:2]}
+        jax.block_until_ready(step_fn(base, adapters, opt_state, 0))  # compiled
+        step = 0
+        for r in range(rounds):
+            for name in settings[r % 3:] + settings[:r % 3]:
+                in_save = 0.0
+                started = time.perf_counter()
+                for _ in range(steps):
+                    adapters, opt_state = step_fn(base, adapters, opt_state, step := step + 1)
+                    if name in managers:
+                        called = time.perf_counter()
+                        managers[name].save(step, {"base": base, "adapters": adapters, "opt_state": opt_state})
+                        in_save += time.perf_counter() - called
+                jax.block_until_ready((adapters, opt_state))
+                took = time.perf_counter() - started
+                if name in managers:
+                    managers[name].wait()  # the round's last save, out of the timed part
+                if r:
+                    blocked[name].append(in_save / steps)
+                    per_step[name].append(took / steps)
+    lost = {name: [t - plain for t, plain in zip(per_step[name], per_step["no saves"])] for name in settings[:2]}
+    print(f"\ntraining loop, a save at every step ({batch} tokens a step; per step, best / median of "
+          f"{rounds - 1} rounds of {steps} steps; ratio of medians, and the median of each round's ratio):")
+    print("| | reuse on | reuse off | no saves | ratio |")
+    print("|---|---|---|---|---|")
+    print(f"| step | {best_median(per_step['reuse on'])} | {best_median(per_step['reuse off'])} | "
+          f"{best_median(per_step['no saves'])} | |")
+    print(f"| `save` blocks | {best_median(blocked['reuse on'])} | {best_median(blocked['reuse off'])} | | "
+          f"{ratios(blocked['reuse on'], blocked['reuse off'])} |")
+    print(f"| step's time above no saves | {best_median(lost['reuse on'])} | {best_median(lost['reuse off'])} | | "
+          f"{ratios(lost['reuse on'], lost['reuse off'])} |")
 
 
 def new_bytes(step_dir: Path) -> int:
@@ -216,6 +303,9 @@ def main(argv=None) -> None:
                       f"{best_median([v / scale for v in off])} | {ratios(on, off)} |")
             restore(root / "same-True-False", root / "same-False-False", args.saves, args.restores,
                     (base, adapters, opt_state))
+            if args.rounds:
+                training_loop(root, (base, adapters, opt_state), optimizer, batch=args.batch, rounds=args.rounds,
+                              steps=args.loop_steps)
         if "s3" in args.targets:
             s3(root, (base, adapters, opt_state), optimizer, args.saves, full_save)
     finally:

@@ -31,6 +31,7 @@ import itertools
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
@@ -47,6 +48,13 @@ _DONE = object()
 ABANDONED: Any = object()
 # How often a window waiting for an item asks whether it is still needed.
 _ABANDON_POLL_S = 0.02
+# An item of a fan-out started with fewer workers than it may have (`start`) that takes
+# this long, or moves this many bytes, is worth a thread of its own (it waits on the
+# store, or copies memory outside the interpreter's lock): another worker starts. A
+# small file on a local disk takes a tenth of the time; handed among threads that
+# contend for the interpreter, such files cost 2-3 times as much as written in turn.
+_RAMP_S = 0.001
+_RAMP_BYTES = 2**20
 
 
 class Aborted(Exception):
@@ -324,21 +332,34 @@ class Operation:
 
     def fan_out(self, items: Iterable[_T], fn: Callable[[_T], _R], *, budget: ByteBudget | None = None,
                 nbytes: Callable[[_T], int] = lambda item: 0,
-                on_done: Callable[[_T, _R], None] | None = None) -> list[_R]:
+                on_done: Callable[[_T, _R], None] | None = None, start: int | None = None) -> list[_R]:
         """`fn(item)` for every item, concurrently; returns the results in order.
 
         Every worker of the pool takes the next item in turn (so `items` is pulled as
         the work goes, never ahead of it: a generator may block, e.g. on a budget) and
         runs it: no future per item, which for many small files was most of the cost.
-        With `budget`, each item takes `nbytes(item)` before it starts (waiting for
-        room) and gives them back when it ends. `on_done` runs as each item succeeds.
-        Stops taking items at the first failure, waits for those running, and raises
-        the first failure.
+        `start` workers begin (default: all of them); one more starts after each item
+        that took `_RAMP_S` or longer or moved `nbytes(item)` of `_RAMP_BYTES` or more,
+        until all have: where most items are small files on a local disk, fewer threads
+        write them sooner. With `budget`, each item takes `nbytes(item)` before it
+        starts (waiting for room) and gives them back when it ends. `on_done` runs as
+        each item succeeds. Stops taking items at the first failure, waits for those
+        running, and raises the first failure.
         """
         if budget is not None:
             self._watch(budget)
         source, turn, count = iter(items), threading.Lock(), itertools.count()
         results: dict[int, _R] = {}
+        workers: list[concurrent.futures.Future[None]] = []
+        # Submitted with no lock held: where no thread can start, `submit` runs the
+        # worker on this very thread (see `_Pool`).
+        grown, started = threading.Lock(), min(start or self._workers, self._workers)
+
+        def another() -> bool:
+            nonlocal started
+            with grown:
+                started, more = min(started + 1, self._workers), started < self._workers
+            return more
 
         def worker() -> None:
             while self.error is None:
@@ -350,16 +371,27 @@ class Operation:
                         return
                     item = cast(_T, following)
                     index = next(count)
-                    hold = budget.take(nbytes(item)) if budget is not None else None
+                    size = nbytes(item)
+                    hold = budget.take(size) if budget is not None else None
+                began = time.perf_counter()
                 try:
                     results[index] = fn(item)
                 finally:
                     if hold is not None:
                         hold.release()
+                if started < self._workers and (size >= _RAMP_BYTES or time.perf_counter() - began >= _RAMP_S) \
+                        and another():
+                    workers.append(self.submit(worker))  # before this worker ends: the wait below sees it
                 if on_done is not None:
                     on_done(item, results[index])
 
-        concurrent.futures.wait([self.submit(worker) for _ in range(self._workers)])
+        for _ in range(started):
+            workers.append(self.submit(worker))
+        waited = 0
+        while waited < len(workers):
+            pending = workers[waited:]
+            concurrent.futures.wait(pending)
+            waited += len(pending)
         self._raise_if_failed()
         return [results[i] for i in range(len(results))]
 

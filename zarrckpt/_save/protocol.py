@@ -478,9 +478,14 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
             _write_one(out, plan, what, compressor)
             advance(what.nbytes)
 
+    def written(item: tuple[ArrayPlan, WriteUnit | dict[str, Any]]) -> int:  # bytes passing through this process
+        plan, what = item
+        return 0 if isinstance(what, dict) or plan.reuse_from is not None else what.nbytes
+
     items: Iterable[tuple[ArrayPlan, WriteUnit | dict[str, Any]]] = itertools.chain(metadata, work)
     with loc.together() as out, _concurrency.Operation(workers, "write") as op:
-        op.fan_out(items, functools.partial(write, out))
+        # On a local disk, documents and links are written in turn until chunks come.
+        op.fan_out(items, functools.partial(write, out), nbytes=written, start=1 if loc.is_local else None)
 
 
 def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str, Any]) -> None:
