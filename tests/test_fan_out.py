@@ -4,7 +4,6 @@ each item that moves many bytes or waits starts one more."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -35,16 +34,49 @@ def test_small_items_stay_on_one_worker_and_each_item_of_many_bytes_starts_anoth
     small, big = [("small", i) for i in range(50)], [("big", i) for i in range(6)]
     many = _concurrency._RAMP_BYTES
     threads = _fan_out(small + big, 1, lambda item: time.sleep(0.05 if item[0] == "big" else 0.001),
-                       nbytes=lambda item: many if item[0] == "big" else many - 1)
+                       nbytes=lambda item: many if item[0] == "big" else 0)
     assert len({threads[item] for item in small}) == 1
     assert len({threads[item] for item in small + big}) >= 2
 
 
-def test_an_item_that_waits_starts_another_worker(monkeypatch):
+def test_an_item_that_waits_starts_another_worker_and_the_first_runs_alone(monkeypatch):
     monkeypatch.setattr(_concurrency, "_RAMP_S", 0.01)
-    items = list(range(6))
-    threads = _fan_out(items, 1, lambda item: time.sleep(0.05))
+    lock, running, seen = threading.Lock(), [0], {}
+
+    def wait(item):
+        with lock:
+            running[0] += 1
+        time.sleep(0.05)
+        with lock:
+            seen[item] = running[0]  # items running as this one ends, itself included
+            running[0] -= 1
+
+    threads = _fan_out(list(range(6)), 1, wait)
+    assert seen[0] == 1
     assert len(set(threads.values())) >= 2
+
+
+def test_items_of_many_bytes_start_workers_before_they_end(monkeypatch):
+    monkeypatch.setattr(_concurrency, "_RAMP_S", 3600.0)
+    barrier = threading.Barrier(4, timeout=60)  # passes only with 4 items running at once
+    threads = _fan_out(list(range(4)), 1, lambda item: barrier.wait(), nbytes=lambda item: _concurrency._RAMP_BYTES)
+    assert len(set(threads.values())) == 4
+
+
+def test_small_items_add_a_worker_once_together_they_move_many_bytes(monkeypatch):
+    monkeypatch.setattr(_concurrency, "_RAMP_S", 3600.0)
+    barrier = threading.Barrier(2, timeout=60)
+    items = list(range(6))
+    threads = _fan_out(items, 1, lambda item: barrier.wait() if item >= 4 else None,
+                       nbytes=lambda item: _concurrency._RAMP_BYTES // 4)
+    assert len({threads[item] for item in items[:4]}) == 1
+    assert threads[4] != threads[5]
+
+
+@pytest.mark.parametrize("start", [0, -1])
+def test_a_start_below_one_still_runs_every_item(start):
+    threads = _fan_out(list(range(5)), start, lambda item: None)
+    assert sorted(threads) == list(range(5))
 
 
 def test_without_start_every_worker_begins(monkeypatch):
@@ -56,22 +88,43 @@ def test_without_start_every_worker_begins(monkeypatch):
 
 def test_a_failure_after_workers_were_added_fails_the_fan_out_and_stops_taking_items(monkeypatch):
     monkeypatch.setattr(_concurrency, "_RAMP_S", 0.0)  # every item adds a worker
-    started = []
+    started: list[tuple[int, str]] = []
 
     def fn(item):
-        started.append(item)
+        started.append((item, threading.current_thread().name))
         time.sleep(0.01)
         if item == 3:
             raise OSError("the store failed")
 
     with pytest.raises(OSError, match="the store failed"), _concurrency.Operation(4, "test") as op:
         op.fan_out(range(1000), fn, start=1)
+    assert len({thread for _, thread in started}) >= 2
     assert len(started) < 1000
 
 
+def test_a_worker_that_cannot_be_added_leaves_the_fan_out_to_those_running(monkeypatch):
+    """Where the executors no longer take work (the interpreter's exit has begun, as
+    for a save on a thread of the user's while the main thread ends), a worker that
+    would be added is not: the items are all done by those running."""
+    submit, calls = _concurrency._Pool.submit, []
+
+    def refusing(self, *args, **kwargs):
+        calls.append(args)
+        if len(calls) > 1:
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+        return submit(self, *args, **kwargs)
+
+    monkeypatch.setattr(_concurrency._Pool, "submit", refusing)
+    threads = _fan_out(list(range(6)), 1, lambda item: None, nbytes=lambda item: _concurrency._RAMP_BYTES)
+    assert sorted(threads) == list(range(6)) and len(calls) > 1
+
+
+# The module alone (it imports nothing of zarrckpt's, and so no JAX): a second to start, not three.
 _NO_THREAD_CAN_START = """
-import concurrent.futures
-from zarrckpt import _concurrency
+import concurrent.futures, importlib.util, sys
+spec = importlib.util.spec_from_file_location("_concurrency", sys.argv[1])
+_concurrency = sys.modules["_concurrency"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(_concurrency)
 
 def no_thread(self):
     raise RuntimeError("can't create new thread at interpreter shutdown")
@@ -82,21 +135,22 @@ with _concurrency.Operation(4, "write") as op:
 """
 
 
-def test_workers_added_where_no_thread_can_start_run_on_the_calling_thread():
-    """At the interpreter's exit no thread can start: the workers a fan-out adds run on
-    the thread that adds them (`_concurrency._Pool`), and none waits for a lock that
-    thread holds. In a process of its own: a deadlock would hold a lock every executor
-    of the process needs."""
-    ran = subprocess.run([sys.executable, "-c", _NO_THREAD_CAN_START], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+def test_a_fan_out_that_may_add_workers_where_no_thread_can_start_runs_every_item_on_the_calling_thread():
+    """At the interpreter's exit no thread can start: a fan-out's items run on the
+    thread that submits its worker (`_concurrency._Pool`), which adds none (each would
+    nest inside the last) and waits for no lock it holds. In a process of its own: a
+    deadlock would hold a lock every executor of the process needs."""
+    ran = subprocess.run([sys.executable, "-c", _NO_THREAD_CAN_START, _concurrency.__file__], capture_output=True,
+                         text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split("\n")[-2] == str([i * i for i in range(8)])
 
 
-def test_a_local_save_writes_its_array_documents_in_turn_and_its_chunks_on_several_threads(tmp_path, monkeypatch):
-    """A manager's local save of small leaves and large ones (in chunks of 1 MiB or more):
-    the array documents and small chunks before the first large chunk are written by
-    one thread, the large chunks by more than one."""
+def test_a_local_save_writes_its_array_documents_and_small_chunks_in_turn_and_large_chunks_on_several_threads(
+        tmp_path, monkeypatch):
+    """A local save of small leaves and large ones (in chunks of 1 MiB or more): the
+    array documents and the small leaves' chunks, written first, are written by one
+    thread; the large chunks by more than one."""
     monkeypatch.setattr(_concurrency, "_RAMP_S", 3600.0)
     writers: list[tuple[str, int, str]] = []
     write_new = _storage.Location.write_new
@@ -109,9 +163,10 @@ def test_a_local_save_writes_its_array_documents_in_turn_and_its_chunks_on_sever
         return write_new(self, key, *parts, **kwargs)
 
     monkeypatch.setattr(_storage.Location, "write_new", recorded)
-    tree = {f"small{i}": np.full((16,), i, np.float32) for i in range(40)}
-    tree.update({f"big{i}": np.full((2**20,), i, np.float32) for i in range(6)})  # 4 MiB each
+    tree = {f"a_small{i:02d}": np.full((16,), i, np.float32) for i in range(40)}  # first in the tree's order
+    tree.update({f"b_big{i}": np.full((2**20,), i, np.float32) for i in range(6)})  # 4 MiB each
     zarrckpt.save_pytree(str(tmp_path / "ckpt"), tree, max_chunk_bytes=2**21, min_chunk_bytes=2**21)
     first_big = next(i for i, (_, nbytes, _) in enumerate(writers) if nbytes >= 2**20)
-    assert first_big >= 40 and len({thread for _, _, thread in writers[:first_big]}) == 1
+    assert first_big == 46 + 40  # every array's document, then every small chunk
+    assert len({thread for _, _, thread in writers[:first_big]}) == 1
     assert len({thread for _, nbytes, thread in writers if nbytes >= 2**20}) >= 2

@@ -28,6 +28,7 @@ import collections
 import concurrent.futures
 import contextlib
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -42,15 +43,17 @@ _R = TypeVar("_R")
 # shared by save, restore, copy, verify and export.
 DEFAULT_MAX_INFLIGHT_BYTES = 2 * 2**30
 
+log = logging.getLogger("zarrckpt")
+
 _current = threading.local()  # the Operation whose item this thread is running
 _DONE = object()
 # What `Operation.window` yields as the result of an item given up.
 ABANDONED: Any = object()
 # How often a window waiting for an item asks whether it is still needed.
 _ABANDON_POLL_S = 0.02
-# An item of a fan-out started with fewer workers than it may have (`start`) that takes
-# this long, or moves this many bytes, is worth a thread of its own (it waits on the
-# store, or copies memory outside the interpreter's lock): another worker starts. A
+# A fan-out started with fewer workers than it may have (`start`) adds one after an item
+# that took this long, or as its items move this many bytes: such work waits on the
+# store or copies memory outside the interpreter's lock, and another thread pays. A
 # small file on a local disk takes a tenth of the time; handed among threads that
 # contend for the interpreter, such files cost 2-3 times as much as written in turn.
 _RAMP_S = 0.001
@@ -338,28 +341,41 @@ class Operation:
         Every worker of the pool takes the next item in turn (so `items` is pulled as
         the work goes, never ahead of it: a generator may block, e.g. on a budget) and
         runs it: no future per item, which for many small files was most of the cost.
-        `start` workers begin (default: all of them); one more starts after each item
-        that took `_RAMP_S` or longer or moved `nbytes(item)` of `_RAMP_BYTES` or more,
-        until all have: where most items are small files on a local disk, fewer threads
-        write them sooner. With `budget`, each item takes `nbytes(item)` before it
-        starts (waiting for room) and gives them back when it ends. `on_done` runs as
-        each item succeeds. Stops taking items at the first failure, waits for those
-        running, and raises the first failure.
+        `start` workers begin (default: all of them); one more starts as the items
+        taken since the last one was added reach `_RAMP_BYTES` of `nbytes(item)`, and
+        after each item that took `_RAMP_S` or longer, until all have: where most items
+        are small files on a local disk, fewer threads write them sooner. With
+        `budget`, each item takes `nbytes(item)` before it starts (waiting for room)
+        and gives them back when it ends. `on_done` runs as each item succeeds. Stops
+        taking items at the first failure, waits for those running, and raises the
+        first failure.
         """
         if budget is not None:
             self._watch(budget)
         source, turn, count = iter(items), threading.Lock(), itertools.count()
         results: dict[int, _R] = {}
         workers: list[concurrent.futures.Future[None]] = []
-        # Submitted with no lock held: where no thread can start, `submit` runs the
-        # worker on this very thread (see `_Pool`).
-        grown, started = threading.Lock(), min(start or self._workers, self._workers)
+        grown = threading.Lock()
+        started = self._workers if start is None else max(1, min(start, self._workers))
+        moved = 0  # bytes of the items taken since the last worker was added
 
-        def another() -> bool:
-            nonlocal started
+        def add(nbytes: int, seconds: float) -> None:
+            """Starts one more worker if the item just taken (`nbytes`) or just done
+            (`seconds`) says that it pays. Submitted with no lock held: where no thread
+            can start, `submit` runs the worker on this very thread (see `_Pool`), and
+            there one more worker only nests deeper."""
+            nonlocal started, moved
+            if started >= self._workers or self._pool._stranded:
+                return
             with grown:
-                started, more = min(started + 1, self._workers), started < self._workers
-            return more
+                moved += nbytes
+                if started >= self._workers or (moved < _RAMP_BYTES and seconds < _RAMP_S):
+                    return
+                started, moved = started + 1, 0
+            try:
+                workers.append(self.submit(worker))  # before this worker ends: the wait below sees it
+            except Exception as e:  # optional: the workers running carry on (the interpreter exiting, a failure)
+                log.debug("no worker added to a fan-out: %s", e)
 
         def worker() -> None:
             while self.error is None:
@@ -373,17 +389,16 @@ class Operation:
                     index = next(count)
                     size = nbytes(item)
                     hold = budget.take(size) if budget is not None else None
+                add(size, 0.0)  # many bytes to move: a worker for the next item at once
                 began = time.perf_counter()
                 try:
                     results[index] = fn(item)
                 finally:
                     if hold is not None:
                         hold.release()
-                if started < self._workers and (size >= _RAMP_BYTES or time.perf_counter() - began >= _RAMP_S) \
-                        and another():
-                    workers.append(self.submit(worker))  # before this worker ends: the wait below sees it
                 if on_done is not None:
                     on_done(item, results[index])
+                add(0, time.perf_counter() - began)
 
         for _ in range(started):
             workers.append(self.submit(worker))

@@ -484,7 +484,8 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
 
     items: Iterable[tuple[ArrayPlan, WriteUnit | dict[str, Any]]] = itertools.chain(metadata, work)
     with loc.together() as out, _concurrency.Operation(workers, "write") as op:
-        # On a local disk, documents and links are written in turn until chunks come.
+        # On a local disk small files (documents, links, small chunks) are written in turn;
+        # the bytes of chunks, and writes that wait, add threads.
         op.fan_out(items, functools.partial(write, out), nbytes=written, start=1 if loc.is_local else None)
 
 
