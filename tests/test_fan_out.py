@@ -4,8 +4,6 @@ each item that moves many bytes or waits starts one more."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 
@@ -117,33 +115,6 @@ def test_a_worker_that_cannot_be_added_leaves_the_fan_out_to_those_running(monke
     monkeypatch.setattr(_concurrency._Pool, "submit", refusing)
     threads = _fan_out(list(range(6)), 1, lambda item: None, nbytes=lambda item: _concurrency._RAMP_BYTES)
     assert sorted(threads) == list(range(6)) and len(calls) > 1
-
-
-# The module alone (it imports nothing of zarrckpt's, and so no JAX): a second to start, not three.
-_NO_THREAD_CAN_START = """
-import concurrent.futures, importlib.util, sys
-spec = importlib.util.spec_from_file_location("_concurrency", sys.argv[1])
-_concurrency = sys.modules["_concurrency"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(_concurrency)
-
-def no_thread(self):
-    raise RuntimeError("can't create new thread at interpreter shutdown")
-
-concurrent.futures.ThreadPoolExecutor._adjust_thread_count = no_thread
-with _concurrency.Operation(4, "write") as op:
-    print(op.fan_out(range(8), lambda i: i * i, nbytes=lambda i: _concurrency._RAMP_BYTES, start=1))
-"""
-
-
-def test_a_fan_out_that_may_add_workers_where_no_thread_can_start_runs_every_item_on_the_calling_thread():
-    """At the interpreter's exit no thread can start: a fan-out's items run on the
-    thread that submits its worker (`_concurrency._Pool`), which adds none (each would
-    nest inside the last) and waits for no lock it holds. In a process of its own: a
-    deadlock would hold a lock every executor of the process needs."""
-    ran = subprocess.run([sys.executable, "-c", _NO_THREAD_CAN_START, _concurrency.__file__], capture_output=True,
-                         text=True, timeout=120)
-    assert ran.returncode == 0, ran.stderr
-    assert ran.stdout.split("\n")[-2] == str([i * i for i in range(8)])
 
 
 def test_a_local_save_writes_its_array_documents_and_small_chunks_in_turn_and_large_chunks_on_several_threads(

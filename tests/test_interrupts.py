@@ -203,7 +203,8 @@ def test_ctrl_c_while_the_manager_takes_its_lease_gives_it_back(tmp_path, monkey
     assert zarrckpt.all_steps(run) == [1, 2]
 
 
-# The module alone (it imports nothing of zarrckpt's, and so no JAX): a second to start, not three.
+# `_concurrency` alone (it imports nothing of zarrckpt's, and so no JAX: a second to start,
+# not three), in a process where no thread can start, as at the interpreter's exit.
 _NO_THREAD_CAN_START = """
 import concurrent.futures, importlib.util, sys
 spec = importlib.util.spec_from_file_location("_concurrency", sys.argv[1])
@@ -214,6 +215,27 @@ def no_thread(self):
     raise RuntimeError("can't create new thread at interpreter shutdown")
 
 concurrent.futures.ThreadPoolExecutor._adjust_thread_count = no_thread
+"""
+
+
+def _where_no_thread_can_start(script: str) -> str:
+    """The last line `script` prints, run after `_NO_THREAD_CAN_START`. In a process of its
+    own: a deadlock there holds a lock every executor of the process needs."""
+    ran = subprocess.run([sys.executable, "-c", _NO_THREAD_CAN_START + script, zarrckpt._concurrency.__file__],
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    return ran.stdout.split("\n")[-2]
+
+
+def test_an_operation_started_by_an_item_where_no_thread_can_start_runs_and_leaves_the_items_operation():
+    """At the interpreter's exit no thread can start, and an operation runs its items on
+    the thread that submits them (`_concurrency._Pool`). An item that starts an
+    operation of its own (a write reading several small objects) must neither wait for
+    ever on the executors' shared lock (it did: the item ran inside `submit`, which
+    holds it) nor take its own operation away from itself (its writes would no longer
+    see that the operation failed: `aborted`); the inner operation's items, part of
+    the failed item, see it too."""
+    assert _where_no_thread_can_start("""
 seen = []
 
 def outer_item():
@@ -224,19 +246,15 @@ def outer_item():
 with _concurrency.Operation(2, "outer") as outer:
     outer.submit(outer_item).exception()
 print(seen)
-"""
+""") == "[[(1, True), (2, True)], True]"
 
 
-def test_an_operation_started_by_an_item_where_no_thread_can_start_runs_and_leaves_the_items_operation():
-    """At the interpreter's exit no thread can start, and an operation runs its items on
-    the thread that submits them (`_concurrency._Pool`). An item that starts an
-    operation of its own (a write reading several small objects) must neither wait for
-    ever on the executors' shared lock (it did: the item ran inside `submit`, which
-    holds it) nor take its own operation away from itself (its writes would no longer
-    see that the operation failed: `aborted`); the inner operation's items, part of
-    the failed item, see it too. In a process of its own: a deadlock holds a lock every
-    executor of the process needs."""
-    ran = subprocess.run([sys.executable, "-c", _NO_THREAD_CAN_START, zarrckpt._concurrency.__file__],
-                         capture_output=True, text=True, timeout=120)
-    assert ran.returncode == 0, ran.stderr
-    assert ran.stdout.split("\n")[-2] == "[[(1, True), (2, True)], True]"
+def test_a_fan_out_that_may_add_workers_where_no_thread_can_start_runs_every_item_on_the_calling_thread():
+    """A fan-out that starts with one worker and meets items of a MiB or more, which add
+    workers, where no thread can start: its items run on the thread that submits its
+    worker (`_concurrency._Pool`), which adds none (each would nest inside the last)
+    and waits for no lock it holds."""
+    assert _where_no_thread_can_start("""
+with _concurrency.Operation(4, "write") as op:
+    print(op.fan_out(range(8), lambda i: i * i, nbytes=lambda i: _concurrency._RAMP_BYTES, start=1))
+""") == str([i * i for i in range(8)])
