@@ -1,7 +1,8 @@
 """Launching real multi-process JAX jobs on localhost for the tests.
 
-Each worker is a fresh Python process that calls `jax.distributed.initialize` with a
-localhost coordinator and gloo CPU collectives, with its own fake CPU devices.
+Each worker is a Python process (forked from one that has imported JAX: tests/zygote.py)
+that calls `jax.distributed.initialize` with a localhost coordinator and gloo CPU
+collectives, with its own fake CPU devices.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import random
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+import zygote
 
 WORKERS = Path(__file__).parent / "workers"
 
@@ -66,11 +68,8 @@ def launch(worker: str, *args: str, processes: int = 2, devices: int = 4,
     procs = []
     for pid in range(processes):
         output = Path(channel) / f"{pid}.out"
-        with open(output, "w") as out:
-            proc = subprocess.Popen(
-                [sys.executable, str(WORKERS / f"{worker}.py"), f"127.0.0.1:{port}", str(processes), str(pid), *args],
-                env=env, stdout=out, stderr=subprocess.STDOUT,
-            )
+        proc = zygote.spawn([str(WORKERS / f"{worker}.py"), f"127.0.0.1:{port}", str(processes), str(pid), *args],
+                            env=env, stdout=output)
         proc.output = output  # type: ignore[attr-defined]
         proc.said = Path(channel) / f"{pid}.said"  # type: ignore[attr-defined]
         proc.result = Path(channel) / f"{pid}.json"  # type: ignore[attr-defined]

@@ -30,6 +30,7 @@ taken over while it looked dead) stops saving: `check` runs before each save.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -112,10 +113,10 @@ class Lease:
         holder, if it is renewed meanwhile (released meanwhile is free), or at once if
         its writer is a live process of this machine."""
         number, found = self._newest()
-        if found is not None and not found.get("released") and found.get("process") == _THIS_PROCESS:
+        if found is not None and not found.get("released") and found.get("process") == _this_process():
             gc.collect()  # a manager nobody holds (a notebook cell run again) gives its lease back
             number, found = self._newest()
-            if found is not None and not found.get("released") and found.get("process") == _THIS_PROCESS:
+            if found is not None and not found.get("released") and found.get("process") == _this_process():
                 raise DirectoryInUseError(
                     f"{self._root.url} is held by another {found.get('by', 'CheckpointManager')} in this process "
                     f"(pid {os.getpid()}) that is still open: call its close() first, or use `with "
@@ -230,7 +231,7 @@ class Lease:
     def _document(self, *, released: bool = False) -> bytes:
         self._beats += 1
         return json.dumps({"owner": self._owner, "by": self._what, "host": socket.gethostname(), "pid": os.getpid(),
-                           "process": _THIS_PROCESS, "heartbeat_s": self._heartbeat_s, "beat": self._beats,
+                           "process": _this_process(), "heartbeat_s": self._heartbeat_s, "beat": self._beats,
                            "released": released}).encode()
 
 
@@ -261,7 +262,16 @@ def _process_identity(pid: int) -> str | None:
     return f"{boot}/{namespace}/{pid}/{started}"
 
 
-_THIS_PROCESS = _process_identity(os.getpid())
+def _this_process() -> str | None:
+    """This process's identity: asked of its own pid, not kept from the import, which a
+    process forked since (a pre-forking launcher, a fork-started data loader worker)
+    shares with its parent."""
+    return _identity_of_this_process(os.getpid())
+
+
+@functools.lru_cache(maxsize=1)
+def _identity_of_this_process(pid: int) -> str | None:
+    return _process_identity(pid)
 
 
 def _alive_here(lease: dict[str, Any]) -> bool | None:
@@ -269,8 +279,9 @@ def _alive_here(lease: dict[str, Any]) -> bool | None:
     this PID namespace, and its process id still names that process (True) or not
     (False). None for a writer elsewhere: only its renewals can tell."""
     written_by, pid = lease.get("process"), lease.get("pid")
-    if not isinstance(written_by, str) or not isinstance(pid, int) or _THIS_PROCESS is None:
+    this = _this_process()
+    if not isinstance(written_by, str) or not isinstance(pid, int) or this is None:
         return None
-    if written_by.rsplit("/", 2)[0] != _THIS_PROCESS.rsplit("/", 2)[0]:
+    if written_by.rsplit("/", 2)[0] != this.rsplit("/", 2)[0]:
         return None  # another machine or container
     return _process_identity(pid) == written_by

@@ -363,7 +363,7 @@ def test_a_live_manager_in_another_pid_namespace_is_never_taken_over(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "holding"
         lease = json.loads((tmp_path / _lease.lease_key(1)).read_text())
-        assert lease["process"].split("/")[1] != _lease._THIS_PROCESS.split("/")[1]  # another namespace
+        assert lease["process"].split("/")[1] != _lease._this_process().split("/")[1]  # another namespace
         with pytest.raises(zarrckpt.DirectoryInUseError, match="still alive"):
             zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=0.2)
     finally:

@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,30 @@ def test_a_live_manager_of_another_process_here_is_refused_without_watching_it(t
         assert not [r for r in caplog.records if "watching it" in r.getMessage()]
     finally:
         holder.kill()
+        holder.wait()
+
+
+def test_a_live_manager_of_a_process_forked_after_the_import_is_refused(tmp_path):
+    """A process forked after importing zarrckpt (a pre-forking launcher, a data loader
+    started by fork) is told apart from its parent: its lease names it, so that it is
+    seen alive, not taken for its parent's process with another pid, hence gone."""
+    forker = ("import os, signal, sys, time, zarrckpt\n"
+              "child = os.fork()\n"
+              "if child == 0:\n"
+              "    m = zarrckpt.CheckpointManager(sys.argv[1], heartbeat_s=30)\n"
+              "    print('holding', os.getpid(), flush=True)\n"
+              "    time.sleep(60)\n"
+              "else:\n"
+              "    os.waitpid(child, 0)\n")
+    holder = subprocess.Popen([sys.executable, "-c", forker, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, JAX_PLATFORMS="cpu"), start_new_session=True)
+    try:
+        said, child = holder.stdout.readline().split()
+        assert said == "holding"
+        with pytest.raises(zarrckpt.DirectoryInUseError, match=rf"pid {child}\) that is still alive"):
+            zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=30)
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
         holder.wait()
 
 
