@@ -32,7 +32,8 @@ def run_together(commands: list[list[str]], *, env: dict | None = None, command:
                  timeout: float = 120) -> list[subprocess.CompletedProcess]:
     """Runs several `zarrckpt` commands at once; returns their results in order: each
     `python -m zarrckpt` forked from a zygote, or, with another `command`, each a new
-    process. The commands still running `timeout` seconds after they started are killed."""
+    process. Raises subprocess.TimeoutExpired, having killed them, if any still runs `timeout`
+    seconds after they started."""
     full = environment(env)
     with tempfile.TemporaryDirectory(prefix="zarrckpt-cli-") as outputs:
         files = [(Path(outputs) / f"{i}.out", Path(outputs) / f"{i}.err") for i in range(len(commands))]
@@ -48,11 +49,7 @@ def run_together(commands: list[list[str]], *, env: dict | None = None, command:
         deadline = time.monotonic() + timeout
         try:
             for proc in procs:
-                try:
-                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         finally:
             for proc in procs:
                 if proc.poll() is None:

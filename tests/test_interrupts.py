@@ -21,11 +21,23 @@ import zarrckpt
 WORKERS = Path(__file__).parent / "workers"
 
 
-def run(scenario: str, run_dir: Path, worker: str = "interrupted") -> tuple[int, list[str]]:
+# Runs the script named next on its command line in a process forked after zarrckpt
+# was imported (a pre-forking launcher); exits as it does.
+_FORKED = ("import os, runpy, sys, zarrckpt\n"
+           "child = os.fork()\n"
+           "if child == 0:\n"
+           "    sys.argv = sys.argv[1:]\n"
+           "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+           "else:\n"
+           "    sys.exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))\n")
+
+
+def run(scenario: str, run_dir: Path, worker: str = "interrupted", forked: bool = False) -> tuple[int, list[str]]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).parent.parent))
     env.pop("XLA_FLAGS", None)
     args = [scenario] if scenario else []
-    done = subprocess.run([sys.executable, str(WORKERS / f"{worker}.py"), *args, str(run_dir)], env=env,
+    python = [sys.executable, "-c", _FORKED] if forked else [sys.executable]
+    done = subprocess.run([*python, str(WORKERS / f"{worker}.py"), *args, str(run_dir)], env=env,
                           capture_output=True, text=True, timeout=120)
     return done.returncode, done.stdout.splitlines()
 
@@ -50,8 +62,9 @@ def test_ctrl_c_twice_in_a_with_block_leaves_the_save_to_the_exit_which_commits_
     assert zarrckpt.all_steps(str(tmp_path / "run")) == [1]
 
 
-def test_a_script_that_never_closes_its_manager_commits_its_last_save_at_exit(tmp_path):
-    code, lines = run("exit", tmp_path / "run")
+@pytest.mark.parametrize("forked", [False, True], ids=["fresh", "forked after the import"])
+def test_a_script_that_never_closes_its_manager_commits_its_last_save_at_exit(tmp_path, forked):
+    code, lines = run("exit", tmp_path / "run", forked=forked)
     assert code == 0, lines
     assert any(line.startswith("log exiting while") and "0000000001" in line for line in lines)
     assert lines[-1] == "leave 1" and zarrckpt.all_steps(str(tmp_path / "run")) == [1]

@@ -16,8 +16,9 @@ sent, so the process is the test's by the time it has its pid.
 A forked process has the environment its zygote imported zarrckpt in, except for the
 variables in `READ_LATE`, which nothing reads before a process's own code runs: a
 spawn with other environment variables gets zygotes of their own. Each environment
-has two, taking turns, so that the processes of one job do not share a hash seed (the
-order of a set of strings), as processes on different hosts do not.
+has two, taking turns, so that processes started one after the other (a job's process 0
+and 1) do not share a hash seed (the order of a set of strings), as processes on
+different hosts do not.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -33,9 +35,8 @@ from pathlib import Path
 # Read by XLA when the backend starts, by the tests' workers when they start, by
 # nothing (a pytest variable that differs from test to test).
 READ_LATE = frozenset({"XLA_FLAGS", "ZARRCKPT_TEST_CHANNEL", "ZARRCKPT_TEST_STORAGE_OPTIONS", "PYTEST_CURRENT_TEST"})
-# Every zygote's, whatever a spawn asks: output unbuffered, so that what a killed process
-# printed is there; one BLAS thread, so that the zygote has no thread to lose in a fork.
-_ZYGOTE_ENV = {"PYTHONUNBUFFERED": "1", "OPENBLAS_NUM_THREADS": "1"}
+# Every zygote's: one BLAS thread, so that it has no thread to lose in a fork.
+_ZYGOTE_ENV = {"OPENBLAS_NUM_THREADS": "1"}
 
 # Runs in the zygote: a request a line of JSON on stdin, the reply (the new process's
 # pid) a line on stdout.
@@ -47,11 +48,23 @@ replies_fd, errors_fd = os.dup(1), os.dup(2)
 printed = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
 os.dup2(printed[0].fileno(), 1)
 os.dup2(printed[1].fileno(), 2)
-import zarrckpt._cli  # noqa: F401  (JAX, numpy, zarr, fsspec and zarrckpt, once)
-sys.stdout.flush()
-sys.stderr.flush()
-os.dup2(replies_fd, 1)
-os.dup2(errors_fd, 2)
+
+
+def restore():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(replies_fd, 1)
+    os.dup2(errors_fd, 2)
+
+try:
+    import zarrckpt._cli  # noqa: F401  (JAX, numpy, zarr, fsspec and zarrckpt, once)
+except BaseException:  # says why on the zygote's own stderr
+    restore()
+    for f in printed:
+        f.seek(0)
+        os.write(2, f.read())
+    raise
+restore()
 for fd in (replies_fd, errors_fd):
     os.close(fd)
 for i, f in enumerate(printed):
@@ -68,6 +81,10 @@ while line := requests.readline():
     middle = os.fork()
     if middle == 0:
         os.close(pid_r)
+        # Its output files there before its pid is: a test may read them at once.
+        out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        err = out if request["stderr"] is None else os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                                                             0o600)
         pid = os.fork()
         if pid:
             os.write(pid_w, b"%d" % pid)
@@ -77,22 +94,20 @@ while line := requests.readline():
         os.close(pid_w)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        os.close(null)
-        for fd, path, before in ((1, request["stdout"], printed[0]), (2, request["stderr"], printed[1])):
-            if path is None:  # with stdout, as Popen's stderr=STDOUT
-                os.dup2(1, fd)
-            else:
-                out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                os.dup2(out, fd)
-                os.close(out)
-            os.write(fd, before)
+        os.dup2(out, 1)
+        os.dup2(err, 2)  # the same open file as stdout where asked: as Popen's stderr=STDOUT
+        for fd in {null, out, err}:
+            os.close(fd)
+        os.write(1, printed[0])
+        os.write(2, printed[1])
+        os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = request["argv"]
         import runpy
         if sys.argv[0] == "-m":
             sys.argv = sys.argv[1:]
-            sys.path[0] = os.getcwd()
+            sys.path[0] = request["cwd"]
             runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
         else:
             sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
@@ -131,14 +146,14 @@ class _Zygote:
         return self._proc.poll() is None
 
     def close(self) -> None:
-        if self._proc.poll() is None:
-            assert self._proc.stdin is not None
-            self._proc.stdin.close()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc.stdout.close()
 
 
 class _Forked(subprocess.Popen):
@@ -170,11 +185,19 @@ _lock = threading.Lock()
 def spawn(argv: list[str], *, env: dict[str, str], stdout: Path, stderr: Path | None = None) -> subprocess.Popen:
     """Starts `python ARGV...` (`-m MODULE ...` or `SCRIPT ...`) in environment `env`,
     its output to the file `stdout` and its errors to `stderr` (None: the same file)."""
+    if env.get("OPENBLAS_NUM_THREADS", "1") != "1":
+        raise ValueError("a forked process has the zygote's one BLAS thread: start it with subprocess instead")
     key = json.dumps({k: v for k, v in sorted(env.items()) if k not in READ_LATE and k not in _ZYGOTE_ENV})
-    request = {"argv": argv, "env": env, "stdout": str(stdout), "stderr": None if stderr is None else str(stderr)}
+    request = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": str(stdout),
+               "stderr": None if stderr is None else str(stderr)}
     with _lock:
-        pair = _zygotes.pop(key, None) or []
-        pair = [z for z in pair if z.alive()] + [_Zygote(env) for _ in range(2 - sum(z.alive() for z in pair))]
+        pair = []
+        for zygote in _zygotes.pop(key, []):
+            if zygote.alive():
+                pair.append(zygote)
+            else:
+                zygote.close()
+        pair += [_Zygote(env) for _ in range(2 - len(pair))]
         while len(_zygotes) >= 2:  # the oldest first
             for zygote in _zygotes.pop(next(iter(_zygotes))):
                 zygote.close()

@@ -250,16 +250,18 @@ def _holder(found: dict[str, Any]) -> str:
 def _process_identity(pid: int) -> str | None:
     """What tells a process apart on this machine, now and later: the machine's boot,
     the PID namespace, the process id and its start time. None where it cannot be
-    told (no /proc, or no such process)."""
+    told (no /proc, or no such process: gone, or a zombie, which a container's first
+    process may never reap)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         namespace = os.readlink("/proc/self/ns/pid")
         with open(f"/proc/{pid}/stat") as f:
-            started = f.read().rsplit(")", 1)[1].split()[19]  # field 22, after the command's name
+            fields = f.read().rsplit(")", 1)[1].split()  # from field 3, after the command's name
+        state, started = fields[0], fields[19]
     except (OSError, IndexError):
         return None
-    return f"{boot}/{namespace}/{pid}/{started}"
+    return None if state in ("Z", "X", "x") else f"{boot}/{namespace}/{pid}/{started}"
 
 
 def _this_process() -> str | None:

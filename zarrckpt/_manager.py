@@ -751,19 +751,20 @@ class _AtExit:
     registered its own, so before it (they run last registered first): after it thread
     pools take no more work, and a save still writing could not finish. `atexit` comes
     later still, after `jax.distributed`'s shutdown. A forked child leaves its parent's
-    managers alone."""
+    managers alone (their threads are the parent's), and closes its own."""
 
     def __init__(self) -> None:
         self._managers: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
-        self._pid = os.getpid()
         getattr(threading, "_register_atexit", atexit.register)(self._close_all)
+        os.register_at_fork(after_in_child=self._forget)
 
     def register(self, manager: CheckpointManager) -> None:
         self._managers.add(manager)
 
+    def _forget(self) -> None:
+        self._managers = weakref.WeakSet()
+
     def _close_all(self) -> None:
-        if os.getpid() != self._pid:
-            return
         for manager in list(self._managers):
             try:
                 manager._close_at_exit()

@@ -352,11 +352,11 @@ def test_an_object_beside_a_step_prefix_lists_the_step_once(s3_server):
 def test_a_live_manager_in_another_pid_namespace_is_never_taken_over(tmp_path):
     """A container on the same host (another PID namespace, the same host name) holds
     the lease and renews it: a second manager must refuse, however dead its pid looks."""
-    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True)
+    probe = subprocess.run(["unshare", "--pid", "--kill-child", "--mount-proc", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot make a PID namespace here: {probe.stderr.decode().strip()}")
     holder = subprocess.Popen(
-        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+        ["unshare", "--pid", "--kill-child", "--mount-proc", sys.executable, "-c",
          "import sys, time, zarrckpt; m = zarrckpt.CheckpointManager(sys.argv[1], heartbeat_s=0.2); "
          "print('holding', flush=True); time.sleep(60)", str(tmp_path)],
         stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))

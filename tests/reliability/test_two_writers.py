@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +78,27 @@ def test_a_live_manager_of_a_process_forked_after_the_import_is_refused(tmp_path
             zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=30)
     finally:
         os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
+
+
+def test_the_lease_of_a_killed_manager_not_yet_reaped_is_taken_over_at_once(tmp_path, caplog):
+    """A killed process is a zombie until its parent reaps it, which a container's first
+    process may never do: it is gone, and its lease is free without watching it."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, zarrckpt; m = zarrckpt.CheckpointManager(sys.argv[1], "
+         "heartbeat_s=30); print('holding', flush=True); time.sleep(60)", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        os.kill(holder.pid, signal.SIGKILL)  # not waited for: a zombie
+        while Path(f"/proc/{holder.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+        with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+            with zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=30) as mgr:
+                assert mgr.save(1, {"a": np.ones(2)}, force=True)
+        assert not [r for r in caplog.records if "watching it" in r.getMessage()]
+    finally:
+        holder.kill()
         holder.wait()
 
 
