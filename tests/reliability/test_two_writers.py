@@ -28,6 +28,19 @@ def plant(tmp_path, document, number=1):
     lease_file(tmp_path, number).write_text(json.dumps(document))
 
 
+def holding_elsewhere(directory) -> subprocess.Popen:
+    """Another process of this machine, holding `directory` with a manager (a heartbeat
+    of 30 s) once this returns."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, zarrckpt; m = zarrckpt.CheckpointManager(sys.argv[1], "
+         "heartbeat_s=30); print('holding', flush=True); time.sleep(60)", str(directory)],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    if holder.stdout.readline().strip() != "holding":
+        holder.kill()
+        raise AssertionError(f"the holder exited {holder.wait()} before it held {directory}")
+    return holder
+
+
 def test_second_live_manager_is_refused(tmp_path):
     with zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=BEAT) as first:
         first.save(1, {"a": np.ones(2)}, force=True)
@@ -42,12 +55,8 @@ def test_second_live_manager_is_refused(tmp_path):
 def test_a_live_manager_of_another_process_here_is_refused_without_watching_it(tmp_path, caplog):
     """On one machine the holder's process can be seen alive: no need to wait 2.5
     heartbeats (18 s by default) for it to renew before refusing."""
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time, zarrckpt; m = zarrckpt.CheckpointManager(sys.argv[1], "
-         "heartbeat_s=30); print('holding', flush=True); time.sleep(60)", str(tmp_path)],
-        stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    holder = holding_elsewhere(tmp_path)
     try:
-        assert holder.stdout.readline().strip() == "holding"
         with caplog.at_level(logging.WARNING, logger="zarrckpt"):
             with pytest.raises(zarrckpt.DirectoryInUseError, match=rf"pid {holder.pid}\) that is still alive"):
                 zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=30)
@@ -84,12 +93,8 @@ def test_a_live_manager_of_a_process_forked_after_the_import_is_refused(tmp_path
 def test_the_lease_of_a_killed_manager_not_yet_reaped_is_taken_over_at_once(tmp_path, caplog):
     """A killed process is a zombie until its parent reaps it, which a container's first
     process may never do: it is gone, and its lease is free without watching it."""
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time, zarrckpt; m = zarrckpt.CheckpointManager(sys.argv[1], "
-         "heartbeat_s=30); print('holding', flush=True); time.sleep(60)", str(tmp_path)],
-        stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    holder = holding_elsewhere(tmp_path)
     try:
-        assert holder.stdout.readline().strip() == "holding"
         os.kill(holder.pid, signal.SIGKILL)  # not waited for: a zombie
         while Path(f"/proc/{holder.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
             time.sleep(0.01)
