@@ -115,6 +115,11 @@ class FaultProxy:
 
             def _handle(self) -> None:
                 with proxy._handling:
+                    # A request read after `stop` began (its connection accepted, its
+                    # headers still arriving) is a finished test's: never forwarded.
+                    if proxy._stopping.is_set():
+                        self.close_connection = True
+                        return
                     proxy._handlers += 1
                 try:
                     self._handle_one()

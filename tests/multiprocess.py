@@ -11,9 +11,11 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import zygote
@@ -91,11 +93,23 @@ def run(worker: str, *args: str, processes: int = 2, devices: int = 4, timeout: 
         expect_ok: bool = True, storage_options: dict | None = None) -> list[dict]:
     """Runs `launch`'s processes to the end; returns each one's result (`common.report`),
     with its exit code and output. With `expect_ok` a non-zero exit fails the test
-    with that process's output."""
+    with that process's output; a job still running after `timeout` seconds fails it
+    with every process's output and stacks."""
     procs = launch(worker, *args, processes=processes, devices=devices, storage_options=storage_options)
+    deadline = time.monotonic() + timeout
     try:
         for proc in procs:
-            proc.wait(timeout=timeout)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        # Where each one was: every thread's stack (workers/common.py), then killed.
+        hung = [proc for proc in procs if proc.poll() is None]
+        for proc in hung:
+            proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        outputs = "\n".join(f"-- process {pid}{' (hung)' if proc in hung else ''}:\n"
+                            + proc.output.read_text(errors="replace")[-20000:]  # type: ignore[attr-defined]
+                            for pid, proc in enumerate(procs))
+        raise AssertionError(f"{worker} did not end in {timeout:.0f} s:\n{outputs}") from None
     finally:
         for proc in procs:
             if proc.poll() is None:

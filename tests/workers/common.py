@@ -3,15 +3,20 @@ worker leaves a job that may be broken (`exit_job`)."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from typing import NoReturn
 
 import jax
 import numpy as np
+
+# A job that hangs: multiprocess.run asks each process where its threads are.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 # The storage_options of the store under test (multiprocess.run passes them).
 STORAGE_OPTIONS = json.loads(os.environ.get("ZARRCKPT_TEST_STORAGE_OPTIONS") or "null")

@@ -13,6 +13,7 @@ args = init()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zarrckpt  # noqa: E402
@@ -165,6 +166,9 @@ def frozen(directory: str) -> None:
         inodes = {step: sorted((str(p.relative_to(directory)).split("/", 1)[1], p.stat().st_ino)
                                for p in (pathlib.Path(directory) / f"{step:010d}" / "base").iterdir()
                                if p.name != "zarr.json") for step in range(1, 5)}
+        # Process 0 deletes (as `delete` does, with the others): not before every
+        # process has listed the steps.
+        multihost_utils.sync_global_devices("listed")
         for step in (1, 2, 3):
             mgr.delete(step)
         restored, step = mgr.restore(state)
