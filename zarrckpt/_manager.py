@@ -559,10 +559,12 @@ class CheckpointManager:
         """Deletes committed `step` now, pinned or not, its commit marker first (an
         interruption leaves an uncommitted leftover, never a damaged step), after the
         save in flight; with a local tier, each process's copy of it too. Collective
-        under `jax.distributed`: process 0 deletes, every process returns once it has.
-        Raises CheckpointNotFoundError if `step` is not committed, CheckpointWriteError
-        if its directory holds files that are not the checkpoint's (nothing is then
-        deleted), DirectoryInUseError if another job took the directory over."""
+        under `jax.distributed`: process 0 deletes, every process returns once it has
+        (process 0 does not wait for the others to reach the call: one that reads the
+        step's files first needs a barrier of its own before it). Raises
+        CheckpointNotFoundError if `step` is not committed, CheckpointWriteError if its
+        directory holds files that are not the checkpoint's (nothing is then deleted),
+        DirectoryInUseError if another job took the directory over."""
         self._check_open()
         self.wait()
         with _multihost.Agreement("manager-delete", self._timeout_s,
