@@ -113,10 +113,12 @@ class Lease:
         holder, if it is renewed meanwhile (released meanwhile is free), or at once if
         its writer is a live process of this machine."""
         number, found = self._newest()
-        if found is not None and not found.get("released") and found.get("process") == _this_process():
+        # Unknown where there is no /proc: then no lease is taken for this process's own.
+        mine = _this_process()
+        if mine is not None and found is not None and not found.get("released") and found.get("process") == mine:
             gc.collect()  # a manager nobody holds (a notebook cell run again) gives its lease back
             number, found = self._newest()
-            if found is not None and not found.get("released") and found.get("process") == _this_process():
+            if found is not None and not found.get("released") and found.get("process") == mine:
                 raise DirectoryInUseError(
                     f"{self._root.url} is held by another {found.get('by', 'CheckpointManager')} in this process "
                     f"(pid {os.getpid()}) that is still open: call its close() first, or use `with "

@@ -107,6 +107,23 @@ def test_the_lease_of_a_killed_manager_not_yet_reaped_is_taken_over_at_once(tmp_
         holder.wait()
 
 
+@pytest.fixture
+def without_proc(monkeypatch):
+    """As on a machine without /proc (macOS): no process can be told apart."""
+    monkeypatch.setattr(_lease, "_process_identity", lambda pid: None)
+    _lease._identity_of_this_process.cache_clear()
+    yield
+    _lease._identity_of_this_process.cache_clear()
+
+
+def test_without_proc_another_process_s_lease_is_not_taken_for_this_one_s(tmp_path, without_proc):
+    """Where no process has an identity, a lease written elsewhere (`"process": null`)
+    is watched as any other, never refused at once as held in this process."""
+    plant(tmp_path, {"owner": "dead", "host": "laptop", "pid": 1, "beat": 7, "process": None, "heartbeat_s": BEAT})
+    with zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=BEAT) as mgr:
+        assert mgr.save(1, {"a": np.ones(2)}, force=True)
+
+
 def test_lease_of_a_dead_job_is_taken_over(tmp_path):
     # What a killed job leaves behind: a lease nobody renews.
     plant(tmp_path, {"owner": "dead", "host": "h", "pid": 1, "beat": 7})
