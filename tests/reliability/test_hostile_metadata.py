@@ -13,7 +13,7 @@ import tracemalloc
 import jax
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import zarrckpt
 from zarrckpt import _storage
@@ -107,6 +107,9 @@ def reads(monkeypatch):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(changes=edits)
+# Found by a CI run: the type named in the byte order zarrckpt never writes, which
+# a load without a target returned as values read in the wrong order.
+@example(changes=[("w", ("record", "dtype"), ">f")])
 def test_hostile_metadata_is_refused_without_reading_outside(sandbox, reads, changes):
     url, original = sandbox
     doc = json.loads(original)

@@ -359,6 +359,12 @@ def stored_leaf(path: _tree.KeyPath, rec: dict[str, Any], array: dict[str, Any] 
     chunks = _ints(array["chunk_grid"]["configuration"]["chunk_shape"], "chunk shape")
     kind, impl = rec["type"], rec.get("impl")
     where = _tree.describe_path(path)
+    # Only the names zarrckpt writes: another spelling of the same type (">f", "<f4")
+    # passes the array's checks, which name the type alone, and ">f" reads its bytes
+    # in the wrong order.
+    if rec["dtype"] != _dtypes.dtype_name(dtype):
+        raise ValueError(f"leaf {where}: dtype {rec['dtype']!r}, which zarrckpt never writes (it writes "
+                         f"{_dtypes.dtype_name(dtype)!r})")
     if kind not in _KINDS or (kind == "prng_key") != isinstance(impl, str):
         raise ValueError(f"leaf {where}: kind {kind!r} (PRNG implementation {impl!r})")
     if impl and (problem := key_data_problem(impl, shape, dtype)) is not None:
