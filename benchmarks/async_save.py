@@ -242,7 +242,11 @@ def part2(tree, contenders, steps: int, save_at: int, rounds: int) -> dict:
             del state
             step_times.append(base / steps)
             for contender in contenders:
-                seconds, state = _run_steps(step_fn, _common.fresh(tree), steps, save_at, contender.save)
+                # Each round from other values, as a training run's saves are: a state equal
+                # to the one a manager saved last round is found unchanged (`reuse_unchanged`)
+                # and not written, which timed fingerprints instead of a save (the H200's
+                # 0.26-1.53 s lost per save, 2026-11-27).
+                seconds, state = _run_steps(step_fn, _common.fresh(tree, r + 1), steps, save_at, contender.save)
                 contender.wait()
                 del state
                 lost.setdefault(contender.name, []).append(seconds - base)

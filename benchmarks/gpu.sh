@@ -30,8 +30,8 @@ df -h /dev/shm /tmp 2>&1 | tee -a "$out/versions.txt"
 run async_save 150 --size-gib 8 --repeats 3 --train-steps 200 --no-bare-copy
 # Issue 36's ratios on the devices: how long an async save with reuse blocks training
 # against one without, where the copies cross PCIe.
-run incremental 80 --targets local --saves 8 --restores 3
+run incremental 110 --targets local --saves 8 --restores 3 --rounds 4
 run save_restore 170 --size-gib 8 --repeats 3 --restore-probe --dir /dev/shm/zarrckpt-save-restore
 rm -rf /dev/shm/zarrckpt-save-restore
 # A round at 8 GiB is about a minute (three 8.6 s transfers over the 1 GB/s store each way).
-run two_tiers 180 --size-gib 8 --repeats 2
+run two_tiers 140 --size-gib 8 --repeats 1
