@@ -305,9 +305,9 @@ def test_the_fingerprint_is_the_function_the_format_states(dtype, size, sample):
 
 @pytest.mark.parametrize("sample", [False, True], ids=["whole", "sample"])
 def test_leaves_fingerprinted_in_one_call_each_get_their_own_shards_fingerprints(sample):
-    """Leaves of several shapes and types on one set of devices share one program; a
-    leaf on other devices and one of uneven shards go apart: every shard's fingerprint
-    is still the documented function of its own bytes, in the order asked."""
+    """Leaves of several shapes and types, on all devices, on some of them, and one of
+    uneven shards, asked for in one call: every shard's fingerprint is the documented
+    function of its own bytes, in the order asked."""
     rng = np.random.default_rng(2)
     keys = np.array([3, 0xDEADBEEF], np.uint32)
     eight, four = mesh((8,), ("d",)), mesh((4,), ("d",))
@@ -326,34 +326,6 @@ def test_leaves_fingerprinted_in_one_call_each_get_their_own_shards_fingerprints
             assert fingerprints[region] == _documented_fingerprint(part, keys, stride)
 
 
-def test_a_partly_frozen_state_fingerprints_with_one_program_for_samples_and_one_for_wholes(tmp_path, monkeypatch):
-    """A frozen leaf rebuilt at every step beside leaves that change at every save (so
-    sampled ever more rarely): every save's samples are taken by the one program, and
-    every whole fingerprint by one other, each compiled once, not again for each set of
-    leaves a save happens to sample. The frozen leaf is linked from the third save."""
-    signatures: dict[bool, set[tuple]] = {True: set(), False: set()}
-    real = _unchanged._on_each
-
-    def recording(mesh, sample):
-        program = real(mesh, sample)
-
-        def run(arrays, keys):
-            signatures[sample].add(tuple((a.shape, a.dtype.name) for a in arrays))
-            return program(arrays, keys)
-        return run
-
-    monkeypatch.setattr(_unchanged, "_on_each", recording)
-    frozen = jax.random.normal(jax.random.key(0), (2**20,))
-    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
-        for step in range(1, 11):
-            mgr.save(step, {"frozen": fsdp(jnp.array(frozen, copy=True)), "a": fsdp(jnp.full((2**20,), float(step))),
-                            "b": fsdp(jnp.full((2**21,), -float(step)))})
-    assert len(signatures[True]) == 1 and len(signatures[False]) == 1
-    inodes = [{k: s.st_ino for k, s in chunk_files(tmp_path / f"{step:010d}", "frozen").items()} for step in (1, 2, 3)]
-    assert inodes[0] and inodes[0].keys() == inodes[2].keys() and inodes[0] != inodes[1] == inodes[2]
-    np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), 10)["a"]), np.full(2**20, 10.0))
-
-
 def test_leaves_no_fingerprint_can_be_taken_of_are_saved_and_restored_whole(tmp_path, monkeypatch):
     """int4 weights (narrower than a byte), a state offloaded to host memory, and a leaf
     whose fingerprints fail to compute (the device out of memory): each is written
@@ -364,14 +336,14 @@ def test_leaves_no_fingerprint_can_be_taken_of_are_saved_and_restored_whole(tmp_
     made = {"int4": lambda i: fsdp(jnp.full((2**23,), i % 7, jnp.int4)),
             "offloaded": lambda i: jax.device_put(np.full(2**20 * 2, i, np.float32), host),
             "failing": lambda i: fsdp(jnp.full((2**20,), float(i)))}
-    real = unchanged._side_by_side
+    real = unchanged._dispatch
 
-    def failing(arrays):
+    def failing(arrays, sample, keys):
         if arrays[0].size * len(arrays) == 2**20:
             raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
-        return real(arrays)
+        return real(arrays, sample, keys)
 
-    monkeypatch.setattr(unchanged, "_side_by_side", failing)
+    monkeypatch.setattr(unchanged, "_dispatch", failing)
     with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, {name: make(step) for name, make in made.items()})

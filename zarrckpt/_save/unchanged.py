@@ -19,8 +19,7 @@ shard, for a mixing function that behaves as a random one (docs/pytree-zarr-chec
 A full pass costs a read of the shard in device memory, which a changing leaf need not
 pay at every save: a sample of its words is fingerprinted first (`_SAMPLE` of them,
 evenly spaced), and only a shard whose sample is unchanged is fingerprinted whole; a
-leaf found changed is sampled ever more rarely (unless another leaf is sampled at that
-save: one program reads all the samples). A leaf smaller than `_MIN_BYTES` on this
+leaf found changed is sampled ever more rarely. A leaf smaller than `_MIN_BYTES` on this
 process is written unless it is the same array.
 """
 
@@ -154,7 +153,7 @@ class Unchanged:
             known = {name: dataclasses.replace(k, step=source) for name, k in known.items()
                      if known_id == save_id and where(k.step) == where(source)}
         seen: dict[str, Known] = {}
-        looked_at: list[tuple[ArrayPlan, Known | None]] = []  # in plan order: one program's arguments
+        sampled: list[tuple[ArrayPlan, dict[Region, jax.Array], Known | None]] = []
         for plan in plans:
             value, name = plan.leaf.value, plan.leaf.name
             if plan.moved is not None or name not in documents or not isinstance(value, jax.Array):
@@ -169,17 +168,11 @@ class Unchanged:
                 seen[name] = Known(step, before.document, before.value, before.samples, before.wholes)
             elif not _fingerprinted(plan):
                 seen[name] = Known(step, documents[name], weakref.ref(value))
+            elif before is not None and before.quiet:  # its sample kept: the next look compares with it
+                seen[name] = Known(step, documents[name], weakref.ref(value), before.samples, changes=before.changes,
+                                   quiet=before.quiet - 1)
             else:
-                if before is not None and before.quiet:  # its sample kept: the next look compares with it
-                    seen[name] = Known(step, documents[name], weakref.ref(value), before.samples,
-                                       changes=before.changes, quiet=before.quiet - 1)
-                looked_at.append((plan, before))
-        # Leaves in a quiet spell are sampled too when any other leaf is: one program
-        # reads all the samples, for what reading one costs, and it is the same program
-        # at every save (a program per set of leaves is compiled once per set).
-        if all(before is not None and before.quiet for _, before in looked_at):
-            looked_at = []
-        sampled = [(plan, _shards_written(plan), before) for plan, before in looked_at]
+                sampled.append((plan, _shards_written(plan), before))
         samples = _fingerprints([shards for _, shards, _ in sampled], sample=True, keys=self._keys)
         whole = []
         for (plan, shards, before), mine in zip(sampled, samples):
@@ -316,35 +309,19 @@ def _fingerprinted(plan: ArrayPlan) -> bool:
 def _fingerprints(leaves: list[dict[Region, jax.Array]], *, sample: bool, keys: np.ndarray
                   ) -> list[dict[Region, Fingerprint] | None]:
     """Each leaf's shards' fingerprints (of their samples, with `sample`), each computed
-    on the shard's own device; waits for them all. The leaves whose shards have one
-    shape are fingerprinted by one program per set of devices, all of them in one call:
-    a program per leaf cost a compilation per leaf shape (about 0.2 s each on an H200,
-    most of a first save's wait) and a dispatch per leaf. A leaf of uneven shards has a
-    call per shard. A leaf whose fingerprints cannot be computed (the device out of
-    memory, an error of the runtime) has None, as have the others of its call: they are
-    written, and the save goes on, as it does on every other process (no process may
-    leave a save that the others are in)."""
-    pending: list[list[jax.Array] | None] = [None] * len(leaves)
-    together: dict[Mesh, list[tuple[int, jax.Array]]] = collections.defaultdict(list)
-    for i, shards in enumerate(leaves):
+    on the shard's own device; waits for them all. One call per leaf where its shards
+    have one shape (one program for all of them: one per device was compiled once per
+    device), else one per shard. A leaf whose fingerprints cannot be computed (the
+    device out of memory, an error of the runtime) has None: it is written, and the
+    save goes on, as it does on every other process (no process may leave a save that
+    the others are in)."""
+    pending: list[list[jax.Array] | None] = []
+    for shards in leaves:
         try:
-            arrays = list(shards.values())
-            if arrays and arrays[0].ndim and all(a.shape == arrays[0].shape for a in arrays):
-                mesh, side_by_side = _side_by_side(arrays)
-                together[mesh].append((i, side_by_side))
-            else:
-                pending[i] = [_fingerprint(a, _keys_on(Mesh(np.array(list(a.devices())), ("shards",)),
-                                                       keys.tobytes()), sample)[None] for a in arrays]
+            pending.append(_dispatch(list(shards.values()), sample, keys))
         except Exception as e:  # the leaf is written; the reason is for the curious
             log.debug("no fingerprint of a leaf's shards %s: %s", list(shards), e)
-    for mesh, members in together.items():
-        try:
-            rows = _on_each(mesh, sample)(tuple(a for _, a in members), _keys_on(mesh, keys.tobytes()))
-        except Exception as e:
-            log.debug("no fingerprint of %d leaves on %s: %s", len(members), mesh.devices, e)
-            continue
-        for (i, _), out in zip(members, rows):
-            pending[i] = [out]
+            pending.append(None)
     try:
         fetched = jax.device_get(pending)
     except Exception as e:
@@ -354,14 +331,17 @@ def _fingerprints(leaves: list[dict[Region, jax.Array]], *, sample: bool, keys: 
             for shards, out in zip(leaves, fetched)]
 
 
-def _side_by_side(arrays: list[jax.Array]) -> tuple[Mesh, jax.Array]:
-    """One leaf's shards (of one shape) as blocks of one array over a mesh of their
-    devices, one block a device, for `_on_each`."""
-    devices = [next(iter(a.devices())) for a in arrays]
-    mesh = Mesh(np.array(devices), ("shards",))
-    return mesh, jax.make_array_from_single_device_arrays(
-        (len(arrays) * arrays[0].shape[0], *arrays[0].shape[1:]), NamedSharding(mesh, PartitionSpec("shards")),
-        arrays)
+def _dispatch(arrays: list[jax.Array], sample: bool, keys: np.ndarray) -> list[jax.Array]:
+    """Starts the fingerprints of one leaf's shards: rows of two sums, in order."""
+    if arrays and arrays[0].ndim and all(a.shape == arrays[0].shape for a in arrays):
+        devices = [next(iter(a.devices())) for a in arrays]
+        mesh = Mesh(np.array(devices), ("shards",))
+        side_by_side = jax.make_array_from_single_device_arrays(
+            (len(arrays) * arrays[0].shape[0], *arrays[0].shape[1:]),
+            NamedSharding(mesh, PartitionSpec("shards")), arrays)
+        return [_on_each(mesh, sample)(side_by_side, _keys_on(mesh, keys.tobytes()))]
+    return [_fingerprint(a, _keys_on(Mesh(np.array(list(a.devices())), ("shards",)), keys.tobytes()), sample)[None]
+            for a in arrays]
 
 
 @functools.lru_cache(maxsize=64)
@@ -372,11 +352,10 @@ def _keys_on(mesh: Mesh, keys: bytes) -> jax.Array:
 
 @functools.lru_cache(maxsize=64)
 def _on_each(mesh: Mesh, sample: bool) -> Any:
-    """The program that fingerprints each device's block of each of a tuple of arrays
-    laid out over `mesh` (one block a device), on that device, into one row each (of
-    each array). Compiled once for each set of shapes it is given."""
-    return jax.jit(jax.shard_map(lambda arrays, keys: tuple(_fingerprint(a, keys, sample)[None] for a in arrays),
-                                 mesh=mesh, in_specs=(PartitionSpec("shards"), PartitionSpec()),
+    """The program that fingerprints each device's block of an array laid out over
+    `mesh` (one block a device), on that device, into one row each."""
+    return jax.jit(jax.shard_map(lambda blocks, keys: _fingerprint(blocks, keys, sample)[None], mesh=mesh,
+                                 in_specs=(PartitionSpec("shards"), PartitionSpec()),
                                  out_specs=PartitionSpec("shards")))
 
 
