@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import fsspec
@@ -304,10 +305,20 @@ def test_the_fingerprint_is_the_function_the_format_states(dtype, size, sample):
 
 
 @pytest.mark.parametrize("sample", [False, True], ids=["whole", "sample"])
-def test_leaves_fingerprinted_in_one_call_each_get_their_own_shards_fingerprints(sample):
+def test_leaves_fingerprinted_in_one_call_each_get_their_own_shards_fingerprints(sample, monkeypatch):
     """Leaves of several shapes and types, on all devices, on some of them, and one of
-    uneven shards, asked for in one call: every shard's fingerprint is the documented
-    function of its own bytes, in the order asked."""
+    uneven shards, asked for in one call, their programs compiled side by side on
+    threads of their own: every shard's fingerprint is the documented function of its
+    own bytes, in the order asked."""
+    threads: set[str] = set()
+    real = _unchanged._dispatch
+
+    def recording(arrays, sample, keys):
+        threads.add(threading.current_thread().name)
+        return real(arrays, sample, keys)
+
+    monkeypatch.setattr(_unchanged, "_dispatch", recording)
+    monkeypatch.setattr(_unchanged, "_compiled", set())  # every program new to this process
     rng = np.random.default_rng(2)
     keys = np.array([3, 0xDEADBEEF], np.uint32)
     eight, four = mesh((8,), ("d",)), mesh((4,), ("d",))
@@ -324,6 +335,7 @@ def test_leaves_fingerprinted_in_one_call_each_get_their_own_shards_fingerprints
             part = np.asarray(shard)
             stride = max(1, part.size // _unchanged._SAMPLE) if sample else 1
             assert fingerprints[region] == _documented_fingerprint(part, keys, stride)
+    assert len(threads) > 1
 
 
 def test_leaves_no_fingerprint_can_be_taken_of_are_saved_and_restored_whole(tmp_path, monkeypatch):
