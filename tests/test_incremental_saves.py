@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 from pathlib import Path
 
 import fsspec
@@ -305,20 +304,10 @@ def test_the_fingerprint_is_the_function_the_format_states(dtype, size, sample):
 
 
 @pytest.mark.parametrize("sample", [False, True], ids=["whole", "sample"])
-def test_leaves_fingerprinted_in_one_call_each_get_their_own_shards_fingerprints(sample, monkeypatch):
+def test_leaves_fingerprinted_in_one_call_each_get_their_own_shards_fingerprints(sample):
     """Leaves of several shapes and types, on all devices, on some of them, and one of
-    uneven shards, asked for in one call, their programs compiled side by side on
-    threads of their own: every shard's fingerprint is the documented function of its
-    own bytes, in the order asked."""
-    threads: set[str] = set()
-    real = _unchanged._dispatch
-
-    def recording(arrays, sample, keys):
-        threads.add(threading.current_thread().name)
-        return real(arrays, sample, keys)
-
-    monkeypatch.setattr(_unchanged, "_dispatch", recording)
-    monkeypatch.setattr(_unchanged, "_compiled", set())  # every program new to this process
+    uneven shards, asked for in one call: every shard's fingerprint is the documented
+    function of its own bytes, in the order asked."""
     rng = np.random.default_rng(2)
     keys = np.array([3, 0xDEADBEEF], np.uint32)
     eight, four = mesh((8,), ("d",)), mesh((4,), ("d",))
@@ -335,7 +324,25 @@ def test_leaves_fingerprinted_in_one_call_each_get_their_own_shards_fingerprints
             part = np.asarray(shard)
             stride = max(1, part.size // _unchanged._SAMPLE) if sample else 1
             assert fingerprints[region] == _documented_fingerprint(part, keys, stride)
-    assert len(threads) > 1
+
+
+def test_saves_inside_jax_set_mesh_link_a_rebuilt_frozen_leaf(tmp_path):
+    """A training loop run under `jax.set_mesh` (jax's idiom for a default mesh): the
+    fingerprints still run (each under the mesh of the shards it reads), so a frozen
+    leaf rebuilt at every step is linked from the third save, and leaves of uneven
+    shards are fingerprinted too."""
+    data = mesh((8,), ("data",))
+    frozen = np.random.default_rng(4).standard_normal((1024, 1024)).astype(np.float32)
+    uneven = {((0, 3),): jnp.arange(3.0), ((3, 10),): jax.device_put(jnp.arange(3.0, 10.0), jax.devices()[1])}
+    with jax.set_mesh(data):
+        assert _unchanged._fingerprints([uneven], sample=False, keys=np.array([1, 2], np.uint32))[0] is not None
+        with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+            for step in (1, 2, 3):
+                mgr.save(step, {"frozen": jax.device_put(frozen, NamedSharding(data, P("data"))) + 0,
+                                "step": jnp.int32(step)})
+    inodes = [{k: s.st_ino for k, s in chunk_files(tmp_path / f"{step:010d}", "frozen").items()} for step in (2, 3)]
+    assert inodes[0] and inodes[0] == inodes[1]
+    np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), 3)["frozen"]), frozen)
 
 
 def test_leaves_no_fingerprint_can_be_taken_of_are_saved_and_restored_whole(tmp_path, monkeypatch):

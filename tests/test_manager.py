@@ -215,11 +215,17 @@ def test_manager_retention_keeps_newest_best_and_pinned(tmp_path):
     assert zarrckpt.all_steps(str(tmp_path)) == [2, 3, 7]
 
 
-def test_a_diverged_run_never_rotates_out_its_last_finite_step(tmp_path, caplog):
+@pytest.mark.parametrize("callers_mesh", [False, True], ids=["no mesh set", "under jax.set_mesh"])
+def test_a_diverged_run_never_rotates_out_its_last_finite_step(tmp_path, caplog, request, callers_mesh):
     """Steps holding NaN or infinities are saved, logged with their leaves, and marked;
     retention keeps the newest step without them until a newer one commits, also for a
     manager opened later. The check runs on the devices, each set of devices apart (a
-    leaf on one device beside leaves on the mesh)."""
+    leaf on one device beside leaves on the mesh), also in a program that set a mesh of
+    its own (`jax.set_mesh`), which the check's programs are not held to."""
+    if callers_mesh:
+        jax.set_mesh(mesh(names=("x", "y")))  # for the whole program, as a script may
+        request.addfinalizer(lambda: jax.set_mesh(None))
+
     def state(w, single):
         return {"w": jax.device_put(jnp.full((8, 16), w), NamedSharding(mesh(names=("a", "b")), P("a", "b"))),
                 "single": jax.device_put(jnp.full(3, single), jax.devices()[1]),
@@ -244,6 +250,20 @@ def test_a_diverged_run_never_rotates_out_its_last_finite_step(tmp_path, caplog)
         assert mgr.all_steps() == [5]  # a newer finite step: the old one may go
     restored, step = zarrckpt.load_checkpoint_if_it_exists(str(tmp_path), state(0.0, 0.0))
     assert step == 5 and float(restored["w"][0, 0]) == 2.0
+
+
+def test_a_save_inside_jax_set_mesh_of_a_leaf_larger_than_its_byte_budget_commits(tmp_path):
+    """A leaf larger than `max_inflight_bytes` is copied chunk by chunk, each sliced
+    from its shard on the device by a program of zarrckpt's own: under a mesh the
+    caller set, that program is not held to it (the save failed)."""
+    data = mesh((8,), ("data",))
+    x = np.arange(2**20, dtype=np.float32).reshape(1024, 1024)
+    with jax.set_mesh(data):
+        state = {"w": jax.device_put(x, NamedSharding(data, P("data")))}
+        with zarrckpt.CheckpointManager(str(tmp_path), max_chunk_bytes=2**16, min_chunk_bytes=2**12,
+                                        max_inflight_bytes=2**19) as mgr:
+            mgr.save(1, state)
+    np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), 1)["w"]), x)
 
 
 def test_a_diverged_adapter_is_found_behind_a_frozen_base_of_more_leaves_than_the_check_looks_at(tmp_path):

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _devices
 from ._format.tree import Leaf, describe_path
 
 log = logging.getLogger("zarrckpt")
@@ -89,7 +90,9 @@ def start(leaves: Sequence[Leaf], *, before: Findings | None = None,
     for group in groups.values():
         try:
             sample = CPU_SAMPLE if _on_cpu(group[0][1]) else None
-            pending.append(([i for i, _ in group], _finite_flags(tuple(part for _, part in group), sample)))
+            with _devices.outside_callers_mesh():
+                flags = _finite_flags(tuple(part for _, part in group), sample)
+            pending.append(([i for i, _ in group], flags))
         except Exception as e:  # a check that only annotates a step never fails its save
             log.debug("could not check %d leaves for NaN: %s", len(group), e)
     del groups

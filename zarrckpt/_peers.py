@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _devices
+
 log = logging.getLogger("zarrckpt")
 
 # A collective permute: (source, destination) pairs of positions in a mesh's devices.
@@ -123,7 +125,8 @@ def movable(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
 def move(array: jax.Array, route: Pairs) -> jax.Array:
     """`array` with each device's block sent where `route` says: an array on the same
     sharding whose block on a device is another device's. Collective."""
-    return _permute(array.sharding, route)(array)
+    with _devices.outside_callers_mesh():
+        return _permute(array.sharding, route)(array)
 
 
 @functools.lru_cache(maxsize=256)

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _peers
+from .. import _devices, _peers
 from . import plan as _plan
 from .match import Request, Share
 
@@ -25,7 +25,8 @@ def share(requests: list[Request], done: dict[str, Any]) -> None:
     one replica is summed over the replicas. XLA's collectives (gloo on CPU, NCCL or
     ICI on accelerators) carry the bytes between hosts."""
     staged = [done[r.stored.name] for r in requests]
-    moved = _program(tuple(r.share for r in requests if r.share is not None))(*staged)
+    with _devices.outside_callers_mesh():
+        moved = _program(tuple(r.share for r in requests if r.share is not None))(*staged)
     for request, array, old in zip(requests, moved, staged):
         done[request.stored.name] = array
         for used in old if isinstance(old, tuple) else (old,):

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import _devices
 from .._concurrency import Hold
 from .._regions import Slices, region_slices
 from .host_copies import HostCopy, SharedHold, shard_source
@@ -108,7 +109,11 @@ def start(work: Sequence[tuple[ArrayPlan, WriteUnit]], *, snapshot: bool) -> Non
                     copies.append(PartCopy(put, copy, None, take))
                 else:  # only this chunk's part crosses the link, not the whole shard
                     on, data = shard(device)
-                    piece = data if take is None else _slicer(_bounds(take))(data)
+                    if take is None:
+                        piece = data
+                    else:
+                        with _devices.outside_callers_mesh():
+                            piece = _slicer(_bounds(take))(data)
                     copies.append(PartCopy(put, copy_of(piece, on, path), None, None))
             unit.copies = copies
     if pinned:

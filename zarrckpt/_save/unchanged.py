@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .. import _commit, _concurrency, _storage
+from .. import _commit, _devices, _storage
 from .._format import tree as _tree, zarrjson as _zarrjson
 from .._format.chunks import ChunkCodec
 from .._regions import Region, region_size, replicas_of
@@ -311,29 +311,17 @@ def _fingerprints(leaves: list[dict[Region, jax.Array]], *, sample: bool, keys: 
     """Each leaf's shards' fingerprints (of their samples, with `sample`), each computed
     on the shard's own device; waits for them all. One call per leaf where its shards
     have one shape (one program for all of them: one per device was compiled once per
-    device), else one per shard. Programs not compiled yet in this process are
-    compiled side by side, each by its first leaf's call on a thread of its own: one
-    takes about 0.2 s on an H200, and a first save's were most of its wait, one after
-    another. A leaf whose fingerprints cannot be computed (the device out of memory,
-    an error of the runtime) has None: it is written, and the save goes on, as it does
-    on every other process (no process may leave a save that the others are in)."""
-    pending: list[list[jax.Array] | None] = [None] * len(leaves)
-
-    def start(i: int) -> None:
+    device), else one per shard. A leaf whose fingerprints cannot be computed (the
+    device out of memory, an error of the runtime) has None: it is written, and the
+    save goes on, as it does on every other process (no process may leave a save that
+    the others are in)."""
+    pending: list[list[jax.Array] | None] = []
+    for shards in leaves:
         try:
-            pending[i] = _dispatch(list(leaves[i].values()), sample, keys)
+            pending.append(_dispatch(list(shards.values()), sample, keys))
         except Exception as e:  # the leaf is written; the reason is for the curious
-            log.debug("no fingerprint of a leaf's shards %s: %s", list(leaves[i]), e)
-
-    programs = [_program(shards, sample) for shards in leaves]
-    with _compiled_lock:
-        new = {program: i for i, program in reversed(list(enumerate(programs))) if program not in _compiled}
-    first = sorted(new.values()) if len(new) > 1 else []
-    _concurrency.run_all(start, first, min(len(first), os.cpu_count() or 1), "fingerprint-compile")
-    for i in sorted(set(range(len(leaves))) - set(first)):
-        start(i)
-    with _compiled_lock:
-        _compiled.update(program for program, i in new.items() if pending[i] is not None)
+            log.debug("no fingerprint of a leaf's shards %s: %s", list(shards), e)
+            pending.append(None)
     try:
         fetched = jax.device_get(pending)
     except Exception as e:
@@ -341,16 +329,6 @@ def _fingerprints(leaves: list[dict[Region, jax.Array]], *, sample: bool, keys: 
         return [None] * len(leaves)
     return [None if out is None else dict(zip(shards, ((int(a), int(b)) for rows in out for a, b in rows)))
             for shards, out in zip(leaves, fetched)]
-
-
-# The fingerprint programs (`_program`) this process has run: compiled.
-_compiled: set[tuple[Any, ...]] = set()
-_compiled_lock = threading.Lock()
-
-
-def _program(shards: dict[Region, jax.Array], sample: bool) -> tuple[Any, ...]:
-    """What the programs that `_dispatch` runs for a leaf's `shards` are compiled for."""
-    return (sample, tuple((a.shape, a.dtype, next(iter(a.devices())).id) for a in shards.values()))
 
 
 def _dispatch(arrays: list[jax.Array], sample: bool, keys: np.ndarray) -> list[jax.Array]:
@@ -361,14 +339,11 @@ def _dispatch(arrays: list[jax.Array], sample: bool, keys: np.ndarray) -> list[j
         side_by_side = jax.make_array_from_single_device_arrays(
             (len(arrays) * arrays[0].shape[0], *arrays[0].shape[1:]),
             NamedSharding(mesh, PartitionSpec("shards")), arrays)
-        # One program object per mesh, whichever thread asks first (see `_fingerprints`):
-        # a second one would compile its shapes again.
-        with _compiled_lock:
-            program, on_mesh = _on_each(mesh, sample), _keys_on(mesh, keys.tobytes())
-        return [program(side_by_side, on_mesh)]
-    with _compiled_lock:
-        on_devices = [_keys_on(Mesh(np.array(list(a.devices())), ("shards",)), keys.tobytes()) for a in arrays]
-    return [_fingerprint(a, on, sample)[None] for a, on in zip(arrays, on_devices)]
+        with _devices.outside_callers_mesh():
+            return [_on_each(mesh, sample)(side_by_side, _keys_on(mesh, keys.tobytes()))]
+    with _devices.outside_callers_mesh():
+        return [_fingerprint(a, _keys_on(Mesh(np.array(list(a.devices())), ("shards",)), keys.tobytes()), sample)[None]
+                for a in arrays]
 
 
 @functools.lru_cache(maxsize=64)
