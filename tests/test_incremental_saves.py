@@ -328,7 +328,7 @@ def test_leaves_fingerprinted_in_one_call_each_get_their_own_shards_fingerprints
 
 def test_saves_inside_jax_set_mesh_link_a_rebuilt_frozen_leaf(tmp_path):
     """A training loop run under `jax.set_mesh` (jax's idiom for a default mesh): the
-    fingerprints still run (each under the mesh of the shards it reads), so a frozen
+    fingerprints still run (outside that mesh: their programs name their own), so a frozen
     leaf rebuilt at every step is linked from the third save, and leaves of uneven
     shards are fingerprinted too."""
     data = mesh((8,), ("data",))

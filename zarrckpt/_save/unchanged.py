@@ -333,15 +333,14 @@ def _fingerprints(leaves: list[dict[Region, jax.Array]], *, sample: bool, keys: 
 
 def _dispatch(arrays: list[jax.Array], sample: bool, keys: np.ndarray) -> list[jax.Array]:
     """Starts the fingerprints of one leaf's shards: rows of two sums, in order."""
-    if arrays and arrays[0].ndim and all(a.shape == arrays[0].shape for a in arrays):
-        devices = [next(iter(a.devices())) for a in arrays]
-        mesh = Mesh(np.array(devices), ("shards",))
-        side_by_side = jax.make_array_from_single_device_arrays(
-            (len(arrays) * arrays[0].shape[0], *arrays[0].shape[1:]),
-            NamedSharding(mesh, PartitionSpec("shards")), arrays)
-        with _devices.outside_callers_mesh():
-            return [_on_each(mesh, sample)(side_by_side, _keys_on(mesh, keys.tobytes()))]
     with _devices.outside_callers_mesh():
+        if arrays and arrays[0].ndim and all(a.shape == arrays[0].shape for a in arrays):
+            devices = [next(iter(a.devices())) for a in arrays]
+            mesh = Mesh(np.array(devices), ("shards",))
+            side_by_side = jax.make_array_from_single_device_arrays(
+                (len(arrays) * arrays[0].shape[0], *arrays[0].shape[1:]),
+                NamedSharding(mesh, PartitionSpec("shards")), arrays)
+            return [_on_each(mesh, sample)(side_by_side, _keys_on(mesh, keys.tobytes()))]
         return [_fingerprint(a, _keys_on(Mesh(np.array(list(a.devices())), ("shards",)), keys.tobytes()), sample)[None]
                 for a in arrays]
 
