@@ -137,6 +137,43 @@ def test_a_leaf_changed_anywhere_is_written_again(tmp_path, change, dtype):
     np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), 3)["x"]), np.asarray(values))
 
 
+def test_a_rebuilt_frozen_leaf_costs_one_wait_a_save_and_is_linked_again_after_it_changes(tmp_path, monkeypatch):
+    """A leaf whose sample was unchanged at the last save is fingerprinted whole at once;
+    a change found so is written, and the leaf is linked again once it holds still: at
+    the next save after a change here and there (its sample unchanged), and, after a
+    change all over, once its sample, then all of it, have been seen unchanged."""
+    waits = []
+    fingerprints = _unchanged._fingerprints
+
+    def counted(leaves, *, sample, keys):
+        if leaves:
+            waits[-1].append(sample)
+        return fingerprints(leaves, sample=sample, keys=keys)
+
+    monkeypatch.setattr(_unchanged, "_fingerprints", counted)
+    first = jax.random.normal(jax.random.key(5), (2**21,))
+    here_and_there = first.at[1].add(1)  # not in a sample of each 64th element of a shard
+    all_over = here_and_there + 1
+    values = {1: first, 2: first, 3: first, 4: first, 5: here_and_there, 6: here_and_there, 7: all_over,
+              8: all_over, 9: all_over, 10: all_over}
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        for step, value in values.items():
+            waits.append([])
+            mgr.save(step, {"x": fsdp(jnp.array(value, copy=True))})
+    inodes = {step: {k: s.st_ino for k, s in chunk_files(tmp_path / f"{step:010d}", "x").items()} for step in values}
+    assert all(len(inodes[step]) == 8 for step in values)
+    linked = {step for step in values if step > 1 and inodes[step] == inodes[step - 1]}
+    assert linked == {3, 4, 6, 10}
+    # Per save, each wait for the devices: a sample (True) or all of it (False). Held
+    # still (3, 4, 6, 10): all of it at once. Changed (5, 7): all of it, then the sample,
+    # unchanged here and there, changed all over (8 is written without a look, 9 samples).
+    assert waits == [[[True]], [[True], [False]], [[False]], [[False]], [[False], [True]], [[False]],
+                     [[False], [True]], [], [[True], [False]], [[False]]]
+    for step, value in values.items():
+        np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), step)["x"]),
+                                      np.asarray(value))
+
+
 def test_without_reuse_every_chunk_is_written(tmp_path):
     state = {"w": fsdp(jnp.arange(4096.0))}
     with zarrckpt.CheckpointManager(str(tmp_path), reuse_unchanged=False) as mgr:
@@ -259,7 +296,7 @@ def test_fingerprints_tell_a_single_flipped_bit_apart(dtype, place, bit, sample)
     keys = np.array([12345, 67890], np.uint32)
     a, b = (jnp.asarray(np.frombuffer(x.tobytes(), jnp.dtype(dtype))) for x in (raw, flipped))
     stride = max(1, 5000 // _unchanged._SAMPLE)
-    fa, fb = (_unchanged._fingerprints([{((0, 5000),): x}], sample=sample, keys=keys)[0] for x in (a, b))
+    fa, fb = (_unchanged._fingerprints([{((0, 5000),): x}], sample=[sample], keys=keys)[0] for x in (a, b))
     if not sample or place % stride == 0:
         assert fa != fb
 
@@ -298,7 +335,7 @@ def test_the_fingerprint_is_the_function_the_format_states(dtype, size, sample):
     array = (np.frombuffer(values.tobytes(), np.dtype(jnp.dtype(dtype))) if dtype != "bool" else values % 2 == 1)[:size]
     keys = np.array([0x9E3779B9, 7], np.uint32)
     with jax.enable_x64(np.dtype(jnp.dtype(dtype)).itemsize >= 8):  # 8-byte elements, two words each
-        (found,) = _unchanged._fingerprints([{((0, size),): jnp.asarray(array)}], sample=sample, keys=keys)
+        (found,) = _unchanged._fingerprints([{((0, size),): jnp.asarray(array)}], sample=[sample], keys=keys)
     stride = max(1, size // _unchanged._SAMPLE) if sample else 1
     assert found == {((0, size),): _documented_fingerprint(array, keys, stride)}
 
@@ -317,7 +354,7 @@ def test_leaves_fingerprinted_in_one_call_each_get_their_own_shards_fingerprints
     arrays.append(jax.device_put(values[3], NamedSharding(four, P("d"))))
     uneven = {((0, 3),): jnp.arange(3.0), ((3, 10),): jax.device_put(jnp.arange(3.0, 10.0), jax.devices()[1])}
     leaves = [{(i, j): shard.data for j, shard in enumerate(a.addressable_shards)} for i, a in enumerate(arrays)]
-    found = _unchanged._fingerprints([*leaves, uneven], sample=sample, keys=keys)
+    found = _unchanged._fingerprints([*leaves, uneven], sample=[sample] * (len(leaves) + 1), keys=keys)
     for leaf, fingerprints in zip([*leaves, uneven], found):
         assert fingerprints is not None and list(fingerprints) == list(leaf)
         for region, shard in leaf.items():
@@ -335,7 +372,7 @@ def test_saves_inside_jax_set_mesh_link_a_rebuilt_frozen_leaf(tmp_path):
     frozen = np.random.default_rng(4).standard_normal((1024, 1024)).astype(np.float32)
     uneven = {((0, 3),): jnp.arange(3.0), ((3, 10),): jax.device_put(jnp.arange(3.0, 10.0), jax.devices()[1])}
     with jax.set_mesh(data):
-        assert _unchanged._fingerprints([uneven], sample=False, keys=np.array([1, 2], np.uint32))[0] is not None
+        assert _unchanged._fingerprints([uneven], sample=[False], keys=np.array([1, 2], np.uint32))[0] is not None
         with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
             for step in (1, 2, 3):
                 mgr.save(step, {"frozen": jax.device_put(frozen, NamedSharding(data, P("data"))) + 0,

@@ -18,9 +18,11 @@ shard, for a mixing function that behaves as a random one (docs/pytree-zarr-chec
 
 A full pass costs a read of the shard in device memory, which a changing leaf need not
 pay at every save: a sample of its words is fingerprinted first (`_SAMPLE` of them,
-evenly spaced), and only a shard whose sample is unchanged is fingerprinted whole; a
-leaf found changed is sampled ever more rarely. A leaf smaller than `_MIN_BYTES` on this
-process is written unless it is the same array.
+evenly spaced); a leaf is fingerprinted whole only once every shard's sample is found
+unchanged, and from then on whole at once (one wait for the devices, not two), sampled
+again only when that finds it changed; a leaf found changed by its sample is sampled
+ever more rarely. A leaf smaller than `_MIN_BYTES` on this process is written unless it
+is the same array.
 """
 
 from __future__ import annotations
@@ -153,7 +155,12 @@ class Unchanged:
             known = {name: dataclasses.replace(k, step=source) for name, k in known.items()
                      if known_id == save_id and where(k.step) == where(source)}
         seen: dict[str, Known] = {}
+        # Looked at by a sample first: a leaf that keeps changing is never read whole.
         sampled: list[tuple[ArrayPlan, dict[Region, jax.Array], Known | None]] = []
+        # Its whole fingerprints taken at the last look (its sample unchanged there): all of
+        # it at once, one wait for the devices where a sample first would take two (a
+        # frozen leaf that the step rebuilds, at every save).
+        direct: list[tuple[ArrayPlan, dict[Region, jax.Array], Known]] = []
         for plan in plans:
             value, name = plan.leaf.value, plan.leaf.name
             if plan.moved is not None or name not in documents or not isinstance(value, jax.Array):
@@ -171,33 +178,60 @@ class Unchanged:
             elif before is not None and before.quiet:  # its sample kept: the next look compares with it
                 seen[name] = Known(step, documents[name], weakref.ref(value), before.samples, changes=before.changes,
                                    quiet=before.quiet - 1)
+            elif before is not None and before.wholes:
+                direct.append((plan, _shards_written(plan), before))
             else:
                 sampled.append((plan, _shards_written(plan), before))
-        samples = _fingerprints([shards for _, shards, _ in sampled], sample=True, keys=self._keys)
-        whole = []
-        for (plan, shards, before), mine in zip(sampled, samples):
-            if mine is None:  # not computed (see `_fingerprints`): written, and looked at again next time
-                seen[plan.leaf.name] = Known(step, documents[plan.leaf.name], weakref.ref(plan.leaf.value))
-                continue
-            changes = before.changes if before is not None else 0
+
+        def judged(plan: ArrayPlan, before: Known | None, sample: dict[Region, Fingerprint] | None,
+                   whole: dict[Region, Fingerprint] | None) -> bool:
+            """Records what `plan`'s leaf holds at this step, from its `sample` and, where
+            taken, its `whole` fingerprints; returns whether the sample is the one last seen."""
+            name, value = plan.leaf.name, plan.leaf.value
+            if sample is None:  # not computed (see `_fingerprints`): written, and looked at again next time
+                seen[name] = Known(step, documents[name], weakref.ref(value))
+                return False
+            changes, quiet = before.changes if before is not None else 0, 0
             then = before.samples if before is not None else {}
-            if shards and all(then.get(region) == f for region, f in mine.items()):
-                whole.append((plan, shards, before))  # the same sample: is all of it the same?
-                changes, quiet = 0, 0
-            elif shards and all(region in then for region in shards):  # changed: sampled ever more rarely
+            same = bool(sample) and all(then.get(region) == f for region, f in sample.items())
+            changed = not same and bool(sample) and all(region in then for region in sample)
+            if same:
+                changes = 0
+            elif changed:  # sampled ever more rarely
                 changes += 1
                 quiet = min(2 ** changes, _MAX_QUIET + 1) - 1
-            else:  # nothing to compare with (a first save, a restore, a quiet spell): the next save will
-                quiet = 0
-            seen[plan.leaf.name] = Known(step, documents[plan.leaf.name], weakref.ref(plan.leaf.value), mine,
-                                         changes=changes, quiet=quiet)
-        wholes = _fingerprints([shards for _, shards, _ in whole], sample=False, keys=self._keys)
-        for (plan, _, before), mine in zip(whole, wholes):
-            if mine is None:
-                continue
-            seen[plan.leaf.name] = dataclasses.replace(seen[plan.leaf.name], wholes=mine)
-            if before is not None and all(before.wholes.get(region) == f for region, f in mine.items()):
+            # else nothing to compare with (a first save, a restore, a quiet spell): the next save will
+            seen[name] = Known(step, documents[name], weakref.ref(value), sample,
+                               {} if whole is None or changed else whole, changes, quiet)
+            return same
+
+        first = _fingerprints([shards for _, shards, _ in sampled + direct],
+                              sample=[True] * len(sampled) + [False] * len(direct), keys=self._keys)
+        same_sample = []  # is all of it the same, too?
+        for (plan, shards, before), sample in zip(sampled, first):
+            if judged(plan, before, sample, None):
+                same_sample.append((plan, shards, before))
+        changed = []  # its sample tells a change here and there from one all over
+        for (plan, shards, before), whole in zip(direct, first[len(sampled):]):
+            if whole and all(before.wholes.get(region) == f for region, f in whole.items()):
                 plan.reuse_from = before.step
+                # The same bytes, so the same sample.
+                seen[plan.leaf.name] = Known(step, documents[plan.leaf.name], weakref.ref(plan.leaf.value),
+                                             before.samples, whole)
+            elif whole is None:
+                judged(plan, before, None, None)
+            else:
+                changed.append((plan, shards, before, whole))
+        second = _fingerprints([shards for _, shards, _ in same_sample] + [shards for _, shards, _, _ in changed],
+                               sample=[False] * len(same_sample) + [True] * len(changed), keys=self._keys)
+        for (plan, _, before), whole in zip(same_sample, second):
+            if whole is None:
+                continue
+            seen[plan.leaf.name] = dataclasses.replace(seen[plan.leaf.name], wholes=whole)
+            if before is not None and all(before.wholes.get(region) == f for region, f in whole.items()):
+                plan.reuse_from = before.step
+        for (plan, _, before, whole), sample in zip(changed, second[len(same_sample):]):
+            judged(plan, before, sample, whole)
         return seen
 
     def committed(self, seen: dict[str, Known], save_id: str | None = None) -> None:
@@ -306,19 +340,19 @@ def _fingerprinted(plan: ArrayPlan) -> bool:
             < 4 * 2**32)
 
 
-def _fingerprints(leaves: list[dict[Region, jax.Array]], *, sample: bool, keys: np.ndarray
+def _fingerprints(leaves: list[dict[Region, jax.Array]], *, sample: Sequence[bool], keys: np.ndarray
                   ) -> list[dict[Region, Fingerprint] | None]:
-    """Each leaf's shards' fingerprints (of their samples, with `sample`), each computed
-    on the shard's own device; waits for them all. One call per leaf where its shards
-    have one shape (one program for all of them: one per device was compiled once per
-    device), else one per shard. A leaf whose fingerprints cannot be computed (the
-    device out of memory, an error of the runtime) has None: it is written, and the
+    """Each leaf's shards' fingerprints (of their samples, where its `sample` is True),
+    each computed on the shard's own device; waits for them all. One call per leaf where
+    its shards have one shape (one program for all of them: one per device was compiled
+    once per device), else one per shard. A leaf whose fingerprints cannot be computed
+    (the device out of memory, an error of the runtime) has None: it is written, and the
     save goes on, as it does on every other process (no process may leave a save that
     the others are in)."""
     pending: list[list[jax.Array] | None] = []
-    for shards in leaves:
+    for shards, sampled in zip(leaves, sample, strict=True):
         try:
-            pending.append(_dispatch(list(shards.values()), sample, keys))
+            pending.append(_dispatch(list(shards.values()), sampled, keys))
         except Exception as e:  # the leaf is written; the reason is for the curious
             log.debug("no fingerprint of a leaf's shards %s: %s", list(shards), e)
             pending.append(None)
