@@ -194,15 +194,15 @@ class Unchanged:
             changes, quiet = before.changes if before is not None else 0, 0
             then = before.samples if before is not None else {}
             same = bool(sample) and all(then.get(region) == f for region, f in sample.items())
-            changed = not same and bool(sample) and all(region in then for region in sample)
+            differs = not same and bool(sample) and all(region in then for region in sample)
             if same:
                 changes = 0
-            elif changed:  # sampled ever more rarely
+            elif differs:  # sampled ever more rarely
                 changes += 1
                 quiet = min(2 ** changes, _MAX_QUIET + 1) - 1
             # else nothing to compare with (a first save, a restore, a quiet spell): the next save will
             seen[name] = Known(step, documents[name], weakref.ref(value), sample,
-                               {} if whole is None or changed else whole, changes, quiet)
+                               {} if whole is None or differs else whole, changes, quiet)
             return same
 
         first = _fingerprints([shards for _, shards, _ in sampled + direct],
