@@ -193,7 +193,7 @@ class Unchanged:
                 return False
             changes, quiet = before.changes if before is not None else 0, 0
             then = before.samples if before is not None else {}
-            same = bool(sample) and all(then.get(region) == f for region, f in sample.items())
+            same = _matches(then, sample)
             differs = not same and bool(sample) and all(region in then for region in sample)
             if same:
                 changes = 0
@@ -213,7 +213,7 @@ class Unchanged:
                 same_sample.append((plan, shards, before))
         changed = []  # its sample tells a change here and there from one all over
         for (plan, shards, before), whole in zip(direct, first[len(sampled):]):
-            if whole and all(before.wholes.get(region) == f for region, f in whole.items()):
+            if whole is not None and _matches(before.wholes, whole):
                 plan.reuse_from = before.step
                 # The same bytes, so the same sample.
                 seen[plan.leaf.name] = Known(step, documents[plan.leaf.name], weakref.ref(plan.leaf.value),
@@ -228,7 +228,7 @@ class Unchanged:
             if whole is None:
                 continue
             seen[plan.leaf.name] = dataclasses.replace(seen[plan.leaf.name], wholes=whole)
-            if before is not None and all(before.wholes.get(region) == f for region, f in whole.items()):
+            if before is not None and _matches(before.wholes, whole):
                 plan.reuse_from = before.step
         for (plan, _, before, whole), sample in zip(changed, second[len(same_sample):]):
             judged(plan, before, sample, whole)
@@ -338,6 +338,12 @@ def _fingerprinted(plan: ArrayPlan) -> bool:
             and jax.dtypes.itemsize_bits(plan.dtype) in (8, 16, 32, 64, 128)
             and max(map(region_size, replicas_of(value.sharding, value.shape)), default=0) * plan.dtype.itemsize
             < 4 * 2**32)
+
+
+def _matches(then: Mapping[Region, Fingerprint], now: dict[Region, Fingerprint]) -> bool:
+    """Whether every shard's fingerprint `now` is the one `then` recorded for its region
+    (a region `then` lacks never matches; no shards, nothing to match)."""
+    return bool(now) and all(then.get(region) == f for region, f in now.items())
 
 
 def _fingerprints(leaves: list[dict[Region, jax.Array]], *, sample: Sequence[bool], keys: np.ndarray
