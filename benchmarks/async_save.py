@@ -54,7 +54,9 @@ def parse_args(argv=None):
     parser.add_argument("--only", default="zarrckpt,orbax", help="contenders (default zarrckpt,orbax)")
     parser.add_argument("--no-bare-copy", action="store_true",
                         help="skip the bare copy to numpy (on a GPU, 8 GiB of it took 8-13 s a round)")
-    parser.add_argument("--dir", default=None, help="where to write (default: a new directory on /dev/shm)")
+    parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                        help="where to write: in a new directory made there and removed at the end, nothing else "
+                             "in it touched (default /dev/shm)")
     _common.add_platform_arguments(parser)
     return parser.parse_args(argv)
 
@@ -266,8 +268,7 @@ def main() -> None:
     import jax
 
     names = [n.strip() for n in args.only.split(",") if n.strip()]
-    base = args.dir or tempfile.mkdtemp(prefix="zarrckpt-async-", dir="/dev/shm" if os.path.isdir("/dev/shm")
-                                        else None)
+    base = tempfile.mkdtemp(prefix="zarrckpt-async-", dir=args.dir)
     mesh = _common.make_mesh()
     print(f"jax {jax.__version__} on {_common.describe_platform()}; writing to {base}", flush=True)
     contenders = [CONTENDERS[n](base) for n in names]
@@ -282,8 +283,7 @@ def main() -> None:
     finally:
         for contender in contenders:
             contender.close()
-        if args.dir is None:
-            shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

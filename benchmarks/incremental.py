@@ -61,7 +61,9 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=64,
                         help="tokens of a step of the training loop (default 64)")
     parser.add_argument("--targets", default="local,s3", help="local, s3 or both (default local,s3)")
-    parser.add_argument("--dir", default=None, help="where local runs write (default: a new directory on /dev/shm)")
+    parser.add_argument("--dir", default="/dev/shm",
+                        help="where local runs write: in a new directory made there and removed at the end, "
+                             "nothing else in it touched (default /dev/shm; a real disk for the disk's figures)")
     _common.add_platform_arguments(parser)
     return parser.parse_args(argv)
 
@@ -276,7 +278,7 @@ def main(argv=None) -> None:
     print(f"{_common.describe_platform()}; base {frozen / 2**20:.0f} MiB bf16 ({len(jax.tree.leaves(base))} "
           f"matrices), changing {changing / 2**20:.2f} MiB ({100 * frozen / (frozen + changing):.1f}% frozen); "
           f"zarrckpt {zarrckpt.__version__}, jax {jax.__version__}")
-    root = Path(args.dir or tempfile.mkdtemp(prefix="zarrckpt-incremental-", dir="/dev/shm"))
+    root = Path(tempfile.mkdtemp(prefix="zarrckpt-incremental-", dir=args.dir))
     full_save = frozen + changing
     try:
         if "local" in args.targets:

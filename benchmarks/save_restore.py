@@ -53,8 +53,10 @@ def parse_args(argv=None):
                         help="timed save+restore rounds per contender, after "
                              "one untimed warm-up round (default 5)")
     parser.add_argument("--dir", default=None,
-                        help="where checkpoints are written (default: a new "
-                             "temporary directory under /tmp)")
+                        help="where checkpoints are written: in a new directory "
+                             "made there and removed at the end, nothing else in "
+                             "it touched (default: the system's temporary "
+                             "directory)")
     parser.add_argument("--only", default=",".join(CONTENDERS),
                         help="comma list of contenders (default: all of "
                              f"{','.join(CONTENDERS)})")
@@ -428,10 +430,9 @@ def restore_probe(base_dir, repeats):
 
 
 def main(args):
-    owns_dir = args.dir is None
-    base_dir = tempfile.mkdtemp(prefix="zarrckpt-bench-") if owns_dir \
-        else args.dir
-    os.makedirs(base_dir, exist_ok=True)
+    if args.dir is not None:
+        os.makedirs(args.dir, exist_ok=True)
+    base_dir = tempfile.mkdtemp(prefix="zarrckpt-bench-", dir=args.dir)
 
     mesh = make_mesh()
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()),
@@ -461,8 +462,7 @@ def main(args):
         raw_results = run_all(args.only, tree, base_dir, args.repeats)
         probe = restore_probe(base_dir, args.repeats) if args.restore_probe else None
     finally:
-        if owns_dir:
-            shutil.rmtree(base_dir, ignore_errors=True)
+        shutil.rmtree(base_dir, ignore_errors=True)
     results = {name: r if isinstance(r, dict) else {"save": summarize(r[0], r[2], nbytes, r[4]),
                                                      "restore": summarize(r[1], r[3], nbytes)}
                for name, r in raw_results.items()}
