@@ -207,6 +207,16 @@ def test_gc_dry_run_then_for_real(tmp_path):
     assert zarrckpt.all_steps(root) == [2, 3, 5, 6]
 
 
+def test_gc_of_a_mistyped_directory_or_of_a_step_fails_naming_it(tmp_path):
+    root = str(tmp_path / "run")
+    zarrckpt.save_checkpoint(root, 1, {"x": 1})
+    missing, step = run_together([["gc", f"{root}-typo", "--keep-last", "1"],
+                                  ["gc", f"{root}/0000000001", "--keep-last", "1"]])
+    assert missing.returncode == 1 and f"{root}-typo" in missing.stderr, missing
+    assert step.returncode == 1 and f"{root}/0000000001" in step.stderr, step
+    assert zarrckpt.all_steps(root) == [1]
+
+
 def test_gc_leaves_uncommitted_steps_to_a_live_manager_and_deletes_them_once_it_is_gone(tmp_path):
     """An uncommitted step older than the newest committed reads as a crash's leftover,
     but a live manager may be saving it (`force=True`): gc leaves it while the run's

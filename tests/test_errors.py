@@ -1,13 +1,17 @@
 """Bad input: each gets a clear error naming the leaf, URL or step, and nothing committed changes."""
 
+import itertools
 import json
 import os
+import re
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
+import zarr
 
 import zarrckpt
 
@@ -51,13 +55,54 @@ def test_saving_over_a_committed_checkpoint(tmp_path):
     assert not (Path(url) / "a").exists()
 
 
-def test_leftover_uncommitted_directory_is_replaced(tmp_path):
+@pytest.mark.parametrize("cut_short", ["a save before its commit", "a deletion after its marker"])
+def test_leftover_uncommitted_directory_is_replaced(tmp_path, cut_short):
     url = tmp_path / "c"
-    (url / "stale").mkdir(parents=True)
-    (url / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group", "attributes": {}}')
-    (url / "stale" / "c.0.1").write_text("x")  # a chunk of an array the new tree does not have
+    zarrckpt.save_pytree(str(url), {"stale": np.ones(3)})  # an array the new tree does not have
+    if cut_short == "a save before its commit":
+        edit_group_attributes(url, lambda attrs: attrs.pop("write_completed"))
+    else:
+        (url / "zarr.json").unlink()
     zarrckpt.save_pytree(str(url), {"a": np.ones(2)})
     assert not (url / "stale").exists()
+    np.testing.assert_array_equal(zarrckpt.load_pytree(str(url))["a"], np.ones(2))
+
+
+def everything_in(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("made_by", ["zarr v3", "zarr v2", "a camera"])
+def test_someone_s_zarr_group_or_numbered_files_are_never_taken_for_a_leftover(tmp_path, made_by):
+    """A place holding a zarr group that zarrckpt did not write, or files whose names a
+    leftover of seqax's layout could have, is refused by a save, a copy and an import;
+    a zarr v3 group is left alone by retention where it has a step's name too."""
+    data = tmp_path / "data"
+    if made_by == "a camera":
+        for camera, frame in itertools.product(range(2), range(3)):
+            (data / f"cam{camera}").mkdir(parents=True, exist_ok=True)
+            (data / f"cam{camera}" / str(frame)).write_bytes(bytes([camera, frame]))
+    else:
+        group = zarr.open_group(str(data), mode="w", zarr_format=3 if made_by == "zarr v3" else 2)
+        group.create_array("temperature", shape=(4, 4), chunks=(2, 2), dtype="f4")[:] = np.arange(16.0).reshape(4, 4)
+    before = everything_in(data)
+    zarrckpt.save_pytree(str(tmp_path / "src"), {"w": np.ones(3)})
+    safetensors.numpy.save_file({"w": np.ones(3, np.float32)}, str(tmp_path / "model.safetensors"))
+    for attempt in (lambda: zarrckpt.save_pytree(str(data), {"w": np.ones(3)}),
+                    lambda: zarrckpt.copy_checkpoint(str(tmp_path / "src"), str(data)),
+                    lambda: zarrckpt.import_checkpoint(str(tmp_path / "model.safetensors"), str(data))):
+        with pytest.raises(zarrckpt.CheckpointExistsError, match=re.escape(str(data))):
+            attempt()
+        assert everything_in(data) == before
+    if made_by != "zarr v3":  # in a run's step, zarr v2 names are seqax's (see test_seqax.py)
+        return
+    (tmp_path / "run").mkdir()
+    data.rename(tmp_path / "run" / "0000000001")  # older than the newest committed step: a leftover's place
+    with zarrckpt.CheckpointManager(str(tmp_path / "run"), keep_last=1, async_save=False) as mgr:
+        for step in (2, 3):
+            mgr.save(step, {"w": np.full(3, step)})
+    assert zarrckpt.all_steps(str(tmp_path / "run")) == [3]
+    assert everything_in(tmp_path / "run" / "0000000001") == before
 
 
 def test_saving_over_something_that_is_not_a_checkpoint(tmp_path):

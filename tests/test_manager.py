@@ -200,6 +200,17 @@ def test_steps_to_keep_rules():
     assert _retention.steps_to_keep(_retention.Policy(keep_every=10), [1, 2, 3], {}) == {1, 2, 3}
 
 
+def test_a_leaf_named_like_the_pin_file_neither_pins_its_step_nor_stops_retention(tmp_path):
+    with zarrckpt.CheckpointManager(str(tmp_path), keep_last=1, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"PINNED": np.full(3, step)})
+        assert mgr.all_steps() == [3]
+        with pytest.raises(ValueError, match="step 3 cannot be pinned"):
+            mgr.pin(3)
+        mgr.unpin(3)  # no pin to remove
+        np.testing.assert_array_equal(mgr.restore({"PINNED": np.zeros(3, np.int64)})[0]["PINNED"], np.full(3, 3))
+
+
 def test_manager_retention_keeps_newest_best_and_pinned(tmp_path):
     losses = {1: 0.9, 2: 0.1, 3: 0.8, 4: 0.7, 5: 0.6, 6: 0.95}
     with zarrckpt.CheckpointManager(str(tmp_path), keep_last=1, keep_best=1, best_metric="loss") as mgr:

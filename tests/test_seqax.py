@@ -1,16 +1,21 @@
 """Checkpoints written by seqax's own algorithm (zarr v2, keystr names) load unchanged."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import zarr
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import zarrckpt
+from zarrckpt import _storage
 
 
-def seqax_save_zarr(checkpoint_dir: str, step: int, state) -> None:
-    """seqax's training_io.save_zarr, single process: v2 group, keystr names, chunk = shard shape."""
+def seqax_save_zarr(checkpoint_dir: str, step: int, state, *, commit: bool = True) -> None:
+    """seqax's training_io.save_zarr, single process: v2 group, keystr names, chunk = shard shape;
+    without `commit`, as a save cut short before its marker leaves it."""
     group = zarr.open_group(f"{checkpoint_dir}/{str(step).zfill(10)}", mode="w-", zarr_format=2)
     flat, _ = jax.tree_util.tree_flatten_with_path(state)
     for path, arr in flat:
@@ -20,7 +25,8 @@ def seqax_save_zarr(checkpoint_dir: str, step: int, state) -> None:
         for shard in arr.addressable_shards:
             if shard.replica_id == 0:
                 z[shard.index] = np.asarray(shard.data)
-    group.attrs["write_completed"] = True
+    if commit:
+        group.attrs["write_completed"] = True
 
 
 def state():
@@ -55,3 +61,42 @@ def test_seqax_checkpoints_load(tmp_path):
     meta = zarrckpt.metadata(f"{tmp_path}/0000000012")
     assert meta.layout == "seqax" and meta.committed and meta.format_version is None
     assert {leaf.key_path for leaf in meta.leaves} == {"['params']['w']", "['params']['emb']", "['opt'][0]", "['step']"}
+
+
+def test_a_manager_resuming_a_seqax_run_replaces_seqax_s_save_cut_short_and_retention_deletes_its_steps(tmp_path):
+    saved = state()
+    seqax_save_zarr(str(tmp_path), 12, saved)
+    seqax_save_zarr(str(tmp_path), 13, saved, commit=False)  # seqax stopped while saving step 13
+    with zarrckpt.CheckpointManager(str(tmp_path), keep_last=1, async_save=False) as mgr:
+        restored, step = mgr.restore(saved)
+        assert step == 12
+        for new in (13, 14):
+            mgr.save(new, {**restored, "step": jnp.array(new, jnp.uint32)})
+    assert zarrckpt.all_steps(str(tmp_path)) == [14]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["0000000014"]
+
+
+def test_a_copy_cut_short_on_s3_leaves_no_chunk_without_its_array_s_metadata_and_is_replaced(tmp_path, s3_server,
+                                                                                              monkeypatch):
+    """On S3 a copy writes no group metadata before its commit, and zarr v2 chunk keys
+    count as a leftover's only beside their array's metadata (a folder of someone's
+    numbered files has none): a copy whose array metadata fails has written no chunk,
+    and the next copy replaces what it left."""
+    seqax_save_zarr(str(tmp_path / "run"), 12, state())
+    src, dst, options = f"{tmp_path}/run/0000000012", f"s3://{s3_server.new_bucket()}/copy", s3_server.options()
+    original = _storage.Location.create
+
+    def failing_array_metadata(self, key, *parts):
+        if key.endswith("/.zarray"):
+            time.sleep(0.2)  # as a store slow to refuse: any chunk sent meanwhile would land
+            raise OSError("injected failure")
+        return original(self, key, *parts)
+
+    monkeypatch.setattr(_storage.Location, "create", failing_array_metadata)
+    with pytest.raises(zarrckpt.CheckpointWriteError, match="injected failure"):
+        zarrckpt.copy_checkpoint(src, dst, dst_storage_options=options)
+    left = [entry.name for entry in _storage.resolve(dst, options).walk()]
+    assert not [key for key in left if key.rsplit("/", 1)[-1][0].isdigit()], left  # no chunk
+    monkeypatch.undo()
+    zarrckpt.copy_checkpoint(src, dst, dst_storage_options=options)  # replaces the partial copy
+    assert zarrckpt.verify(dst, storage_options=options).ok

@@ -433,6 +433,10 @@ def _gc(args: argparse.Namespace) -> int:
                                best_metric=args.best_metric, best_mode=args.best_mode)
     root = _storage.resolve(args.dir, _options(args.storage_option))
     committed = set(_steps.scan(root)[1])
+    if not committed:
+        _steps.check_directory_of_steps(root)  # a step itself, Orbax's checkpoints, a missing bucket: say so
+        if root.is_local and not root.exists():  # a mistyped DIR is no success with nothing to delete
+            raise FileNotFoundError(f"{root.url} does not exist")
     metrics = _retention.load_metrics(root, committed) if args.keep_best is not None else {}
     # A job holding the run may be saving an older step than its newest (`force`): what
     # reads as a crash's leftover is left to that job's own retention (a lease left

@@ -2,10 +2,10 @@
 
 The copy follows the save protocol: first the group metadata without the commit
 marker, then every other object the checkpoint records (see `_objects`: nothing else
-under the source is read), concurrently, each checked as it goes (a zarrckpt chunk's
-size and CRC-32C), and last the object holding the commit marker (`zarr.json`, or
-`.zattrs` in seqax's layout), once the source is found unchanged (the same save) and
-every object is on stable storage. So a copy cut short, of a damaged source, or of a
+under the source is read), concurrently, the arrays' metadata before their chunks, each
+checked as it goes (a zarrckpt chunk's size and CRC-32C), and last the object holding
+the commit marker (`zarr.json`, or `.zattrs` in seqax's layout), once the source is
+found unchanged (the same save) and every object is on stable storage. So a copy cut short, of a damaged source, or of a
 source overwritten meanwhile is an uncommitted checkpoint, which readers skip and the
 next copy or save replaces, never a committed one with holes or parts of two saves
 (Orbax #394: copies made without their commit file).
@@ -26,6 +26,7 @@ from ._storage import Location
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
 
 _MARKERS = ("zarr.json", _seqax.MARKER)  # where the commit marker is: zarrckpt's layout, seqax's
+_ARRAY_METADATA = ("zarr.json", _seqax.ARRAY, _seqax.MARKER)  # an array's, in either layout
 
 @dataclasses.dataclass(frozen=True)
 class CopyResult:
@@ -108,8 +109,13 @@ def copy_checkpoint(
         if not target.late_safe:  # else the commit alone is written (see `_commit.write_marker`)
             target.write(first_key, first, atomic=True, durable=True)
         try:
-            _copy_all(source, target, objects, max_workers or max(source.concurrency, target.concurrency),
-                      _concurrency.ByteBudget(max_inflight_bytes), advance)
+            # Every array's metadata before any chunk: a copy cut short leaves no chunk
+            # without its array's (what tells seqax's keys from someone's numbered
+            # files, see `_objects.not_ours`).
+            metadata = [o for o in objects if o.key.rsplit("/", 1)[-1] in _ARRAY_METADATA]
+            for batch in (metadata, [o for o in objects if o.key.rsplit("/", 1)[-1] not in _ARRAY_METADATA]):
+                _copy_all(source, target, batch, max_workers or max(source.concurrency, target.concurrency),
+                          _concurrency.ByteBudget(max_inflight_bytes), advance)
         except CheckpointCorruptError as e:  # the source's damage, named
             _check_unchanged(ckpt, marker_key, marker, target)
             raise CheckpointCorruptError(f"{e}; not copied: {target.url} holds an uncommitted partial copy") from e

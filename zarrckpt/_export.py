@@ -99,8 +99,9 @@ def export_checkpoint(url: str, path: str, *, select: str | None = None, format:
 
     Raises CheckpointNotFoundError if there is no committed checkpoint at `url`,
     CheckpointCorruptError if data is missing, FileExistsError if a file exists and
-    `overwrite` is False, ValueError for an unknown format, a `select` that names no
-    subtree, a dtype the format cannot hold, or `max_shard_bytes` with `.npz`,
+    `overwrite` is False, ValueError for an unknown format, a file that would lie
+    inside the checkpoint, a `select` that names no subtree, a dtype the format
+    cannot hold, or `max_shard_bytes` with `.npz`,
     ModuleNotFoundError if `safetensors` is not installed (`pip install
     'zarrckpt[export]'`), OSError if a file cannot be written.
     """
@@ -128,6 +129,10 @@ def export_checkpoint(url: str, path: str, *, select: str | None = None, format:
     index = None if len(files) == 1 else os.path.join(folder, f"{os.path.basename(path)}.index.json")
     # A set replaces a single file of `path`'s name too: transformers would load that first.
     targets = [name for name, _ in files] + ([index, path] if index else [])
+    store, inside = ckpt.loc.place()
+    for target in targets:  # never over the checkpoint's own files (its commit marker, a chunk)
+        if store == "file" and (os.path.realpath(target) + "/").startswith(inside.rstrip("/") + "/"):
+            raise ValueError(f"cannot export {ckpt.loc.url} to {target}: it lies inside the checkpoint")
     for target in targets:
         if os.path.lexists(target) and not overwrite:
             raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before ours: see _AtExit)
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -547,13 +548,19 @@ class CheckpointManager:
         return _steps.latest(self._root)
 
     def pin(self, step: int) -> None:
-        """Exempts committed `step` from retention, by a PINNED file in its directory."""
-        _steps.committed_step(self._root, step).write(_retention.PIN_FILE, b"", durable=True)
+        """Exempts committed `step` from retention, by a PINNED file in its directory.
+        ValueError if a leaf of the step is named so (its array is there)."""
+        try:
+            _steps.committed_step(self._root, step).write(_retention.PIN_FILE, b"", durable=True)
+        except IsADirectoryError:
+            raise ValueError(f"step {step} cannot be pinned: a leaf of it is named {_retention.PIN_FILE!r}, the "
+                             "pin file's name") from None
 
     def unpin(self, step: int) -> None:
         """Lets retention delete committed `step` again (removes its PINNED file, if any:
         an imported step's too). CheckpointNotFoundError if `step` is not committed."""
-        _steps.committed_step(self._root, step).remove_file(_retention.PIN_FILE)
+        with contextlib.suppress(IsADirectoryError):  # a leaf named so: no pin to remove
+            _steps.committed_step(self._root, step).remove_file(_retention.PIN_FILE)
 
     def delete(self, step: int) -> None:
         """Deletes committed `step` now, pinned or not, its commit marker first (an

@@ -4,8 +4,10 @@
 (`overwrite`) deletes exactly these: a place that holds anything else (a run directory
 with its steps and notes, someone's files) is refused, naming what is there, so that a
 mistyped URL never costs anyone their files. Leftovers of a save, copy or deletion cut
-short (uncommitted, so without metadata to trust) are judged by their names alone. A
-symbolic link is deleted itself, never followed (see `_storage.local`).
+short (uncommitted, so without metadata to trust) are judged by their group metadata,
+which must be zarrckpt's where there is any (see `_not_a_leftover`: someone's zarr
+group is never one), and by their names (`not_ours`). A symbolic link is deleted itself, never
+followed (see `_storage.local`).
 
 What a checkpoint holds is learnt from a listing, each key judged by the metadata
 (`inventory`), never by generating every key the metadata declares: metadata that
@@ -33,6 +35,11 @@ _TEMPORARY = r"(\.[0-9a-f]{32}\.tmp)?"
 _CHECKPOINT_OBJECT = re.compile(
     rf"((zarr\.json|PINNED|[^/]+/zarr\.json|{_seqax.OBJECT_NAMES}){_TEMPORARY})"
     rf"|[^/]+/{_chunks.NAME.pattern}")
+# What a leftover of zarrckpt's own layout holds without its group metadata (a deletion
+# or, on S3 and GCS, a save or copy cut short), and of seqax's: zarr v2 keys, which
+# folders of numbered files have too (see `not_ours`).
+_LEFTOVER_OBJECT = re.compile(rf"((zarr\.json|PINNED|[^/]+/zarr\.json){_TEMPORARY})|[^/]+/{_chunks.NAME.pattern}")
+_SEQAX_LEFTOVER_OBJECT = re.compile(rf"({_seqax.OBJECT_NAMES}){_TEMPORARY}")
 # Beside what a committed checkpoint records: its pin, and temporary files of atomic writes.
 _BESIDE_RECORDED = re.compile(r"PINNED|.*\.[0-9a-f]{32}\.tmp")
 
@@ -182,12 +189,15 @@ def remove_leftover(loc: Location) -> None:
     """Removes what an interrupted save or deletion left at `loc`, marker first.
 
     Refuses, with CheckpointExistsError, when `loc` holds anything a checkpoint would
-    not: a mistyped URL must never cost someone their files.
+    not, or group metadata that zarrckpt did not write: a mistyped URL must never cost
+    someone their files (a zarr group of their own included).
     """
     group = _commit.read_group(loc)
     if group is not None and group.document.get("node_type", "group") != "group":  # inside a checkpoint
         raise CheckpointExistsError(f"{loc.url} is a zarr {group.document['node_type']!r:.40}, not a checkpoint; "
                                     "refusing to delete it: save somewhere else")
+    if (whose := _not_a_leftover(group, _is_step(loc))) is not None:
+        raise CheckpointExistsError(f"{loc.url} {whose}; refusing to delete it: save somewhere else")
     foreign = not_ours(loc, committed=False)
     if foreign:
         raise CheckpointExistsError(f"{loc.url} is not empty and not a checkpoint (it holds {_some(foreign)}); "
@@ -204,7 +214,36 @@ def not_ours(loc: Location, *, committed: bool) -> list[str]:
                  if e.name in _commit.GROUP_METADATA_FILES and e.type not in ("file", "link")]
     if committed:
         return misshapen + _foreign_beside_committed(loc)
-    return misshapen + [entry.name for entry in loc.walk() if not _CHECKPOINT_OBJECT.fullmatch(entry.name)]
+    names = [entry.name for entry in loc.walk()]
+    step = _is_step(loc)
+    theirs = _not_a_leftover(_commit.read_group(loc), step) is not None
+    # seqax's names, where zarr v2 data of someone's could be: in a run's step, or beside
+    # an array's metadata (a folder of numbered files has none; a copy writes it first).
+    seqax = step or any(name.endswith(("/" + _seqax.ARRAY, "/" + _seqax.MARKER)) for name in names)
+    return misshapen + [name for name in names if (theirs and name in _commit.GROUP_METADATA_FILES) or not (
+        _LEFTOVER_OBJECT.fullmatch(name) or seqax and _SEQAX_LEFTOVER_OBJECT.fullmatch(name))]
+
+
+def _is_step(loc: Location) -> bool:
+    """Whether `loc` has the name of a run's step (what such a directory holds is a
+    step's: zarrckpt's, or seqax's, whose runs zarrckpt resumes)."""
+    return _naming.parse_step_dir_name(loc.url.rstrip("/").rsplit("/", 1)[-1]) is not None
+
+
+def _not_a_leftover(group: _commit.Group | None, step: bool) -> str | None:
+    """Why uncommitted group metadata `group` is not what a save, copy or deletion cut
+    short leaves behind, or None where it may be (or where there is none): zarrckpt's
+    `zarr.json` carries its attribute from its first write. seqax's v2 group metadata is
+    a leftover in a run's `step` alone (seqax's own save cut short, a copy of zarrckpt's):
+    elsewhere it cannot be told from a zarr v2 group of someone's."""
+    if group is None or group.problem is not None:  # damaged metadata: judged by the names around it
+        return None
+    if group.zarr_format == 2:
+        return None if step else ("holds an uncommitted zarr v2 group (someone's zarr data, or seqax's layout: a "
+                                  "copy of one cut short, to delete yourself)")
+    if not isinstance(group.attributes.get(_naming.META_ATTR), dict):
+        return f"is a zarr group that zarrckpt did not write (its zarr.json has no {_naming.META_ATTR!r} attribute)"
+    return None
 
 
 def _foreign_beside_committed(loc: Location) -> list[str]:

@@ -114,7 +114,10 @@ def _newest_finite(root: Location, committed: Collection[int]) -> int | None:
 def is_pinned(step_loc: Location) -> bool:
     # One GET, where asking whether an absent object exists takes an object store two
     # requests (a HEAD, then a listing in case it is a directory).
-    return step_loc.read_if_present([PIN_FILE])[0] is not None
+    try:
+        return step_loc.read_if_present([PIN_FILE])[0] is not None
+    except IsADirectoryError:  # the array of a leaf named so (a local disk's directory): no pin
+        return False
 
 
 def apply(root: Location, policy: Policy, metrics: Mapping[int, Mapping[str, Any]], *,

@@ -132,6 +132,22 @@ def test_export_refuses_an_existing_out_unless_told_to_replace_it(tmp_path: Path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "victim", "x.npz"]
 
 
+@pytest.mark.parametrize("inside", ["zarr.json", "w/c.0", "notes.npz", "w/x.safetensors"])
+def test_export_never_writes_inside_the_checkpoint_it_exports(tmp_path: Path, inside: str) -> None:
+    """An export's file over the commit marker or a chunk would lose or damage a
+    committed step; a new one among its files would be what retention then never deletes."""
+    zarrckpt.save_checkpoint(str(tmp_path / "run"), 1, state(1))
+    step = tmp_path / "run" / "0000000001"
+    before = {str(p.relative_to(step)): p.read_bytes() for p in sorted(step.rglob("*")) if p.is_file()}
+    with pytest.raises(ValueError, match=str(step / inside)):
+        zarrckpt._export.export_checkpoint(str(step), str(step / inside), format="npz",
+                                           overwrite=True)
+    done = forked_cli.run("export", str(step), str(step / inside), "--format", "npz", "--overwrite")
+    assert done.returncode == 1 and str(step / inside) in done.stderr, done.stderr
+    assert {str(p.relative_to(step)): p.read_bytes() for p in sorted(step.rglob("*")) if p.is_file()} == before
+    assert zarrckpt.all_steps(str(tmp_path / "run")) == [1] and zarrckpt.verify(str(step)).ok
+
+
 def nested(depth: int) -> dict:
     tree: dict = {"w": np.arange(3)}
     for _ in range(depth - 1):
