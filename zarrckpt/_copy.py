@@ -5,10 +5,11 @@ marker, then every other object the checkpoint records (see `_objects`: nothing 
 under the source is read), concurrently, the arrays' metadata before their chunks, each
 checked as it goes (a zarrckpt chunk's size and CRC-32C), and last the object holding
 the commit marker (`zarr.json`, or `.zattrs` in seqax's layout), once the source is
-found unchanged (the same save) and every object is on stable storage. So a copy cut short, of a damaged source, or of a
-source overwritten meanwhile is an uncommitted checkpoint, which readers skip and the
-next copy or save replaces, never a committed one with holes or parts of two saves
-(Orbax #394: copies made without their commit file).
+found unchanged (the same save) and every object is on stable storage. So a copy cut
+short, of a damaged source, or of a source overwritten meanwhile is an uncommitted
+checkpoint, which readers skip and the next copy or save replaces, never a committed
+one with holes or parts of two saves (Orbax #394: copies made without their commit
+file).
 """
 
 from __future__ import annotations

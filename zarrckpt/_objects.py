@@ -6,8 +6,8 @@ with its steps and notes, someone's files) is refused, naming what is there, so 
 mistyped URL never costs anyone their files. Leftovers of a save, copy or deletion cut
 short (uncommitted, so without metadata to trust) are judged by their group metadata,
 which must be zarrckpt's where there is any (see `_not_a_leftover`: someone's zarr
-group is never one), and by their names (`not_ours`). A symbolic link is deleted itself, never
-followed (see `_storage.local`).
+group is never one), and by their names (`not_ours`). A symbolic link is deleted
+itself, never followed (see `_storage.local`).
 
 What a checkpoint holds is learnt from a listing, each key judged by the metadata
 (`inventory`), never by generating every key the metadata declares: metadata that
