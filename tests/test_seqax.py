@@ -100,3 +100,15 @@ def test_a_copy_cut_short_on_s3_leaves_no_chunk_without_its_array_s_metadata_and
     monkeypatch.undo()
     zarrckpt.copy_checkpoint(src, dst, dst_storage_options=options)  # replaces the partial copy
     assert zarrckpt.verify(dst, storage_options=options).ok
+
+
+def test_a_seqax_checkpoint_copied_to_s3_and_back_is_the_same_checkpoint(tmp_path, s3_server):
+    saved = state()
+    seqax_save_zarr(str(tmp_path / "run"), 12, saved)
+    there, options = f"s3://{s3_server.new_bucket()}/0000000012", s3_server.options()
+    zarrckpt.copy_checkpoint(f"{tmp_path}/run/0000000012", there, dst_storage_options=options)
+    zarrckpt.copy_checkpoint(there, str(tmp_path / "back"), src_storage_options=options)
+    assert zarrckpt.verify(str(tmp_path / "back")).ok
+    back = zarrckpt.load_pytree(str(tmp_path / "back"))
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(saved)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -117,6 +117,8 @@ def copy_checkpoint(
             for batch in (metadata, [o for o in objects if o.key.rsplit("/", 1)[-1] not in _ARRAY_METADATA]):
                 _copy_all(source, target, batch, max_workers or max(source.concurrency, target.concurrency),
                           _concurrency.ByteBudget(max_inflight_bytes), advance)
+            if target.late_safe and first_key != marker_key:  # seqax's `.zgroup`, not written first there
+                target.write_new(first_key, first)
         except CheckpointCorruptError as e:  # the source's damage, named
             _check_unchanged(ckpt, marker_key, marker, target)
             raise CheckpointCorruptError(f"{e}; not copied: {target.url} holds an uncommitted partial copy") from e
