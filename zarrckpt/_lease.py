@@ -68,7 +68,7 @@ def refuse_if_held(step: Location, what: str, *, existing_only: bool = False) ->
     is written without a look at the lease. Watches a lease found unreleased as a
     claimant does; takes nothing, so one-off writers never hold each other up."""
     run = step.parent()
-    if run is None or _naming.parse_step_dir_name(step.url.rstrip("/").rpartition("/")[2]) is None:
+    if run is None or _naming.step_of_url(step.url) is None:
         return
     if existing_only and not step.exists():
         return

@@ -227,7 +227,7 @@ def not_ours(loc: Location, *, committed: bool) -> list[str]:
 def _is_step(loc: Location) -> bool:
     """Whether `loc` has the name of a run's step (what such a directory holds is a
     step's: zarrckpt's, or seqax's, whose runs zarrckpt resumes)."""
-    return _naming.parse_step_dir_name(loc.url.rstrip("/").rsplit("/", 1)[-1]) is not None
+    return _naming.step_of_url(loc.url) is not None
 
 
 def _not_a_leftover(group: _commit.Group | None, step: bool) -> str | None:

@@ -143,3 +143,8 @@ def parse_step_dir_name(name: str) -> int | None:
         return None
     step = int(name)
     return step if step_dir_name(step) == name else None
+
+
+def step_of_url(url: str) -> int | None:
+    """The step the last component of `url` names (a step of a run), or None."""
+    return parse_step_dir_name(url.rstrip("/").rpartition("/")[2])
