@@ -378,6 +378,20 @@ def test_export_npz_and_safetensors(run_dir, tmp_path):
     np.testing.assert_array_equal(w, np.asarray(expected["params"]["w"]))
 
 
+def test_export_onto_a_directory_fails_naming_it_and_leaves_it_as_it_was(run_dir, tmp_path):
+    """OUT that is a directory is refused before anything is written, --overwrite or
+    not, by a message naming OUT (not a temporary file of the export's own)."""
+    out = tmp_path / "exports"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    for extra in ([], ["--overwrite"]):
+        result = run("export", f"{run_dir}/0000000030", str(out), "--format", "npz", *extra)
+        assert result.returncode != 0
+        assert f"{out}:" in result.stderr and ".partial" not in result.stderr, result.stderr
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+
+
 def test_export_writes_back_the_imported_metadata_and_a_sharded_set_with_its_index(tmp_path):
     """A Hugging Face model imported, then exported: its `__metadata__` comes back
     (transformers loads no file without "format"), and a set split as transformers

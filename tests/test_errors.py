@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import zarr
+from test_cli import run
 
 import zarrckpt
 
@@ -55,14 +57,18 @@ def test_saving_over_a_committed_checkpoint(tmp_path):
     assert not (Path(url) / "a").exists()
 
 
-@pytest.mark.parametrize("cut_short", ["a save before its commit", "a deletion after its marker"])
+@pytest.mark.parametrize("cut_short", ["a save before its commit", "a deletion after its marker",
+                                       "a deletion that emptied an array's directory"])
 def test_leftover_uncommitted_directory_is_replaced(tmp_path, cut_short):
     url = tmp_path / "c"
-    zarrckpt.save_pytree(str(url), {"stale": np.ones(3)})  # an array the new tree does not have
+    zarrckpt.save_pytree(str(url), {"stale": np.ones(3), "gone": np.ones(2)})  # arrays the new tree does not have
     if cut_short == "a save before its commit":
         edit_group_attributes(url, lambda attrs: attrs.pop("write_completed"))
     else:
         (url / "zarr.json").unlink()
+    if cut_short == "a deletion that emptied an array's directory":
+        for path in (url / "gone").iterdir():
+            path.unlink()
     zarrckpt.save_pytree(str(url), {"a": np.ones(2)})
     assert not (url / "stale").exists()
     np.testing.assert_array_equal(zarrckpt.load_pytree(str(url))["a"], np.ones(2))
@@ -103,6 +109,57 @@ def test_someone_s_zarr_group_or_numbered_files_are_never_taken_for_a_leftover(t
             mgr.save(step, {"w": np.full(3, step)})
     assert zarrckpt.all_steps(str(tmp_path / "run")) == [3]
     assert everything_in(tmp_path / "run" / "0000000001") == before
+
+
+@pytest.mark.parametrize("zarr_format", [3, 2])
+def test_a_zarr_group_of_someone_s_given_as_a_run_is_named_for_what_it_is(tmp_path, zarr_format):
+    """`all_steps`, a manager and `zarrckpt ls` on a zarr group that zarrckpt did not
+    write refuse it (ls: no steps), naming its URL and never sending the user to
+    load_pytree, which cannot load it; a checkpoint itself is still named so."""
+    data = tmp_path / "data"
+    zarr.open_group(str(data), mode="w", zarr_format=zarr_format).create_array("t", shape=(2,), dtype="f4")[:] = 1
+    for attempt in (lambda: zarrckpt.all_steps(str(data)), lambda: zarrckpt.CheckpointManager(str(data))):
+        with pytest.raises(zarrckpt.CheckpointLocationError) as raised:
+            attempt()
+        assert str(data) in str(raised.value) and "load_pytree" not in str(raised.value)
+    listed = run("ls", str(data))
+    assert listed.returncode == 0 and str(data) in listed.stdout and "zarrckpt info" not in listed.stdout
+    zarrckpt.save_pytree(str(tmp_path / "ckpt"), {"w": np.ones(2)})
+    with pytest.raises(zarrckpt.CheckpointLocationError, match="load_pytree"):
+        zarrckpt.all_steps(str(tmp_path / "ckpt"))
+    assert "zarrckpt info" in run("ls", str(tmp_path / "ckpt")).stdout
+
+
+def test_a_step_that_is_a_symbolic_link_is_named_as_the_link(tmp_path, caplog):
+    """A run's step directory that is a link to a checkpoint elsewhere is never followed,
+    and the warning names the step directory as the link (not its zarr.json)."""
+    zarrckpt.save_pytree(str(tmp_path / "elsewhere"), {"w": np.ones(2)})
+    zarrckpt.save_checkpoint(str(tmp_path / "run"), 1, {"w": np.zeros(2)})
+    (tmp_path / "run" / "0000000004").symlink_to(tmp_path / "elsewhere")
+    with caplog.at_level(logging.WARNING, logger="zarrckpt"), pytest.raises(zarrckpt.CheckpointNotFoundError):
+        zarrckpt.load_checkpoint(str(tmp_path / "run"), 4)
+    link = f"{tmp_path / 'run' / '0000000004'} is a symbolic link"
+    assert any(link in record.getMessage() for record in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_someone_s_empty_directories_are_neither_a_leftover_nor_part_of_a_checkpoint(tmp_path):
+    """Empty directories a save never makes are someone's: a directory holding only them
+    is refused by a save, and one inside a committed step stops an overwrite=True save
+    (naming it), as a file there would."""
+    project = tmp_path / "project"
+    (project / "data" / "raw").mkdir(parents=True)
+    (project / "results").mkdir()
+    before = everything_in(project)
+    with pytest.raises(zarrckpt.CheckpointExistsError, match=re.escape(str(project)) + ".*'data/'"):
+        zarrckpt.save_pytree(str(project), {"w": np.ones(3)})
+    assert everything_in(project) == before
+    run_dir = tmp_path / "run"
+    zarrckpt.save_checkpoint(str(run_dir), 6, {"w": np.ones(3)})
+    (run_dir / "0000000006" / "notes").mkdir()
+    before = everything_in(run_dir)
+    with pytest.raises(zarrckpt.CheckpointExistsError, match="'notes/'"):
+        zarrckpt.save_checkpoint(str(run_dir), 6, {"w": np.zeros(3)}, overwrite=True)
+    assert everything_in(run_dir) == before
 
 
 def test_saving_over_something_that_is_not_a_checkpoint(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import sys
 import tracemalloc
 from pathlib import Path
@@ -26,6 +27,7 @@ from test_cli import run
 from test_safetensors import assert_exact, at, sharded_set, tensors
 
 import zarrckpt
+from zarrckpt import _retention, _storage
 from zarrckpt._format import naming as _naming, tree as _tree
 from zarrckpt._restore import orbax as _orbax
 
@@ -356,6 +358,24 @@ def test_weights_imported_as_step_0_under_a_prefix_survive_a_fine_tunes_retentio
     for bad in ("", "params.", ".params", 3):
         with pytest.raises(ValueError, match="prefix must be a dotted key path"):
             zarrckpt.import_checkpoint(str(src), str(tmp_path / "bad"), prefix=bad)
+
+
+def test_safetensors_with_a_tensor_named_like_the_pin_file_import_unpinned_with_a_warning(tmp_path, caplog):
+    """A top-level tensor named PINNED takes the pin file's place in the step: the import
+    commits, says the step is not pinned (result, log) rather than failing after its
+    commit, and the step restores exactly."""
+    src = tmp_path / "model.safetensors"
+    safetensors.numpy.save_file({"PINNED": np.arange(4, dtype=np.float32), "w": np.ones(2, np.float32)}, str(src))
+    with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+        result = zarrckpt.import_checkpoint(str(src), str(tmp_path / "ft"), step=0)
+    assert not result.pinned
+    assert any(record.levelno == logging.WARNING and result.url in record.getMessage()
+               and _retention.PIN_FILE in record.getMessage() for record in caplog.records)
+    restored = zarrckpt.load_pytree(str(tmp_path / "ft" / _naming.step_dir_name(0)))
+    np.testing.assert_array_equal(restored["PINNED"], np.arange(4, dtype=np.float32))
+    assert not _retention.is_pinned(_storage.resolve(str(tmp_path / "ft")).step(0))
+    pinned = zarrckpt.import_checkpoint(str(src), str(tmp_path / "ft2"), step=0, prefix="params")
+    assert pinned.pinned
 
 
 def test_the_destinations_storage_options_are_dst_storage_options_and_the_old_name_still_works(tmp_path):

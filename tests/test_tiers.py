@@ -265,6 +265,26 @@ def test_copies_of_abandoned_training_are_never_restored(tmp_path: Path, caplog:
     assert zarrckpt.all_steps(str(copies(persistent, local))) == [3]
 
 
+def test_someone_s_folder_named_like_a_process_s_copies_is_not_taken_for_another_run_s(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """In a local_directory, `process<i>` holding steps is the copies of a run of an older
+    layout (named, never deleted); one holding anything else is someone's, not named as
+    a run's copies to delete."""
+    local = tmp_path / "local"
+    (local / "process0" / "frames").mkdir(parents=True)
+    (local / "process0" / "frames" / "0").write_bytes(b"image")
+    (local / "process1" / "0000000003").mkdir(parents=True)
+    local.chmod(0o700)
+    with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+        with zarrckpt.CheckpointManager(str(tmp_path / "run"), local_directory=str(local),
+                                        local_save_interval_steps=1) as mgr:
+            mgr.save(1, one_state(1, 1))
+    said = [r.getMessage() for r in caplog.records if "process1" in r.getMessage()]
+    assert len(said) == 1 and "process0" not in said[0], said
+    assert (local / "process0" / "frames" / "0").read_bytes() == b"image"
+    assert (local / "process1" / "0000000003").is_dir()
+
+
 @pytest.mark.parametrize("async_save", [True, False])
 def test_a_failing_local_copy_is_a_warning_and_the_persistent_save_goes_on(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, async_save: bool) -> None:

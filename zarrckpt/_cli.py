@@ -317,13 +317,15 @@ def _ls(args: argparse.Namespace) -> int:
     rows = _concurrency.run_all(lambda found: _describe_step(found[1], found[2], found[0]), steps,
                                 root.concurrency)
     itself = not rows and _commit.head(root).state is not _commit.State.ABSENT
+    zarr_group = itself and _commit.someone_elses(_commit.read_group(root))
     if not rows and not itself and _orbax.is_orbax(root):
         _steps.check_directory_of_steps(root)  # Orbax's checkpoints: an error saying how to import them
     if args.json:
         _print_json(rows)
     elif not rows:
         print(f"no step directories under {root.url}"
-              + (f" (it is a checkpoint itself: see `zarrckpt info {root.url}`)" if itself else ""))
+              + (" (it is a zarr group that zarrckpt did not write)" if zarr_group else
+                 f" (it is a checkpoint itself: see `zarrckpt info {root.url}`)" if itself else ""))
     else:
         first = ["run", "process", "peers"] if tier else []  # whose copy (and peer copies), in a local tier
         table = [([r["run"][:8] or "-", r["process"], ",".join(map(str, r["peers_of"])) or "-"] if tier else [])

@@ -105,7 +105,7 @@ def read_group(loc: Location) -> Group | None:
     except IsADirectoryError:
         return Group(3, {}, {}, "is a directory")
     except NotAFileInCheckpoint as e:
-        return Group(3, {}, {}, f"is {e.what}")
+        return Group(3, {}, {}, f"cannot be read: {e}")  # the error names the link: the step's own, maybe
     attributes, there = _seqax.read_group(loc)
     if attributes is not None:
         return parse_group(_seqax.MARKER, attributes)
@@ -126,6 +126,12 @@ def _v3_group(raw: bytes) -> Group:
         return Group(3, {}, {}, "is not a JSON object")
     attributes = doc.get("attributes")
     return Group(3, attributes if isinstance(attributes, dict) else {}, doc)
+
+
+def someone_elses(group: Group | None) -> bool:
+    """Whether `group` is readable group metadata that no checkpoint has: uncommitted and
+    without zarrckpt's attribute (a zarr group made by zarr-python, say)."""
+    return group is not None and group.problem is None and group.state is State.UNCOMMITTED and not group.meta
 
 
 def head(loc: Location) -> Head:

@@ -103,7 +103,8 @@ def export_checkpoint(url: str, path: str, *, select: str | None = None, format:
     inside the checkpoint, a `select` that names no subtree, a dtype the format
     cannot hold, or `max_shard_bytes` with `.npz`,
     ModuleNotFoundError if `safetensors` is not installed (`pip install
-    'zarrckpt[export]'`), OSError if a file cannot be written.
+    'zarrckpt[export]'`), IsADirectoryError if a file would replace a directory,
+    OSError if a file cannot be written.
     """
     format = format or format_of(path)
     if format not in FORMATS:
@@ -134,6 +135,9 @@ def export_checkpoint(url: str, path: str, *, select: str | None = None, format:
         if store == "file" and (os.path.realpath(target) + "/").startswith(inside.rstrip("/") + "/"):
             raise ValueError(f"cannot export {ckpt.loc.url} to {target}: it lies inside the checkpoint")
     for target in targets:
+        if os.path.isdir(target) and not os.path.islink(target):  # never replaced, overwrite or not
+            raise IsADirectoryError(f"cannot export to {target}: it is a directory (name a file in it, such as "
+                                    f"{os.path.join(target, 'model.' + format)})")
         if os.path.lexists(target) and not overwrite:
             raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
     found = ckpt.meta.get(_safetensors_format.METADATA_KEY)

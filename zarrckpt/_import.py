@@ -13,6 +13,7 @@ parts it is written as (`_save.plan.SourceChunk`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
 
@@ -24,6 +25,8 @@ from ._options import SaveOptions
 from ._restore.foreign import open_source
 from ._save import protocol as _save
 from .errors import CheckpointCorruptError, CheckpointWriteError, SourceReadError
+
+log = logging.getLogger("zarrckpt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +67,8 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
     of a run lands at `dst` itself, or, given `step`, as `dst/<step, zero-padded>`.
     Safetensors weights landing as a step are pinned (a `PINNED` file, written after the
     commit: retention and `zarrckpt gc` leave the step), since a fine-tune's `keep_last`
-    would otherwise delete the weights it started from; an Orbax run's step is not.
+    would otherwise delete the weights it started from (unless a top-level tensor is
+    named `PINNED`: a warning, and `pinned` is False); an Orbax run's step is not.
     With `prefix` (a dotted key path, "params"), the tree lands under it, where a
     training state keeps its weights: `{"params": <the source's tree>}`.
 
@@ -138,9 +142,12 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
         job = _save.save(loc, tree, options, extra_metadata=source.metadata)
     except (CheckpointCorruptError, SourceReadError) as e:  # the source's failure, as a writer met it
         raise type(e)(f"{e}; nothing was committed at {loc.url}") from e
-    pinned = step is not None and source.format == "safetensors"  # a fine-tune's base weights, not a run's step
-    if pinned:
-        loc.write(_retention.PIN_FILE, b"", durable=True)
+    pinned = False
+    if step is not None and source.format == "safetensors":  # a fine-tune's base weights, not a run's step
+        pinned = _retention.pin(loc)
+        if not pinned:
+            log.warning("%s is imported but not pinned: a tensor is named %r, the pin file's name; retention may "
+                        "delete it (import it with a prefix to pin it)", loc.url, _retention.PIN_FILE)
     return ImportResult(loc.url, step, source.format, len(job.plans), job.nbytes, source.skipped, pinned)
 
 

@@ -550,11 +550,9 @@ class CheckpointManager:
     def pin(self, step: int) -> None:
         """Exempts committed `step` from retention, by a PINNED file in its directory.
         ValueError if a leaf of the step is named so (its array is there)."""
-        try:
-            _steps.committed_step(self._root, step).write(_retention.PIN_FILE, b"", durable=True)
-        except IsADirectoryError:
+        if not _retention.pin(_steps.committed_step(self._root, step)):
             raise ValueError(f"step {step} cannot be pinned: a leaf of it is named {_retention.PIN_FILE!r}, the "
-                             "pin file's name") from None
+                             "pin file's name")
 
     def unpin(self, step: int) -> None:
         """Lets retention delete committed `step` again (removes its PINNED file, if any:

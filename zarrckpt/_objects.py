@@ -26,7 +26,7 @@ from . import _commit, _seqax
 from ._format import chunks as _chunks, naming as _naming, safetensors as _safetensors
 from ._regions import first_absent, indices
 from ._restore import checkpoint as _reader
-from ._storage import Location
+from ._storage import Entry, Location
 from .errors import CheckpointError, CheckpointExistsError
 
 # Every object a checkpoint (ours or seqax's) can hold, and the temporary files of an
@@ -42,6 +42,11 @@ _LEFTOVER_OBJECT = re.compile(rf"((zarr\.json|PINNED|[^/]+/zarr\.json){_TEMPORAR
 _SEQAX_LEFTOVER_OBJECT = re.compile(rf"({_seqax.OBJECT_NAMES}){_TEMPORARY}")
 # Beside what a committed checkpoint records: its pin, and temporary files of atomic writes.
 _BESIDE_RECORDED = re.compile(r"PINNED|.*\.[0-9a-f]{32}\.tmp")
+# The directories a leftover may hold empty (on a local disk, what a deletion cut short
+# leaves of an array's, or a save made before its first file): zarrckpt's arrays', and
+# seqax's chunk directories.
+_LEFTOVER_DIRECTORY = re.compile(r"[^/]+")
+_SEQAX_LEFTOVER_DIRECTORY = re.compile(r"[^/]+(/c)?(/\d+)*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,14 +73,14 @@ class Inventory:
     some_missing: list[str]
 
 
-def inventory(ckpt: _reader.Checkpoint) -> Inventory:
-    """`ckpt`'s objects as one listing of its location finds them. Work and memory follow
-    what is stored, never what the metadata declares: a grid of millions of chunks costs
-    nothing unless they are there. Raises CheckpointCorruptError (or MissingObject) if
-    metadata it needs is damaged."""
+def inventory(ckpt: _reader.Checkpoint, listed: list[Entry] | None = None) -> Inventory:
+    """`ckpt`'s objects as one listing of its location (`listed`, if made already) finds
+    them. Work and memory follow what is stored, never what the metadata declares: a
+    grid of millions of chunks costs nothing unless they are there. Raises
+    CheckpointCorruptError (or MissingObject) if metadata it needs is damaged."""
     judge = _Judge(ckpt)
     owned, foreign = [], []
-    for entry in ckpt.loc.walk():
+    for entry in ckpt.loc.walk() if listed is None else listed:
         found = judge.owned(entry.name)
         if found is None:
             foreign.append(entry.name)
@@ -214,14 +219,18 @@ def not_ours(loc: Location, *, committed: bool) -> list[str]:
                  if e.name in _commit.GROUP_METADATA_FILES and e.type not in ("file", "link")]
     if committed:
         return misshapen + _foreign_beside_committed(loc)
-    names = [entry.name for entry in loc.walk()]
+    entries = loc.walk(empty_directories=True)
+    names = [entry.name for entry in entries if entry.type != "dir"]
     step = _is_step(loc)
     theirs = _not_a_leftover(_commit.read_group(loc), step) is not None
     # seqax's names, where zarr v2 data of someone's could be: in a run's step, or beside
     # an array's metadata (a folder of numbered files has none; a copy writes it first).
     seqax = step or any(name.endswith(("/" + _seqax.ARRAY, "/" + _seqax.MARKER)) for name in names)
+    empty = [entry.name for entry in entries if entry.type == "dir"]
     return misshapen + [name for name in names if (theirs and name in _commit.GROUP_METADATA_FILES) or not (
-        _LEFTOVER_OBJECT.fullmatch(name) or seqax and _SEQAX_LEFTOVER_OBJECT.fullmatch(name))]
+        _LEFTOVER_OBJECT.fullmatch(name) or seqax and _SEQAX_LEFTOVER_OBJECT.fullmatch(name))] + [
+        f"{name}/" for name in empty
+        if not (_LEFTOVER_DIRECTORY.fullmatch(name) or seqax and _SEQAX_LEFTOVER_DIRECTORY.fullmatch(name))]
 
 
 def _is_step(loc: Location) -> bool:
@@ -248,12 +257,15 @@ def _not_a_leftover(group: _commit.Group | None, step: bool) -> str | None:
 
 def _foreign_beside_committed(loc: Location) -> list[str]:
     """What `loc` holds beside the committed checkpoint's own objects (a link at one of
-    their keys is the checkpoint's, deleted itself, never followed)."""
+    their keys is the checkpoint's, deleted itself, never followed), an empty directory
+    included: a save leaves none."""
+    entries = loc.walk(empty_directories=True)
+    empty = [f"{e.name}/" for e in entries if e.type == "dir"]
     try:
-        foreign = inventory(_reader.open_checkpoint(loc)).foreign
+        foreign = inventory(_reader.open_checkpoint(loc), [e for e in entries if e.type != "dir"]).foreign
     except CheckpointError:  # metadata too damaged to say: judge by names alone
-        return [e.name for e in loc.walk() if not _CHECKPOINT_OBJECT.fullmatch(e.name)]
-    return [key for key in foreign if not _BESIDE_RECORDED.fullmatch(key)]
+        return empty + [e.name for e in entries if e.type != "dir" and not _CHECKPOINT_OBJECT.fullmatch(e.name)]
+    return empty + [key for key in foreign if not _BESIDE_RECORDED.fullmatch(key)]
 
 
 def _some(keys: list[str]) -> str:

@@ -111,6 +111,17 @@ def _newest_finite(root: Location, committed: Collection[int]) -> int | None:
     return None
 
 
+def pin(step_loc: Location) -> bool:
+    """Pins committed `step_loc` (a PIN_FILE in it, on stable storage); returns False,
+    pinning nothing, where a leaf's array takes the pin file's name (a directory, on a
+    local disk): such a step cannot be pinned."""
+    try:
+        step_loc.write(PIN_FILE, b"", durable=True)
+    except IsADirectoryError:
+        return False
+    return True
+
+
 def is_pinned(step_loc: Location) -> bool:
     # One GET, where asking whether an absent object exists takes an object store two
     # requests (a HEAD, then a listing in case it is a directory).

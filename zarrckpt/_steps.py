@@ -208,6 +208,9 @@ def check_directory_of_steps(root: Location, *, has_steps: bool = False) -> None
     library's checkpoints. Called where no committed step was found, so that a run
     pointed at the wrong place fails instead of training from scratch."""
     if _commit.head(root).state is not _commit.State.ABSENT:
+        if _commit.someone_elses(_commit.read_group(root)):
+            raise CheckpointLocationError(f"{root.url} is a zarr group that zarrckpt did not write, not a directory "
+                                          "of steps: pass the directory that holds step directories")
         parent, name = root.url.rstrip("/").rsplit("/", 1) if "/" in root.url.rstrip("/") else ("", root.url)
         step = _naming.parse_step_dir_name(name)
         what = f"step {step} of {parent}" if step is not None else "not a directory of steps"

@@ -37,7 +37,7 @@ from collections.abc import Collection
 from typing import Any
 
 from . import _lease, _multihost, _peers, _retention, _steps
-from ._format import copy_record
+from ._format import copy_record, naming as _naming
 from ._format.copy_record import CopyRecord
 from ._options import LoadOptions, SaveOptions
 from ._restore import copies as _copies
@@ -109,8 +109,8 @@ class LocalTier:
             raise DirectoryInUseError(
                 f"local_directory {self.directory.url} holds the copies of a live job of the same run ({e}); give "
                 "each job its own local_directory") from None
-        others = sorted(e.name for e in self.directory.list_dir()
-                        if e.name != f"{_RUN_DIR}{self.run}" and _run_of_directory(e.name) is not None)
+        others = sorted(e.name for e in self.directory.list_dir() if e.type == "dir"
+                        and e.name != f"{_RUN_DIR}{self.run}" and _holds_copies(self.directory, e.name))
         if others:
             log.warning("local_directory %s also holds the copies of %d other run(s) (%s): not used nor deleted; "
                         "delete them to free room", self.directory.url, len(others), ", ".join(others[:3]))
@@ -220,6 +220,16 @@ def _run_of_directory(name: str) -> str | None:
     if name.startswith(_PROCESS_DIR) and name[len(_PROCESS_DIR):].isdecimal() and name.isascii():
         return ""
     return None
+
+
+def _holds_copies(directory: Location, name: str) -> bool:
+    """Whether the directory `name` of a local directory holds a run's copies: it is a
+    run's, or, in the layout before runs had a directory of their own, a process's that
+    holds steps (someone's folder named `process0` does not)."""
+    run = _run_of_directory(name)
+    if run == "":
+        return any(_naming.parse_step_dir_name(e.name) is not None for e in directory.list_dir(name))
+    return run is not None
 
 
 def run_identity(root: Location) -> str:

@@ -130,11 +130,13 @@ class Location:
                 return []
             raise
 
-    def walk(self) -> list[Entry]:
+    def walk(self, *, empty_directories: bool = False) -> list[Entry]:
         """Every object below this location at any depth, by key relative to it (on a
-        local disk, symbolic links as `link` entries, never followed)."""
+        local disk, symbolic links as `link` entries, never followed); with
+        `empty_directories`, on a local disk, each directory that holds nothing too (a
+        `dir` entry)."""
         try:
-            return self._call("list", None, self.store.walk)
+            return self._call("list", None, self.store.walk, empty_directories=empty_directories)
         except (FileNotFoundError, NotADirectoryError):
             return []
 

@@ -82,8 +82,8 @@ class LocalDisk(Store):
     def list_dir(self, key: str, *, timeout: float | None) -> list[Entry]:
         return sorted(list_dir(self.root, key), key=lambda e: e.name)
 
-    def walk(self, key: str, *, timeout: float | None) -> list[Entry]:
-        return walk(self.root, key)
+    def walk(self, key: str, *, timeout: float | None, empty_directories: bool = False) -> list[Entry]:
+        return walk(self.root, key, empty_directories=empty_directories)
 
     def write(self, key: str, parts: Sequence[object], *, atomic: bool, durable: bool,
               timeout: float | None) -> None:
@@ -560,14 +560,18 @@ def list_dir(root: str, key: str) -> list[Entry]:
     return entries
 
 
-def walk(root: str, key: str) -> list[Entry]:
-    """Every entry below the directory `root/key` at any depth except directories, by
-    path relative to it; links are reported, never followed."""
+def walk(root: str, key: str, *, empty_directories: bool = False) -> list[Entry]:
+    """Every entry below the directory `root/key` at any depth except directories (but,
+    with `empty_directories`, those that hold nothing), by path relative to it; links
+    are reported, never followed."""
     out: list[Entry] = []
     todo = [""]
     while todo:
         below = todo.pop()
-        for entry in list_dir(root, os.path.join(key, below) if below else key):
+        entries = list_dir(root, os.path.join(key, below) if below else key)
+        if not entries and below and empty_directories:
+            out.append(Entry(below, "dir"))
+        for entry in entries:
             name = f"{below}/{entry.name}" if below else entry.name
             if entry.type == "dir":
                 todo.append(name)

@@ -215,8 +215,8 @@ class Fsspec(Store):
                 log.warning("%s/%s is both an object and a directory: the object is ignored", path, name)
         return sorted(entries.values(), key=lambda e: e.name)
 
-    def walk(self, key: str, *, timeout: float | None) -> list[Entry]:
-        path = self._path(key)
+    def walk(self, key: str, *, timeout: float | None, empty_directories: bool = False) -> list[Entry]:
+        path = self._path(key)  # an object store's "directories" are prefixes of objects: never empty
         self.fs.invalidate_cache(path)
         found = self._run("find", path, detail=True, timeout=timeout)
         return sorted((Entry(posixpath.relpath(item["name"].rstrip("/"), path), "file", int(item.get("size") or 0))

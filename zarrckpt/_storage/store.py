@@ -65,8 +65,10 @@ class Store(abc.ABC):
         """The entries directly below `key`, sorted by name (FileNotFoundError if none)."""
 
     @abc.abstractmethod
-    def walk(self, key: str, *, timeout: float | None) -> list[Entry]:
-        """Every object below `key` at any depth, by key relative to it, sorted."""
+    def walk(self, key: str, *, timeout: float | None, empty_directories: bool = False) -> list[Entry]:
+        """Every object below `key` at any depth, by key relative to it, sorted; with
+        `empty_directories`, each directory that holds nothing too (a `dir` entry),
+        where the store has directories."""
 
     @abc.abstractmethod
     def write(self, key: str, parts: Sequence[object], *, atomic: bool, durable: bool,
