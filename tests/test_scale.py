@@ -101,3 +101,21 @@ def test_a_process_killed_mid_save_is_named_and_the_restart_resumes(saved, tmp_p
     assert _commit.head(_storage.resolve(directory).step(2)).state is not _commit.State.COMMITTED
     restarted = multiprocess.run("mp_scale", "restore", directory, "sharded", processes=4, devices=2)
     assert [r["step"] for r in restarted] == [1, 1, 1, 1]
+
+
+def test_a_listing_of_many_directories_keeps_one_descriptor_open_per_level(tmp_path):
+    """A step of 600 arrays listed under a limit of 128 open files (a shell's default is
+    1,024; an import of a large model has thousands of arrays): the listing, which
+    copies, overwrites, retention and the check of unchanged chunks make, opens a
+    directory only as it visits it, never all of one level at once."""
+    import subprocess
+    import sys
+
+    for i in range(600):
+        (tmp_path / f"leaf{i}").mkdir()
+        (tmp_path / f"leaf{i}" / "c.0").write_bytes(b"x")
+    code = ("import resource, sys; from zarrckpt import _storage\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+            "print(len(_storage.resolve(sys.argv[1]).walk()))")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["600"], done.stderr[-2000:]

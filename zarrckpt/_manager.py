@@ -332,7 +332,7 @@ class CheckpointManager:
         seen = None
         if self._unchanged is not None:
             seen = self._unchanged.mark(job.plans, job.arrays, location)
-            job.after_writes = self._unchanged.after_writes(job.plans, "reuse_unchanged")
+            job.after_writes = self._unchanged.after_writes(job.plans, "reuse_unchanged", job.made)
         # The findings of the step the unchanged leaves were made from, where it is the
         # very save this manager checked.
         then, source = self._findings, self._unchanged.step() if self._unchanged is not None else None
@@ -354,7 +354,7 @@ class CheckpointManager:
 
         job.before_prepare = before_prepare
         # The job holds the state: the commit's report must not.
-        nbytes, note, known = job.nbytes, job.reuse_note(), self._unchanged
+        nbytes, note, known, made = job.nbytes, job.reuse_note(), self._unchanged, job.made
 
         def committed() -> None:
             seconds = time.perf_counter() - started
@@ -373,7 +373,7 @@ class CheckpointManager:
                 log.info("checkpoint step %d committed to %s: %s%s%s", step, self._root.url,
                          _progress.rate(nbytes, seconds), blocked, note)
             if known is not None and seen is not None:
-                known.committed(seen, save.save_id)
+                known.committed(seen, save.save_id, made)
             if self._policy.deletes:
                 self._retain()
 
@@ -492,14 +492,13 @@ class CheckpointManager:
         ckpt = None
         if local is not None:
             (state, restored), tier = local, "local"
-        elif step is None:
-            state, restored, ckpt = _steps.restore_latest(self._root, target, options, self._timeout_s)
+        elif step is None:  # a save reuses the restored step's chunks (told to `_unchanged`)...
+            state, restored, ckpt = _steps.restore_latest(self._root, target, options, self._timeout_s,
+                                                          self._unchanged)
             tier = "persistent"
         else:
-            (state, ckpt), tier = _steps.load_step(self._root, step, target, options), "persistent"
-        if self._unchanged is not None and ckpt is not None:  # a save reuses the restored step's chunks...
-            self._unchanged.restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id)
-        elif self._unchanged is not None:  # ...and none after a local step, none of any older save's
+            (state, ckpt), tier = _steps.load_step(self._root, step, target, options, self._unchanged), "persistent"
+        if self._unchanged is not None and ckpt is None:  # ...and none after a local step, none of any older save's
             self._unchanged.forget()
         self._restored_step = restored
         self._restored_tier = tier if restored is not None else None

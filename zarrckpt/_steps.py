@@ -82,7 +82,7 @@ def save_checkpoint(
     known = _save.of_run(where(root))
     if source is not None and (trusted := _trusted(known, source)) is not None:
         seen = known.mark(job.plans, job.arrays, loc, source=source, save_id=trusted)
-        job.after_writes = known.after_writes(job.plans, "unchanged_since", trusted)
+        job.after_writes = known.after_writes(job.plans, "unchanged_since", job.made, trusted)
     else:
         seen = known.saw(job.plans, job.arrays, loc)
     try:
@@ -91,7 +91,7 @@ def save_checkpoint(
         if job.save_id is not None:  # past the refusals: the step its chunks would come from may be gone
             known.forget()
         raise
-    known.committed(seen, job.save_id)
+    known.committed(seen, job.save_id, job.made)
 
 
 def _trusted(known: _save.Unchanged, source: Location) -> str | None:
@@ -291,9 +291,7 @@ def load_checkpoint_if_it_exists(
                                    max_workers=max_workers, progress=progress)
     _options.check("timeout_s", timeout_s, _options.NUMBER)
     root = _storage.resolve(checkpoint_dir, storage_options)
-    state, step, ckpt = restore_latest(root, target, options, timeout_s)
-    if ckpt is not None:
-        _restored(root, ckpt, state)
+    state, step, _ = restore_latest(root, target, options, timeout_s, _save.of_run(where(root)))
     return state, step or 0
 
 
@@ -323,22 +321,23 @@ def load_checkpoint(
                                    load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
                                    max_workers=max_workers, progress=progress)
     root = _storage.resolve(checkpoint_dir, storage_options)
-    state, ckpt = load_step(root, step, target, options)
-    _restored(root, ckpt, state)
-    return state
+    return load_step(root, step, target, options, _save.of_run(where(root)))[0]
 
 
-def _restored(root: Location, ckpt: _reader.Checkpoint, state: Any) -> None:
-    """Tells what this process knows of `root` (for `save_checkpoint`'s `unchanged_since`)
-    that `ckpt` was restored into `state`."""
-    _save.of_run(where(root)).restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id)
-
-
-def load_step(root: Location, step: int, target: Any, options: _options.LoadOptions
-              ) -> tuple[Any, _reader.Checkpoint]:
-    """`load_checkpoint` under `root`, and the checkpoint it read."""
+def load_step(root: Location, step: int, target: Any, options: _options.LoadOptions,
+              known: _save.Unchanged | None) -> tuple[Any, _reader.Checkpoint]:
+    """`load_checkpoint` under `root`, and the checkpoint it read; told to what this
+    process `known`s of it (for a later save's unchanged chunks), if given."""
     ckpt = _reader.open_checkpoint(committed_step(root, step))
-    return _restore.load_opened(ckpt, target, options), ckpt
+    return _read(ckpt, target, options, known), ckpt
+
+
+def _read(ckpt: _reader.Checkpoint, target: Any, options: _options.LoadOptions,
+          known: _save.Unchanged | None) -> Any:
+    def read() -> Any:
+        return _restore.load_opened(ckpt, target, options)
+
+    return read() if known is None else known.read(ckpt, read)
 
 
 def committed_step(root: Location, step: int) -> Location:
@@ -396,10 +395,11 @@ def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None,
         time.sleep(poll_interval_s if timeout_s is None else min(poll_interval_s, timeout_s - waited))
 
 
-def restore_latest(root: Location, target: Any, options: _options.LoadOptions,
-                   timeout_s: float) -> tuple[Any, int | None, _reader.Checkpoint | None]:
+def restore_latest(root: Location, target: Any, options: _options.LoadOptions, timeout_s: float,
+                   known: _save.Unchanged | None) -> tuple[Any, int | None, _reader.Checkpoint | None]:
     """`load_checkpoint_if_it_exists` under `root`, but None for the step when nothing
-    was restored (step 0 may have been saved), and the checkpoint it read. Agreement."""
+    was restored (step 0 may have been saved), and the checkpoint it read, told to what
+    this process `known`s of it, if given. Agreement."""
     chosen: dict[str, Any] = {}
     with _multihost.Agreement("restore", timeout_s, what=f"choosing the step to restore under {root.url}") as op:
         step, save_id = op.decide("step", lambda: _newest(root, chosen))
@@ -407,7 +407,7 @@ def restore_latest(root: Location, target: Any, options: _options.LoadOptions,
         return target, None, None
     # Every process opens the save process 0 chose, or fails: never two saves of a step.
     ckpt = _reader.open_checkpoint(root.step(step), group=chosen.get("group"), save_id=save_id)
-    return _restore.load_opened(ckpt, target, options), step, ckpt
+    return _read(ckpt, target, options, known), step, ckpt
 
 
 def _newest(root: Location, chosen: dict[str, Any]) -> tuple[int | None, str | None]:

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import fsspec
+import jax
 import multiprocess
 import numpy as np
 import pytest
@@ -187,3 +188,68 @@ def test_a_chunk_made_from_a_planted_link_or_fifo_is_refused_and_nothing_is_foll
             root.child("2").copy_new("a/c.0", root.child("1"), nbytes=18)
     assert not os.path.lexists(run_dir / "2" / "a" / "c.0")
     assert outside.read_bytes() == b"not a checkpoint's" and os.stat(outside).st_nlink == 1
+
+
+@pytest.mark.parametrize("learnt", ["saved", "restored"])
+@pytest.mark.parametrize("kind", ["local", "memory", "s3", "gcs"])
+def test_a_chunk_rewritten_after_its_step_was_saved_or_restored_is_never_made_from(new_store, kind, learnt):
+    """A manager knows step 1 (it saved it, or a new manager restored it); another
+    program then rewrites a chunk of it with a valid chunk of other values (as zarr-python
+    does: a new object at its key; the commit and save identity untouched). The next
+    save of the very same arrays fails naming that chunk, nothing of it committed,
+    rather than make the new step from it; the save after writes every chunk, and both
+    steps it holds restore exactly what was saved."""
+    store, other = new_store(kind), new_store(kind)
+    options = store.options
+    w = np.arange(2**18, dtype=np.float32)
+    state1 = {"w": jax.device_put(w), "step": 1}
+    zarrckpt.save_checkpoint(other.url, 1, {"w": w + 1, "step": 1}, storage_options=other.options)
+    fs, root = fsspec.core.url_to_fs(store.url, **(options or {}))
+    other_fs, other_root = fsspec.core.url_to_fs(other.url, **(other.options or {}))
+    with zarrckpt.CheckpointManager(store.url, async_save=False, storage_options=options) as mgr:
+        mgr.save(1, state1)
+    with zarrckpt.CheckpointManager(store.url, async_save=False, storage_options=options) as mgr:
+        if learnt == "restored":
+            state1, _ = mgr.restore({"w": jax.device_put(np.zeros_like(w)), "step": 0})
+        else:
+            mgr.save(2, {**state1, "step": 2})
+        known = 2 if learnt == "saved" else 1
+        chunk = f"{root}/{known:010d}/w/c.0"
+        fs.pipe_file(chunk, other_fs.cat_file(f"{other_root}/{1:010d}/w/c.0"))  # a valid chunk, other values
+        with pytest.raises(zarrckpt.CheckpointWriteError, match=f"{known:010d}/w/c.0"):
+            mgr.save(known + 1, {**state1, "step": known + 1})
+        assert zarrckpt.all_steps(store.url, storage_options=options) == list(range(1, known + 1))
+        mgr.save(known + 2, {**state1, "step": known + 2})
+        mgr.save(known + 3, {**state1, "step": known + 3})  # made from the step just written
+    for step in (known + 2, known + 3):
+        restored = zarrckpt.load_checkpoint(store.url, step, storage_options=options)
+        np.testing.assert_array_equal(restored["w"], w)
+        assert restored["step"] == step
+
+
+def test_where_links_cannot_be_made_unchanged_chunks_are_copied_and_still_checked(tmp_path, monkeypatch):
+    """On a file system that refuses hard links (gcsfuse, blobfuse) an unchanged chunk
+    is copied in the kernel: saves of the very same arrays commit, each step with files
+    of its own, and a chunk rewritten after its step was saved still fails the next
+    save, which names it."""
+    import errno
+
+    def no_links(*args, **kwargs):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    w = jax.device_put(np.arange(2**18, dtype=np.float32))
+    with zarrckpt.CheckpointManager(str(tmp_path), async_save=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": w, "step": step})
+        chunk = tmp_path / "0000000003" / "w" / "c.0"
+        assert chunk.stat().st_ino != (tmp_path / "0000000002" / "w" / "c.0").stat().st_ino
+        chunk.write_bytes(chunk.read_bytes())  # rewritten in place: with the same bytes even, a version says no more
+        with pytest.raises(zarrckpt.CheckpointWriteError, match="0000000003/w/c.0"):
+            mgr.save(4, {"w": w, "step": 4})
+        mgr.save(5, {"w": w, "step": 5})
+    assert zarrckpt.all_steps(str(tmp_path)) == [1, 2, 3, 5]
+    for step in (1, 2, 3, 5):
+        restored = zarrckpt.load_checkpoint(str(tmp_path), step)
+        np.testing.assert_array_equal(restored["w"], np.arange(2**18, dtype=np.float32))
+        assert restored["step"] == step

@@ -176,6 +176,26 @@ def frozen(directory: str) -> None:
            head=float(np.asarray(restored["head"].addressable_shards[0].data).max()))
 
 
+def grown(directory: str) -> None:
+    """The very same arrays saved at steps 1 and 2; at step 3 the tree gains leaves
+    before them (an EMA, an optional leaf set), which moves the process that writes the
+    replicated leaf's chunk: now it makes it from a chunk the other process made. Reports
+    the steps committed and the values step 3 restores to."""
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    sharded = jax.make_array_from_callback((8192,), NamedSharding(mesh, P("x")),
+                                           lambda i: np.arange(8192, dtype=np.float32)[i])
+    replicated = jax.make_array_from_callback((4096,), NamedSharding(mesh, P()),
+                                              lambda i: np.arange(4096, dtype=np.float32)[i])
+    trees = {1: {"s": sharded, "w": replicated}, 2: {"s": sharded, "w": replicated},
+             3: {"a": sharded, "b": sharded, "c": sharded, "d": sharded, "s": sharded, "w": replicated}}
+    with zarrckpt.CheckpointManager(directory, async_save=False) as mgr:
+        for step, tree in trees.items():
+            mgr.save(step, tree)
+        restored = zarrckpt.load_checkpoint(directory, 3)
+    report(steps=zarrckpt.all_steps(directory),
+           exact=all(np.array_equal(np.asarray(restored[k]), np.arange(8192 if k != "w" else 4096)) for k in restored))
+
+
 def staging_fails(directory: str) -> None:
     """Process 1's copies of step 1 off the devices fail (the runtime cannot allocate
     pinned host memory) before its staging has waited on anything; then both processes
@@ -203,5 +223,5 @@ def staging_fails(directory: str) -> None:
     report(said=said, step=step, values=values, steps=zarrckpt.all_steps(directory))
 
 
-{"train": train, "timeout": timeout, "late": late, "preempted": preempted, "frozen": frozen,
+{"train": train, "timeout": timeout, "late": late, "preempted": preempted, "frozen": frozen, "grown": grown,
  "staging_fails": staging_fails}[args[0]](*args[1:])

@@ -197,6 +197,9 @@ class SaveJob:
     # unchanged chunks were made from is still the one they were made from.
     after_writes: Callable[[], None] | None = None
     save_id: str | None = None  # this save's identity, once prepared (see `_commit`)
+    # The version of each chunk this process made, by key, where the store says it at
+    # no cost (None where it does not): what a later save made from this step checks.
+    made: dict[str, str | None] = dataclasses.field(default_factory=dict)
     commit: Commit = SHARED
     # Which chunks are compressed, with `options.compression` (a manager's outlasts a save).
     compressor: Compressor = dataclasses.field(default_factory=Compressor)
@@ -382,7 +385,7 @@ class SaveJob:
     def _write(self, work: Work, advance: Callable[[int], None]) -> None:
         try:
             _write_all(self.loc, work, self._array_metadata(), self.options.max_workers or self.loc.concurrency,
-                       advance, self.compressor)
+                       advance, self.compressor, self.made)
         except Exception as e:
             if self.after_writes is not None and _missing(e):  # a chunk gone from under a link: say why
                 try:
@@ -463,9 +466,10 @@ def _tree_metadata(spec: dict[str, Any], version: int) -> dict[str, Any]:
 
 
 def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPlan, dict[str, Any]]],
-               workers: int, advance: Callable[[int], None], compressor: Compressor) -> None:
-    """Writes each array's `metadata` document and every unit of `work`, `workers` at
-    a time, all on stable storage before this returns (written together: see
+               workers: int, advance: Callable[[int], None], compressor: Compressor,
+               made: dict[str, str | None]) -> None:
+    """Writes each array's `metadata` document and every unit of `work` (each chunk's
+    version into `made`), `workers` at a time, all on stable storage before this returns (written together: see
     `Location.together`): the commit that follows must never find a chunk only in the
     page cache. Array metadata is only read
     once committed, so it goes out alongside the chunks. Chunks are compressed where
@@ -475,7 +479,7 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
         if isinstance(what, dict):
             _write_metadata(out, plan, what)
         else:
-            _write_one(out, plan, what, compressor)
+            _write_one(out, plan, what, compressor, made)
             advance(what.nbytes)
 
     def written(item: tuple[ArrayPlan, WriteUnit | dict[str, Any]]) -> int:  # bytes passing through this process
@@ -494,12 +498,13 @@ def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str,
         loc.write_new(_naming.object_key(plan.codec.array, "zarr.json"), _zarrjson.encode_document(document))
 
 
-def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, compressor: Compressor) -> None:
-    where = f"chunk {plan.codec.coords(unit.region)}"
+def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, compressor: Compressor,
+               made: dict[str, str | None]) -> None:
+    where, key = f"chunk {plan.codec.coords(unit.region)}", plan.codec.key(unit.region)
     try:
         if plan.reuse_from is not None:  # unchanged since that step: its chunk is this one
             with _as_write_error(plan, where):
-                loc.copy_new(plan.codec.key(unit.region), plan.reuse_from, nbytes=unit.nbytes)
+                made[key] = loc.copy_new(key, plan.reuse_from, nbytes=unit.nbytes)
             return
         # An import's chunk is read from its source here: a read that fails is the
         # source's error as it is (see `Deferred.values`), not a write's.
@@ -508,7 +513,7 @@ def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, compres
         with _as_write_error(plan, where):
             parts = compressor.frame(plan.leaf.name, plan.codec, values)
             started = time.perf_counter()
-            loc.write_new(plan.codec.key(unit.region), *parts)
+            made[key] = loc.write_new(key, *parts)
             compressor.wrote(sum(memoryview(p).nbytes for p in parts), time.perf_counter() - started)
     finally:
         unit.release()

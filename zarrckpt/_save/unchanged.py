@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .. import _commit, _devices, _storage
+from .. import _commit, _devices, _multihost, _storage
 from .._format import tree as _tree, zarrjson as _zarrjson
 from .._format.chunks import ChunkCodec
 from .._regions import Region, region_size, replicas_of
@@ -62,6 +62,7 @@ _MAX_QUIET = 63
 # more than writing it, and the leaves a fine-tune freezes are large.
 _MIN_BYTES = 4 * 2**20
 Fingerprint = tuple[int, int]
+Version = str | None  # what tells one version of an object from another (`_storage.Entry.version`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Unchanged:
         self._keys = np.frombuffer(secrets.token_bytes(8), np.uint32).copy()
         self._known: dict[str, Known] = {}
         self._save_id: str | None = None  # the identity of the step known, where told (see `of_run`)
+        self._objects: Mapping[str, Version] = {}  # the step known's objects, as they were when it became known
         self._lock = threading.Lock()
 
     def mark(self, plans: Sequence[ArrayPlan], documents: dict[str, dict[str, Any]],
@@ -120,23 +122,27 @@ class Unchanged:
                 for plan in plans if plan.moved is None and plan.leaf.name in documents
                 and isinstance(plan.leaf.value, jax.Array)}
 
-    def after_writes(self, plans: Sequence[ArrayPlan], option: str,
+    def after_writes(self, plans: Sequence[ArrayPlan], option: str, made: Mapping[str, Version],
                      save_id: str | None = None) -> Callable[[], None] | None:
         """For `SaveJob.after_writes`: a check, run once this process's writes are in,
         that the step its `plans` made chunks from (`mark`) is still committed as save
-        `save_id` (by default, the one this process knows), raising
-        CheckpointWriteError (naming `option`, the caller's keyword) if another writer
-        deleted or replaced it meanwhile. A replacement uncommits a step before it
-        changes a chunk, so every chunk made before the check was that save's. None
-        where nothing was made from a step."""
+        `save_id` (by default, the one this process knows), and that every chunk made
+        from it was made from the object that was there when that step became known here
+        (the version of a chunk `made` where the store says it: a local link is its
+        source; else the source's, listed now), raising CheckpointWriteError (naming
+        `option`, the caller's keyword) if another writer deleted or replaced the step
+        meanwhile, or another program rewrote a chunk of it (zarr-python, a copy over
+        it). A replacement uncommits a step before it changes a chunk, and a chunk
+        rewritten before it was made from is rewritten before the check, so every chunk
+        made before the check holds what was saved. None where nothing was made from a
+        step."""
         sources = {plan.reuse_from for plan in plans if plan.reuse_from is not None and plan.writes}
-        if save_id is None:
-            with self._lock:
-                save_id = self._save_id
+        with self._lock:
+            save_id, objects = save_id if save_id is not None else self._save_id, self._objects
         if not sources or save_id is None:  # `mark` makes nothing from a step of unknown identity
             return None
         (source,) = sources  # one step known at a time
-        return functools.partial(_still, source, save_id, option)
+        return functools.partial(_still, source, save_id, option, objects, plans, made)
 
     def step(self) -> tuple[_storage.Location, str | None] | None:
         """The step whose leaves this process knows, and that step's identity where it
@@ -164,6 +170,8 @@ class Unchanged:
         for plan in plans:
             value, name = plan.leaf.value, plan.leaf.name
             if plan.moved is not None or name not in documents or not isinstance(value, jax.Array):
+                continue
+            if value.is_deleted():  # donated: saved by nobody, as its staging says (as without reuse)
                 continue
             before = known.get(name)
             if before is not None and before.document is not documents[name] and before.document != documents[name]:
@@ -234,18 +242,37 @@ class Unchanged:
             judged(plan, before, sample, whole)
         return seen
 
-    def committed(self, seen: dict[str, Known], save_id: str | None = None) -> None:
+    def committed(self, seen: dict[str, Known], save_id: str | None = None,
+                  made: Mapping[str, Version] | None = None) -> None:
         """The save that `mark` (or `saw`) returned `seen` for committed, with identity
         `save_id`: its step is now what this process knows (of leaves not in it,
-        nothing: an older step may be deleted)."""
+        nothing: an older step may be deleted), with the versions of the chunks it
+        `made` (`SaveJob.made`), or, where the store did not say them, of every object
+        as one listing finds them now."""
+        objects: Mapping[str, Version] = {}
+        if seen:  # a process of several may make a chunk from one another process made: all are listed
+            if made and None not in made.values() and _multihost.process_count() == 1:
+                objects = made
+            else:
+                objects = listed(next(iter(seen.values())).step)
+        self._learnt(seen, save_id, objects)
+
+    def _learnt(self, known: dict[str, Known], save_id: str | None, objects: Mapping[str, Version]) -> None:
+        """`known` is what this process knows, of the step of identity `save_id` whose
+        objects had the versions `objects`; nothing, where a version is not known (no
+        later save could check that it holds what it did)."""
+        if not objects or None in objects.values():
+            known, save_id, objects = {}, None, {}
         with self._lock:
-            self._known, self._save_id = seen, save_id
+            self._known, self._save_id, self._objects = known, save_id, objects
 
     def restored(self, step: _storage.Location, stored: Mapping[str, Any], state: Any,
-                 save_id: str | None = None) -> None:
+                 save_id: str | None, objects: Mapping[str, Version]) -> None:
         """`step` (identity `save_id`), whose leaves by name are `stored` (each with its
-        shape and codec), was restored into `state`: each jax.Array of it that `step`
-        holds (not a leaf of a partial restore's target that `step` lacks) holds exactly
+        shape and codec) and whose objects had the versions `objects` before it was
+        read (`listed`: a chunk rewritten while it was read is then not taken for the
+        one read), was restored into `state`: each jax.Array of it that `step` holds
+        (not a leaf of a partial restore's target that `step` lacks) holds exactly
         what `step` does."""
         known = {}
         for path, value in jax.tree_util.tree_flatten_with_path(state)[0]:
@@ -257,12 +284,22 @@ class Unchanged:
                 continue
             if leaf is not None and isinstance(leaf.codec, ChunkCodec):
                 known[leaf.name] = Known(step, _zarrjson.array_document(leaf.shape, leaf.codec), weakref.ref(value))
+        if known:
+            self._learnt(known, save_id, objects)
+            return
         with self._lock:
-            if known:
-                self._known, self._save_id = known, save_id
-            elif any(where(k.step) == where(step) for k in self._known.values()) and save_id != self._save_id:
-                self._known, self._save_id = {}, None  # the step known was replaced: it holds what it did not
+            if any(where(k.step) == where(step) for k in self._known.values()) and save_id != self._save_id:
+                self._known, self._save_id, self._objects = {}, None, {}  # the step known was replaced
             # else restored as numpy values, say: what the arrays hold is as known before
+
+    def read(self, ckpt: Any, read: Callable[[], Any]) -> Any:
+        """`read()`, the restore of the opened checkpoint `ckpt` (a `_restore.checkpoint.
+        Checkpoint`), told to `restored` with the versions of its objects as listed just
+        before (a chunk rewritten while it is read is not taken for the one read)."""
+        objects = listed(ckpt.loc)
+        state = read()
+        self.restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id, objects)
+        return state
 
     def dropped(self, urls: set[str]) -> None:
         """The steps at `urls` were deleted: nothing is made from them any more."""
@@ -272,7 +309,7 @@ class Unchanged:
     def forget(self) -> None:
         """Nothing known: after a failed save or a deletion, the next save writes all."""
         with self._lock:
-            self._known, self._save_id = {}, None
+            self._known, self._save_id, self._objects = {}, None, {}
 
 
 def where(loc: _storage.Location) -> str:
@@ -280,11 +317,35 @@ def where(loc: _storage.Location) -> str:
     return os.path.realpath(loc.path) if loc.is_local else loc.url
 
 
-def _still(source: _storage.Location, save_id: str, option: str) -> None:
+def listed(step: _storage.Location) -> dict[str, Version]:
+    """The version of every object of `step`, as one listing finds them; {} where it
+    cannot be listed (then nothing is made from it: the next save writes all)."""
+    try:
+        return {entry.name: entry.version for entry in step.walk()}
+    except Exception as e:
+        log.debug("%s could not be listed: the next save writes every chunk: %s", step.url, e)
+        return {}
+
+
+def _still(source: _storage.Location, save_id: str, option: str, objects: Mapping[str, Version],
+           plans: Sequence[ArrayPlan], made: Mapping[str, Version]) -> None:
     now = _commit.head(source)
     if now.state is not _commit.State.COMMITTED or now.save_id != save_id:
         raise CheckpointWriteError(f"{source.url}, the step this save made unchanged chunks from ({option}), was "
                                    "deleted or replaced by another writer meanwhile: save again")
+    found: dict[str, Version] | None = None  # the source's objects, listed where a version made is not known
+    for plan in plans:
+        for unit in plan.writes if plan.reuse_from is not None else ():
+            key = plan.codec.key(unit.region)
+            if (version := made.get(key)) is None:  # a listing that fails fails the save, saying why
+                found = {entry.name: entry.version for entry in source.walk()} if found is None else found
+                version = found.get(key, "")
+            if objects.get(key) is None or version != objects[key]:
+                what = ("is gone (deleted by another program)" if version == "" else
+                        "is not the object it was when that step was saved or restored here (rewritten by another "
+                        "program, or the step copied over)")
+                raise CheckpointWriteError(f"{source.url}/{key}, a chunk this save made an unchanged chunk from "
+                                           f"({option}), {what}; the next save writes every chunk")
 
 
 # Directories of steps (by `where`) whose newest step saved or restored by this process

@@ -140,7 +140,7 @@ class Location:
         except (FileNotFoundError, NotADirectoryError):
             return []
 
-    def write(self, key: str, *parts: Any, atomic: bool = False, durable: bool = False) -> None:
+    def write(self, key: str, *parts: Any, atomic: bool = False, durable: bool = False) -> str | None:
         """Writes the object `key`, the concatenation of the bytes-like `parts`, below
         this location, creating directories as needed.
 
@@ -149,12 +149,15 @@ class Location:
         (see docs/pytree-zarr-checkpoint.md, Commit). With `durable`, the object is on
         stable storage when this returns, and so is every directory entry leading to it
         (on a local disk see `local`; a store that acknowledged a PUT has it).
+        Returns the version of the object made where the store knows it at no cost (see
+        `Entry.version`: on a local disk), else None; so do `create`, `write_new` and
+        `copy_new`.
         """
         nbytes = sum(memoryview(p).nbytes for p in parts)
         _stats.add("store_bytes_written", nbytes)
-        self._call("write", key, self.store.write, parts, atomic=atomic, durable=durable, nbytes=nbytes)
+        return self._call("write", key, self.store.write, parts, atomic=atomic, durable=durable, nbytes=nbytes)
 
-    def create(self, key: str, *parts: Any) -> None:
+    def create(self, key: str, *parts: Any) -> str | None:
         """Writes the object `key` (the concatenation of `parts`), durably, only if
         nothing is there: FileExistsError if something is. Of two creates of one key,
         from any processes, at most one succeeds where `exclusive` is true (a local disk:
@@ -162,7 +165,7 @@ class Location:
         its first attempt landed unseen finds its own object: compare the content."""
         nbytes = sum(memoryview(p).nbytes for p in parts)
         _stats.add("store_bytes_written", nbytes)
-        self._call("write", key, self.store.create, parts, nbytes=nbytes)
+        return self._call("write", key, self.store.create, parts, nbytes=nbytes)
 
     @property
     def exclusive(self) -> bool:
@@ -176,7 +179,7 @@ class Location:
         protocol against late requests (`write_new`, `_commit.write_marker`)."""
         return self.store.late and self.store.exclusive
 
-    def write_new(self, key: str, *parts: Any, atomic: bool = False) -> None:
+    def write_new(self, key: str, *parts: Any, atomic: bool = False) -> str | None:
         """Writes the object `key`, which the save or copy in progress makes (a chunk, an
         array's or the group's metadata), durably.
 
@@ -186,10 +189,10 @@ class Location:
         not these bytes), deleted, and the object created again. Elsewhere it is a
         `write` (`atomic` as there)."""
         if not self.late_safe:
-            self.write(key, *parts, atomic=atomic, durable=True)
-            return
+            return self.write(key, *parts, atomic=atomic, durable=True)
         self._created(key, lambda: self.create(key, *parts),
                       lambda found: found == b"".join(memoryview(p).cast("B") for p in parts))
+        return None
 
     @contextlib.contextmanager
     def together(self) -> Iterator[Location]:
@@ -203,7 +206,7 @@ class Location:
         with self.store.together() as store:
             yield dataclasses.replace(self, store=store)
 
-    def copy_new(self, key: str, source: Location, *, nbytes: int) -> None:
+    def copy_new(self, key: str, source: Location, *, nbytes: int) -> str | None:
         """Makes the object `key`, which the save in progress makes (a chunk that has not
         changed), durably what the object `key` of `source` is (a committed step of the
         same store), its `nbytes` passing through no process where the store can copy
@@ -216,13 +219,14 @@ class Location:
             raise ValueError(f"{source.url} is not in the store of {self.url}: a chunk is copied within one store")
         _stats.add("store_bytes_copied", nbytes)
         if not self.late_safe:
-            self._call("write", key, self.store.copy, source._key(key), size=nbytes, exclusive=False, nbytes=nbytes)
-            return
+            return self._call("write", key, self.store.copy, source._key(key), size=nbytes, exclusive=False,
+                              nbytes=nbytes)
         self._created(key, lambda: self._call("write", key, self.store.copy, source._key(key), size=nbytes,
                                               exclusive=True, nbytes=nbytes),
                       lambda found: found == source.read(key))
+        return None
 
-    def _created(self, key: str, create: Callable[[], None], meant: Callable[[bytes], bool]) -> None:
+    def _created(self, key: str, create: Callable[[], object], meant: Callable[[bytes], bool]) -> None:
         """Makes `key` by `create` (exclusive), against requests that land late: an object
         found there that is not what was `meant` is a late request of another save
         (landed, so it is deleted and the object made again); one that is, an earlier

@@ -86,14 +86,14 @@ class LocalDisk(Store):
         return walk(self.root, key, empty_directories=empty_directories)
 
     def write(self, key: str, parts: Sequence[object], *, atomic: bool, durable: bool,
-              timeout: float | None) -> None:
-        write(self.root, key, parts, atomic=atomic, durable=durable, together=self._together)
+              timeout: float | None) -> str:
+        return write(self.root, key, parts, atomic=atomic, durable=durable, together=self._together)
 
-    def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> None:
-        create(self.root, key, parts)
+    def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> str:
+        return create(self.root, key, parts)
 
-    def copy(self, key: str, source: str, *, size: int, exclusive: bool, timeout: float | None) -> None:
-        copy(self.root, source, key, exclusive=exclusive, together=self._together)
+    def copy(self, key: str, source: str, *, size: int, exclusive: bool, timeout: float | None) -> str | None:
+        return copy(self.root, source, key, exclusive=exclusive, together=self._together)
 
     def read(self, key: str, limit: int | None, *, timeout: float | None,
              check: Check | None = None) -> bytes:
@@ -339,18 +339,19 @@ def read_range(root: str, key: str, start: int, buffer: memoryview) -> int:
 
 
 def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable: bool,
-          together: Together | None = None) -> None:
-    """Writes `root/key`, the concatenation of `parts`, creating directories as needed.
-    `atomic`: written aside and renamed over, so a reader sees the old file or the new
-    one whole. `durable`: on stable storage (data, and with `atomic` the rename) before
-    returning, or, in writes made `together`, before they end."""
+          together: Together | None = None) -> str:
+    """Writes `root/key`, the concatenation of `parts`, creating directories as needed;
+    returns the version of the file made (`version`). `atomic`: written aside and
+    renamed over, so a reader sees the old file or the new one whole. `durable`: on
+    stable storage (data, and with `atomic` the rename) before returning, or, in
+    writes made `together`, before they end."""
     parent, name = _split(key)
     with _in_directory(root, parent, together, create=True, durable=durable) as (fd, synced):
         target = f"{name}.{uuid.uuid4().hex}.tmp" if atomic else name
         nbytes = sum(memoryview(part).nbytes for part in parts)  # type: ignore[arg-type, misc]
         # An atomic write is renamed over the old file: its bytes must be there first.
-        _write_file(fd, target, _WRITE, parts, os.path.join(root, key),
-                    durable=durable and (atomic or _synced_as_made(synced, nbytes)))
+        made = _write_file(fd, target, _WRITE, parts, os.path.join(root, key),
+                           durable=durable and (atomic or _synced_as_made(synced, nbytes)))
         if atomic:
             try:
                 os.replace(target, name, src_dir_fd=fd, dst_dir_fd=fd)  # replaces a link itself, never its target
@@ -360,6 +361,7 @@ def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable
                 raise
         if durable and synced is Synced.AS_MADE:
             os.fsync(fd)  # the file's entry in its directory
+    return made
 
 
 class Synced(enum.Enum):
@@ -393,7 +395,7 @@ def _synced_as_made(synced: Synced, nbytes: int) -> bool:
     return synced is not Synced.AT_END or nbytes >= _SYNCED_AS_WRITTEN
 
 
-def create(root: str, key: str, parts: Sequence[object]) -> None:
+def create(root: str, key: str, parts: Sequence[object]) -> str:
     """Writes `root/key` durably if nothing is there, else FileExistsError: written
     aside, then hard-linked to its name, which fails if the name exists (a link
     included) on every POSIX file system, NFS too; a reader never sees it in part.
@@ -401,29 +403,33 @@ def create(root: str, key: str, parts: Sequence[object]) -> None:
     file is created with O_EXCL and written in place (a reader may see it in part)."""
     parent, name = _split(key)
     aside = f"{name}.{uuid.uuid4().hex}.tmp"
-    write(root, posixpath.join(parent, aside) if parent else aside, parts, atomic=False, durable=True)
+    made = write(root, posixpath.join(parent, aside) if parent else aside, parts, atomic=False, durable=True)
     with directory(root, parent) as fd:
         try:
             os.link(aside, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
         except OSError as e:
             if e.errno not in _NO_LINKS:
                 raise
-            _write_file(fd, name, _CREATE, parts, os.path.join(root, key), durable=True)
+            made = _write_file(fd, name, _CREATE, parts, os.path.join(root, key), durable=True)
         finally:
             os.unlink(aside, dir_fd=fd)
         os.fsync(fd)
+    return made
 
 
-def copy(root: str, src: str, dst: str, *, exclusive: bool, together: Together | None = None) -> None:
+def copy(root: str, src: str, dst: str, *, exclusive: bool, together: Together | None = None) -> str | None:
     """Makes `root/dst` durably (in writes made `together`, by their end) the file
     `root/src` is, as a hard link (its bytes written nowhere), or, where links cannot
     be made (another file system, a file system without them), a copy made inside the
-    kernel. A symbolic link or special file at `src` is linked as itself, never
-    followed, then removed again and refused: `dst` is never anything but a regular
-    file. With `exclusive`, FileExistsError if anything is at `dst`; else what is
-    there is replaced."""
+    kernel; returns the version of the link made, which is its source's (None for a
+    copy, whose version tells nothing of the source it was made from). A
+    symbolic link or special file at `src` is linked as itself, never followed, then
+    removed again and refused: `dst` is never anything but a regular file. With
+    `exclusive`, FileExistsError if anything is at `dst`; else what is there is
+    replaced."""
     parent, name = _split(dst)
     source_parent, source_name = _split(src)
+    linked = True
     with (_in_directory(root, source_parent, together) as (source_fd, _),
           _in_directory(root, parent, together, create=True, durable=True) as (fd, synced)):
         for _ in range(_LINK_TRIES):
@@ -440,16 +446,18 @@ def copy(root: str, src: str, dst: str, *, exclusive: bool, together: Together |
                 with _opened(root, src, together) as (f, size):
                     _copy_bytes(f, size, fd, name, os.path.join(root, dst), exclusive=exclusive,
                                 durable=_synced_as_made(synced, size))
+                linked = False
                 break
         else:
             raise FileExistsError(errno.EEXIST, f"{os.path.join(root, dst)} keeps being made by another writer")
-        made = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
-        if not stat.S_ISREG(made):
+        made = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        if not stat.S_ISREG(made.st_mode):
             os.unlink(name, dir_fd=fd)
             path = os.path.join(root, src)
-            raise NotAFile(path) if stat.S_ISLNK(made) else _not_regular(made, path)
+            raise NotAFile(path) if stat.S_ISLNK(made.st_mode) else _not_regular(made.st_mode, path)
         if synced is Synced.AS_MADE:
             os.fsync(fd)
+    return version(made) if linked else None
 
 
 def _copy_bytes(f: int, size: int, fd: int, name: str, path: str, *, exclusive: bool, durable: bool) -> None:
@@ -470,13 +478,13 @@ def _copy_bytes(f: int, size: int, fd: int, name: str, path: str, *, exclusive: 
         os.close(out)
 
 
-def _write_file(fd: int, name: str, flags: int, parts: Sequence[object], path: str, *, durable: bool) -> None:
+def _write_file(fd: int, name: str, flags: int, parts: Sequence[object], path: str, *, durable: bool) -> str:
     """Makes `name` in the directory `fd` and writes `parts` into it, as they are (no copy
     to join them); with `durable`, on stable storage before returning. A file there
     already is FileExistsError with `flags` of O_EXCL; else it is opened with `flags`
     and emptied first, unless it has other hard links (a chunk another step shares):
     then its name is unlinked and a new file made in its place, so that no write ever
-    changes the bytes another step holds."""
+    changes the bytes another step holds. Returns the version of the file written."""
     try:
         f = _open_below(fd, name, _CREATE, path)  # most writes make a new file: nothing there to look at
     except FileExistsError:
@@ -490,8 +498,15 @@ def _write_file(fd: int, name: str, flags: int, parts: Sequence[object], path: s
                 view = view[os.write(f, view):]
         if durable:
             os.fdatasync(f)
+        return version(os.fstat(f))
     finally:
         os.close(f)
+
+
+def version(info: os.stat_result) -> str:
+    """What tells this version of a file from any other made at its path (see
+    `Entry.version`): its device, inode, modification time and size."""
+    return f"{info.st_dev}:{info.st_ino}:{info.st_mtime_ns}:{info.st_size}"
 
 
 def _emptied(fd: int, name: str, f: int, path: str) -> int:
@@ -549,34 +564,50 @@ def list_dir(root: str, key: str) -> list[Entry]:
     between the listing and its stat (a file written aside and renamed over, beside
     it) is left out: its FileNotFoundError would read as the directory missing."""
     with directory(root, key) as fd:
-        entries = []
-        with os.scandir(fd) as found:
-            for item in found:
-                try:
-                    info = item.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                entries.append(Entry(item.name, _KINDS.get(stat.S_IFMT(info.st_mode), "other"), info.st_size))
+        return _scan(fd, "")
+
+
+def _scan(fd: int, below: str) -> list[Entry]:
+    """The entries of the open directory `fd`, named `below/name` (`name` where `below`
+    is "")."""
+    entries = []
+    with os.scandir(fd) as found:
+        for item in found:
+            try:
+                info = item.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            entries.append(Entry(f"{below}/{item.name}" if below else item.name,
+                                 _KINDS.get(stat.S_IFMT(info.st_mode), "other"), info.st_size, version(info)))
     return entries
 
 
 def walk(root: str, key: str, *, empty_directories: bool = False) -> list[Entry]:
     """Every entry below the directory `root/key` at any depth except directories (but,
     with `empty_directories`, those that hold nothing), by path relative to it; links
-    are reported, never followed."""
+    are reported, never followed. Each directory is opened from its parent's
+    descriptor, never through a link."""
     out: list[Entry] = []
-    todo = [""]
-    while todo:
-        below = todo.pop()
-        entries = list_dir(root, os.path.join(key, below) if below else key)
+
+    def visit(fd: int, below: str) -> None:  # one descriptor open per level: as deep as the tree
+        entries = _scan(fd, below)
         if not entries and below and empty_directories:
             out.append(Entry(below, "dir"))
         for entry in entries:
-            name = f"{below}/{entry.name}" if below else entry.name
-            if entry.type == "dir":
-                todo.append(name)
-            else:
-                out.append(Entry(name, entry.type, entry.size))
+            if entry.type != "dir":
+                out.append(entry)
+                continue
+            try:
+                child = _open_below(fd, posixpath.basename(entry.name), _DIRECTORY, os.path.join(root, key, entry.name))
+            except FileNotFoundError:  # removed since it was listed
+                continue
+            try:
+                visit(child, entry.name)
+            finally:
+                os.close(child)
+
+    with directory(root, key) as top:
+        visit(top, "")
     return sorted(out, key=lambda e: e.name)
 
 

@@ -219,8 +219,8 @@ class Fsspec(Store):
         path = self._path(key)  # an object store's "directories" are prefixes of objects: never empty
         self.fs.invalidate_cache(path)
         found = self._run("find", path, detail=True, timeout=timeout)
-        return sorted((Entry(posixpath.relpath(item["name"].rstrip("/"), path), "file", int(item.get("size") or 0))
-                       for item in found.values()), key=lambda e: e.name)
+        return sorted((Entry(posixpath.relpath(item["name"].rstrip("/"), path), "file", int(item.get("size") or 0),
+                             _version(item)) for item in found.values()), key=lambda e: e.name)
 
     def write(self, key: str, parts: Sequence[object], *, atomic: bool, durable: bool,
               timeout: float | None) -> None:
@@ -352,6 +352,16 @@ class Fsspec(Store):
     def place(self, key: str) -> tuple[str, str]:
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         return f"{protocol}:{self.endpoint}", posixpath.normpath("/" + self._path(key))
+
+
+def _version(item: dict[str, Any]) -> str | None:
+    """What tells this version of a listed object from any other made at its key: S3's
+    ETag (with its size: a multipart upload's is no digest of the bytes), GCS's
+    generation, else the time it was made, as the file system says."""
+    for field in ("generation", "ETag", "etag", "created", "mtime", "LastModified"):
+        if item.get(field) is not None:
+            return f"{field}:{item[field]}:{item.get('size')}"
+    return None
 
 
 async def _rewrite_if_absent(fs: Any, source: str, target: str) -> None:

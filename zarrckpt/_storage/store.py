@@ -21,11 +21,15 @@ from collections.abc import Callable, Sequence
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One entry of a listing, on any store: its name relative to what was listed, its
-    type ("file", "dir", "link": a symbolic link, never followed; "other") and size."""
+    type ("file", "dir", "link": a symbolic link, never followed; "other") and size,
+    and, where the store says, what tells this version of an object from any other
+    made at its key (`version`: a local file's device, inode, modification time and
+    size; an object's ETag or generation)."""
 
     name: str
     type: str
     size: int = 0
+    version: str | None = None
 
 
 class NotAFile(OSError):
@@ -72,17 +76,19 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def write(self, key: str, parts: Sequence[object], *, atomic: bool, durable: bool,
-              timeout: float | None) -> None:
-        """Writes the object `key`, the concatenation of `parts` (see `Location.write`)."""
+              timeout: float | None) -> str | None:
+        """Writes the object `key`, the concatenation of `parts` (see `Location.write`).
+        Returns the version of the object made (`Entry.version`) where the store knows
+        it at no cost (the local disk), else None; so do `create` and `copy`."""
 
     @abc.abstractmethod
-    def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> None:
+    def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> str | None:
         """Writes the object `key`, the concatenation of `parts`, durably, only if nothing
         is there (FileExistsError if something is): of two creates of one key, whenever
         made, at most one succeeds, where `exclusive` says the store guarantees it."""
 
     @abc.abstractmethod
-    def copy(self, key: str, source: str, *, size: int, exclusive: bool, timeout: float | None) -> None:
+    def copy(self, key: str, source: str, *, size: int, exclusive: bool, timeout: float | None) -> str | None:
         """Makes the object `key` a copy of the object `source` (`size` bytes), durably,
         without its bytes passing through this process where the store can (see
         `Location.copy_new`).
