@@ -146,13 +146,14 @@ def test_someone_s_empty_directories_are_neither_a_leftover_nor_part_of_a_checkp
     """Empty directories a save never makes are someone's: a directory holding only them
     is refused by a save, and one inside a committed step stops an overwrite=True save
     (naming it), as a file there would."""
-    project = tmp_path / "project"
-    (project / "data" / "raw").mkdir(parents=True)
-    (project / "results").mkdir()
-    before = everything_in(project)
-    with pytest.raises(zarrckpt.CheckpointExistsError, match=re.escape(str(project)) + ".*'data/'"):
-        zarrckpt.save_pytree(str(project), {"w": np.ones(3)})
-    assert everything_in(project) == before
+    for name, folders in (("project", ["data/raw", "results"]), ("flat", ["data", "logs", "results"])):
+        project = tmp_path / name
+        for folder in folders:
+            (project / folder).mkdir(parents=True)
+        before = everything_in(project)
+        with pytest.raises(zarrckpt.CheckpointExistsError, match=re.escape(str(project)) + ".*'data/'"):
+            zarrckpt.save_pytree(str(project), {"w": np.ones(3)})
+        assert everything_in(project) == before
     run_dir = tmp_path / "run"
     zarrckpt.save_checkpoint(str(run_dir), 6, {"w": np.ones(3)})
     (run_dir / "0000000006" / "notes").mkdir()

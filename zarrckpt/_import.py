@@ -67,8 +67,9 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
     of a run lands at `dst` itself, or, given `step`, as `dst/<step, zero-padded>`.
     Safetensors weights landing as a step are pinned (a `PINNED` file, written after the
     commit: retention and `zarrckpt gc` leave the step), since a fine-tune's `keep_last`
-    would otherwise delete the weights it started from (unless a top-level tensor is
-    named `PINNED`: a warning, and `pinned` is False); an Orbax run's step is not.
+    would otherwise delete the weights it started from (on a local disk, unless a
+    top-level tensor is named `PINNED`, whose directory takes the pin file's place: a
+    warning, and `pinned` is False); an Orbax run's step is not.
     With `prefix` (a dotted key path, "params"), the tree lands under it, where a
     training state keeps its weights: `{"params": <the source's tree>}`.
 

@@ -548,7 +548,8 @@ class CheckpointManager:
 
     def pin(self, step: int) -> None:
         """Exempts committed `step` from retention, by a PINNED file in its directory.
-        ValueError if a leaf of the step is named so (its array is there)."""
+        ValueError, on a local disk, if a top-level leaf of the step is named so (its
+        array's directory is there)."""
         if not _retention.pin(_steps.committed_step(self._root, step)):
             raise ValueError(f"step {step} cannot be pinned: a leaf of it is named {_retention.PIN_FILE!r}, the "
                              "pin file's name")

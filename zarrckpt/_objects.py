@@ -43,8 +43,8 @@ _SEQAX_LEFTOVER_OBJECT = re.compile(rf"({_seqax.OBJECT_NAMES}){_TEMPORARY}")
 # Beside what a committed checkpoint records: its pin, and temporary files of atomic writes.
 _BESIDE_RECORDED = re.compile(r"PINNED|.*\.[0-9a-f]{32}\.tmp")
 # The directories a leftover may hold empty (on a local disk, what a deletion cut short
-# leaves of an array's, or a save made before its first file): zarrckpt's arrays', and
-# seqax's chunk directories.
+# leaves of an array's): an array's, and seqax's chunk directories; only beside files of
+# a checkpoint's, or in a run's step (see `not_ours`).
 _LEFTOVER_DIRECTORY = re.compile(r"[^/]+")
 _SEQAX_LEFTOVER_DIRECTORY = re.compile(r"[^/]+(/c)?(/\d+)*")
 
@@ -226,11 +226,15 @@ def not_ours(loc: Location, *, committed: bool) -> list[str]:
     # seqax's names, where zarr v2 data of someone's could be: in a run's step, or beside
     # an array's metadata (a folder of numbered files has none; a copy writes it first).
     seqax = step or any(name.endswith(("/" + _seqax.ARRAY, "/" + _seqax.MARKER)) for name in names)
+    foreign = [name for name in names if (theirs and name in _commit.GROUP_METADATA_FILES) or not (
+        _LEFTOVER_OBJECT.fullmatch(name) or seqax and _SEQAX_LEFTOVER_OBJECT.fullmatch(name))]
+    # Empty directories alone say nothing of whose they are: someone's folders, unless
+    # files of a checkpoint's are beside them, or they are in a run's step (a deletion
+    # of it cut short as it removed its last directories).
+    ours = step or len(names) > len(foreign)
     empty = [entry.name for entry in entries if entry.type == "dir"]
-    return misshapen + [name for name in names if (theirs and name in _commit.GROUP_METADATA_FILES) or not (
-        _LEFTOVER_OBJECT.fullmatch(name) or seqax and _SEQAX_LEFTOVER_OBJECT.fullmatch(name))] + [
-        f"{name}/" for name in empty
-        if not (_LEFTOVER_DIRECTORY.fullmatch(name) or seqax and _SEQAX_LEFTOVER_DIRECTORY.fullmatch(name))]
+    return misshapen + foreign + [f"{name}/" for name in empty if not ours or not (
+        _LEFTOVER_DIRECTORY.fullmatch(name) or seqax and _SEQAX_LEFTOVER_DIRECTORY.fullmatch(name))]
 
 
 def _is_step(loc: Location) -> bool:

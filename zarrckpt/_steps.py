@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import jax
+
 from . import _commit, _concurrency, _lease, _multihost, _options, _restore, _save, _storage
 from ._format import naming as _naming
 from ._restore import checkpoint as _reader, orbax as _orbax
@@ -337,7 +339,11 @@ def _read(ckpt: _reader.Checkpoint, target: Any, options: _options.LoadOptions,
     def read() -> Any:
         return _restore.load_opened(ckpt, target, options)
 
-    return read() if known is None else known.read(ckpt, read)
+    if known is None:
+        return read()
+    arrays = any(isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, jax.sharding.Sharding))
+                 for leaf in jax.tree_util.tree_leaves(target))  # else numpy values: nothing a save reuses
+    return known.read(ckpt, read, arrays=arrays)
 
 
 def committed_step(root: Location, step: int) -> Location:

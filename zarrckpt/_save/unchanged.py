@@ -92,7 +92,7 @@ class Unchanged:
         self._keys = np.frombuffer(secrets.token_bytes(8), np.uint32).copy()
         self._known: dict[str, Known] = {}
         self._save_id: str | None = None  # the identity of the step known, where told (see `of_run`)
-        self._objects: Mapping[str, Version] = {}  # the step known's objects, as they were when it became known
+        self._versions: Mapping[str, Version] = {}  # of the step known's objects, as it became known
         self._lock = threading.Lock()
 
     def mark(self, plans: Sequence[ArrayPlan], documents: dict[str, dict[str, Any]],
@@ -138,7 +138,7 @@ class Unchanged:
         step."""
         sources = {plan.reuse_from for plan in plans if plan.reuse_from is not None and plan.writes}
         with self._lock:
-            save_id, objects = save_id if save_id is not None else self._save_id, self._objects
+            save_id, objects = save_id if save_id is not None else self._save_id, self._versions
         if not sources or save_id is None:  # `mark` makes nothing from a step of unknown identity
             return None
         (source,) = sources  # one step known at a time
@@ -264,7 +264,7 @@ class Unchanged:
         if not objects or None in objects.values():
             known, save_id, objects = {}, None, {}
         with self._lock:
-            self._known, self._save_id, self._objects = known, save_id, objects
+            self._known, self._save_id, self._versions = known, save_id, objects
 
     def restored(self, step: _storage.Location, stored: Mapping[str, Any], state: Any,
                  save_id: str | None, objects: Mapping[str, Version]) -> None:
@@ -289,14 +289,15 @@ class Unchanged:
             return
         with self._lock:
             if any(where(k.step) == where(step) for k in self._known.values()) and save_id != self._save_id:
-                self._known, self._save_id, self._objects = {}, None, {}  # the step known was replaced
+                self._known, self._save_id, self._versions = {}, None, {}  # the step known was replaced
             # else restored as numpy values, say: what the arrays hold is as known before
 
-    def read(self, ckpt: Any, read: Callable[[], Any]) -> Any:
+    def read(self, ckpt: Any, read: Callable[[], Any], *, arrays: bool) -> Any:
         """`read()`, the restore of the opened checkpoint `ckpt` (a `_restore.checkpoint.
         Checkpoint`), told to `restored` with the versions of its objects as listed just
-        before (a chunk rewritten while it is read is not taken for the one read)."""
-        objects = listed(ckpt.loc)
+        before (a chunk rewritten while it is read is not taken for the one read), where
+        the restore makes jax.Arrays (`arrays`: no listing for numpy values)."""
+        objects = listed(ckpt.loc) if arrays else {}
         state = read()
         self.restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id, objects)
         return state
@@ -309,7 +310,7 @@ class Unchanged:
     def forget(self) -> None:
         """Nothing known: after a failed save or a deletion, the next save writes all."""
         with self._lock:
-            self._known, self._save_id, self._objects = {}, None, {}
+            self._known, self._save_id, self._versions = {}, None, {}
 
 
 def where(loc: _storage.Location) -> str:
@@ -342,6 +343,7 @@ def _still(source: _storage.Location, save_id: str, option: str, objects: Mappin
                 version = found.get(key, "")
             if objects.get(key) is None or version != objects[key]:
                 what = ("is gone (deleted by another program)" if version == "" else
+                        "was not listed when that step was saved or restored here" if objects.get(key) is None else
                         "is not the object it was when that step was saved or restored here (rewritten by another "
                         "program, or the step copied over)")
                 raise CheckpointWriteError(f"{source.url}/{key}, a chunk this save made an unchanged chunk from "

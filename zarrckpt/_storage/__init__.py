@@ -150,14 +150,14 @@ class Location:
         stable storage when this returns, and so is every directory entry leading to it
         (on a local disk see `local`; a store that acknowledged a PUT has it).
         Returns the version of the object made where the store knows it at no cost (see
-        `Entry.version`: on a local disk), else None; so do `create`, `write_new` and
-        `copy_new`.
+        `Entry.version`: on a local disk), else None; so do `write_new` and `copy_new`
+        (None for a copy made where a link cannot be).
         """
         nbytes = sum(memoryview(p).nbytes for p in parts)
         _stats.add("store_bytes_written", nbytes)
         return self._call("write", key, self.store.write, parts, atomic=atomic, durable=durable, nbytes=nbytes)
 
-    def create(self, key: str, *parts: Any) -> str | None:
+    def create(self, key: str, *parts: Any) -> None:
         """Writes the object `key` (the concatenation of `parts`), durably, only if
         nothing is there: FileExistsError if something is. Of two creates of one key,
         from any processes, at most one succeeds where `exclusive` is true (a local disk:
@@ -165,7 +165,7 @@ class Location:
         its first attempt landed unseen finds its own object: compare the content."""
         nbytes = sum(memoryview(p).nbytes for p in parts)
         _stats.add("store_bytes_written", nbytes)
-        return self._call("write", key, self.store.create, parts, nbytes=nbytes)
+        self._call("write", key, self.store.create, parts, nbytes=nbytes)
 
     @property
     def exclusive(self) -> bool:

@@ -89,8 +89,8 @@ class LocalDisk(Store):
               timeout: float | None) -> str:
         return write(self.root, key, parts, atomic=atomic, durable=durable, together=self._together)
 
-    def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> str:
-        return create(self.root, key, parts)
+    def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> None:
+        create(self.root, key, parts)
 
     def copy(self, key: str, source: str, *, size: int, exclusive: bool, timeout: float | None) -> str | None:
         return copy(self.root, source, key, exclusive=exclusive, together=self._together)
@@ -395,7 +395,7 @@ def _synced_as_made(synced: Synced, nbytes: int) -> bool:
     return synced is not Synced.AT_END or nbytes >= _SYNCED_AS_WRITTEN
 
 
-def create(root: str, key: str, parts: Sequence[object]) -> str:
+def create(root: str, key: str, parts: Sequence[object]) -> None:
     """Writes `root/key` durably if nothing is there, else FileExistsError: written
     aside, then hard-linked to its name, which fails if the name exists (a link
     included) on every POSIX file system, NFS too; a reader never sees it in part.
@@ -403,18 +403,17 @@ def create(root: str, key: str, parts: Sequence[object]) -> str:
     file is created with O_EXCL and written in place (a reader may see it in part)."""
     parent, name = _split(key)
     aside = f"{name}.{uuid.uuid4().hex}.tmp"
-    made = write(root, posixpath.join(parent, aside) if parent else aside, parts, atomic=False, durable=True)
+    write(root, posixpath.join(parent, aside) if parent else aside, parts, atomic=False, durable=True)
     with directory(root, parent) as fd:
         try:
             os.link(aside, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
         except OSError as e:
             if e.errno not in _NO_LINKS:
                 raise
-            made = _write_file(fd, name, _CREATE, parts, os.path.join(root, key), durable=True)
+            _write_file(fd, name, _CREATE, parts, os.path.join(root, key), durable=True)
         finally:
             os.unlink(aside, dir_fd=fd)
         os.fsync(fd)
-    return made
 
 
 def copy(root: str, src: str, dst: str, *, exclusive: bool, together: Together | None = None) -> str | None:
@@ -505,8 +504,10 @@ def _write_file(fd: int, name: str, flags: int, parts: Sequence[object], path: s
 
 def version(info: os.stat_result) -> str:
     """What tells this version of a file from any other made at its path (see
-    `Entry.version`): its device, inode, modification time and size."""
-    return f"{info.st_dev}:{info.st_ino}:{info.st_mtime_ns}:{info.st_size}"
+    `Entry.version`): its modification time and size. Not its inode: a FUSE file system
+    (gcsfuse, sshfs) may number a file anew once the kernel forgets it, and a file
+    another program writes at the path has its own modification time."""
+    return f"{info.st_mtime_ns}:{info.st_size}"
 
 
 def _emptied(fd: int, name: str, f: int, path: str) -> int:
@@ -564,50 +565,40 @@ def list_dir(root: str, key: str) -> list[Entry]:
     between the listing and its stat (a file written aside and renamed over, beside
     it) is left out: its FileNotFoundError would read as the directory missing."""
     with directory(root, key) as fd:
-        return _scan(fd, "")
-
-
-def _scan(fd: int, below: str) -> list[Entry]:
-    """The entries of the open directory `fd`, named `below/name` (`name` where `below`
-    is "")."""
-    entries = []
-    with os.scandir(fd) as found:
-        for item in found:
-            try:
-                info = item.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            entries.append(Entry(f"{below}/{item.name}" if below else item.name,
-                                 _KINDS.get(stat.S_IFMT(info.st_mode), "other"), info.st_size, version(info)))
+        entries = []
+        with os.scandir(fd) as found:
+            for item in found:
+                try:
+                    info = item.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                entries.append(Entry(item.name, _KINDS.get(stat.S_IFMT(info.st_mode), "other"), info.st_size,
+                                     version(info)))
     return entries
 
 
 def walk(root: str, key: str, *, empty_directories: bool = False) -> list[Entry]:
     """Every entry below the directory `root/key` at any depth except directories (but,
     with `empty_directories`, those that hold nothing), by path relative to it; links
-    are reported, never followed. Each directory is opened from its parent's
-    descriptor, never through a link."""
+    are reported, never followed. A directory removed while it is walked is left out."""
     out: list[Entry] = []
-
-    def visit(fd: int, below: str) -> None:  # one descriptor open per level: as deep as the tree
-        entries = _scan(fd, below)
+    todo = [""]
+    while todo:
+        below = todo.pop()
+        try:
+            entries = list_dir(root, os.path.join(key, below) if below else key)
+        except FileNotFoundError:
+            if not below:
+                raise
+            continue
         if not entries and below and empty_directories:
             out.append(Entry(below, "dir"))
         for entry in entries:
-            if entry.type != "dir":
-                out.append(entry)
-                continue
-            try:
-                child = _open_below(fd, posixpath.basename(entry.name), _DIRECTORY, os.path.join(root, key, entry.name))
-            except FileNotFoundError:  # removed since it was listed
-                continue
-            try:
-                visit(child, entry.name)
-            finally:
-                os.close(child)
-
-    with directory(root, key) as top:
-        visit(top, "")
+            name = f"{below}/{entry.name}" if below else entry.name
+            if entry.type == "dir":
+                todo.append(name)
+            else:
+                out.append(Entry(name, entry.type, entry.size, entry.version))
     return sorted(out, key=lambda e: e.name)
 
 

@@ -23,8 +23,8 @@ class Entry:
     """One entry of a listing, on any store: its name relative to what was listed, its
     type ("file", "dir", "link": a symbolic link, never followed; "other") and size,
     and, where the store says, what tells this version of an object from any other
-    made at its key (`version`: a local file's device, inode, modification time and
-    size; an object's ETag or generation)."""
+    made at its key (`version`: a local file's modification time and size; an object's
+    ETag or generation)."""
 
     name: str
     type: str
@@ -79,10 +79,10 @@ class Store(abc.ABC):
               timeout: float | None) -> str | None:
         """Writes the object `key`, the concatenation of `parts` (see `Location.write`).
         Returns the version of the object made (`Entry.version`) where the store knows
-        it at no cost (the local disk), else None; so do `create` and `copy`."""
+        it at no cost (the local disk), else None; so does `copy`."""
 
     @abc.abstractmethod
-    def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> str | None:
+    def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> None:
         """Writes the object `key`, the concatenation of `parts`, durably, only if nothing
         is there (FileExistsError if something is): of two creates of one key, whenever
         made, at most one succeeds, where `exclusive` says the store guarantees it."""
