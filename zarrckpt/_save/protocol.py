@@ -469,10 +469,10 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
                workers: int, advance: Callable[[int], None], compressor: Compressor,
                made: dict[str, str | None]) -> None:
     """Writes each array's `metadata` document and every unit of `work` (each chunk's
-    version into `made`), `workers` at a time, all on stable storage before this returns (written together: see
-    `Location.together`): the commit that follows must never find a chunk only in the
-    page cache. Array metadata is only read
-    once committed, so it goes out alongside the chunks. Chunks are compressed where
+    version into `made`), `workers` at a time, all on stable storage before this
+    returns (written together: see `Location.together`): the commit that follows must
+    never find a chunk only in the page cache. Array metadata is only read once
+    committed, so it goes out alongside the chunks. Chunks are compressed where
     `compressor` finds it pays. Stops at the first failure (see `_concurrency`)."""
     def write(out: _storage.Location, item: tuple[ArrayPlan, WriteUnit | dict[str, Any]]) -> None:
         plan, what = item

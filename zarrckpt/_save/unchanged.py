@@ -138,11 +138,11 @@ class Unchanged:
         step."""
         sources = {plan.reuse_from for plan in plans if plan.reuse_from is not None and plan.writes}
         with self._lock:
-            save_id, objects = save_id if save_id is not None else self._save_id, self._versions
+            save_id, versions = save_id if save_id is not None else self._save_id, self._versions
         if not sources or save_id is None:  # `mark` makes nothing from a step of unknown identity
             return None
         (source,) = sources  # one step known at a time
-        return functools.partial(_still, source, save_id, option, objects, plans, made)
+        return functools.partial(_still, source, save_id, option, versions, plans, made)
 
     def step(self) -> tuple[_storage.Location, str | None] | None:
         """The step whose leaves this process knows, and that step's identity where it
@@ -249,27 +249,27 @@ class Unchanged:
         nothing: an older step may be deleted), with the versions of the chunks it
         `made` (`SaveJob.made`), or, where the store did not say them, of every object
         as one listing finds them now."""
-        objects: Mapping[str, Version] = {}
+        versions: Mapping[str, Version] = {}
         if seen:  # a process of several may make a chunk from one another process made: all are listed
             if made and None not in made.values() and _multihost.process_count() == 1:
-                objects = made
+                versions = made
             else:
-                objects = listed(next(iter(seen.values())).step)
-        self._learnt(seen, save_id, objects)
+                versions = listed(next(iter(seen.values())).step)
+        self._learnt(seen, save_id, versions)
 
-    def _learnt(self, known: dict[str, Known], save_id: str | None, objects: Mapping[str, Version]) -> None:
+    def _learnt(self, known: dict[str, Known], save_id: str | None, versions: Mapping[str, Version]) -> None:
         """`known` is what this process knows, of the step of identity `save_id` whose
-        objects had the versions `objects`; nothing, where a version is not known (no
+        objects had the `versions`; nothing, where a version is not known (no
         later save could check that it holds what it did)."""
-        if not objects or None in objects.values():
-            known, save_id, objects = {}, None, {}
+        if not versions or None in versions.values():
+            known, save_id, versions = {}, None, {}
         with self._lock:
-            self._known, self._save_id, self._versions = known, save_id, objects
+            self._known, self._save_id, self._versions = known, save_id, versions
 
     def restored(self, step: _storage.Location, stored: Mapping[str, Any], state: Any,
-                 save_id: str | None, objects: Mapping[str, Version]) -> None:
+                 save_id: str | None, versions: Mapping[str, Version]) -> None:
         """`step` (identity `save_id`), whose leaves by name are `stored` (each with its
-        shape and codec) and whose objects had the versions `objects` before it was
+        shape and codec) and whose objects had the `versions` before it was
         read (`listed`: a chunk rewritten while it was read is then not taken for the
         one read), was restored into `state`: each jax.Array of it that `step` holds
         (not a leaf of a partial restore's target that `step` lacks) holds exactly
@@ -285,7 +285,7 @@ class Unchanged:
             if leaf is not None and isinstance(leaf.codec, ChunkCodec):
                 known[leaf.name] = Known(step, _zarrjson.array_document(leaf.shape, leaf.codec), weakref.ref(value))
         if known:
-            self._learnt(known, save_id, objects)
+            self._learnt(known, save_id, versions)
             return
         with self._lock:
             if any(where(k.step) == where(step) for k in self._known.values()) and save_id != self._save_id:
@@ -297,9 +297,9 @@ class Unchanged:
         Checkpoint`), told to `restored` with the versions of its objects as listed just
         before (a chunk rewritten while it is read is not taken for the one read), where
         the restore makes jax.Arrays (`arrays`: no listing for numpy values)."""
-        objects = listed(ckpt.loc) if arrays else {}
+        versions = listed(ckpt.loc) if arrays else {}
         state = read()
-        self.restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id, objects)
+        self.restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id, versions)
         return state
 
     def dropped(self, urls: set[str]) -> None:
@@ -328,7 +328,7 @@ def listed(step: _storage.Location) -> dict[str, Version]:
         return {}
 
 
-def _still(source: _storage.Location, save_id: str, option: str, objects: Mapping[str, Version],
+def _still(source: _storage.Location, save_id: str, option: str, versions: Mapping[str, Version],
            plans: Sequence[ArrayPlan], made: Mapping[str, Version]) -> None:
     now = _commit.head(source)
     if now.state is not _commit.State.COMMITTED or now.save_id != save_id:
@@ -341,9 +341,9 @@ def _still(source: _storage.Location, save_id: str, option: str, objects: Mappin
             if (version := made.get(key)) is None:  # a listing that fails fails the save, saying why
                 found = {entry.name: entry.version for entry in source.walk()} if found is None else found
                 version = found.get(key, "")
-            if objects.get(key) is None or version != objects[key]:
+            if versions.get(key) is None or version != versions[key]:
                 what = ("is gone (deleted by another program)" if version == "" else
-                        "was not listed when that step was saved or restored here" if objects.get(key) is None else
+                        "was not listed when that step was saved or restored here" if versions.get(key) is None else
                         "is not the object it was when that step was saved or restored here (rewritten by another "
                         "program, or the step copied over)")
                 raise CheckpointWriteError(f"{source.url}/{key}, a chunk this save made an unchanged chunk from "

@@ -421,11 +421,10 @@ def copy(root: str, src: str, dst: str, *, exclusive: bool, together: Together |
     `root/src` is, as a hard link (its bytes written nowhere), or, where links cannot
     be made (another file system, a file system without them), a copy made inside the
     kernel; returns the version of the link made, which is its source's (None for a
-    copy, whose version tells nothing of the source it was made from). A
-    symbolic link or special file at `src` is linked as itself, never followed, then
-    removed again and refused: `dst` is never anything but a regular file. With
-    `exclusive`, FileExistsError if anything is at `dst`; else what is there is
-    replaced."""
+    copy, whose version tells nothing of the source it was made from). A symbolic
+    link or special file at `src` is linked as itself, never followed, then removed
+    again and refused: `dst` is never anything but a regular file. With `exclusive`,
+    FileExistsError if anything is at `dst`; else what is there is replaced."""
     parent, name = _split(dst)
     source_parent, source_name = _split(src)
     linked = True
