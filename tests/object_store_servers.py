@@ -118,18 +118,26 @@ class Recorder:
 
 
 def _copy_precondition_fails(environ: dict[str, Any]) -> bool:
-    """S3's "must not exist" precondition on a CopyObject (If-None-Match: *), which moto
-    ignores there (it keeps it on PutObject)."""
-    if environ["REQUEST_METHOD"] != "PUT" or "HTTP_X_AMZ_COPY_SOURCE" not in environ \
-            or environ.get("HTTP_IF_NONE_MATCH") != "*":
+    """S3's preconditions on a CopyObject that moto ignores there: "the target must not
+    exist" (If-None-Match: *, which moto keeps on PutObject) and "the source must have
+    this ETag" (x-amz-copy-source-if-match)."""
+    if environ["REQUEST_METHOD"] != "PUT" or "HTTP_X_AMZ_COPY_SOURCE" not in environ:
         return False
     from moto.s3.models import s3_backends
 
-    bucket, _, key = urllib.parse.unquote(environ["PATH_INFO"]).lstrip("/").partition("/")
-    try:
-        return s3_backends["123456789012"]["aws"].get_object(bucket, key) is not None
-    except Exception:  # moto's MissingBucket
-        return False
+    def found(path: str) -> Any:
+        bucket, _, key = urllib.parse.unquote(path).lstrip("/").partition("/")
+        try:
+            return s3_backends["123456789012"]["aws"].get_object(bucket, key.partition("?")[0])
+        except Exception:  # moto's MissingBucket, MissingKey
+            return None
+
+    if environ.get("HTTP_IF_NONE_MATCH") == "*" and found(environ["PATH_INFO"]) is not None:
+        return True
+    if (etag := environ.get("HTTP_X_AMZ_COPY_SOURCE_IF_MATCH")) is not None:
+        source = found(environ["HTTP_X_AMZ_COPY_SOURCE"])
+        return source is not None and etag.strip('"') != source.etag.strip('"')
+    return False
 
 
 class S3Server:
@@ -262,24 +270,30 @@ class GCSServer:
                     getattr(RequestHandler, f"do_{method}")(self)
 
             def _precondition_fails(self, method: str, target: str) -> bool:
-                """GCS's "must not exist" precondition on an upload or a rewrite
-                (ifGenerationMatch=0, what gcsfs sends for mode="create"), which the
-                emulator ignores."""
+                """GCS's preconditions that the emulator ignores: "must not exist" on an
+                upload or a rewrite (ifGenerationMatch=0, what gcsfs sends for
+                mode="create"), and on a rewrite "the source must be this generation"
+                (ifSourceGenerationMatch)."""
                 path, _, query = target.partition("?")
                 fields = urllib.parse.parse_qs(query)
-                rewrite = re.search(r"/rewriteTo/b/([^/]+)/o/([^?]+)$", path)
-                if method != "POST" or fields.get("ifGenerationMatch") != ["0"] or \
-                        ("name" not in fields and rewrite is None):
+                rewrite = re.search(r"/b/([^/]+)/o/([^/?]+)/rewriteTo/b/([^/]+)/o/([^?]+)$", path)
+                if method != "POST" or ("name" not in fields and rewrite is None):
                     return False
+
+                def generation(bucket: str, name: str) -> str | None:
+                    try:
+                        return str(self.storage.get_file_obj(bucket, urllib.parse.unquote(name))["generation"])
+                    except Exception:  # the emulator's NotFound
+                        return None
+
                 if rewrite is not None:
-                    bucket, name = rewrite.group(1), urllib.parse.unquote(rewrite.group(2))
+                    source, (bucket, name) = rewrite.group(1, 2), rewrite.group(3, 4)
+                    wanted = fields.get("ifSourceGenerationMatch")
+                    if wanted is not None and generation(*source) not in (None, wanted[-1]):
+                        return True
                 else:
                     bucket, name = path.split("/b/", 1)[1].split("/", 1)[0], fields["name"][-1]
-                try:
-                    self.storage.get_file_obj(bucket, name)
-                except Exception:  # the emulator's NotFound
-                    return False
-                return True
+                return fields.get("ifGenerationMatch") == ["0"] and generation(bucket, name) is not None
 
             def _target(self, method: str) -> str:
                 """The path, and for an upload the object it writes (named in its body)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import urllib.parse
 from pathlib import Path
 
 import fsspec
@@ -270,15 +271,111 @@ def test_on_an_object_store_unchanged_chunks_are_copied_inside_it(new_store, kin
     jax.tree.map(np.testing.assert_array_equal, as_numpy(restored), as_numpy(state))
 
 
+@pytest.mark.parametrize("kind", ["memory", "s3", "gcs"])
+def test_a_save_that_reuses_chunks_lists_no_step(new_store, kind):
+    """Each unchanged chunk is made only from the version this process knows, in the
+    copy's own request (S3's x-amz-copy-source-if-match, GCS's ifSourceGenerationMatch;
+    memory:// is looked at just before), so a save with reuse lists what one without
+    does and no step: before, each process listed the step it made from twice a save
+    (once in a job of several processes on a local disk: see test_multihost), which at
+    thousands of hosts is a listing of the whole step by each."""
+    def lists(reuse: bool) -> tuple[int, list[str]]:
+        store = new_store(kind)
+        state, optimizer = lora_state()
+        with zarrckpt.CheckpointManager(store.url, storage_options=store.options, reuse_unchanged=reuse,
+                                        async_save=False) as mgr:
+            for step in (1, 2, 3):
+                state = train(state, optimizer, frozen_as_given=True)
+                if step == 3:
+                    _stats.reset()
+                    if store.server is not None:
+                        store.server.recorder.reset()
+                mgr.save(step, state)
+            listed = _stats.snapshot().get("store_list", 0)
+        requests = [] if store.server is None else [
+            urllib.parse.unquote(target) for method, target in store.server.recorder.requests
+            if store.server.kind(method, target) == "list"]
+        return listed, [target for target in requests if "/0000000002" in target]  # the step made from
+
+    (reusing, steps_listed), (writing, _) = lists(True), lists(False)
+    assert reusing == writing and steps_listed == [], (reusing, writing, steps_listed)
+
+
+@pytest.mark.parametrize("kind", ["local", "memory", "s3", "gcs"])
+def test_a_chunk_copied_from_a_copy_has_the_version_a_listing_gives_it(new_store, kind):
+    """The version a copy returns is what a listing says of the object made (its size
+    the object's, not the chunk's data size), so that a later copy from it, or a check
+    of it, finds it as it is."""
+    store = new_store(kind)
+    loc = zarrckpt._storage.resolve(store.url, store.options)
+    made = {1: loc.write("1/c", b"a chunk and its checksum", durable=True)}
+    for step in (2, 3):  # the data is 20 bytes of the 24 (zarrckpt's copies are asked for by the data's size)
+        made[step] = loc.child(str(step)).copy_new("c", loc.child(str(step - 1)), nbytes=20, expect=made[step - 1])
+    listed = {step: {entry.name: entry.version for entry in loc.child(str(step)).walk()}["c"] for step in made}
+    assert made == listed and None not in made.values(), (made, listed)
+
+
+@pytest.mark.parametrize("kind, mib", [("gcs", 51), ("s3", 101)])
+def test_a_large_chunk_is_one_request_whose_answer_names_its_version(new_store, kind, mib):
+    """gcsfs sends an object of 50 MiB or more as a resumable upload, s3fs one of 100 MiB
+    or more as a multipart one, and neither says the version made; zarrckpt sends each
+    chunk (up to 5 GiB) in one request, whose answer does, so that a later save can
+    make an unchanged chunk from it without listing the step."""
+    store = new_store(kind)
+    loc = zarrckpt._storage.resolve(store.url, store.options)
+    store.server.recorder.reset()
+    version = loc.child("1").write_new("c", np.zeros(mib * 2**20, np.uint8))
+    writes = [target for method, target in store.server.recorder.requests if method in ("PUT", "POST")]
+    assert version is not None and len(writes) == 1, (version, writes)
+    assert version == {entry.name: entry.version for entry in loc.child("1").walk()}["c"]
+
+
+def test_a_chunk_rewritten_while_a_store_without_copy_conditions_copies_it_fails_the_save(tmp_path):
+    """A store of no known kind copies a chunk by reading it and writing it: another
+    program's write landing just as the chunk is read is found once the copy is made
+    (the source is no longer the version known), the save fails naming the chunk, and
+    nothing of it is committed; the next saves commit what was saved."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class Rewritten(MemoryFileSystem):
+        protocol = "rewrittenwhilecopied"
+        store, pseudo_dirs = {}, [""]
+        armed: tuple[str, bytes] | None = None
+
+        def cat_file(self, path, *args, **kwargs):
+            if Rewritten.armed is not None and path.endswith(Rewritten.armed[0]):  # the other program's write lands
+                self.pipe_file(path, Rewritten.armed[1])
+                Rewritten.armed = None
+            return super().cat_file(path, *args, **kwargs)
+
+    fsspec.register_implementation(Rewritten.protocol, Rewritten, clobber=True)
+    base = fsdp(jnp.arange(2.0**20, dtype=jnp.float32))
+    zarrckpt.save_pytree(f"{Rewritten.protocol}://other", {"base": base + 1})
+    other = Rewritten().cat_file(f"{Rewritten.protocol}://other/base/c.0")  # a valid chunk of other values
+    url = f"{Rewritten.protocol}://run"
+    with zarrckpt.CheckpointManager(url, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"base": base, "step": jnp.array(step)})
+        Rewritten.armed = ("0000000002/base/c.0", other)
+        with pytest.raises(zarrckpt.CheckpointWriteError, match=r"0000000002/base/c\.0"):
+            mgr.save(3, {"base": base, "step": jnp.array(3)})
+        assert Rewritten.armed is None and mgr.all_steps() == [1, 2]
+        for step in (4, 5):
+            mgr.save(step, {"base": base, "step": jnp.array(step)})
+    for step in (4, 5):
+        np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(url, step)["base"]), np.asarray(base))
+
+
 @pytest.mark.parametrize("found", ["another save's", "its own"])
 def test_a_copy_that_finds_an_object_where_it_lands_leaves_the_source_s_bytes_there(new_store, found):
     """Requests land late on S3: a copy finds an object at its key, one of another save
     (replaced) or its own earlier attempt's (kept)."""
     store = new_store("s3")
     loc = zarrckpt._storage.resolve(store.url, store.options)
-    loc.write("1/c", b"committed chunk")
+    version = loc.write("1/c", b"committed chunk")
     loc.write("2/c", b"a late write of another save" if found == "another save's" else b"committed chunk")
-    loc.child("2").copy_new("c", loc.child("1"), nbytes=15)
+    loc.child("2").copy_new("c", loc.child("1"), nbytes=15, expect=version)
     assert loc.read("2/c") == b"committed chunk" and loc.read("1/c") == b"committed chunk"
 
 

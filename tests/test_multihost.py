@@ -98,13 +98,18 @@ def test_a_frozen_base_over_two_processes_is_linked_by_each_from_the_third_save(
     assert inodes[2] != inodes[1] and inodes[3] == inodes[2] and inodes[4] == inodes[2], inodes
     for r in results:
         assert r["step"] == 4 and r["base"] == 0.5 and r["head"] == 4.0, r
-def test_a_chunk_one_process_makes_from_another_process_s_chunk_is_checked_and_commits(tmp_path):
+def test_a_chunk_whose_writer_moves_to_another_process_is_written_again_and_no_step_is_listed(tmp_path):
     """Leaves added before the very same arrays move which process writes a replicated
-    chunk: it is made from the chunk the other process made in the step before, checked
-    against that step's listing (not this process's own writes), and the step commits."""
+    chunk: that process never made it, so it knows no version of it and writes it
+    (where before it listed the step at every commit to learn every process's chunks);
+    the sharded leaf's chunks are still linked, and the step commits. No save lists
+    more than the same save with reuse off."""
     results = multiprocess.run("mp_manager", "grown", str(tmp_path / "run"))
     for r in results:
         assert r["steps"] == [1, 2, 3] and r["exact"], r
+        assert r["listings"] == r["without"], r
+    inodes = {int(step): leaves for step, leaves in results[0]["inodes"].items()}
+    assert inodes[3]["s"] == inodes[2]["s"] and inodes[3]["w"] != inodes[2]["w"], inodes
 
 
 def test_save_checkpoint_unchanged_since_over_two_processes_links_each_process_s_chunks(tmp_path):

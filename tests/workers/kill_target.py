@@ -92,8 +92,8 @@ def linking(directory: str, go: str) -> None:
             pipe.readline()
         made = _storage.Location.copy_new
 
-        def paused(self, key, source, *, nbytes):
-            made(self, key, source, nbytes=nbytes)
+        def paused(self, key, source, **kwargs):
+            made(self, key, source, **kwargs)
             say("linked")
             threading.Event().wait()  # until the kill
 

@@ -179,8 +179,12 @@ def frozen(directory: str) -> None:
 def grown(directory: str) -> None:
     """The very same arrays saved at steps 1 and 2; at step 3 the tree gains leaves
     before them (an EMA, an optional leaf set), which moves the process that writes the
-    replicated leaf's chunk: now it makes it from a chunk the other process made. Reports
-    the steps committed and the values step 3 restores to."""
+    replicated leaf's chunk. The same saves again with reuse off, in a directory of
+    their own. Reports the steps committed, the values step 3 restores to, the inodes
+    of each leaf's chunks at steps 2 and 3, and the listings each save asked for, with
+    reuse and without."""
+    from zarrckpt import _stats
+
     mesh = Mesh(np.array(jax.devices()), ("x",))
     sharded = jax.make_array_from_callback((8192,), NamedSharding(mesh, P("x")),
                                            lambda i: np.arange(8192, dtype=np.float32)[i])
@@ -188,11 +192,19 @@ def grown(directory: str) -> None:
                                               lambda i: np.arange(4096, dtype=np.float32)[i])
     trees = {1: {"s": sharded, "w": replicated}, 2: {"s": sharded, "w": replicated},
              3: {"a": sharded, "b": sharded, "c": sharded, "d": sharded, "s": sharded, "w": replicated}}
-    with zarrckpt.CheckpointManager(directory, async_save=False) as mgr:
-        for step, tree in trees.items():
-            mgr.save(step, tree)
-        restored = zarrckpt.load_checkpoint(directory, 3)
-    report(steps=zarrckpt.all_steps(directory),
+    listings: dict[bool, list[int]] = {}
+    for reuse in (True, False):
+        listings[reuse] = []
+        with zarrckpt.CheckpointManager(directory if reuse else f"{directory}_off", async_save=False,
+                                        reuse_unchanged=reuse) as mgr:
+            for step, tree in trees.items():
+                _stats.reset()
+                mgr.save(step, tree)
+                listings[reuse].append(_stats.snapshot().get("store_list", 0))
+    restored = zarrckpt.load_checkpoint(directory, 3)
+    inodes = {step: {leaf: sorted(entry.stat().st_ino for entry in os.scandir(f"{directory}/{step:010d}/{leaf}")
+                                  if entry.name.startswith("c")) for leaf in ("s", "w")} for step in (2, 3)}
+    report(steps=zarrckpt.all_steps(directory), inodes=inodes, listings=listings[True], without=listings[False],
            exact=all(np.array_equal(np.asarray(restored[k]), np.arange(8192 if k != "w" else 4096)) for k in restored))
 
 

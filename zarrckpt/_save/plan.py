@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import math
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -87,6 +87,7 @@ class WriteUnit:
     sources: tuple[Part, ...] = ()
     copies: list[PartCopy] | None = None  # each part on the host, once its copy is started
     hold: Hold | SharedHold | None = None  # its bytes of the save's budget, from its copy until it is written
+    key: str | None = None  # its chunk's object key, once asked (`ArrayPlan.key`)
 
     @property
     def imported(self) -> bool:
@@ -132,8 +133,10 @@ class ArrayPlan:
     # devices, that its units are copied from.
     moved: Moved | None = None
     # A committed step that holds this leaf's chunks as they are now (see `unchanged`):
-    # its units are made from there, never copied off the devices.
+    # its units are made from there, never copied off the devices, each from the version
+    # (`Entry.version`) its chunk had there as that step became known, by key.
     reuse_from: Location | None = None
+    reuse_versions: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     # The save's `compression`, which its chunks get where they are large enough (see
     # `ChunkCodec.of`).
     compression: str | None = None
@@ -147,18 +150,27 @@ class ArrayPlan:
     def codec(self) -> ChunkCodec:
         return ChunkCodec.of(self.leaf.name, self.dtype, self.chunks, self.checksum, self.compression)
 
+    def key(self, unit: WriteUnit) -> str:
+        """The object key of `unit`'s chunk (kept on the unit, and by `again`)."""
+        if unit.key is None:
+            unit.key = self.codec.key(unit.region)
+        return unit.key
+
     def template(self) -> ArrayPlan | None:
         """This plan without its leaf's value or anything of its save, for `again`; None
         where its writes hold the value (a host leaf's), which every save plans afresh."""
         if any(unit.host is not None for unit in self.writes) or self.moved is not None:
             return None
+        for unit in self.writes:
+            self.key(unit)
         return self.again(Leaf(self.leaf.path, self.leaf.name, None))
 
     def again(self, leaf: Leaf) -> ArrayPlan:
         """This plan for `leaf`: a value of the same kind, shape, dtype and sharding at the
         same place in a tree of the same structure (see `plan_cache`), with writes of its own."""
         plan = ArrayPlan(leaf, self.shape, self.dtype, self.chunks,
-                         [WriteUnit(unit.region, unit.nbytes, sources=unit.sources) for unit in self.writes],
+                         [WriteUnit(unit.region, unit.nbytes, sources=unit.sources, key=unit.key)
+                          for unit in self.writes],
                          self.checksum, self.copy_from, self.copy_all, compression=self.compression)
         plan.__dict__["codec"] = self.codec  # `codec`'s cache: pure in what the two plans share
         return plan

@@ -197,8 +197,8 @@ class SaveJob:
     # unchanged chunks were made from is still the one they were made from.
     after_writes: Callable[[], None] | None = None
     save_id: str | None = None  # this save's identity, once prepared (see `_commit`)
-    # The version of each chunk this process made, by key, where the store says it at
-    # no cost (None where it does not): what a later save made from this step checks.
+    # The version of each chunk this process made, by key, as the store said it when it
+    # was made (None where it did not): what a later save makes from this step checks.
     made: dict[str, str | None] = dataclasses.field(default_factory=dict)
     commit: Commit = SHARED
     # Which chunks are compressed, with `options.compression` (a manager's outlasts a save).
@@ -387,7 +387,7 @@ class SaveJob:
             _write_all(self.loc, work, self._array_metadata(), self.options.max_workers or self.loc.concurrency,
                        advance, self.compressor, self.made)
         except Exception as e:
-            if self.after_writes is not None and _missing(e):  # a chunk gone from under a link: say why
+            if self.after_writes is not None and _missing(e):  # a chunk made from one not what it was: say which
                 try:
                     self.after_writes()
                 except errors.CheckpointWriteError as gone:
@@ -500,11 +500,13 @@ def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str,
 
 def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, compressor: Compressor,
                made: dict[str, str | None]) -> None:
-    where, key = f"chunk {plan.codec.coords(unit.region)}", plan.codec.key(unit.region)
+    where, key = f"chunk {plan.codec.coords(unit.region)}", plan.key(unit)
     try:
         if plan.reuse_from is not None:  # unchanged since that step: its chunk is this one
+            expect = plan.reuse_versions[key]
+            assert expect is not None, "`unchanged.mark` reuses only chunks of known versions"
             with _as_write_error(plan, where):
-                made[key] = loc.copy_new(key, plan.reuse_from, nbytes=unit.nbytes)
+                made[key] = loc.copy_new(key, plan.reuse_from, nbytes=unit.nbytes, expect=expect)
             return
         # An import's chunk is read from its source here: a read that fails is the
         # source's error as it is (see `Deferred.values`), not a write's.

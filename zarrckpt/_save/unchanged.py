@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .. import _commit, _devices, _multihost, _storage
+from .. import _commit, _devices, _storage
 from .._format import tree as _tree, zarrjson as _zarrjson
 from .._format.chunks import ChunkCodec
 from .._regions import Region, region_size, replicas_of
@@ -124,25 +124,23 @@ class Unchanged:
 
     def after_writes(self, plans: Sequence[ArrayPlan], option: str, made: Mapping[str, Version],
                      save_id: str | None = None) -> Callable[[], None] | None:
-        """For `SaveJob.after_writes`: a check, run once this process's writes are in,
-        that the step its `plans` made chunks from (`mark`) is still committed as save
-        `save_id` (by default, the one this process knows), and that every chunk made
-        from it was made from the object that was there when that step became known here
-        (the version of a chunk `made` where the store says it: a local link is its
-        source; else the source's, listed now), raising CheckpointWriteError (naming
-        `option`, the caller's keyword) if another writer deleted or replaced the step
-        meanwhile, or another program rewrote a chunk of it (zarr-python, a copy over
-        it). A replacement uncommits a step before it changes a chunk, and a chunk
-        rewritten before it was made from is rewritten before the check, so every chunk
-        made before the check holds what was saved. None where nothing was made from a
-        step."""
+        """For `SaveJob.after_writes`: a check, run once this process's writes are in (or
+        one failed for want of what it was made from), that the step its `plans` made
+        chunks from (`mark`) is still committed as save `save_id` (by default, the one
+        this process knows), raising CheckpointWriteError (naming `option`, the caller's
+        keyword) if another writer deleted or replaced it meanwhile. A replacement
+        uncommits a step before it changes a chunk, and each chunk was made only from
+        the version it had when that step became known here (`Location.copy_new`), so
+        every chunk `made` holds what was saved. A chunk that could not be made is named,
+        with what became of it: rewritten by another program (zarr-python, a copy over
+        the step) or deleted. None where nothing was made from a step."""
         sources = {plan.reuse_from for plan in plans if plan.reuse_from is not None and plan.writes}
         with self._lock:
-            save_id, versions = save_id if save_id is not None else self._save_id, self._versions
+            save_id = save_id if save_id is not None else self._save_id
         if not sources or save_id is None:  # `mark` makes nothing from a step of unknown identity
             return None
         (source,) = sources  # one step known at a time
-        return functools.partial(_still, source, save_id, option, versions, plans, made)
+        return functools.partial(_still, source, save_id, option, plans, made)
 
     def step(self) -> tuple[_storage.Location, str | None] | None:
         """The step whose leaves this process knows, and that step's identity where it
@@ -154,9 +152,16 @@ class Unchanged:
     def _mark(self, plans: Sequence[ArrayPlan], documents: dict[str, dict[str, Any]],
               step: _storage.Location, source: _storage.Location | None, save_id: str | None) -> dict[str, Known]:
         with self._lock:
-            known, known_id = dict(self._known), self._save_id
+            known, known_id, versions = dict(self._known), self._save_id, self._versions
         if known_id is None:  # a step of unknown identity: nothing can tell that it is still the one known
             known = {}
+
+        def reuse(plan: ArrayPlan, source: _storage.Location) -> None:
+            """Makes `plan`'s chunks from `source`, where the version of each is known (a
+            process of several knows those it made itself: one another made is written)."""
+            if all(versions.get(plan.key(unit)) is not None for unit in plan.writes):
+                plan.reuse_from, plan.reuse_versions = source, versions
+
         if source is not None:  # that step, as known, reached through the caller's store
             known = {name: dataclasses.replace(k, step=source) for name, k in known.items()
                      if known_id == save_id and where(k.step) == where(source)}
@@ -177,7 +182,7 @@ class Unchanged:
             if before is not None and before.document is not documents[name] and before.document != documents[name]:
                 before = None  # stored otherwise now: its chunks are other chunks
             if before is not None and before.value is not None and before.value() is value:
-                plan.reuse_from = before.step
+                reuse(plan, before.step)
                 # Not `dataclasses.replace`, whose field-by-field look is most of a frozen
                 # base's cost here when the tree has thousands of leaves.
                 seen[name] = Known(step, before.document, before.value, before.samples, before.wholes)
@@ -222,7 +227,7 @@ class Unchanged:
         changed = []  # its sample tells a change here and there from one all over
         for (plan, shards, before), whole in zip(direct, first[len(sampled):]):
             if whole is not None and _matches(before.wholes, whole):
-                plan.reuse_from = before.step
+                reuse(plan, before.step)
                 # The same bytes, so the same sample.
                 seen[plan.leaf.name] = Known(step, documents[plan.leaf.name], weakref.ref(plan.leaf.value),
                                              before.samples, whole)
@@ -237,7 +242,7 @@ class Unchanged:
                 continue
             seen[plan.leaf.name] = dataclasses.replace(seen[plan.leaf.name], wholes=whole)
             if before is not None and _matches(before.wholes, whole):
-                plan.reuse_from = before.step
+                reuse(plan, before.step)
         for (plan, _, before, whole), sample in zip(changed, second[len(same_sample):]):
             judged(plan, before, sample, whole)
         return seen
@@ -247,22 +252,15 @@ class Unchanged:
         """The save that `mark` (or `saw`) returned `seen` for committed, with identity
         `save_id`: its step is now what this process knows (of leaves not in it,
         nothing: an older step may be deleted), with the versions of the chunks it
-        `made` (`SaveJob.made`), or, where the store did not say them, of every object
-        as one listing finds them now."""
-        versions: Mapping[str, Version] = {}
-        if seen:  # a process of several may make a chunk from one another process made: all are listed
-            if made and None not in made.values() and _multihost.process_count() == 1:
-                versions = made
-            else:
-                versions = listed(next(iter(seen.values())).step)
-        self._learnt(seen, save_id, versions)
+        `made` (`SaveJob.made`: what the store answered each write and copy). Never
+        from a listing made now: that would take another program's write since for this
+        save's. A chunk whose version the store did not say is written again."""
+        self._learnt(seen, save_id, dict(made or {}))
 
     def _learnt(self, known: dict[str, Known], save_id: str | None, versions: Mapping[str, Version]) -> None:
         """`known` is what this process knows, of the step of identity `save_id` whose
-        objects had the `versions`; nothing, where a version is not known (no
+        objects had the `versions` (`mark` makes nothing from a chunk without one: no
         later save could check that it holds what it did)."""
-        if not versions or None in versions.values():
-            known, save_id, versions = {}, None, {}
         with self._lock:
             self._known, self._save_id, self._versions = known, save_id, versions
 
@@ -328,26 +326,26 @@ def listed(step: _storage.Location) -> dict[str, Version]:
         return {}
 
 
-def _still(source: _storage.Location, save_id: str, option: str, versions: Mapping[str, Version],
-           plans: Sequence[ArrayPlan], made: Mapping[str, Version]) -> None:
+def _still(source: _storage.Location, save_id: str, option: str, plans: Sequence[ArrayPlan],
+           made: Mapping[str, Version]) -> None:
     now = _commit.head(source)
     if now.state is not _commit.State.COMMITTED or now.save_id != save_id:
         raise CheckpointWriteError(f"{source.url}, the step this save made unchanged chunks from ({option}), was "
                                    "deleted or replaced by another writer meanwhile: save again")
-    found: dict[str, Version] | None = None  # the source's objects, listed where a version made is not known
-    for plan in plans:
-        for unit in plan.writes if plan.reuse_from is not None else ():
-            key = plan.codec.key(unit.region)
-            if (version := made.get(key)) is None:  # a listing that fails fails the save, saying why
-                found = {entry.name: entry.version for entry in source.walk()} if found is None else found
-                version = found.get(key, "")
-            if versions.get(key) is None or version != versions[key]:
-                what = ("is gone (deleted by another program)" if version == "" else
-                        "was not listed when that step was saved or restored here" if versions.get(key) is None else
-                        "is not the object it was when that step was saved or restored here (rewritten by another "
-                        "program, or the step copied over)")
-                raise CheckpointWriteError(f"{source.url}/{key}, a chunk this save made an unchanged chunk from "
-                                           f"({option}), {what}; the next save writes every chunk")
+    unmade = [(plan, key) for plan in plans if plan.reuse_from is not None
+              for key in map(plan.key, plan.writes) if key not in made]
+    if not unmade:
+        return
+    # A copy failed: say which chunk was not what it was (a listing that fails fails the
+    # save, saying why), else the copy's own error says it.
+    found = {entry.name: entry.version for entry in source.walk()}
+    for plan, key in unmade:
+        if (version := found.get(key, "")) != plan.reuse_versions.get(key):
+            what = ("is gone (deleted by another program)" if version == "" else
+                    "is not the object it was when that step was saved or restored here (rewritten by another "
+                    "program, or the step copied over)")
+            raise CheckpointWriteError(f"{source.url}/{key}, a chunk this save made an unchanged chunk from "
+                                       f"({option}), {what}; the next save writes every chunk")
 
 
 # Directories of steps (by `where`) whose newest step saved or restored by this process

@@ -149,23 +149,24 @@ class Location:
         (see docs/pytree-zarr-checkpoint.md, Commit). With `durable`, the object is on
         stable storage when this returns, and so is every directory entry leading to it
         (on a local disk see `local`; a store that acknowledged a PUT has it).
-        Returns the version of the object made where the store knows it at no cost (see
-        `Entry.version`: on a local disk), else None; so do `write_new` and `copy_new`
-        (None for a copy made where a link cannot be).
+        Returns the version of the object made (see `Entry.version`: a local file's; on
+        S3 and GCS from the answer to the request; elsewhere asked of the store at once),
+        None where the store says none; so do `write_new` and `copy_new`.
         """
         nbytes = sum(memoryview(p).nbytes for p in parts)
         _stats.add("store_bytes_written", nbytes)
         return self._call("write", key, self.store.write, parts, atomic=atomic, durable=durable, nbytes=nbytes)
 
-    def create(self, key: str, *parts: Any) -> None:
+    def create(self, key: str, *parts: Any) -> str | None:
         """Writes the object `key` (the concatenation of `parts`), durably, only if
         nothing is there: FileExistsError if something is. Of two creates of one key,
         from any processes, at most one succeeds where `exclusive` is true (a local disk:
         a hard link; S3: If-None-Match; GCS: ifGenerationMatch=0). A create retried after
-        its first attempt landed unseen finds its own object: compare the content."""
+        its first attempt landed unseen finds its own object: compare the content.
+        Returns the version made, as `write`."""
         nbytes = sum(memoryview(p).nbytes for p in parts)
         _stats.add("store_bytes_written", nbytes)
-        self._call("write", key, self.store.create, parts, nbytes=nbytes)
+        return self._call("write", key, self.store.create, parts, nbytes=nbytes)
 
     @property
     def exclusive(self) -> bool:
@@ -190,9 +191,8 @@ class Location:
         `write` (`atomic` as there)."""
         if not self.late_safe:
             return self.write(key, *parts, atomic=atomic, durable=True)
-        self._created(key, lambda: self.create(key, *parts),
-                      lambda found: found == b"".join(memoryview(p).cast("B") for p in parts))
-        return None
+        return self._created(key, lambda: self.create(key, *parts),
+                             lambda found: found == b"".join(memoryview(p).cast("B") for p in parts))
 
     @contextlib.contextmanager
     def together(self) -> Iterator[Location]:
@@ -206,39 +206,40 @@ class Location:
         with self.store.together() as store:
             yield dataclasses.replace(self, store=store)
 
-    def copy_new(self, key: str, source: Location, *, nbytes: int) -> str | None:
+    def copy_new(self, key: str, source: Location, *, nbytes: int, expect: str) -> str | None:
         """Makes the object `key`, which the save in progress makes (a chunk that has not
         changed), durably what the object `key` of `source` is (a committed step of the
         same store), its `nbytes` passing through no process where the store can copy
         them itself: a hard link on a local disk (a copy inside the kernel where links
-        cannot be made), CopyObject on S3, a rewrite on GCS.
+        cannot be made), CopyObject on S3, a rewrite on GCS. Only from the version
+        `expect` of that object (`Entry.version`): SourceChanged if it is not, checked
+        by the store in the copy's own request on S3 and GCS, on the link made on a
+        local disk, just before the copy elsewhere.
 
         Where requests may land late (as `write_new`), it is created only if absent: an
         object found there is compared with the source, and replaced unless the same."""
         if source.guard is not self.guard or source.store.root != self.store.root:
             raise ValueError(f"{source.url} is not in the store of {self.url}: a chunk is copied within one store")
         _stats.add("store_bytes_copied", nbytes)
+        made = functools.partial(self._call, "write", key, self.store.copy, source._key(key), size=nbytes,
+                                 expect=expect, nbytes=nbytes)
         if not self.late_safe:
-            return self._call("write", key, self.store.copy, source._key(key), size=nbytes, exclusive=False,
-                              nbytes=nbytes)
-        self._created(key, lambda: self._call("write", key, self.store.copy, source._key(key), size=nbytes,
-                                              exclusive=True, nbytes=nbytes),
-                      lambda found: found == source.read(key))
-        return None
+            return made(exclusive=False)
+        return self._created(key, lambda: made(exclusive=True), lambda found: found == source.read(key))
 
-    def _created(self, key: str, create: Callable[[], object], meant: Callable[[bytes], bool]) -> None:
+    def _created(self, key: str, create: Callable[[], str | None], meant: Callable[[bytes], bool]) -> str | None:
         """Makes `key` by `create` (exclusive), against requests that land late: an object
         found there that is not what was `meant` is a late request of another save
         (landed, so it is deleted and the object made again); one that is, an earlier
-        attempt of this one that landed unseen."""
+        attempt of this one that landed unseen (whose version is then not known: None).
+        Returns the version `create` returned."""
         for _ in range(_LATE_TRIES):
             try:
-                create()
-                return
+                return create()
             except FileExistsError:
                 found = self.read_if_present([key])[0]
                 if found is not None and meant(found):
-                    return
+                    return None
                 self.remove_file(key)
         raise OSError(f"cannot write {self.url.rstrip('/')}/{key}: another writer keeps writing it (tried "
                       f"{_LATE_TRIES} times)")

@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 from .. import _concurrency, _stats
 from ..errors import CheckpointCorruptError
-from .store import DeadlinePassed, NotAFile
+from .store import DeadlinePassed, NotAFile, SourceChanged
 
 _T = TypeVar("_T")
 log = logging.getLogger("zarrckpt")
@@ -213,8 +213,11 @@ class Guarded:
         if isinstance(e, NotAFile):
             # It names the file: a local path holds no credential.
             return NotAFileInCheckpoint(e.strerror or str(e), e.what)
-        if isinstance(e, FileNotFoundError):
-            kind: type[OSError] = FileNotFoundError
+        if isinstance(e, SourceChanged):
+            kind: type[OSError] = SourceChanged
+            why = "what it is made from is not the object it was (rewritten or deleted meanwhile)"
+        elif isinstance(e, FileNotFoundError):
+            kind = FileNotFoundError
             # A write creates any missing "directory", so only the bucket can be missing.
             why = "the bucket does not exist" if action == "write" else "not found"
         elif isinstance(e, PermissionError):

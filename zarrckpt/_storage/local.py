@@ -41,7 +41,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 
 from .. import _concurrency
-from .store import Check, Entry, NotAFile, Store
+from .store import Check, Entry, NotAFile, SourceChanged, Store
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _SPECIAL = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
@@ -92,8 +92,9 @@ class LocalDisk(Store):
     def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> None:
         create(self.root, key, parts)
 
-    def copy(self, key: str, source: str, *, size: int, exclusive: bool, timeout: float | None) -> str | None:
-        return copy(self.root, source, key, exclusive=exclusive, together=self._together)
+    def copy(self, key: str, source: str, *, size: int, exclusive: bool, expect: str,
+             timeout: float | None) -> str | None:
+        return copy(self.root, source, key, exclusive=exclusive, expect=expect, together=self._together)
 
     def read(self, key: str, limit: int | None, *, timeout: float | None,
              check: Check | None = None) -> bytes:
@@ -416,18 +417,18 @@ def create(root: str, key: str, parts: Sequence[object]) -> None:
         os.fsync(fd)
 
 
-def copy(root: str, src: str, dst: str, *, exclusive: bool, together: Together | None = None) -> str | None:
+def copy(root: str, src: str, dst: str, *, exclusive: bool, expect: str, together: Together | None = None) -> str:
     """Makes `root/dst` durably (in writes made `together`, by their end) the file
     `root/src` is, as a hard link (its bytes written nowhere), or, where links cannot
     be made (another file system, a file system without them), a copy made inside the
-    kernel; returns the version of the link made, which is its source's (None for a
-    copy, whose version tells nothing of the source it was made from). A symbolic
-    link or special file at `src` is linked as itself, never followed, then removed
-    again and refused: `dst` is never anything but a regular file. With `exclusive`,
-    FileExistsError if anything is at `dst`; else what is there is replaced."""
+    kernel; only if `src` is the version `expect` (`version`), else SourceChanged and
+    nothing left at `dst`. Returns the version of the file made (a link's is its
+    source's). A symbolic link or special file at `src` is linked as itself, never
+    followed, then removed again and refused: `dst` is never anything but a regular
+    file. With `exclusive`, FileExistsError if anything is at `dst`; else what is there
+    is replaced."""
     parent, name = _split(dst)
     source_parent, source_name = _split(src)
-    linked = True
     with (_in_directory(root, source_parent, together) as (source_fd, _),
           _in_directory(root, parent, together, create=True, durable=True) as (fd, synced)):
         for _ in range(_LINK_TRIES):
@@ -442,26 +443,39 @@ def copy(root: str, src: str, dst: str, *, exclusive: bool, together: Together |
                 if e.errno not in _NO_LINKS:
                     raise
                 with _opened(root, src, together) as (f, size):
-                    _copy_bytes(f, size, fd, name, os.path.join(root, dst), exclusive=exclusive,
-                                durable=_synced_as_made(synced, size))
-                linked = False
-                break
+                    # The open file is the one copied, whatever is renamed over it; one
+                    # written into meanwhile is another version once the copy is made.
+                    if version(os.fstat(f)) != expect:
+                        raise SourceChanged(errno.ENOENT, f"{os.path.join(root, src)} is not the file it was") from None
+                    copied = _copy_bytes(f, size, fd, name, os.path.join(root, dst), exclusive=exclusive,
+                                         durable=_synced_as_made(synced, size))
+                    if version(os.fstat(f)) != expect:
+                        os.unlink(name, dir_fd=fd)
+                        raise SourceChanged(errno.ENOENT, f"{os.path.join(root, src)} was written while copied") \
+                            from None
+                if synced is Synced.AS_MADE:
+                    os.fsync(fd)
+                return copied
         else:
             raise FileExistsError(errno.EEXIST, f"{os.path.join(root, dst)} keeps being made by another writer")
         made = os.stat(name, dir_fd=fd, follow_symlinks=False)
-        if not stat.S_ISREG(made.st_mode):
+        if not stat.S_ISREG(made.st_mode) or version(made) != expect:
             os.unlink(name, dir_fd=fd)
             path = os.path.join(root, src)
-            raise NotAFile(path) if stat.S_ISLNK(made.st_mode) else _not_regular(made.st_mode, path)
+            if stat.S_ISLNK(made.st_mode):
+                raise NotAFile(path)
+            if not stat.S_ISREG(made.st_mode):
+                raise _not_regular(made.st_mode, path)
+            raise SourceChanged(errno.ENOENT, f"{path} is not the file it was")
         if synced is Synced.AS_MADE:
             os.fsync(fd)
-    return version(made) if linked else None
+    return version(made)
 
 
-def _copy_bytes(f: int, size: int, fd: int, name: str, path: str, *, exclusive: bool, durable: bool) -> None:
+def _copy_bytes(f: int, size: int, fd: int, name: str, path: str, *, exclusive: bool, durable: bool) -> str:
     """Copies the open file `f` (`size` bytes) to `name` in the directory `fd`, in the
     kernel (`sendfile`: no byte through this process's memory); with `durable`, on
-    stable storage before returning."""
+    stable storage before returning. Returns the version of the file made."""
     if not exclusive:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=fd)
@@ -472,6 +486,7 @@ def _copy_bytes(f: int, size: int, fd: int, name: str, path: str, *, exclusive: 
             done += n
         if durable:
             os.fdatasync(out)
+        return version(os.fstat(out))
     finally:
         os.close(out)
 

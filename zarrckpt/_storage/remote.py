@@ -16,22 +16,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import errno
 import logging
 import posixpath
 import threading
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 import fsspec.asyn
 import numpy as np
 
 from . import guard as _guard, hedge as _hedge
-from .store import Check, DeadlinePassed, Entry, Store
+from .store import Check, DeadlinePassed, Entry, SourceChanged, Store
 
 log = logging.getLogger("zarrckpt")
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +111,8 @@ OTHER = Protocol(OBJECT_STORE_CONCURRENCY)
 # object holds past its data (a checksum): copies are asked for by the data's size.
 _ONE_COPY_BYTES = 5 * 2**30 - 2**20
 PROTOCOLS = {"memory": MEMORY, "s3": S3, "s3a": S3, "gs": GCS, "gcs": GCS}
+# s3fs's and gcsfs's default `chunksize`, the size of a multipart or resumable upload's parts.
+_CLIENT_CHUNK_BYTES = 50 * 2**20
 
 
 _CREATING = threading.Lock()  # for stores in this process (see Protocol.create)
@@ -223,78 +227,142 @@ class Fsspec(Store):
                              _version(item)) for item in found.values()), key=lambda e: e.name)
 
     def write(self, key: str, parts: Sequence[object], *, atomic: bool, durable: bool,
-              timeout: float | None) -> None:
+              timeout: float | None) -> str | None:
         # A PUT is atomic, and durable once acknowledged (docs/pytree-zarr-checkpoint.md).
-        self._run("pipe_file", self._path(key), self._body(parts), timeout=timeout)
+        path, body = self._path(key), self._body(parts)
+        size = _size(body)
+        return self._made(path, self._run("pipe_file", path, body, timeout=timeout, **self._whole(size)), size,
+                          timeout)
 
     def _body(self, parts: Sequence[object]) -> object:
         """`parts` as one body the client takes, copied only where it must be."""
         data = parts[0] if len(parts) == 1 else b"".join(parts)  # type: ignore[arg-type]
-        return bytes(data) if self.protocol.bytes_body else data  # type: ignore[call-overload]
+        # A chunk's numpy array as bytes (gcsfs adds a body to bytes: an array would add elementwise).
+        return bytes(data) if self.protocol.bytes_body else memoryview(data).cast("B")  # type: ignore[call-overload, arg-type]
 
-    def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> None:
+    def _made(self, path: str, answer: Any, size: int, timeout: float | None) -> str | None:
+        """The version of the object at `path` (`size` bytes) that a request just made:
+        from the store's `answer` (S3's ETag, GCS's object resource), else (memory://,
+        an fsspec file system zarrckpt has no protocol for, S3's multipart upload past
+        5 GiB) asked of the store at once, one request; None where that fails."""
+        if isinstance(answer, dict):
+            fields = answer.get("CopyObjectResult") or answer.get("resource") or answer
+            if "ETag" in fields or "generation" in fields:
+                return _version({**fields, "size": size})
+        try:
+            self.fs.invalidate_cache(path)
+            return _version(self._run("info", path, timeout=timeout))
+        except Exception as e:  # not known, so never made from: a later save writes it again
+            log.debug("no version of %s: %s", path, e)
+            return None
+
+    def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> str | None:
         path, body = self._path(key), self._body(parts)
-        self._if_absent(path, lambda: self._run("pipe_file", path, body, mode="create", timeout=timeout),
-                        lambda: self._run("pipe_file", path, body, timeout=timeout), timeout=timeout)
+        size = _size(body)
+        whole = self._whole(size)
+        return self._if_absent(path, lambda: self._made(path, self._run("pipe_file", path, body, mode="create",
+                                                                         timeout=timeout, **whole), size, timeout),
+                               lambda: self._made(path, self._run("pipe_file", path, body, timeout=timeout,
+                                                                  **whole), size, timeout),
+                               timeout=timeout)
 
-    def copy(self, key: str, source: str, *, size: int, exclusive: bool, timeout: float | None) -> None:
-        if self.protocol.copy == "bytes":
-            data = self._run("cat_file", self._path(source), timeout=timeout)
-            if exclusive:
-                self.create(key, [data], timeout=timeout)
-            else:
-                self.write(key, [data], atomic=False, durable=True, timeout=timeout)
-            return
+    def _whole(self, size: int) -> dict[str, int]:
+        """`pipe_file`'s options that send an object of `size` bytes in one request, whose
+        answer names the version made (S3's PutObject, GCS's simple upload): s3fs would
+        send one of 100 MiB or more as a multipart upload and gcsfs one of 50 MiB or
+        more as a resumable one, whose answers name none (then a later save could make
+        nothing from it). S3 takes at most 5 GiB in one request."""
+        if self.protocol is S3 and size <= _ONE_COPY_BYTES:
+            return {"chunksize": max(size, _CLIENT_CHUNK_BYTES)}
+        if self.protocol is GCS:
+            return {"chunksize": max(size + 1, _CLIENT_CHUNK_BYTES)}
+        return {}
+
+    def copy(self, key: str, source: str, *, size: int, exclusive: bool, expect: str,
+             timeout: float | None) -> str | None:
+        # Only from the version asked for: on GCS the store checks it in the copy's own
+        # request; on S3 too, and the copy's answer says it (its ETag, a digest of the
+        # bytes, is that version's), as an S3-compatible store that ignores the
+        # condition would not; elsewhere, or where the answer does not say it (SSE-KMS
+        # ETags), the source is looked at once the copy is made (a version never comes
+        # back, so it was that version all along).
         source, target = self._path(source), self._path(key)
-
-        def conditional() -> None:
-            if self.protocol.copy == "rewrite":
-                self._await(_rewrite_if_absent(self.fs, source, target), timeout)
-            else:
-                self._copy_object(source, target, size, timeout, IfNoneMatch="*")
-
-        def plain() -> None:
-            if self.protocol.copy == "object":
-                self._copy_object(source, target, size, timeout)
-            else:
-                self._run("cp_file", source, target, timeout=timeout)
-
-        if exclusive:
-            self._if_absent(target, conditional, plain, timeout=timeout)
+        condition = _source_condition(self.protocol, expect, size)
+        if self.protocol.copy == "bytes":
+            data = self._run("cat_file", source, timeout=timeout)
+            made = self.create(key, [data], timeout=timeout) if exclusive else \
+                self.write(key, [data], atomic=False, durable=True, timeout=timeout)
         else:
-            plain()
-        self.fs.invalidate_cache(target)
+            def conditional() -> Any:
+                if self.protocol.copy == "rewrite":
+                    return self._await(_rewrite_if_absent(self.fs, source, target, condition or {}), timeout)
+                return self._copy_object(source, target, size, timeout, IfNoneMatch="*", **(condition or {}))
 
-    def _copy_object(self, source: str, target: str, size: int, timeout: float | None, **conditions: str) -> None:
+            def plain() -> Any:
+                if self.protocol.copy == "object":
+                    return self._copy_object(source, target, size, timeout, **(condition or {}))
+                return self._run("cp_file", source, target, timeout=timeout)
+
+            try:
+                answer = self._if_absent(target, conditional, plain, timeout=timeout) if exclusive else plain()
+            except OSError as e:
+                # A precondition that failed: the target's (FileExistsError) or the source's.
+                if condition is not None and (isinstance(e, FileExistsError) or _guard.classify(e).http_status == 412):
+                    self._expect(source, expect, timeout)
+                raise
+            finally:
+                self.fs.invalidate_cache(target)
+            made = self._made(target, answer, int(expect.rpartition(":")[2]), timeout)  # a copy's size is its source's
+        if not (condition is not None and (self.protocol.copy == "rewrite" or made == expect)):
+            try:
+                self._expect(source, expect, timeout)
+            except SourceChanged:
+                with contextlib.suppress(OSError):
+                    self._run("rm_file", target, timeout=timeout)
+                raise
+        return made
+
+    def _expect(self, source: str, expect: str, timeout: float | None) -> None:
+        """SourceChanged unless the object `source` is the version `expect`."""
+        self.fs.invalidate_cache(source)
+        try:
+            found = _version(self._run("info", source, timeout=timeout))
+        except FileNotFoundError:
+            found = None
+        if found != expect:
+            raise SourceChanged(errno.ENOENT, f"{source} is not the object it was (now {found or 'gone'})")
+
+    def _copy_object(self, source: str, target: str, size: int, timeout: float | None, **conditions: str) -> Any:
         """S3's CopyObject of `source` (`size` bytes) to `target`, in one request where S3
-        copies that much in one (5 GiB); a larger one by s3fs's multipart copy."""
+        copies that much in one (5 GiB); a larger one by s3fs's multipart copy. Returns
+        S3's answer (None for a multipart copy)."""
         if size > _ONE_COPY_BYTES:
             self._run("cp_file", source, target, timeout=timeout, **conditions)
-            return
+            return None
         (source_bucket, source_key, _), (bucket, key, _) = self.fs.split_path(source), self.fs.split_path(target)
-        self._await(self.fs._call_s3("copy_object", Bucket=bucket, Key=key,
-                                     CopySource={"Bucket": source_bucket, "Key": source_key}, **conditions), timeout)
+        return self._await(self.fs._call_s3("copy_object", Bucket=bucket, Key=key,
+                                            CopySource={"Bucket": source_bucket, "Key": source_key}, **conditions),
+                           timeout)
 
-    def _if_absent(self, path: str, conditional: Callable[[], None], plain: Callable[[], None], *,
-                   timeout: float | None) -> None:
+    def _if_absent(self, path: str, conditional: Callable[[], _T], plain: Callable[[], _T], *,
+                   timeout: float | None) -> _T:
         """Makes `path` only if nothing is there (FileExistsError if something is): by
         `conditional`, a request the store itself refuses then, where it checks
         (`Protocol.create` "store"); else by `plain` after a check, under a lock for a
-        store in this process."""
+        store in this process. Returns what the request returned."""
         if self.protocol.create == "store":
             try:
-                conditional()
+                return conditional()
             except OSError as e:
                 # s3fs says FileExistsError only where S3 names the condition; any 412 is one.
                 if not isinstance(e, FileExistsError) and _guard.classify(e).http_status == 412:
                     raise FileExistsError(errno.EEXIST, f"{path} exists") from e
                 raise
-            return
         with _CREATING if self.protocol.create == "process" else contextlib.nullcontext():
             self.fs.invalidate_cache(path)
             if self._run("exists", path, timeout=timeout):
                 raise FileExistsError(errno.EEXIST, f"{path} exists")
-            plain()
+            return plain()
 
     @property
     def exclusive(self) -> bool:
@@ -359,21 +427,42 @@ def _version(item: dict[str, Any]) -> str | None:
     ETag (with its size: a multipart upload's is no digest of the bytes), GCS's
     generation, else the time it was made, as the file system says."""
     for field in ("generation", "ETag", "etag", "created", "mtime", "LastModified"):
-        if item.get(field) is not None:
-            return f"{field}:{item[field]}:{item.get('size')}"
+        if (value := item.get(field)) is not None:
+            # A time as a listing says it, or an object's information (memory://: a datetime).
+            value = value.timestamp() if isinstance(value, datetime.datetime) else value
+            return f"{field}:{value}:{item.get('size')}"
     return None
 
 
-async def _rewrite_if_absent(fs: Any, source: str, target: str) -> None:
+def _size(body: object) -> int:
+    return memoryview(body).nbytes  # type: ignore[arg-type]
+
+
+def _source_condition(protocol: Protocol, expect: str, size: int) -> dict[str, str] | None:
+    """The precondition that makes the store copy only from the version `expect` of its
+    source (see `_version`), in the copy's own request: S3's x-amz-copy-source-if-match
+    (CopyObject; not s3fs's multipart copy of a larger one), GCS's
+    ifSourceGenerationMatch. None where the store has none."""
+    field, _, rest = expect.partition(":")
+    value = rest.rpartition(":")[0]
+    if protocol.copy == "object" and field == "ETag" and size <= _ONE_COPY_BYTES:
+        return {"CopySourceIfMatch": value}
+    if protocol.copy == "rewrite" and field == "generation":
+        return {"ifSourceGenerationMatch": value}
+    return None
+
+
+async def _rewrite_if_absent(fs: Any, source: str, target: str, condition: Mapping[str, str]) -> dict[str, Any]:
     """GCS's copy (a rewrite, in as many calls as it asks for) of `source` to `target`
-    only if no object is there (ifGenerationMatch=0): gcsfs's `cp_file` sends no
-    precondition."""
+    only if no object is there (ifGenerationMatch=0: gcsfs's `cp_file` sends no
+    precondition) and, with `condition`, only from that generation of `source`.
+    Returns GCS's last answer, which holds the object made."""
     (source_bucket, source_key, _), (bucket, key, _) = fs.split_path(source), fs.split_path(target)
     token = None
     while True:
-        out = await fs._call("POST", "b/{}/o/{}/rewriteTo/b/{}/o/{}", source_bucket, source_key, bucket, key,
-                             headers={"Content-Type": "application/json"}, json_out=True, ifGenerationMatch=0,
-                             rewriteToken=token)
+        out: dict[str, Any] = await fs._call("POST", "b/{}/o/{}/rewriteTo/b/{}/o/{}", source_bucket, source_key,
+                                             bucket, key, headers={"Content-Type": "application/json"},
+                                             json_out=True, ifGenerationMatch=0, rewriteToken=token, **condition)
         if out.get("done", True):
-            return
+            return out
         token = out["rewriteToken"]

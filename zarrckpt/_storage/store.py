@@ -48,6 +48,12 @@ class NotAFile(OSError):
 Check = Callable[[bytes], "str | None"]
 
 
+class SourceChanged(FileNotFoundError):
+    """The object a copy was to be made from is no longer the version it was asked to
+    be made from (`Store.copy`'s `expect`): rewritten or deleted since. Nothing is
+    made at the copy's key."""
+
+
 class DeadlinePassed(TimeoutError):
     """A request abandoned at its deadline (`Store` methods' `timeout`)."""
 
@@ -78,21 +84,24 @@ class Store(abc.ABC):
     def write(self, key: str, parts: Sequence[object], *, atomic: bool, durable: bool,
               timeout: float | None) -> str | None:
         """Writes the object `key`, the concatenation of `parts` (see `Location.write`).
-        Returns the version of the object made (`Entry.version`) where the store knows
-        it at no cost (the local disk), else None; so does `copy`."""
+        Returns the version of the object made (`Entry.version`): from the store's
+        answer (a local file's, S3's ETag, GCS's generation), else asked of it at once;
+        None where neither says it. So do `create` and `copy`."""
 
     @abc.abstractmethod
-    def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> None:
+    def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> str | None:
         """Writes the object `key`, the concatenation of `parts`, durably, only if nothing
         is there (FileExistsError if something is): of two creates of one key, whenever
         made, at most one succeeds, where `exclusive` says the store guarantees it."""
 
     @abc.abstractmethod
-    def copy(self, key: str, source: str, *, size: int, exclusive: bool, timeout: float | None) -> str | None:
+    def copy(self, key: str, source: str, *, size: int, exclusive: bool, expect: str,
+             timeout: float | None) -> str | None:
         """Makes the object `key` a copy of the object `source` (`size` bytes), durably,
         without its bytes passing through this process where the store can (see
-        `Location.copy_new`).
-        With `exclusive`, only if nothing is at `key` (FileExistsError), as `create`."""
+        `Location.copy_new`), only if `source` is the version `expect` (`Entry.version`):
+        else SourceChanged, and nothing made. With `exclusive`, only if nothing is at
+        `key` (FileExistsError), as `create`."""
 
     def together(self) -> contextlib.AbstractContextManager[Store]:
         """This store, for writes made together (see `Location.together`)."""
