@@ -102,8 +102,8 @@ def test_a_chunk_whose_writer_moves_to_another_process_is_written_again_and_no_s
     """Leaves added before the very same arrays move which process writes a replicated
     chunk: that process never made it, so it knows no version of it and writes it
     (where before it listed the step at every commit to learn every process's chunks);
-    the sharded leaf's chunks are still linked, and the step commits. No save lists
-    more than the same save with reuse off."""
+    the sharded leaf's chunks are still linked, and the step commits. No save lists a
+    step more than the same save with reuse off."""
     results = multiprocess.run("mp_manager", "grown", str(tmp_path / "run"))
     for r in results:
         assert r["steps"] == [1, 2, 3] and r["exact"], r

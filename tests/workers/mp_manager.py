@@ -181,10 +181,18 @@ def grown(directory: str) -> None:
     before them (an EMA, an optional leaf set), which moves the process that writes the
     replicated leaf's chunk. The same saves again with reuse off, in a directory of
     their own. Reports the steps committed, the values step 3 restores to, the inodes
-    of each leaf's chunks at steps 2 and 3, and the listings each save asked for, with
-    reuse and without."""
-    from zarrckpt import _stats
+    of each leaf's chunks at steps 2 and 3, and the steps each save listed whole, with
+    reuse and without (the lease's listings of the run, timed by its heartbeat, not
+    counted)."""
+    from zarrckpt import _storage
 
+    walked, walk = [], _storage.Location.walk
+
+    def recorded(self, **kwargs):
+        walked.append(self.url)
+        return walk(self, **kwargs)
+
+    _storage.Location.walk = recorded
     mesh = Mesh(np.array(jax.devices()), ("x",))
     sharded = jax.make_array_from_callback((8192,), NamedSharding(mesh, P("x")),
                                            lambda i: np.arange(8192, dtype=np.float32)[i])
@@ -198,9 +206,9 @@ def grown(directory: str) -> None:
         with zarrckpt.CheckpointManager(directory if reuse else f"{directory}_off", async_save=False,
                                         reuse_unchanged=reuse) as mgr:
             for step, tree in trees.items():
-                _stats.reset()
+                walked.clear()
                 mgr.save(step, tree)
-                listings[reuse].append(_stats.snapshot().get("store_list", 0))
+                listings[reuse].append(len(walked))
     restored = zarrckpt.load_checkpoint(directory, 3)
     inodes = {step: {leaf: sorted(entry.stat().st_ino for entry in os.scandir(f"{directory}/{step:010d}/{leaf}")
                                   if entry.name.startswith("c")) for leaf in ("s", "w")} for step in (2, 3)}
