@@ -214,7 +214,7 @@ class Location:
         cannot be made), CopyObject on S3, a rewrite on GCS. Only from the version
         `expect` of that object (`Entry.version`): SourceChanged if it is not, checked
         by the store in the copy's own request on S3 and GCS, on the link made on a
-        local disk, just before the copy elsewhere.
+        local disk, once the copy is made elsewhere.
 
         Where requests may land late (as `write_new`), it is created only if absent: an
         object found there is compared with the source, and replaced unless the same."""

@@ -229,10 +229,14 @@ class Fsspec(Store):
     def write(self, key: str, parts: Sequence[object], *, atomic: bool, durable: bool,
               timeout: float | None) -> str | None:
         # A PUT is atomic, and durable once acknowledged (docs/pytree-zarr-checkpoint.md).
-        path, body = self._path(key), self._body(parts)
+        return self._put(self._path(key), self._body(parts), timeout)
+
+    def _put(self, path: str, body: object, timeout: float | None, **mode: str) -> str | None:
+        """Writes `body` at `path` in one request where the store takes it so (`_whole`,
+        with `pipe_file`'s `mode`); returns the version made (`_made`)."""
         size = _size(body)
-        return self._made(path, self._run("pipe_file", path, body, timeout=timeout, **self._whole(size)), size,
-                          timeout)
+        return self._made(path, self._run("pipe_file", path, body, timeout=timeout, **self._whole(size), **mode),
+                          size, timeout)
 
     def _body(self, parts: Sequence[object]) -> object:
         """`parts` as one body the client takes, copied only where it must be."""
@@ -258,13 +262,8 @@ class Fsspec(Store):
 
     def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> str | None:
         path, body = self._path(key), self._body(parts)
-        size = _size(body)
-        whole = self._whole(size)
-        return self._if_absent(path, lambda: self._made(path, self._run("pipe_file", path, body, mode="create",
-                                                                         timeout=timeout, **whole), size, timeout),
-                               lambda: self._made(path, self._run("pipe_file", path, body, timeout=timeout,
-                                                                  **whole), size, timeout),
-                               timeout=timeout)
+        return self._if_absent(path, lambda: self._put(path, body, timeout, mode="create"),
+                               lambda: self._put(path, body, timeout), timeout=timeout)
 
     def _whole(self, size: int) -> dict[str, int]:
         """`pipe_file`'s options that send an object of `size` bytes in one request, whose
@@ -312,7 +311,8 @@ class Fsspec(Store):
                 raise
             finally:
                 self.fs.invalidate_cache(target)
-            made = self._made(target, answer, int(expect.rpartition(":")[2]), timeout)  # a copy's size is its source's
+            # A copy's size is its source's (S3, GCS and memory:// say sizes).
+            made = self._made(target, answer, int(_version_parts(expect)[2]), timeout)
         if not (condition is not None and (self.protocol.copy == "rewrite" or made == expect)):
             try:
                 self._expect(source, expect, timeout)
@@ -434,6 +434,14 @@ def _version(item: dict[str, Any]) -> str | None:
     return None
 
 
+def _version_parts(version: str) -> tuple[str, str, str]:
+    """The field, value and size (as `_version` wrote it: "None" where the store says
+    none) a version of `_version` names."""
+    field, _, rest = version.partition(":")
+    value, _, size = rest.rpartition(":")
+    return field, value, size
+
+
 def _size(body: object) -> int:
     return memoryview(body).nbytes  # type: ignore[arg-type]
 
@@ -443,8 +451,7 @@ def _source_condition(protocol: Protocol, expect: str, size: int) -> dict[str, s
     source (see `_version`), in the copy's own request: S3's x-amz-copy-source-if-match
     (CopyObject; not s3fs's multipart copy of a larger one), GCS's
     ifSourceGenerationMatch. None where the store has none."""
-    field, _, rest = expect.partition(":")
-    value = rest.rpartition(":")[0]
+    field, value, _ = _version_parts(expect)
     if protocol.copy == "object" and field == "ETag" and size <= _ONE_COPY_BYTES:
         return {"CopySourceIfMatch": value}
     if protocol.copy == "rewrite" and field == "generation":
