@@ -131,6 +131,18 @@ def test_sigterm_to_one_process_of_two_stops_both_loops_at_one_saved_step(tmp_pa
     assert stop > 15 and results[0]["steps"][-1] == stop, results  # nothing trained after the notice is lost
 
 
+def test_sigterm_to_one_process_of_two_whose_loop_saves_every_5_steps_stops_both_at_one_saved_step(tmp_path):
+    """A loop that calls `save` only when a save is due: JAX agrees on a step that no
+    `save` call has, and the notice was lost (no stop, the job killed at the grace
+    period). `reached_preemption` asks at every step; the next `save` call saves its
+    step, past the policy's interval, and both loops stop there."""
+    results = multiprocess.run("mp_manager", "preempted_sometimes", str(tmp_path / "run"))
+    stops = {result["stopped"] for result in results}
+    assert len(stops) == 1 and None not in stops, results
+    (stop,) = stops
+    assert stop > 17 and stop % 5 == 0 and results[0]["steps"][-1] == stop, results  # saved where it stopped
+
+
 def test_manager_background_barrier_times_out_naming_the_missing_process(tmp_path):
     results = multiprocess.run("mp_manager", "timeout", str(tmp_path / "run"))
     error = results[0]["error"]

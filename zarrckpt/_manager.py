@@ -265,11 +265,14 @@ class CheckpointManager:
         values = _metric_values(metrics)
         # Asked at every call, before anything can return early: under jax.distributed
         # the notice is agreed at one step, which every process must ask about.
-        if notice := self._preemption.first_seen(step):
+        if self._preemption.first_seen(step):
             log.warning("preemption notice at step %d: saving it; `if mgr.reached_preemption(step): break` stops the "
                         "loop there", step)
         self._raise_errors()
-        persistent = self._should_save(step, force or notice)
+        for_notice = self._preemption.unsaved  # this save is the notice's, whatever the policy says
+        persistent = self._should_save(step, force or for_notice)
+        if for_notice and not persistent:  # committed or in flight already: that save is the notice's
+            self._preemption.saved = step
         copy = self._tier is not None and self._tier.due(step)
         if not (persistent or copy):
             return False
@@ -307,6 +310,8 @@ class CheckpointManager:
                                 type(e).__name__)
             raise
         self._raise_errors()  # without async_save: the persistent save's error
+        if for_notice:
+            self._preemption.saved = step
         return True
 
     def _warn_unranked(self, step: int, metrics: Mapping[str, float] | None) -> None:
@@ -605,10 +610,20 @@ class CheckpointManager:
         `jax.distributed`, and in a job of one process SIGTERM (taken from the first
         call of this until `close`, unless something else handles it; a second SIGTERM
         ends the process).
-        Always False with `save_on_preemption=False`."""
+
+        A notice seen here rather than in `save` (it came after this step's save, or the
+        loop calls `save` only when a save is due) makes the next `save` call save its
+        step whatever the policy says, with a warning; this returns True from that step
+        on. Under `jax.distributed`, collective: every process calls it at every step,
+        with the same steps. Always False with `save_on_preemption=False`."""
         self._preemption.take_sigterm()
-        at = self._preemption.at
-        if at is None or step < at:
+        if self._preemption.first_seen(step):
+            log.warning("preemption notice at step %d, after its save or where the loop does not save: the next "
+                        "`save` call saves its step whatever the policy, and reached_preemption is True from that "
+                        "step on (a loop that calls mgr.save(step, state) at every step, leaving the policy to "
+                        "decide, saves at the notice's step)", step)
+        saved = self._preemption.saved
+        if saved is None or step < saved:
             return False
         self.wait()
         return True

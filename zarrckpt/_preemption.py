@@ -24,18 +24,26 @@ log = logging.getLogger("zarrckpt")
 
 
 class Notice:
-    """Whether a preemption notice has come, and the step at which it was first seen
-    (`at`), the same on every process."""
+    """Whether a preemption notice has come, the step at which it was first seen (`at`),
+    and the step saved for it (`saved`, at or after `at`), the same on every process."""
 
     def __init__(self, *, listen: bool) -> None:
         self.at: int | None = None
+        self.saved: int | None = None
         self._listen = listen
         self.signalled = False  # set by the handler: a plain attribute, no lock to take there
 
+    @property
+    def unsaved(self) -> bool:
+        """Whether a notice has come whose step is not saved yet: the next save is due."""
+        return self.at is not None and self.saved is None
+
     def first_seen(self, step: int) -> bool:
         """Whether the notice is seen for the first time at `step` (then `at` is `step`),
-        asked at each save. Under `jax.distributed`, collective: every process asks at
-        every step."""
+        asked at each save and each `reached_preemption`. Under `jax.distributed`,
+        collective: every process asks with the same steps, in the same order (JAX
+        agrees on the step after the newest any process has asked with, so a loop that
+        asks only at the steps it saves would never reach it)."""
         if not self._listen or self.at is not None:
             return False
         if _multihost.coordinated():

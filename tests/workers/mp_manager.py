@@ -1,5 +1,5 @@
 """Multi-process CheckpointManager worker: `train DIR`, `timeout DIR`, `late DIR TIMEOUT_S HOLD_S`,
-`preempted DIR`, `frozen DIR` and `staging_fails DIR`."""
+`preempted DIR`, `preempted_sometimes DIR`, `frozen DIR` and `staging_fails DIR`."""
 
 from __future__ import annotations
 
@@ -146,6 +146,27 @@ def preempted(directory: str) -> None:
     report(stopped=stopped, steps=zarrckpt.all_steps(directory))
 
 
+def preempted_sometimes(directory: str) -> None:
+    """As `preempted`, with a loop that calls `save` only every 5 steps (as a loop
+    written around Orbax's `should_save` does) and `reached_preemption` at every step;
+    process 1 gets SIGTERM after step 17."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
+    update = jax.jit(lambda s: jax.tree_util.tree_map(lambda x: x + 1, s), donate_argnums=0)
+    state, stopped = state_on(mesh, 0.0), None
+    with zarrckpt.CheckpointManager(directory, save_interval_steps=10) as mgr:
+        for step in range(1, 200):
+            state = update(state)
+            if step % 5 == 0:
+                mgr.save(step, state)
+            if step == 17 and jax.process_index() == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if mgr.reached_preemption(step):
+                stopped = step
+                break
+            time.sleep(0.02)
+    report(stopped=stopped, steps=zarrckpt.all_steps(directory))
+
+
 def frozen(directory: str) -> None:
     """A frozen base sharded over the devices of both processes, rebuilt as new arrays
     by every step (`base + 0`), beside a leaf that changes: four saves. Reports, on each
@@ -243,5 +264,6 @@ def staging_fails(directory: str) -> None:
     report(said=said, step=step, values=values, steps=zarrckpt.all_steps(directory))
 
 
-{"train": train, "timeout": timeout, "late": late, "preempted": preempted, "frozen": frozen, "grown": grown,
+{"train": train, "timeout": timeout, "late": late, "preempted": preempted,
+ "preempted_sometimes": preempted_sometimes, "frozen": frozen, "grown": grown,
  "staging_fails": staging_fails}[args[0]](*args[1:])

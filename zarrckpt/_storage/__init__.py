@@ -460,6 +460,10 @@ def _find_secrets(value: Any, secret: bool, found: set[str]) -> None:
 
 
 def _url_to_fs(url: str, options: tuple[tuple[str, Any], ...]) -> tuple[fsspec.AbstractFileSystem, str]:
+    if is_local_url(url):
+        # A relative path names what it names now: after `os.chdir`, the same spelling is
+        # another directory (another job's run), so it is never a key of the cache.
+        return fsspec.core.url_to_fs(url, **dict(options))
     try:
         return _cached_url_to_fs(url, options)
     except TypeError:  # unhashable storage option values: skip the cache
