@@ -18,6 +18,8 @@ draws the modules: the write path in `_save/`, the read path in `_restore/`, the
 format's pure pieces in `_format/`, storage at the bottom.
 """
 
+import importlib.metadata as _importlib_metadata
+
 from ._copy import CopyResult, copy_checkpoint
 from ._export import ExportResult, export_checkpoint
 from ._format import dtypes as _dtypes
@@ -53,7 +55,10 @@ from .errors import (
 
 _dtypes.register()  # bfloat16 and float8 must be known to zarr before any array is opened
 
-__version__ = "0.1.0"
+try:
+    __version__ = _importlib_metadata.version("zarrckpt")
+except _importlib_metadata.PackageNotFoundError:  # a source tree on the path, never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "FORMAT_VERSION",
