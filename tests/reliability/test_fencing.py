@@ -88,6 +88,18 @@ class StaleHolder:
         self.proxy.stop()
 
 
+def taking_over(url, options, **kwargs):
+    """A manager of the run, taken over from the stopped holder. Looked for twice: a
+    renewal of the holder's already past the proxy when the stop came may land just
+    after the first look began, and reads as a live holder; a second look sees none."""
+    try:
+        return zarrckpt.CheckpointManager(url, storage_options=options, heartbeat_s=0.5, async_save=False,
+                                          max_chunk_bytes=1024, **kwargs)
+    except zarrckpt.DirectoryInUseError:
+        return zarrckpt.CheckpointManager(url, storage_options=options, heartbeat_s=0.5, async_save=False,
+                                          max_chunk_bytes=1024, **kwargs)
+
+
 def in_body_or_target(key, *, committing=None):
     def which(target, body):
         if key not in target and key.encode() not in body:
@@ -114,8 +126,7 @@ def test_a_holder_paused_mid_save_past_its_lease_fails_its_save_and_leaves_the_n
     stale = StaleHolder(server, tmp_path, url, 2, 5, fifth_chunk)
     try:
         stale.wait_stopped()
-        with zarrckpt.CheckpointManager(url, storage_options=direct, heartbeat_s=0.5, async_save=False,
-                                        max_chunk_bytes=1024) as mgr:
+        with taking_over(url, direct) as mgr:
             state, restored = mgr.restore(tree(0.0))
             assert restored == 1 and np.all(np.asarray(state["w"]) == 101.0)
             mgr.save(2, tree(202.0))
@@ -141,8 +152,7 @@ def test_a_holder_paused_at_its_commit_past_its_lease_deletes_no_step_in_its_ret
     stale = StaleHolder(server, tmp_path, url, 2, 1, in_body_or_target("run/0000000002/zarr.json", committing=True))
     try:
         stale.wait_stopped()
-        with zarrckpt.CheckpointManager(url, storage_options=direct, heartbeat_s=0.5, async_save=False,
-                                        max_chunk_bytes=1024, keep_last=3) as mgr:
+        with taking_over(url, direct, keep_last=3) as mgr:
             assert mgr.restore(tree(0.0))[1] == 2
             mgr.save(3, tree(303.0))
         made = objects(url, direct)
@@ -153,3 +163,26 @@ def test_a_holder_paused_at_its_commit_past_its_lease_deletes_no_step_in_its_ret
     assert zarrckpt.all_steps(url, storage_options=direct) == [1, 2, 3]
     assert {k: v for k, v in objects(url, direct).items() if k in made and "zarrckpt.leases" not in k} == \
         {k: v for k, v in made.items() if "zarrckpt.leases" not in k}
+
+
+def test_a_holder_paused_before_its_commit_past_its_lease_commits_nothing_into_the_run_taken_over(
+        server, tmp_path):
+    """The stale holder is stopped at its last chunk of `w` in step 2; the new holder
+    restores step 1 and saves step 3, leaving step 2 alone; the stale holder resumes,
+    writes the rest, and comes to its commit. Before: it committed step 2 into the run
+    the other job holds."""
+    url = f"{server.protocol}://{server.new_bucket()}/run"
+    direct = server.options()
+    stale = StaleHolder(server, tmp_path, url, 2, 5, in_body_or_target("run/0000000002/w/c.15.0"))
+    try:
+        stale.wait_stopped()
+        with taking_over(url, direct) as mgr:
+            assert mgr.restore(tree(0.0))[1] == 1
+            mgr.save(3, tree(303.0))
+        said = stale.resume()
+    finally:
+        stale.stop()
+    assert said["outcome"] == "failed" and said["error"] == "DirectoryInUseError", said
+    assert f"{url} was taken over by another CheckpointManager" in said["message"], said
+    assert "step 2 not committed" in said["message"], said
+    assert zarrckpt.all_steps(url, storage_options=direct) == [1, 3]
