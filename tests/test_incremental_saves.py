@@ -374,16 +374,23 @@ def test_a_chunk_rewritten_while_a_store_without_copy_conditions_copies_it_fails
         np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(url, step)["base"]), np.asarray(base))
 
 
-@pytest.mark.parametrize("found", ["another save's", "its own"])
-def test_a_copy_that_finds_an_object_where_it_lands_leaves_the_source_s_bytes_there(new_store, found):
-    """Requests land late on S3: a copy finds an object at its key, one of another save
-    (replaced) or its own earlier attempt's (kept)."""
+@pytest.mark.parametrize("found", ["another writer's", "its own"])
+def test_a_copy_that_finds_an_object_where_it_lands_takes_its_own_and_never_deletes_another_s(new_store, found):
+    """Requests land late on S3: a copy finds an object at its key, its own earlier
+    attempt's (taken as made) or another writer's (a job that took the run over, or a
+    late request of another save): nothing proves that one is not a live job's, so it
+    stays, and the copy fails naming it."""
     store = new_store("s3")
     loc = zarrckpt._storage.resolve(store.url, store.options)
     version = loc.write("1/c", b"committed chunk")
-    loc.write("2/c", b"a late write of another save" if found == "another save's" else b"committed chunk")
-    loc.child("2").copy_new("c", loc.child("1"), nbytes=15, expect=version)
-    assert loc.read("2/c") == b"committed chunk" and loc.read("1/c") == b"committed chunk"
+    there = b"another writer's chunk" if found == "another writer's" else b"committed chunk"
+    loc.write("2/c", there)
+    if found == "another writer's":
+        with pytest.raises(FileExistsError, match="2/c: another writer made it meanwhile"):
+            loc.child("2").copy_new("c", loc.child("1"), nbytes=15, expect=version)
+    else:
+        loc.child("2").copy_new("c", loc.child("1"), nbytes=15, expect=version)
+    assert loc.read("2/c") == there and loc.read("1/c") == b"committed chunk"
 
 
 @settings(max_examples=40, deadline=None)

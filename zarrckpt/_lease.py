@@ -25,7 +25,10 @@ time); one whose writer is provably alive there is refused at once. A process in
 its lease is watched like any other. A lease of this very process is another manager's
 here that was never closed: refused at once, saying so, unless that manager is garbage
 (its finalizer gives the lease back). A holder that finds a newer number (it was
-taken over while it looked dead) stops saving: `check` runs before each save.
+taken over while it looked dead) stops saving: `check` runs before each save, again
+immediately before its commit, and before retention deletes anything, so that a holder
+stopped past its lease (SIGSTOP, a paused VM) and resumed mid-save neither commits nor
+deletes in a run another job holds now.
 """
 
 from __future__ import annotations
@@ -141,11 +144,14 @@ class Lease:
             f"{self._root.url} is in use by {_holder(again)} that is still alive: two jobs saving into one "
             "directory would interleave their checkpoints. Stop the other job, or use another directory.")
 
-    def check(self) -> None:
-        """Raises DirectoryInUseError if another claimant has taken the lease over."""
+    def check(self, doing: str = "not saving") -> None:
+        """Raises DirectoryInUseError, naming the directory, the new holder and what is
+        not done (`doing`), if another claimant has taken the lease over: the newest
+        lease, read now from the store, is not this one's number or not its owner's."""
         number, found = self._newest()
         if number != self._number or found is None or found.get("owner") != self._owner:
-            raise DirectoryInUseError(f"{self._root.url} was taken over by {_holder(found or {})}; not saving")
+            raise DirectoryInUseError(f"{self._root.url} was taken over by {_holder(found or {})} while this job "
+                                      f"did not renew its lease (stopped or cut off longer than its lease); {doing}")
 
     def release(self) -> None:
         """Stops renewing the lease and marks it released if it is still ours. Safe to

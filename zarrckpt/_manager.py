@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -358,6 +358,8 @@ class CheckpointManager:
                             f" and {len(found) - 5} more leaves" if len(found) > 5 else "")
 
         job.before_prepare = before_prepare
+        if self._lease is not None:
+            job.before_commit = functools.partial(self._lease.check, f"step {step} not committed")
         # The job holds the state: the commit's report must not.
         nbytes, note, known, made = job.nbytes, job.reuse_note(), self._unchanged, job.made
 
@@ -436,7 +438,8 @@ class CheckpointManager:
         with self._lock:
             metrics = dict(self._metrics)
         with _multihost.Agreement("manager-retain", self._timeout_s, what=f"retention under {self._root.url}") as op:
-            deleted = op.decide("retain", lambda: _retention.apply(self._root, self._policy, metrics))
+            deleted = op.decide("retain", lambda: _retention.apply(self._root, self._policy, metrics,
+                                                                   fence=self._fence("retention deleted nothing")))
         with self._lock:
             self._committed.difference_update(deleted)
         if self._unchanged is not None:  # a rollback's step, older than the newest: gone
@@ -597,8 +600,12 @@ class CheckpointManager:
     def _delete_on_process_0(self, step: int) -> bool:
         # The lease is checked inside the decision: its error reaches every process.
         assert self._lease is not None  # process 0's
-        self._lease.check()
+        self._lease.check(f"step {step} not deleted")
         return _retention.delete(self._root, step, committed=True, why="delete()")
+
+    def _fence(self, doing: str) -> Callable[[], None] | None:
+        """Process 0's lease check, saying `doing` where the lease was taken over."""
+        return None if self._lease is None else functools.partial(self._lease.check, doing)
 
     # -- lifetime ----------------------------------------------------------------
 

@@ -193,6 +193,9 @@ class SaveJob:
     budget: _concurrency.ByteBudget
     channel: str = "save"
     before_prepare: Callable[[], None] | None = None  # run on process 0 first: a lease check
+    # Run where the commit is written, just before it (a lease check), and to explain a
+    # failed write.
+    before_commit: Callable[[], None] | None = None
     # Run on each process once its writes are in, before the commit: that the step its
     # unchanged chunks were made from is still the one they were made from.
     after_writes: Callable[[], None] | None = None
@@ -374,8 +377,7 @@ class SaveJob:
                 self.save_id = self.commit.prepare(op, self._prepare)
                 self.compressor.start()
                 op.check("write", lambda: self._write(work, advance))
-                self.commit.commit(op, lambda: _commit.commit(loc, _zarrjson.group_document(
-                    self.group["attributes"], self.arrays)))
+                self.commit.commit(op, self._commit)
             except BaseException as e:
                 self.budget.abort(e)  # a stager waiting for room must not wait forever
                 raise
@@ -387,16 +389,26 @@ class SaveJob:
             _write_all(self.loc, work, self._array_metadata(), self.options.max_workers or self.loc.concurrency,
                        advance, self.compressor, self.made)
         except Exception as e:
-            if self.after_writes is not None and _missing(e):  # a chunk made from one not what it was: say which
+            # Say why where it can be known: the run taken over by another job (whose
+            # objects refused this save's), or a chunk made from one not what it was.
+            for explain, why in ((self.before_commit, errors.DirectoryInUseError),
+                                 (self.after_writes if _missing(e) else None, errors.CheckpointWriteError)):
+                if explain is None:
+                    continue
                 try:
-                    self.after_writes()
-                except errors.CheckpointWriteError as gone:
-                    raise gone from e
+                    explain()
+                except why as found:
+                    raise found from e
                 except Exception:  # the store failing on: the writes' own error says it
                     pass
             raise
         if self.after_writes is not None:
             self.after_writes()
+
+    def _commit(self) -> None:
+        if self.before_commit is not None:
+            self.before_commit()
+        _commit.commit(self.loc, _zarrjson.group_document(self.group["attributes"], self.arrays))
 
     def _array_metadata(self) -> list[tuple[ArrayPlan, dict[str, Any]]]:
         """The `zarr.json` documents this process writes, each with its array's plan:

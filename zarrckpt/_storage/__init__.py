@@ -47,7 +47,7 @@ __all__ = ["DEFAULT_REQUEST_TIMEOUT_S", "LOCAL_CONCURRENCY", "OBJECT_STORE_CONCU
 
 _ONE_SLASH = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):/(?!/)")
 REQUEST_TIMEOUT_OPTION = "request_timeout_s"  # zarrckpt's own storage option (not passed to fsspec)
-_LATE_TRIES = 8  # each conflict consumes one late request: a save has at most a few for a key
+_LATE_TRIES = 8  # creates of an object another writer deletes each time
 
 # gcsfs's token modes: not credentials, and too common as words to scrub from messages.
 _NOT_SECRETS = frozenset({"anon", "google_default", "cache", "cloud", "browser"})
@@ -186,9 +186,9 @@ class Location:
 
         Where requests may land late and `create` is exclusive (S3, GCS), it is created
         only if absent, so that no request of this or an earlier save that lands later
-        can change it: such a request that landed before is found (an object that is
-        not these bytes), deleted, and the object created again. Elsewhere it is a
-        `write` (`atomic` as there)."""
+        can change it: an object found there that is not these bytes (another writer's,
+        or such a request that landed before) is left as it is, and FileExistsError
+        raised. Elsewhere it is a `write` (`atomic` as there)."""
         if not self.late_safe:
             return self.write(key, *parts, atomic=atomic, durable=True)
         return self._created(key, lambda: self.create(key, *parts),
@@ -217,7 +217,8 @@ class Location:
         local disk, once the copy is made elsewhere.
 
         Where requests may land late (as `write_new`), it is created only if absent: an
-        object found there is compared with the source, and replaced unless the same."""
+        object found there that is not the source's bytes is left as it is, and
+        FileExistsError raised."""
         if source.guard is not self.guard or source.store.root != self.store.root:
             raise ValueError(f"{source.url} is not in the store of {self.url}: a chunk is copied within one store")
         _stats.add("store_bytes_copied", nbytes)
@@ -229,20 +230,26 @@ class Location:
 
     def _created(self, key: str, create: Callable[[], str | None], meant: Callable[[bytes], bool]) -> str | None:
         """Makes `key` by `create` (exclusive), against requests that land late: an object
-        found there that is not what was `meant` is a late request of another save
-        (landed, so it is deleted and the object made again); one that is, an earlier
-        attempt of this one that landed unseen (whose version is then not known: None).
-        Returns the version `create` returned."""
+        found there that is what was `meant` is an earlier attempt of this one that landed
+        unseen (whose version is then not known: None). One that is not was put there by
+        another writer: a job that took the run over while this one was paused, or a
+        late request of an earlier save. Nothing proves it is not another job's, so it is
+        never deleted: FileExistsError, naming it. Returns the version `create` returned."""
         for _ in range(_LATE_TRIES):
             try:
                 return create()
             except FileExistsError:
                 found = self.read_if_present([key])[0]
-                if found is not None and meant(found):
+                if found is None:
+                    continue  # deleted since: made again
+                if meant(found):
                     return None
-                self.remove_file(key)
-        raise OSError(f"cannot write {self.url.rstrip('/')}/{key}: another writer keeps writing it (tried "
-                      f"{_LATE_TRIES} times)")
+                raise FileExistsError(
+                    f"cannot write {self.url.rstrip('/')}/{key}: another writer made it meanwhile (a job that took "
+                    "the run over while this one was paused, or a late request of an earlier save); left as it "
+                    "is") from None
+        raise OSError(f"cannot write {self.url.rstrip('/')}/{key}: it keeps being made and deleted by another "
+                      f"writer (tried {_LATE_TRIES} times)")
 
     def read(self, key: str, *, limit: int | None = None, check: Check | None = None) -> bytes:
         """The whole object `key` below this location (its first `limit` bytes with a
