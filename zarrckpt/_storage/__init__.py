@@ -170,7 +170,8 @@ class Location:
 
     @property
     def exclusive(self) -> bool:
-        """Whether `create` here is exclusive against writers in other processes."""
+        """Whether `create` here is exclusive against writers in other processes (as far
+        as `probe` found the store to honour the condition it is sent)."""
         return self.store.exclusive
 
     def probe(self, key: str) -> None:

@@ -59,7 +59,9 @@ class Protocol:
     # How `create` (write only if absent) is made exclusive: "store" (the store checks
     # a precondition: S3's If-None-Match, GCS's ifGenerationMatch=0), "process" (the
     # store lives in this process: a lock around the check and the write), or "none"
-    # (a check, then a write: two jobs can both succeed).
+    # (a check, then a write: two jobs can both succeed). A store of "store" found by
+    # `Fsspec.probe` to ignore its precondition is one of "none"; one found to ignore
+    # the copy's source condition copies as "bytes".
     create: str = "none"
     # How an object is copied (`Fsspec.copy`): "store" (fsspec's `cp_file`: inside the
     # store, or in memory for memory://), "object" (S3's CopyObject, sent with its
@@ -428,10 +430,12 @@ class Fsspec(Store):
                 raise
             return True
 
+        made = [path]
         try:
             create = not (created() and created())
             copy_source = True
             if self.protocol.copy in ("object", "rewrite"):
+                made.append(copy)
                 try:
                     if self.protocol.copy == "object":
                         self._copy_object(path, copy, len(body), timeout, CopySourceIfMatch=_PROBE_ETAG)
@@ -442,14 +446,15 @@ class Fsspec(Store):
                 except OSError as e:
                     if not _refused(e):
                         raise
+                    made.remove(copy)  # refused: nothing made there
         finally:
-            for made in (path, copy):
+            for made_here in made:
                 try:
-                    self._run("rm_file", made, timeout=timeout)
+                    self._run("rm_file", made_here, timeout=timeout)
                 except FileNotFoundError:
                     pass
                 except OSError as e:  # an object of no checkpoint: in the way of nothing
-                    log.warning("could not delete %s, the probe of what the store honours: %s", made, e)
+                    log.warning("could not delete %s, the probe of what the store honours: %s", made_here, e)
         PROBED[self._probed_as()] = Honoured(create, copy_source)
 
     @property
