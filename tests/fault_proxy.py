@@ -15,6 +15,12 @@ after `seconds` and answers (a slow store); `Garbled(keep_checksums)` forwards i
 answers with one bit of the store's answer flipped (damage on the way), with the store's
 checksum headers of the answer (S3's x-amz-checksum-*, GCS's x-goog-hash), which the
 client checks, or without them, as a store that sends none.
+
+With `ignores_conditions`, every request is forwarded without its conditions, as a
+server that speaks the store's API without conditional writes (S3 itself before 2024)
+treats it: S3's If-None-Match and x-amz-copy-source-if-*, GCS's ifGenerationMatch and
+ifSourceGenerationMatch are dropped, and a CopyObject is answered with the ETag its
+x-amz-copy-source-if-match named (the source's old one) whatever it copied.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import http.client
 import http.server
 import json
 import random
+import re
 import socket
 import struct
 import threading
@@ -91,6 +98,20 @@ def kind_of(protocol: str, method: str, target: str, headers: Any) -> str:
     return "delete" if method == "DELETE" else "other"
 
 
+def _unconditional(target: str, headers: dict[str, str]) -> tuple[str, dict[str, str], str | None]:
+    """The request `target` and `headers` without the conditions of S3 and GCS (see the
+    module's docstring), and the ETag an S3 copy's x-amz-copy-source-if-match named."""
+    named = next((value for name, value in headers.items() if name.lower() == "x-amz-copy-source-if-match"), None)
+    kept = {name: value for name, value in headers.items()
+            if name.lower() != "if-none-match" and not name.lower().startswith("x-amz-copy-source-if-")}
+    path, _, query = target.partition("?")
+    fields = urllib.parse.parse_qsl(query, keep_blank_values=True)
+    kept_fields = [(k, v) for k, v in fields if k not in ("ifGenerationMatch", "ifSourceGenerationMatch")]
+    if len(kept_fields) < len(fields):  # else the query as it came: the store's decoding of it untouched
+        target = f"{path}?{urllib.parse.urlencode(kept_fields)}" if kept_fields else path
+    return target, kept, named
+
+
 class FaultProxy:
     """A proxy in front of the store server at `upstream` ("http://127.0.0.1:PORT"),
     speaking as `protocol` ("s3" or "gs") when it answers for it. `injected` counts the
@@ -99,6 +120,7 @@ class FaultProxy:
     def __init__(self, upstream: str, protocol: str) -> None:
         self.protocol = protocol
         self.fault: Callable[[str, str, str, bytes], Fault] | None = None
+        self.ignores_conditions = False
         self.injected: dict[str, int] = {}
         self.seen: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -131,6 +153,9 @@ class FaultProxy:
             def _handle_one(self) -> None:
                 body = self._body()
                 kind = kind_of(proxy.protocol, self.command, self.path, self.headers)
+                target, sent, named = self.path, dict(self.headers.items()), None
+                if proxy.ignores_conditions:
+                    target, sent, named = _unconditional(target, sent)
                 fault = proxy.fault(kind, self.command, self.path, body) if proxy.fault is not None else None
                 with proxy._lock:
                     proxy.seen[kind] = proxy.seen.get(kind, 0) + 1
@@ -147,10 +172,9 @@ class FaultProxy:
                     self._answer(fault.status)
                     return
                 if isinstance(fault, Late):
-                    headers = dict(self.headers.items())
                     land = threading.Event()
                     late = threading.Thread(target=proxy._forward_late, daemon=True,
-                                            args=(land, fault.seconds, self.command, self.path, headers, body))
+                                            args=(land, fault.seconds, self.command, target, sent, body))
                     with proxy._lock:
                         proxy._late.append((late, land))
                     late.start()
@@ -159,7 +183,9 @@ class FaultProxy:
                     self.close_connection = True
                     proxy._stopping.wait(fault.seconds + 60)
                     return
-                status, headers, answer = proxy._send(self.command, self.path, dict(self.headers.items()), body)
+                status, headers, answer = proxy._send(self.command, target, sent, body)
+                if named is not None and kind == "copy" and status == 200:
+                    answer = re.sub(rb"<ETag>[^<]*</ETag>", b"<ETag>" + named.encode() + b"</ETag>", answer)
                 if isinstance(fault, Garbled) and answer:
                     answer = answer[:len(answer) // 2] + bytes([answer[len(answer) // 2] ^ 0x01]) + \
                         answer[len(answer) // 2 + 1:]

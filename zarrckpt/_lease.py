@@ -6,9 +6,24 @@ steps (and its retention) with the first one's. The lease is a numbered object i
 the directory. Taking it is creating the next number with `Location.create`, which
 fails if the number exists, so of two jobs that want it at the same moment exactly
 one gets it, whatever their timing and whatever request lands late: on a local disk
-(a hard link), S3 (If-None-Match), GCS (ifGenerationMatch=0) and memory://. A store
-without such a write (`Location.exclusive` false) is warned about at `claim`: two jobs
-racing there could both hold it.
+(a hard link), S3 (If-None-Match), GCS (ifGenerationMatch=0) and memory://.
+
+Whether S3 or GCS honour that condition is asked of them at the first claim on a store
+in a process (`Location.probe`, in `zarrckpt.leases/`: a second create of one object
+must be refused); servers that speak the S3 API without conditional writes (as S3
+itself before 2024) write over what is there. A store without such a write
+(`Location.exclusive` false: found so, or an fsspec client that has none) is warned
+about at `claim`, and the number is taken otherwise (`_take_by_listing`): the claimant
+writes a claim of its own, `<number>.claim-<owner>`, lists the leases, and takes the
+number only if it sees no other claim of that number or more and no lease of that
+number or more; it deletes its claim only once it has written the lease. Of two
+claimants whose writes and listings the store orders (S3 and its kind list what they
+acknowledged), the one that lists second sees the other's claim or lease, so both
+cannot take it; both may see each other and both be refused. A claim left by a
+claimant that died in between is watched for 2.5 of this claimant's heartbeats, and
+passed over (the next number is taken) if it stays; a claimant that only paused there
+is then a holder taken over, as below. After writing its lease a claimant lists once
+more, and gives way to a newer number found.
 
 The holder renews its own object every `heartbeat_s` from a background thread (only
 it writes that number) and marks it released when it closes. A new claimant that
@@ -55,6 +70,7 @@ DEFAULT_HEARTBEAT_S = 5.0
 _WATCH_BEATS = 2.5  # how many heartbeats a found lease must stay unchanged to count as dead
 _MAX_WATCH_S = 600.0  # however slow a heartbeat a lease claims
 _LOOKS = 10  # listings of the leases before giving up on one that keeps changing
+_CLAIM = ".claim-"  # a claim's name: the number claimed, this, the claimant (see `_take_by_listing`)
 
 
 def lease_key(number: int) -> str:
@@ -104,9 +120,12 @@ class Lease:
     def claim(self) -> None:
         """Takes the lease and starts renewing it; raises DirectoryInUseError if a live
         holder has it, or another claimant took it at the same moment."""
+        self._root.probe(LEASES)
         if not self._root.exclusive:
-            log.warning("%s cannot create an object only if it is absent: two jobs started together on it could "
-                        "both take its lease and interleave their checkpoints", self._root.url)
+            log.warning("%s cannot create an object only if it is absent (a store that ignores If-None-Match "
+                        "writes over what is there): its lease is taken by a claim and a listing instead, which "
+                        "holds only where listings show every write acknowledged; unchanged chunks are written "
+                        "through this process where the store ignores a copy's condition too", self._root.url)
         self._take(self.free() + 1)
 
     def free(self) -> int:
@@ -172,24 +191,78 @@ class Lease:
         # Noted before the request: a claim that a Ctrl-C cuts short once it has landed is
         # still given back by `release` (which gives back only a lease that names us).
         self._number = number
-        try:
-            self._root.create(lease_key(number), self._document())
-        except FileExistsError:
-            found = self._read(number)
-            if found is None or found.get("owner") != self._owner:  # not our own attempt that landed late
-                self._number = None
-                raise DirectoryInUseError(
-                    f"{self._root.url} was claimed at the same moment by {_holder(found or {})}: two jobs saving "
-                    "into one directory would interleave their checkpoints. Stop the other job, or use another "
-                    "directory.") from None
+        if not self._root.exclusive:
+            number = self._number = self._take_by_listing(number)
+        else:
+            try:
+                self._root.create(lease_key(number), self._document())
+            except FileExistsError:
+                found = self._read(number)
+                if found is None or found.get("owner") != self._owner:  # not our own attempt that landed late
+                    self._number = None
+                    raise self._taken_together(found or {}) from None
         self._thread = threading.Thread(target=self._renew, name="zarrckpt-lease", daemon=True)
         self._thread.start()
         try:
-            for entry in self._root.list_dir(LEASES):  # the ones before: nobody's any more
+            for entry in self._root.list_dir(LEASES):  # the ones before, and claims of them: nobody's any more
                 if (older := _parse_number(entry.name)) is not None and older < number:
                     self._root.remove_file(lease_key(older))
+                elif (claim := _parse_claim(entry.name)) is not None and claim[0] <= number:
+                    self._root.remove_file(f"{LEASES}/{entry.name}")
         except Exception as e:  # left for the next holder to remove: the lease is ours all the same
             log.warning("could not remove the older leases of %s: %s", self._root.url, e)
+
+    def _take_by_listing(self, number: int) -> int:
+        """Takes lease `number`, or the next after claims left by dead claimants, on a
+        store without an exclusive create (see the module's docstring); returns the
+        number taken. Raises DirectoryInUseError where another claimant took it or
+        claimed it at the same moment."""
+        passed: set[str] = set()  # claims found twice, a watch apart: their claimants are gone
+        for _ in range(_LOOKS):
+            claim = f"{lease_key(number)}{_CLAIM}{self._owner}"
+            self._root.write(claim, self._document(), atomic=True)
+            try:
+                taken, claims = self._rivals(number, passed)
+                if not taken and not claims:
+                    self._root.write(lease_key(number), self._document(), atomic=True)
+                    taken, _ = self._rivals(number + 1, passed)
+                    if not taken:
+                        return number
+            finally:
+                self._root.remove_file(claim)
+            if taken:
+                self._number = None
+                raise self._taken_together(self._read(max(taken)) or {})
+            # A live claimant's claim lasts a few requests: one still there after a watch is a dead one's.
+            time.sleep(min(_MAX_WATCH_S, _WATCH_BEATS * self._heartbeat_s))
+            taken, still = self._rivals(number, passed)
+            if taken or not claims.keys() <= still.keys():  # taken, or a claimant alive that gave way
+                self._number = None
+                raise self._taken_together((self._read(max(taken)) if taken else None) or {})
+            log.warning("%s: passing over %s, left by claimants of its lease that are gone", self._root.url,
+                        ", ".join(f"{LEASES}/{name}" for name in sorted(claims)))
+            passed |= claims.keys()
+            number = max(number, *claims.values()) + 1
+        self._number = None
+        raise DirectoryInUseError(f"{self._root.url}: its lease changed {_LOOKS} times while being claimed")
+
+    def _rivals(self, number: int, passed: set[str]) -> tuple[list[int], dict[str, int]]:
+        """The leases numbered `number` or more, and the claims of such numbers by others
+        (by name, but those `passed` over: the number each claims), as one listing of the
+        lease area finds them."""
+        taken, claims = [], {}
+        for entry in self._root.list_dir(LEASES):
+            if (found := _parse_number(entry.name)) is not None and found >= number:
+                taken.append(found)
+            elif (claim := _parse_claim(entry.name)) is not None and claim[0] >= number and \
+                    claim[1] != self._owner and entry.name not in passed:
+                claims[entry.name] = claim[0]
+        return taken, claims
+
+    def _taken_together(self, found: dict[str, Any]) -> DirectoryInUseError:
+        return DirectoryInUseError(
+            f"{self._root.url} was claimed at the same moment by {_holder(found)}: two jobs saving into one "
+            "directory would interleave their checkpoints. Stop the other job, or use another directory.")
 
     def _renew(self) -> None:
         # Beats start a heartbeat apart however long each takes (a slow store), so that
@@ -245,6 +318,12 @@ class Lease:
 
 def _parse_number(name: str) -> int | None:
     return int(name) if len(name) == 10 and name.isascii() and name.isdigit() else None
+
+
+def _parse_claim(name: str) -> tuple[int, str] | None:
+    """The number and owner of a claim's name (see `_take_by_listing`), or None."""
+    number, mark, owner = name.partition(_CLAIM)
+    return (int(number), owner) if mark and owner and _parse_number(number) is not None else None
 
 
 def _number(value: Any) -> float:

@@ -170,8 +170,22 @@ class Location:
 
     @property
     def exclusive(self) -> bool:
-        """Whether `create` here is exclusive against writers in other processes."""
+        """Whether `create` here is exclusive against writers in other processes (as far
+        as `probe` found the store to honour the condition it is sent)."""
         return self.store.exclusive
+
+    def probe(self, key: str) -> None:
+        """Finds out, once per store (its endpoint and bucket) in this process, whether the
+        store honours the conditions it is trusted to check (S3, GCS): a create of an
+        object below `key` made twice, the second of which it must refuse; and, where
+        unchanged chunks are copied inside the store, a copy of that object from a
+        version it is not, which it must refuse too. The objects are deleted. A store
+        found to ignore the first is one without an exclusive `create` from then on
+        (`exclusive` false: the lease is taken otherwise, and no save relies on creates
+        failing); one found to ignore the second gets `copy_new`'s bytes through this
+        process, its source looked at once the copy is made. `key` is a place of the
+        caller's own (a run's lease area): nothing else is written."""
+        self._call("write", key, self.store.probe)
 
     @property
     def late_safe(self) -> bool:

@@ -22,6 +22,7 @@ import logging
 import posixpath
 import threading
 import types
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -58,7 +59,9 @@ class Protocol:
     # How `create` (write only if absent) is made exclusive: "store" (the store checks
     # a precondition: S3's If-None-Match, GCS's ifGenerationMatch=0), "process" (the
     # store lives in this process: a lock around the check and the write), or "none"
-    # (a check, then a write: two jobs can both succeed).
+    # (a check, then a write: two jobs can both succeed). A store of "store" found by
+    # `Fsspec.probe` to ignore its precondition is one of "none"; one found to ignore
+    # the copy's source condition copies as "bytes".
     create: str = "none"
     # How an object is copied (`Fsspec.copy`): "store" (fsspec's `cp_file`: inside the
     # store, or in memory for memory://), "object" (S3's CopyObject, sent with its
@@ -116,6 +119,27 @@ _CLIENT_CHUNK_BYTES = 50 * 2**20
 
 
 _CREATING = threading.Lock()  # for stores in this process (see Protocol.create)
+
+
+@dataclasses.dataclass(frozen=True)
+class Honoured:
+    """What a store was found to honour of the conditions zarrckpt sends (`Fsspec.probe`):
+    `create`, a write only if absent (S3's If-None-Match, GCS's ifGenerationMatch=0);
+    `copy_source`, a copy only from the source's version named (S3's
+    x-amz-copy-source-if-match, GCS's ifSourceGenerationMatch)."""
+
+    create: bool
+    copy_source: bool
+
+
+# What each store probed in this process honours, by (protocol, endpoint, bucket): the
+# answer is the server's, not a call's, and every call resolves its URL anew (each
+# manager, `save_checkpoint`, a CLI command), so an answer kept on one store object
+# would be asked again at every manager's start. Every process of a job asks on its own
+# (`CheckpointManager`), so that all of them write and copy alike.
+PROBED: dict[tuple[str, str | None, str | None], Honoured] = {}
+_PROBE_ETAG = '"ffffffffffffffffffffffffffffffff"'  # no object's: the MD5 of no bytes anyone writes
+_PROBE_GENERATION = "1"  # no object's: GCS's generations are microseconds since 1970
 REQUEST_TRIES = 4  # per HTTP request, within one call (see the module docstring)
 
 
@@ -286,19 +310,20 @@ class Fsspec(Store):
         # ETags), the source is looked at once the copy is made (a version never comes
         # back, so it was that version all along).
         source, target = self._path(source), self._path(key)
-        condition = _source_condition(self.protocol, expect, size)
-        if self.protocol.copy == "bytes":
+        mode = self._copy_mode()
+        condition = _source_condition(mode, expect, size)
+        if mode == "bytes":
             data = self._run("cat_file", source, timeout=timeout)
             made = self.create(key, [data], timeout=timeout) if exclusive else \
                 self.write(key, [data], atomic=False, durable=True, timeout=timeout)
         else:
             def conditional() -> Any:
-                if self.protocol.copy == "rewrite":
+                if mode == "rewrite":
                     return self._await(_rewrite_if_absent(self.fs, source, target, condition or {}), timeout)
                 return self._copy_object(source, target, size, timeout, IfNoneMatch="*", **(condition or {}))
 
             def plain() -> Any:
-                if self.protocol.copy == "object":
+                if mode == "object":
                     return self._copy_object(source, target, size, timeout, **(condition or {}))
                 return self._run("cp_file", source, target, timeout=timeout)
 
@@ -306,14 +331,14 @@ class Fsspec(Store):
                 answer = self._if_absent(target, conditional, plain, timeout=timeout) if exclusive else plain()
             except OSError as e:
                 # A precondition that failed: the target's (FileExistsError) or the source's.
-                if condition is not None and (isinstance(e, FileExistsError) or _guard.classify(e).http_status == 412):
+                if condition is not None and _refused(e):
                     self._expect(source, expect, timeout)
                 raise
             finally:
                 self.fs.invalidate_cache(target)
             # A copy's size is its source's (S3, GCS and memory:// say sizes).
             made = self._made(target, answer, int(_version_parts(expect)[2]), timeout)
-        if not (condition is not None and (self.protocol.copy == "rewrite" or made == expect)):
+        if not (condition is not None and (mode == "rewrite" or made == expect)):
             try:
                 self._expect(source, expect, timeout)
             except SourceChanged:
@@ -350,15 +375,15 @@ class Fsspec(Store):
         `conditional`, a request the store itself refuses then, where it checks
         (`Protocol.create` "store"); else by `plain` after a check, under a lock for a
         store in this process. Returns what the request returned."""
-        if self.protocol.create == "store":
+        mode = self._create_mode()
+        if mode == "store":
             try:
                 return conditional()
             except OSError as e:
-                # s3fs says FileExistsError only where S3 names the condition; any 412 is one.
-                if not isinstance(e, FileExistsError) and _guard.classify(e).http_status == 412:
+                if not isinstance(e, FileExistsError) and _refused(e):
                     raise FileExistsError(errno.EEXIST, f"{path} exists") from e
                 raise
-        with _CREATING if self.protocol.create == "process" else contextlib.nullcontext():
+        with _CREATING if mode == "process" else contextlib.nullcontext():
             self.fs.invalidate_cache(path)
             if self._run("exists", path, timeout=timeout):
                 raise FileExistsError(errno.EEXIST, f"{path} exists")
@@ -366,7 +391,71 @@ class Fsspec(Store):
 
     @property
     def exclusive(self) -> bool:
-        return self.protocol.create != "none"
+        return self._create_mode() != "none"
+
+    def _honoured(self) -> Honoured | None:
+        """What `probe` found this store honours; None where it was not probed."""
+        return PROBED.get(self._probed_as())
+
+    def _probed_as(self) -> tuple[str, str | None, str | None]:
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        return protocol, self.endpoint, self.bucket()
+
+    def _create_mode(self) -> str:
+        """`Protocol.create`, or "none" where the store was found to ignore its condition."""
+        honoured = self._honoured()
+        return "none" if honoured is not None and not honoured.create else self.protocol.create
+
+    def _copy_mode(self) -> str:
+        """`Protocol.copy`, or "bytes" where the store was found to ignore the condition on
+        the copy's source: the source is then read and written, and looked at once the
+        copy is made."""
+        honoured = self._honoured()
+        return "bytes" if honoured is not None and not honoured.copy_source else self.protocol.copy
+
+    def probe(self, key: str, *, timeout: float | None) -> None:
+        # The probe's objects are made below `key` (the run's lease area), named so that
+        # nothing else takes them for its own, and deleted; two probes never meet.
+        if self.protocol.create != "store" or self._probed_as() in PROBED:
+            return
+        path = self._path(posixpath.join(key, f"probe-{uuid.uuid4().hex}"))
+        copy, body = f"{path}-copy", b"zarrckpt: a second create of this object must be refused\n"
+
+        def created() -> bool:
+            try:
+                self._put(path, body, timeout, mode="create")
+            except OSError as e:  # refused: this probe's own first attempt landed unseen, or the second
+                if _refused(e):
+                    return False
+                raise
+            return True
+
+        made = [path]
+        try:
+            create = not (created() and created())
+            copy_source = True
+            if self.protocol.copy in ("object", "rewrite"):
+                made.append(copy)
+                try:
+                    if self.protocol.copy == "object":
+                        self._copy_object(path, copy, len(body), timeout, CopySourceIfMatch=_PROBE_ETAG)
+                    else:
+                        self._await(_rewrite_if_absent(self.fs, path, copy,
+                                                       {"ifSourceGenerationMatch": _PROBE_GENERATION}), timeout)
+                    copy_source = False
+                except OSError as e:
+                    if not _refused(e):
+                        raise
+                    made.remove(copy)  # refused: nothing made there
+        finally:
+            for made_here in made:
+                try:
+                    self._run("rm_file", made_here, timeout=timeout)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:  # an object of no checkpoint: in the way of nothing
+                    log.warning("could not delete %s, the probe of what the store honours: %s", made_here, e)
+        PROBED[self._probed_as()] = Honoured(create, copy_source)
 
     @property
     def late(self) -> bool:
@@ -442,19 +531,26 @@ def _version_parts(version: str) -> tuple[str, str, str]:
     return field, value, size
 
 
+def _refused(e: OSError) -> bool:
+    """Whether `e` is a store's refusal of a request's precondition (412): s3fs says
+    FileExistsError only where S3 names the condition."""
+    return isinstance(e, FileExistsError) or _guard.classify(e).http_status == 412
+
+
 def _size(body: object) -> int:
     return memoryview(body).nbytes  # type: ignore[arg-type]
 
 
-def _source_condition(protocol: Protocol, expect: str, size: int) -> dict[str, str] | None:
+def _source_condition(mode: str, expect: str, size: int) -> dict[str, str] | None:
     """The precondition that makes the store copy only from the version `expect` of its
-    source (see `_version`), in the copy's own request: S3's x-amz-copy-source-if-match
-    (CopyObject; not s3fs's multipart copy of a larger one), GCS's
-    ifSourceGenerationMatch. None where the store has none."""
+    source (see `_version`), in the copy's own request, for a copy made as `mode`
+    (`Protocol.copy`): S3's x-amz-copy-source-if-match (CopyObject; not s3fs's
+    multipart copy of a larger one), GCS's ifSourceGenerationMatch. None where the
+    store has none."""
     field, value, _ = _version_parts(expect)
-    if protocol.copy == "object" and field == "ETag" and size <= _ONE_COPY_BYTES:
+    if mode == "object" and field == "ETag" and size <= _ONE_COPY_BYTES:
         return {"CopySourceIfMatch": value}
-    if protocol.copy == "rewrite" and field == "generation":
+    if mode == "rewrite" and field == "generation":
         return {"ifSourceGenerationMatch": value}
     return None
 

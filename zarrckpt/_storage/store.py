@@ -112,6 +112,12 @@ class Store(abc.ABC):
         """Whether `create` is exclusive against every other writer, in any process."""
         return True
 
+    def probe(self, key: str, *, timeout: float | None) -> None:
+        """Asks the store, with objects made and deleted below `key`, whether it honours
+        the conditions zarrckpt sends where it trusts the store to check them (see
+        `Location.probe`); nothing where zarrckpt checks them itself."""
+        return None
+
     @property
     def late(self) -> bool:
         """Whether a request this store was sent can still be applied after it was
