@@ -148,8 +148,9 @@ class Lease:
             raise DirectoryInUseError(f"{self._root.url} was taken over by {_holder(found or {})}; not saving")
 
     def release(self) -> None:
-        """Stops renewing the lease and marks it released if it is still ours. Safe to
-        call more than once, and from any thread (a finalizer may run on the renewing one)."""
+        """Stops renewing the lease and marks it released if it is still ours (removes it
+        where that cannot be written: a full disk). Safe to call more than once, and from
+        any thread (a finalizer may run on the renewing one)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
@@ -158,7 +159,11 @@ class Lease:
         # Ours only if it still names us: a claim cut short (a Ctrl-C) may never have landed.
         number, found = self._newest()
         if number == self._number and found is not None and found.get("owner") == self._owner:
-            self._root.write(lease_key(self._number), self._document(released=True), atomic=True)
+            try:
+                self._root.write(lease_key(self._number), self._document(released=True), atomic=True)
+            except OSError as e:  # no room for the document (a full disk): no lease frees the run as well
+                log.warning("could not mark the lease on %s released (%s): removing it instead", self._root.url, e)
+                self._root.remove_file(lease_key(self._number))
         self._number = None
 
     def _take(self, number: int) -> None:

@@ -353,6 +353,8 @@ class CheckpointManager:
                             f" and {len(found) - 5} more leaves" if len(found) > 5 else "")
 
         job.before_prepare = before_prepare
+        lease = self._lease  # process 0's: a job that lost the run deletes nothing of the one that took it
+        job.before_discard = lease.check if lease is not None else lambda: None
         # The job holds the state: the commit's report must not.
         nbytes, note, known, made = job.nbytes, job.reuse_note(), self._unchanged, job.made
 
@@ -382,14 +384,16 @@ class CheckpointManager:
         return save
 
     def _failed(self, step: int, url: str, error: BaseException) -> None:
-        """A persistent save failed, or what its commit triggered (retention): raised by
-        the next call on the training thread. The next save writes every chunk (the step
-        its chunks would come from may be gone)."""
-        if self._unchanged is not None:
-            self._unchanged.forget()
+        """A persistent save failed (what it wrote is gone already, see
+        `SaveJob.before_discard`), or what its commit triggered (retention): raised by
+        the next call on the training thread. The next save makes its unchanged chunks
+        from the step it would have (see `Unchanged.failed`), or, after a failed
+        retention, which may have deleted steps unknown, writes every chunk."""
         with self._lock:
             committed = step in self._committed
             self._errors.append(error)
+        if self._unchanged is not None:
+            self._unchanged.forget() if committed else self._unchanged.failed(error)
         if not isinstance(error, Exception) and not committed:  # a Ctrl-C in a save run on this thread
             log.warning("%s was not saved: %s while it was being written; nothing was committed unless its commit "
                         "had been written (zarrckpt.all_steps says)", url, type(error).__name__)

@@ -196,6 +196,10 @@ class SaveJob:
     # Run on each process once its writes are in, before the commit: that the step its
     # unchanged chunks were made from is still the one they were made from.
     after_writes: Callable[[], None] | None = None
+    # Where set, a save that fails removes the group it began (see `_discard`), after
+    # this check (the manager's lease: a job that lost the run deletes nothing of the
+    # job that took it over); else that is left to the next save there, and to `gc`.
+    before_discard: Callable[[], None] | None = None
     save_id: str | None = None  # this save's identity, once prepared (see `_commit`)
     # The version of each chunk this process made, by key, as the store said it when it
     # was made (None where it did not): what a later save makes from this step checks.
@@ -370,14 +374,20 @@ class SaveJob:
         with (_multihost.Agreement(self.channel, self.options.timeout_s, what=f"saving {loc.url}",
                                    error=errors.CheckpointWriteError, note="nothing was committed") as op,
               _progress.bar(f"saving {loc.url}", self.nbytes, self.options.progress) as advance):
+            committing = False
             try:
                 self.save_id = self.commit.prepare(op, self._prepare)
                 self.compressor.start()
                 op.check("write", lambda: self._write(work, advance))
+                committing = True
                 self.commit.commit(op, lambda: _commit.commit(loc, _zarrjson.group_document(
                     self.group["attributes"], self.arrays)))
             except BaseException as e:
                 self.budget.abort(e)  # a stager waiting for room must not wait forever
+                # Where a commit whose request failed may still land (S3, GCS), its step is
+                # left as it is: deleted, it could come back committed with no chunks.
+                if isinstance(e, Exception) and not (committing and loc.late_safe):
+                    self._discard()
                 raise
         seconds = time.perf_counter() - started
         return seconds
@@ -387,7 +397,7 @@ class SaveJob:
             _write_all(self.loc, work, self._array_metadata(), self.options.max_workers or self.loc.concurrency,
                        advance, self.compressor, self.made)
         except Exception as e:
-            if self.after_writes is not None and _missing(e):  # a chunk made from one not what it was: say which
+            if self.after_writes is not None and missing(e):  # a chunk made from one not what it was: say which
                 try:
                     self.after_writes()
                 except errors.CheckpointWriteError as gone:
@@ -397,6 +407,30 @@ class SaveJob:
             raise
         if self.after_writes is not None:
             self.after_writes()
+
+    def _discard(self) -> None:
+        """Once the save has failed on every process (its agreement raised everywhere: no
+        process writes any more), removes what it wrote, where `before_discard` is set,
+        on process 0 (each process, of its own group): its group, where it is still this
+        save's (uncommitted, of this save's identity; on S3 and GCS, with no group
+        metadata: none is written before the commit), so that a retry finds the room it
+        took (a full disk). Never raises: the save's own error is what is said. A request
+        of the save that lands late leaves a leftover, as a save cut short does."""
+        if self.before_discard is None or self.save_id is None or not (
+                self.commit.per_process or _multihost.process_index() == 0):
+            return
+        try:
+            self.before_discard()
+            found = _commit.head(self.loc)
+            if found.state is not (_commit.State.ABSENT if self.loc.late_safe else _commit.State.UNCOMMITTED) or (
+                    not self.loc.late_safe and found.save_id != self.save_id):
+                log.warning("%s is not what its failed save left (another writer's?): left as it is", self.loc.url)
+                return
+            _objects.remove_leftover(self.loc)
+        except Exception as e:
+            log.warning("what the failed save of %s wrote is left there (zarrckpt gc removes it): %s", self.loc.url, e)
+            return
+        log.info("removed what the failed save of %s wrote", self.loc.url)
 
     def _array_metadata(self) -> list[tuple[ArrayPlan, dict[str, Any]]]:
         """The `zarr.json` documents this process writes, each with its array's plan:
@@ -521,7 +555,7 @@ def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, compres
         unit.release()
 
 
-def _missing(e: BaseException) -> bool:
+def missing(e: BaseException) -> bool:
     """Whether `e` comes of something not found (a file or object gone), through the
     errors that wrap it."""
     seen = 0
