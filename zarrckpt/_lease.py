@@ -11,7 +11,8 @@ without such a write (`Location.exclusive` false) is warned about at `claim`: tw
 racing there could both hold it.
 
 The holder renews its own object every `heartbeat_s` from a background thread (only
-it writes that number) and marks it released when it closes. A new claimant that
+it writes that number) and marks it released when it closes (removes it where that
+cannot be written: a full disk). A new claimant that
 finds the newest not released watches it for 2.5 of the heartbeats the holder says
 it keeps (the claimant's own if it says none; at most 10 minutes): if it changes,
 its owner is alive and the claimant is refused; if not, the owner died (a crash, a

@@ -255,7 +255,9 @@ class CheckpointManager:
         Without async_save, returns once the save has committed and the retention
         it triggers has run. Raises TypeError or ValueError for a bad step or metric
         (nothing is saved, and the next save works), the error of an earlier
-        background save or deletion, if any, and what `save_pytree` raises. A step
+        background save or deletion, if any, and what `save_pytree` raises (a save
+        that fails removes what it wrote before its error is raised: a full disk has
+        its room back for the next one, which still makes unchanged chunks). A step
         already committed is not saved again, nor, without `force`, one older than
         the newest committed step (a restore would never pick it: a warning, once),
         unless newer than the step `restore` was asked for (a rollback).

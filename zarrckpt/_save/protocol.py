@@ -409,21 +409,23 @@ class SaveJob:
             self.after_writes()
 
     def _discard(self) -> None:
-        """Once the save has failed on every process (its agreement raised everywhere: no
-        process writes any more), removes what it wrote, where `before_discard` is set,
-        on process 0 (each process, of its own group): its group, where it is still this
-        save's (uncommitted, of this save's identity; on S3 and GCS, with no group
-        metadata: none is written before the commit), so that a retry finds the room it
-        took (a full disk). Never raises: the save's own error is what is said. A request
-        of the save that lands late leaves a leftover, as a save cut short does."""
+        """Once the save has failed on every process (its agreement raised everywhere, so
+        every process that answered it has stopped writing), removes what it wrote, where
+        `before_discard` is set, on process 0 (each process, of its own group): its group,
+        where it is still this save's (uncommitted, of this save's identity; on S3 and
+        GCS, with no group metadata: none is written before the commit), so that a retry
+        finds the room it took (a full disk). Never raises: the save's own error is what
+        is said. A write that lands after it (a request of the save landing late, a
+        process that never answered) leaves a leftover, as a save cut short does."""
         if self.before_discard is None or self.save_id is None or not (
                 self.commit.per_process or _multihost.process_index() == 0):
             return
         try:
             self.before_discard()
             found = _commit.head(self.loc)
-            if found.state is not (_commit.State.ABSENT if self.loc.late_safe else _commit.State.UNCOMMITTED) or (
-                    not self.loc.late_safe and found.save_id != self.save_id):
+            ours = (found.state is _commit.State.ABSENT if self.loc.late_safe else
+                    found.state is _commit.State.UNCOMMITTED and found.save_id == self.save_id)
+            if not ours:
                 log.warning("%s is not what its failed save left (another writer's?): left as it is", self.loc.url)
                 return
             _objects.remove_leftover(self.loc)

@@ -318,10 +318,10 @@ class Unchanged:
         if known is None:
             return
         try:
-            now = _commit.head(known[0])
+            now = None if missing(error) else _commit.head(known[0])
         except Exception:
             now = None
-        if missing(error) or now is None or now.state is not _commit.State.COMMITTED or now.save_id != known[1]:
+        if now is None or now.state is not _commit.State.COMMITTED or now.save_id != known[1]:
             self.forget()
 
     def forget(self) -> None:
