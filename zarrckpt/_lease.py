@@ -26,7 +26,8 @@ is then a holder taken over, as below. After writing its lease a claimant lists 
 more, and gives way to a newer number found.
 
 The holder renews its own object every `heartbeat_s` from a background thread (only
-it writes that number) and marks it released when it closes. A new claimant that
+it writes that number) and marks it released when it closes (removes it where that
+cannot be written: a full disk). A new claimant that
 finds the newest not released watches it for 2.5 of the heartbeats the holder says
 it keeps (the claimant's own if it says none; at most 10 minutes): if it changes,
 its owner is alive and the claimant is refused; if not, the owner died (a crash, a
@@ -173,8 +174,9 @@ class Lease:
                                       f"did not renew its lease (stopped or cut off longer than its lease); {doing}")
 
     def release(self) -> None:
-        """Stops renewing the lease and marks it released if it is still ours. Safe to
-        call more than once, and from any thread (a finalizer may run on the renewing one)."""
+        """Stops renewing the lease and marks it released if it is still ours (removes it
+        where that cannot be written: a full disk). Safe to call more than once, and from
+        any thread (a finalizer may run on the renewing one)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
@@ -183,7 +185,11 @@ class Lease:
         # Ours only if it still names us: a claim cut short (a Ctrl-C) may never have landed.
         number, found = self._newest()
         if number == self._number and found is not None and found.get("owner") == self._owner:
-            self._root.write(lease_key(self._number), self._document(released=True), atomic=True)
+            try:
+                self._root.write(lease_key(self._number), self._document(released=True), atomic=True)
+            except OSError as e:  # no room for the document (a full disk): no lease frees the run as well
+                log.warning("could not mark the lease on %s released (%s): removing it instead", self._root.url, e)
+                self._root.remove_file(lease_key(self._number))
         self._number = None
 
     def _take(self, number: int) -> None:

@@ -255,7 +255,9 @@ class CheckpointManager:
         Without async_save, returns once the save has committed and the retention
         it triggers has run. Raises TypeError or ValueError for a bad step or metric
         (nothing is saved, and the next save works), the error of an earlier
-        background save or deletion, if any, and what `save_pytree` raises. A step
+        background save or deletion, if any, and what `save_pytree` raises (a save
+        that fails removes what it wrote before its error is raised: a full disk has
+        its room back for the next one, which still makes unchanged chunks). A step
         already committed is not saved again, nor, without `force`, one older than
         the newest committed step (a restore would never pick it: a warning, once),
         unless newer than the step `restore` was asked for (a rollback).
@@ -332,7 +334,8 @@ class CheckpointManager:
         self._last_save = time.monotonic()
         job = _save.SaveJob.create(location, state, self._save_options, channel="manager-save",
                                    extra_metadata={"metrics": metrics} if metrics is not None else None,
-                                   compressor=self._compressor, plans=self._plans)
+                                   compressor=self._compressor, plans=self._plans, discard=True,
+                                   fence=self._lease.check if self._lease is not None else None)
         meta = job.meta  # not the job: no cycle may hold the state
         seen = None
         if self._unchanged is not None:
@@ -358,8 +361,6 @@ class CheckpointManager:
                             f" and {len(found) - 5} more leaves" if len(found) > 5 else "")
 
         job.before_prepare = before_prepare
-        if self._lease is not None:
-            job.before_commit = functools.partial(self._lease.check, f"step {step} not committed")
         # The job holds the state: the commit's report must not.
         nbytes, note, known, made = job.nbytes, job.reuse_note(), self._unchanged, job.made
 
@@ -389,14 +390,16 @@ class CheckpointManager:
         return save
 
     def _failed(self, step: int, url: str, error: BaseException) -> None:
-        """A persistent save failed, or what its commit triggered (retention): raised by
-        the next call on the training thread. The next save writes every chunk (the step
-        its chunks would come from may be gone)."""
-        if self._unchanged is not None:
-            self._unchanged.forget()
+        """A persistent save failed (what it wrote is gone already, see
+        `SaveJob.before_discard`), or what its commit triggered (retention): raised by
+        the next call on the training thread. The next save makes its unchanged chunks
+        from the step it would have (see `Unchanged.failed`), or, after a failed
+        retention, which may have deleted steps unknown, writes every chunk."""
         with self._lock:
             committed = step in self._committed
             self._errors.append(error)
+        if self._unchanged is not None:
+            self._unchanged.forget() if committed else self._unchanged.failed(error)
         if not isinstance(error, Exception) and not committed:  # a Ctrl-C in a save run on this thread
             log.warning("%s was not saved: %s while it was being written; nothing was committed unless its commit "
                         "had been written (zarrckpt.all_steps says)", url, type(error).__name__)

@@ -16,7 +16,7 @@ import pytest
 from fault_proxy import RESET, Answer, FaultProxy
 
 import zarrckpt
-from zarrckpt import _cli, _storage
+from zarrckpt import _cli, _stats, _storage
 
 FAULTS = {"500": lambda rng: Answer(500), "503": lambda rng: Answer(503), "429": lambda rng: Answer(429),
           "reset": lambda rng: RESET}
@@ -106,3 +106,38 @@ def test_every_request_failing_fails_cleanly_then_the_next_save_works(proxied, f
     assert zarrckpt.all_steps(url, storage_options=direct) == [1]
     zarrckpt.save_checkpoint(url, 2, state(2), storage_options=options)
     assert exact(zarrckpt.load_checkpoint(url, 2, state(0), storage_options=direct), state(2))
+
+
+def test_a_manager_s_failed_save_leaves_nothing_and_the_next_copies_the_unchanged_chunks(proxied):
+    """Every try of the changing leaf's chunk answered 500, after the frozen leaf's chunks
+    were copied: what the failed save made is deleted as soon as the failure is known
+    (before: left in the bucket until a `gc`), and the next save copies the frozen leaf's
+    chunks inside the store from the last committed step (before: it wrote them all)."""
+    url, options, proxy, direct = proxied
+    frozen = jnp.arange(2**20, dtype=jnp.float32)  # the very same array at every save
+
+    def training(step):
+        return {"frozen": frozen, "changing": jnp.full(1024, step, jnp.float32)}
+
+    def changing_chunk_of_step_2(kind, method, target, body):  # S3's key is in the path, GCS's in the body
+        key = "run/0000000002/changing/c"
+        return Answer(500) if kind == "write" and (key in target or key.encode() in body) else None
+
+    with zarrckpt.CheckpointManager(url, storage_options=options) as mgr:
+        mgr.save(1, training(1))
+        mgr.wait()
+        proxy.fault = changing_chunk_of_step_2
+        mgr.save(2, training(2))
+        with pytest.raises(zarrckpt.CheckpointWriteError, match="HTTP 500"):
+            mgr.wait()
+        assert _storage.resolve(f"{url}/0000000002", direct).walk() == []
+        proxy.fault = None
+        _stats.reset()
+        mgr.save(3, training(3))
+        mgr.wait()
+        counted = _stats.snapshot()
+    assert counted.get("store_bytes_copied", 0) >= frozen.nbytes > counted.get("store_bytes_written", 0)
+    assert zarrckpt.all_steps(url, storage_options=direct) == [1, 3]
+    restored = zarrckpt.load_checkpoint(url, 3, storage_options=direct)
+    np.testing.assert_array_equal(restored["frozen"], np.asarray(frozen))
+    np.testing.assert_array_equal(restored["changing"], np.full(1024, 3, np.float32))

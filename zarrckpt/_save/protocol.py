@@ -193,12 +193,17 @@ class SaveJob:
     budget: _concurrency.ByteBudget
     channel: str = "save"
     before_prepare: Callable[[], None] | None = None  # run on process 0 first: a lease check
-    # Run where the commit is written, just before it (a lease check), and to explain a
-    # failed write.
-    before_commit: Callable[[], None] | None = None
     # Run on each process once its writes are in, before the commit: that the step its
     # unchanged chunks were made from is still the one they were made from.
     after_writes: Callable[[], None] | None = None
+    # The lease check of the job that writes the run (`Lease.check`, process 0's): run
+    # where the commit is written, just before it, before a failed save's group is
+    # removed, and to explain a failed write; it raises DirectoryInUseError, saying what
+    # it stops (its argument), where another job took the run over.
+    fence: Callable[[str], None] | None = None
+    # Whether a save that fails removes the group it began (see `_discard`); else that is
+    # left to the next save there, and to `gc`.
+    discard: bool = False
     save_id: str | None = None  # this save's identity, once prepared (see `_commit`)
     # The version of each chunk this process made, by key, as the store said it when it
     # was made (None where it did not): what a later save makes from this step checks.
@@ -212,8 +217,10 @@ class SaveJob:
                extra_metadata: dict[str, Any] | None = None, channel: str = "save",
                before_prepare: Callable[[], None] | None = None, commit: Commit = SHARED,
                peers: _peers.Peers | None = None, compressor: Compressor | None = None,
-               plans: PlanCache | None = None) -> SaveJob:
-        """Plans a save; raises UnsupportedLeafError before anything is written. A
+               plans: PlanCache | None = None, fence: Callable[[str], None] | None = None,
+               discard: bool = False) -> SaveJob:
+        """Plans a save; raises UnsupportedLeafError before anything is written. `fence`
+        and `discard`: see the fields of the same names. A
         `PER_PROCESS` save with `peers` (who keeps whose peer copy, see `_peers`) also
         writes the chunks of the processes this one keeps a copy of that its own devices
         lack. `compressor`: the cost model of `options.compression` to go on with (a
@@ -262,8 +269,8 @@ class SaveJob:
             plans.keep(note, key, Planned(spec, version, paths, [plan.template() for plan in job_plans], arrays))
         meta = {**_tree_metadata(spec, version), **(extra_metadata or {})}
         return cls(loc, job_plans, arrays, own, _zarrjson.group_document({_naming.META_ATTR: meta}), options,
-                   _concurrency.ByteBudget(options.max_inflight_bytes), channel, before_prepare, commit=commit,
-                   compressor=compressor or Compressor())
+                   _concurrency.ByteBudget(options.max_inflight_bytes), channel, before_prepare, fence=fence,
+                   discard=discard, commit=commit, compressor=compressor or Compressor())
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -373,13 +380,19 @@ class SaveJob:
         with (_multihost.Agreement(self.channel, self.options.timeout_s, what=f"saving {loc.url}",
                                    error=errors.CheckpointWriteError, note="nothing was committed") as op,
               _progress.bar(f"saving {loc.url}", self.nbytes, self.options.progress) as advance):
+            committing = False
             try:
                 self.save_id = self.commit.prepare(op, self._prepare)
                 self.compressor.start()
                 op.check("write", lambda: self._write(work, advance))
+                committing = True
                 self.commit.commit(op, self._commit)
             except BaseException as e:
                 self.budget.abort(e)  # a stager waiting for room must not wait forever
+                # Where a commit whose request failed may still land (S3, GCS), its step is
+                # left as it is: deleted, it could come back committed with no chunks.
+                if isinstance(e, Exception) and not (committing and loc.late_safe):
+                    self._discard()
                 raise
         seconds = time.perf_counter() - started
         return seconds
@@ -391,8 +404,9 @@ class SaveJob:
         except Exception as e:
             # Say why where it can be known: the run taken over by another job (whose
             # objects refused this save's), or a chunk made from one not what it was.
-            for explain, why in ((self.before_commit, errors.DirectoryInUseError),
-                                 (self.after_writes if _missing(e) else None, errors.CheckpointWriteError)):
+            fence = functools.partial(self.fence, f"{self._named()} not committed") if self.fence else None
+            for explain, why in ((fence, errors.DirectoryInUseError),
+                                 (self.after_writes if missing(e) else None, errors.CheckpointWriteError)):
                 if explain is None:
                     continue
                 try:
@@ -405,10 +419,42 @@ class SaveJob:
         if self.after_writes is not None:
             self.after_writes()
 
+    def _named(self) -> str:
+        """This save as the lease's error says it: "step N" where it writes a step of a run."""
+        step = _naming.step_of_url(self.loc.url)
+        return self.loc.url if step is None else f"step {step}"
+
     def _commit(self) -> None:
-        if self.before_commit is not None:
-            self.before_commit()
+        if self.fence is not None:
+            self.fence(f"{self._named()} not committed")
         _commit.commit(self.loc, _zarrjson.group_document(self.group["attributes"], self.arrays))
+
+    def _discard(self) -> None:
+        """Once the save has failed on every process (its agreement raised everywhere, so
+        every process that answered it has stopped writing), removes what it wrote, where
+        `discard` is set, on process 0 (each process, of its own group): its group,
+        where it is still this save's (uncommitted, of this save's identity; on S3 and
+        GCS, with no group metadata: none is written before the commit), so that a retry
+        finds the room it took (a full disk). Never raises: the save's own error is what
+        is said. A write that lands after it (a request of the save landing late, a
+        process that never answered) leaves a leftover, as a save cut short does."""
+        if not self.discard or self.save_id is None or not (
+                self.commit.per_process or _multihost.process_index() == 0):
+            return
+        try:
+            if self.fence is not None:  # a job that lost the run deletes nothing of the one that took it
+                self.fence(f"what the failed save of {self._named()} wrote is left as it is")
+            found = _commit.head(self.loc)
+            ours = (found.state is _commit.State.ABSENT if self.loc.late_safe else
+                    found.state is _commit.State.UNCOMMITTED and found.save_id == self.save_id)
+            if not ours:
+                log.warning("%s is not what its failed save left (another writer's?): left as it is", self.loc.url)
+                return
+            _objects.remove_leftover(self.loc)
+        except Exception as e:
+            log.warning("what the failed save of %s wrote is left there (zarrckpt gc removes it): %s", self.loc.url, e)
+            return
+        log.info("removed what the failed save of %s wrote", self.loc.url)
 
     def _array_metadata(self) -> list[tuple[ArrayPlan, dict[str, Any]]]:
         """The `zarr.json` documents this process writes, each with its array's plan:
@@ -533,7 +579,7 @@ def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, compres
         unit.release()
 
 
-def _missing(e: BaseException) -> bool:
+def missing(e: BaseException) -> bool:
     """Whether `e` comes of something not found (a file or object gone), through the
     errors that wrap it."""
     seen = 0

@@ -50,6 +50,7 @@ from .._regions import Region, region_size, replicas_of
 from ..errors import CheckpointError, CheckpointWriteError
 from .host_copies import shard_source
 from .plan import ArrayPlan
+from .protocol import missing
 
 log = logging.getLogger("zarrckpt")
 
@@ -305,8 +306,27 @@ class Unchanged:
         with self._lock:
             self._known = {name: known for name, known in self._known.items() if known.step.url not in urls}
 
+    def failed(self, error: BaseException) -> None:
+        """A save that `mark`ed its plans failed with `error`, uncommitted. The step known
+        stays known, so that the next save makes its unchanged chunks from it again (each
+        only from the version known, see `after_writes`): a full disk or a store's outage
+        changes nothing of it. Nothing is known any more where `error` comes of a chunk
+        made from it that was gone or not what it was (see `after_writes`), or where the
+        step is no longer committed as the save known (one read of its commit; one that
+        fails counts as such)."""
+        known = self.step()
+        if known is None:
+            return
+        try:
+            now = None if missing(error) else _commit.head(known[0])
+        except Exception:
+            now = None
+        if now is None or now.state is not _commit.State.COMMITTED or now.save_id != known[1]:
+            self.forget()
+
     def forget(self) -> None:
-        """Nothing known: after a failed save or a deletion, the next save writes all."""
+        """Nothing known: after a deletion, or a failed save that found the step known
+        changed, the next save writes all."""
         with self._lock:
             self._known, self._save_id, self._versions = {}, None, {}
 
