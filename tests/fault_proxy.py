@@ -40,8 +40,9 @@ from collections.abc import Callable
 from typing import Any
 
 # The error each status is answered with: S3's code, GCS's reason.
-_S3_CODES = {500: "InternalError", 503: "SlowDown", 429: "SlowDown", 412: "PreconditionFailed"}
-_GCS_REASONS = {500: "backendError", 503: "backendError", 429: "rateLimitExceeded", 412: "conditionNotMet"}
+_S3_CODES = {500: "InternalError", 503: "SlowDown", 429: "SlowDown", 412: "PreconditionFailed", 416: "InvalidRange"}
+_GCS_REASONS = {500: "backendError", 503: "backendError", 429: "rateLimitExceeded", 412: "conditionNotMet",
+                416: "requestedRangeNotSatisfiable"}
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "expect",
                "proxy-connection", "content-length"}
 

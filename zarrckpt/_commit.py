@@ -32,7 +32,7 @@ from typing import Any
 
 from . import _seqax
 from ._format import naming as _naming, zarrjson as _zarrjson
-from ._storage import Location, NotAFileInCheckpoint
+from ._storage import GROUP_BYTES, Location, NotAFileInCheckpoint, TooLarge
 from .errors import CheckpointWriteError
 
 log = logging.getLogger("zarrckpt")
@@ -95,18 +95,21 @@ def read_group(loc: Location) -> Group | None:
 
     One read for zarrckpt's layout; only where `zarr.json` is absent are seqax's two
     v2 files asked for, together. A document that cannot be understood (not JSON, a
-    directory, a symbolic link or a FIFO) reads as a group without attributes, and
-    says why in `problem`.
+    directory, a symbolic link or a FIFO, larger than GROUP_BYTES: never read whole)
+    reads as a group without attributes, and says why in `problem`.
     """
     try:
-        return _v3_group(loc.read("zarr.json"))
+        return _v3_group(loc.read("zarr.json", cap=GROUP_BYTES))
     except FileNotFoundError:
         pass
     except IsADirectoryError:
         return Group(3, {}, {}, "is a directory")
-    except NotAFileInCheckpoint as e:
+    except (NotAFileInCheckpoint, TooLarge) as e:
         return Group(3, {}, {}, f"cannot be read: {e}")  # the error names the link: the step's own, maybe
-    attributes, there = _seqax.read_group(loc)
+    try:
+        attributes, there = _seqax.read_group(loc)
+    except TooLarge as e:
+        return Group(2, {}, {}, f"cannot be read: {e}")
     if attributes is not None:
         return parse_group(_seqax.MARKER, attributes)
     return Group(2, {}, {}) if there else None
@@ -215,7 +218,7 @@ def write_marker(loc: Location, key: str, document: bytes) -> None:
         try:
             loc.create(key, _abandoned(document))
         except FileExistsError:
-            if loc.read_if_present([key])[0] == document:
+            if loc.holds(key, document):
                 log.warning("the commit of %s landed after its request had failed: it is committed", loc.url)
                 return
         except Exception:  # the store still fails: the outcome is unknown, and said so

@@ -86,8 +86,8 @@ def copy_checkpoint(
     target = _storage.resolve(dst, dst_storage_options, option="dst_storage_options")
     _check_apart(source, target)
     # The commit marker's object is read once: the copy ends with these very bytes.
-    marker_key, marker = next(((key, raw) for key, raw in zip(_MARKERS, source.read_if_present(_MARKERS))
-                               if raw is not None), (_MARKERS[0], None))
+    marker_key, marker = next(((key, raw) for key, raw in zip(
+        _MARKERS, source.read_if_present(_MARKERS, cap=_storage.GROUP_BYTES)) if raw is not None), (_MARKERS[0], None))
     group = None if marker is None else _commit.parse_group(marker_key, marker)
     try:
         ckpt = _reader.open_checkpoint(source, require_committed=not allow_uncommitted, group=group)
@@ -95,7 +95,7 @@ def copy_checkpoint(
         if group is not None and group.state is _commit.State.UNCOMMITTED:
             raise CheckpointNotFoundError(f"{e}; pass allow_uncommitted=True to copy it as it is") from None
         raise
-    marker = marker if marker is not None else source.read(marker_key)
+    marker = marker if marker is not None else source.read(marker_key, cap=_storage.GROUP_BYTES)
     first_key, first = _uncommitted_group(source, marker_key, marker)
     found = _objects.inventory(ckpt)
     if found.missing:
@@ -113,8 +113,8 @@ def copy_checkpoint(
             # Every array's metadata before any chunk: a copy cut short leaves no chunk
             # without its array's (what tells seqax's keys from someone's numbered
             # files, see `_objects.not_ours`).
-            metadata = [o for o in objects if o.key.rsplit("/", 1)[-1] in _ARRAY_METADATA]
-            for batch in (metadata, [o for o in objects if o.key.rsplit("/", 1)[-1] not in _ARRAY_METADATA]):
+            metadata = [o for o in objects if _is_array_metadata(o.key)]
+            for batch in (metadata, [o for o in objects if not _is_array_metadata(o.key)]):
                 _copy_all(source, target, batch, max_workers or max(source.concurrency, target.concurrency),
                           _concurrency.ByteBudget(max_inflight_bytes), advance)
             if target.late_safe and first_key != marker_key:  # seqax's `.zgroup`, not written first there
@@ -132,6 +132,10 @@ def copy_checkpoint(
                       time.perf_counter() - started)
 
 
+def _is_array_metadata(key: str) -> bool:
+    return key.rsplit("/", 1)[-1] in _ARRAY_METADATA
+
+
 def _check_apart(source: Location, target: Location) -> None:
     (store_a, a), (store_b, b) = source.place(), target.place()
     if store_a == store_b and (a == b or b.startswith(a.rstrip("/") + "/") or a.startswith(b.rstrip("/") + "/")):
@@ -146,7 +150,7 @@ def _check_unchanged(ckpt: _reader.Checkpoint, marker_key: str, marker: bytes, t
         now = _commit.head(ckpt.loc)
         same = now.save_id == ckpt.save_id and (now.state is _commit.State.COMMITTED or not ckpt.committed)
     else:  # seqax's layout, or a checkpoint written before save identities
-        same = ckpt.loc.read_if_present([marker_key])[0] == marker
+        same = ckpt.loc.holds(marker_key, marker)
     if not same:
         partial = "nothing copied" if target is None else f"{target.url} holds an uncommitted partial copy"
         raise CheckpointNotFoundError(f"{ckpt.loc.url} was replaced or deleted while being copied; {partial}")
@@ -156,7 +160,7 @@ def _uncommitted_group(source: Location, marker_key: str, marker: bytes) -> tupl
     """The key and bytes of the group metadata that marks the copy in progress as an
     uncommitted checkpoint: `zarr.json` without the marker, or seqax's `.zgroup`."""
     if marker_key == _seqax.MARKER:
-        return _seqax.GROUP, source.read(_seqax.GROUP)
+        return _seqax.GROUP, source.read(_seqax.GROUP, cap=_storage.GROUP_BYTES)
     document = _zarrjson.decode(marker)
     document["attributes"] = {k: v for k, v in document["attributes"].items() if k != _naming.COMMIT_ATTR}
     return "zarr.json", _zarrjson.encode_document(document)
@@ -168,9 +172,10 @@ def _copy_all(source: Location, target: Location, objects: list[_objects.Owned],
     each chunk it can; stops at the first failure and raises it (see `_concurrency`)."""
     def copy(obj: _objects.Owned) -> None:
         try:
-            # A chunk is read no further than it can hold (then its codec finds it damaged).
+            # A chunk is read no further than it can hold (then its codec finds it damaged),
+            # an array's metadata no further than any array's (else TooLarge: damage).
             data = source.read(obj.key, limit=obj.nbytes + 1, check=obj.codec.damage) if obj.codec is not None \
-                else source.read(obj.key)
+                else source.read(obj.key, cap=_storage.SMALL_BYTES if _is_array_metadata(obj.key) else None)
         except FileNotFoundError:
             raise _reader.MissingObject(f"{obj.key!r} is missing from checkpoint {source.url}") from None
         if obj.codec is not None and (damage := obj.codec.damage(data)) is not None:

@@ -61,7 +61,7 @@ import uuid
 from typing import Any
 
 from ._format import naming as _naming, zarrjson as _zarrjson
-from ._storage import Location, NotAFileInCheckpoint
+from ._storage import Location, NotAFileInCheckpoint, TooLarge
 from .errors import DirectoryInUseError
 
 log = logging.getLogger("zarrckpt")
@@ -300,13 +300,13 @@ class Lease:
 
     def _read(self, number: int) -> dict[str, Any] | None:
         """Lease `number`, or None if absent; one that is not a JSON object, or not a
-        regular file (a FIFO, a link: never read), reads as `{}` (an owner that is not
-        alive: watched, then taken over)."""
+        regular file (a FIFO, a link: never read), or larger than SMALL_BYTES (not read),
+        reads as `{}` (an owner that is not alive: watched, then taken over)."""
         try:
             raw = self._root.read(lease_key(number))
         except FileNotFoundError:
             return None
-        except NotAFileInCheckpoint as e:
+        except (NotAFileInCheckpoint, TooLarge) as e:
             log.warning("%s: treated as the lease of a job that is not alive", e)
             return {}
         found = _zarrjson.object_or_none(raw)

@@ -22,7 +22,7 @@ from typing import Any
 
 from . import _commit, _concurrency, _objects, _options, _steps
 from ._finite import NON_FINITE
-from ._storage import Location
+from ._storage import Location, TooLarge
 
 log = logging.getLogger("zarrckpt")
 
@@ -124,11 +124,14 @@ def pin(step_loc: Location) -> bool:
 
 def is_pinned(step_loc: Location) -> bool:
     # One GET, where asking whether an absent object exists takes an object store two
-    # requests (a HEAD, then a listing in case it is a directory).
+    # requests (a HEAD, then a listing in case it is a directory). A pin says nothing
+    # but that it is there: none of it is read (a cap of 0), and one of any size pins.
     try:
-        return step_loc.read_if_present([PIN_FILE])[0] is not None
+        return step_loc.read_if_present([PIN_FILE], cap=0)[0] is not None
     except IsADirectoryError:  # the array of a leaf named so (a local disk's directory): no pin
         return False
+    except TooLarge:
+        return True
 
 
 def apply(root: Location, policy: Policy, metrics: Mapping[int, Mapping[str, Any]], *,

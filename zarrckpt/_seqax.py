@@ -29,7 +29,7 @@ from . import _concurrency
 from ._format import dtypes as _dtypes, zarrjson as _zarrjson
 from ._format.chunks import MAX_GRID, Damage, canonical_ints, grid
 from ._regions import Region
-from ._storage import Location
+from ._storage import GROUP_BYTES, Location
 
 LAYOUT = "seqax"  # a Checkpoint's `layout` when it is this one
 GROUP = ".zgroup"
@@ -83,7 +83,7 @@ class Codec:
     def read(self, source: Any, chunk: Region, out: np.ndarray | None) -> np.ndarray:
         """As `ChunkCodec.read`: a seqax chunk, often compressed, is decoded from the whole
         object, then copied into `out`."""
-        values = self.decode(source.read(self.key(chunk)))
+        values = self.decode(source.read(self.key(chunk), cap=None))  # a chunk: seqax records no size
         if out is None:
             return values
         out[...] = values
@@ -126,8 +126,9 @@ class Codec:
 
 def read_group(loc: Location) -> tuple[bytes | None, bool]:
     """The group's attributes (the commit marker's object) as stored, or None, and
-    whether the group is there at all: the two objects asked for together."""
-    attributes, group = loc.read_if_present([MARKER, GROUP])
+    whether the group is there at all: the two objects asked for together. TooLarge
+    for either larger than GROUP_BYTES."""
+    attributes, group = loc.read_if_present([MARKER, GROUP], cap=GROUP_BYTES)
     return attributes, attributes is not None or group is not None
 
 

@@ -242,6 +242,8 @@ def _check_array_document(loc: Location, leaf: _reader.StoredLeaf, path: _tree.K
         return [Problem(key, "missing", leaf.where)]
     except _storage.NotAFileInCheckpoint as e:
         return [Problem(key, _not_a_file(e), leaf.where)]
+    except _storage.TooLarge as e:
+        return [Problem(key, e.reason, leaf.where)]
     if raw == _as_written(document):
         return []
     try:

@@ -14,7 +14,8 @@ Every failure of the store surfaces as an OSError (FileNotFoundError, Permission
 FileExistsError for a `create` of an object that is there, TimeoutError or OSError)
 whose message names the object's URL and leaves out every credential passed in
 `storage_options` or the URL; a symbolic link or a special file met on a local
-disk as `NotAFileInCheckpoint`, a CheckpointCorruptError.
+disk as `NotAFileInCheckpoint`, a CheckpointCorruptError; an object larger than a
+read of it takes (`Location.read`'s cap) as `TooLarge`, another.
 """
 
 from __future__ import annotations
@@ -37,17 +38,23 @@ import fsspec
 from .. import _concurrency, _stats
 from .._format import naming as _naming
 from ..errors import CheckpointLocationError
-from .guard import DEFAULT_REQUEST_TIMEOUT_S, RETRIES, Guarded, NotAFileInCheckpoint
+from .guard import DEFAULT_REQUEST_TIMEOUT_S, RETRIES, Guarded, NotAFileInCheckpoint, TooLarge
 from .local import LOCAL_CONCURRENCY, LocalDisk, UnsafeDirectory
 from .remote import OBJECT_STORE_CONCURRENCY, OTHER, PROTOCOLS, Fsspec
 from .store import Check, Entry, Store
 
-__all__ = ["DEFAULT_REQUEST_TIMEOUT_S", "LOCAL_CONCURRENCY", "OBJECT_STORE_CONCURRENCY", "RETRIES", "Entry",
-           "NotAFileInCheckpoint", "Location", "redacted_url", "resolve"]
+__all__ = ["DEFAULT_REQUEST_TIMEOUT_S", "GROUP_BYTES", "LOCAL_CONCURRENCY", "OBJECT_STORE_CONCURRENCY", "RETRIES",
+           "SMALL_BYTES", "Entry", "NotAFileInCheckpoint", "Location", "TooLarge", "redacted_url", "resolve"]
 
 _ONE_SLASH = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):/(?!/)")
 REQUEST_TIMEOUT_OPTION = "request_timeout_s"  # zarrckpt's own storage option (not passed to fsspec)
 _LATE_TRIES = 8  # creates of an object another writer deletes each time
+# The most bytes zarrckpt reads of an object it reads whole, whoever may have written
+# it (see docs/reliability.md): a lease, a pin, an array's zarr.json (zarrckpt writes
+# them under 4 KiB), and a group's metadata, which lists every array (about 700 bytes
+# a leaf: 7 MB at 10,000 leaves, so about 90,000 leaves fit).
+SMALL_BYTES = 1 << 20
+GROUP_BYTES = 64 << 20
 
 # gcsfs's token modes: not credentials, and too common as words to scrub from messages.
 _NOT_SECRETS = frozenset({"anon", "google_default", "cache", "cloud", "browser"})
@@ -206,7 +213,7 @@ class Location:
         if not self.late_safe:
             return self.write(key, *parts, atomic=atomic, durable=True)
         return self._created(key, lambda: self.create(key, *parts),
-                             lambda found: found == b"".join(memoryview(p).cast("B") for p in parts))
+                             lambda: self.holds(key, b"".join(memoryview(p).cast("B") for p in parts)))
 
     @contextlib.contextmanager
     def together(self) -> Iterator[Location]:
@@ -240,24 +247,25 @@ class Location:
                                  expect=expect, nbytes=nbytes)
         if not self.late_safe:
             return made(exclusive=False)
-        return self._created(key, lambda: made(exclusive=True), lambda found: found == source.read(key))
+        return self._created(key, lambda: made(exclusive=True),
+                             lambda: self.holds(key, source.read(key, limit=nbytes + 1)))
 
-    def _created(self, key: str, create: Callable[[], str | None], meant: Callable[[bytes], bool]) -> str | None:
-        """Makes `key` by `create` (exclusive), against requests that land late: an object
-        found there that is what was `meant` is an earlier attempt of this one that landed
-        unseen (whose version is then not known: None). One that is not was put there by
-        another writer: a job that took the run over while this one was paused, or a
-        late request of an earlier save. Nothing proves it is not another job's, so it is
-        never deleted: FileExistsError, naming it. Returns the version `create` returned."""
+    def _created(self, key: str, create: Callable[[], str | None], meant: Callable[[], bool]) -> str | None:
+        """Makes `key` by `create` (exclusive), against requests that land late: where an
+        object is there already, `meant()` says whether it is the one meant: if so, an
+        earlier attempt of this one that landed unseen (whose version is then not known:
+        None). One that is not was put there by another writer: a job that took the run
+        over while this one was paused, or a late request of an earlier save. Nothing
+        proves it is not another job's, so it is never deleted: FileExistsError, naming
+        it. Returns the version `create` returned."""
         for _ in range(_LATE_TRIES):
             try:
                 return create()
             except FileExistsError:
-                found = self.read_if_present([key])[0]
-                if found is None:
-                    continue  # deleted since: made again
-                if meant(found):
+                if meant():
                     return None
+                if not self.child(key).exists():
+                    continue  # deleted since: made again
                 raise FileExistsError(
                     f"cannot write {self.url.rstrip('/')}/{key}: another writer made it meanwhile (a job that took "
                     "the run over while this one was paused, or a late request of an earlier save); left as it "
@@ -265,21 +273,36 @@ class Location:
         raise OSError(f"cannot write {self.url.rstrip('/')}/{key}: it keeps being made and deleted by another "
                       f"writer (tried {_LATE_TRIES} times)")
 
-    def read(self, key: str, *, limit: int | None = None, check: Check | None = None) -> bytes:
-        """The whole object `key` below this location (its first `limit` bytes with a
-        limit), in one request (two, hedged, where one is slow: see `hedge`; `check`
-        says what is wrong with an answer, so that a good one wins); FileNotFoundError
-        if absent."""
-        data: bytes = self._call("read", key, self.store.read, limit, nbytes=limit or 0, check=check)
+    def read(self, key: str, *, limit: int | None = None, cap: int | None = SMALL_BYTES,
+             check: Check | None = None) -> bytes:
+        """The whole object `key` below this location, in one request (two, hedged, where
+        one is slow: see `hedge`; `check` says what is wrong with an answer, so that a
+        good one wins); FileNotFoundError if absent.
+
+        At most `cap` bytes (SMALL_BYTES; GROUP_BYTES for a group's metadata): TooLarge,
+        naming the object and the cap, for a larger object, of which no more than `cap`
+        + 1 bytes were read (none on a local disk). `cap=None` only for an object whose
+        size the caller bounds itself (a chunk). With `limit`, its first `limit` bytes
+        instead (`cap` unused)."""
+        data: bytes = self._call("read", key, self.store.read, limit, most=cap if limit is None else None,
+                                 nbytes=limit or 0, check=check)
         _stats.add("store_bytes_read", len(data))
         return data
 
-    def read_if_present(self, keys: Sequence[str]) -> list[bytes | None]:
+    def holds(self, key: str, data: bytes) -> bool:
+        """Whether the object `key` is there and is exactly `data` (reading no more than
+        one byte past it)."""
+        try:
+            return self.read(key, limit=len(data) + 1) == data
+        except FileNotFoundError:
+            return False
+
+    def read_if_present(self, keys: Sequence[str], *, cap: int = SMALL_BYTES) -> list[bytes | None]:
         """Several small objects, None for each that is absent: one round trip, as the
-        requests go out together."""
+        requests go out together. `cap`: as for `read`."""
         def attempt(key: str) -> bytes | None:
             try:
-                return self.read(key)
+                return self.read(key, cap=cap)
             except FileNotFoundError:
                 return None
 

@@ -26,7 +26,8 @@ abort check, a deadline, retries with backoff, counting, and the error the calle
   FileExistsError, IsADirectoryError, NotADirectoryError or OSError) whose message
   names the object's URL, the HTTP status where there was one, and the tries, and
   leaves out every credential; a symbolic link or a special file met on a local
-  disk is `NotAFileInCheckpoint`, a CheckpointCorruptError.
+  disk is `NotAFileInCheckpoint`, and an object larger than a read takes (`store.Larger`)
+  `TooLarge`, both CheckpointCorruptErrors.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import Any, TypeVar
 
 from .. import _concurrency, _stats
 from ..errors import CheckpointCorruptError
-from .store import DeadlinePassed, NotAFile, SourceChanged
+from .store import DeadlinePassed, Larger, NotAFile, SourceChanged
 
 _T = TypeVar("_T")
 log = logging.getLogger("zarrckpt")
@@ -81,6 +82,21 @@ class NotAFileInCheckpoint(CheckpointCorruptError, OSError):
     def __init__(self, message: str, what: str) -> None:
         super().__init__(message)
         self.what = what
+
+
+class TooLarge(CheckpointCorruptError, OSError):
+    """An object larger than zarrckpt reads of its kind (`Location.read`'s `cap`): not
+    read, as no zarrckpt writes one so large. Names the object's URL (`url`) and the cap."""
+
+    def __init__(self, url: str, cap: int) -> None:
+        self.reason = (f"larger than {_bytes(cap)}, the most zarrckpt reads of such an object (see "
+                       "docs/reliability.md): not read")
+        super().__init__(f"{url} is {self.reason}")
+        self.errno, self.url, self.cap = errno.EFBIG, url, cap
+
+
+def _bytes(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and not n % (1 << 20) else f"{n:,} bytes"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +229,8 @@ class Guarded:
         if isinstance(e, NotAFile):
             # It names the file: a local path holds no credential.
             return NotAFileInCheckpoint(e.strerror or str(e), e.what)
+        if isinstance(e, Larger):
+            return TooLarge(where, e.most)
         if isinstance(e, SourceChanged):
             kind: type[OSError] = SourceChanged
             why = "what it is made from is not the object it was (rewritten or deleted meanwhile)"

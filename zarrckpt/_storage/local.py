@@ -41,7 +41,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 
 from .. import _concurrency
-from .store import Check, Entry, NotAFile, SourceChanged, Store
+from .store import Check, Entry, Larger, NotAFile, SourceChanged, Store
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _SPECIAL = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
@@ -97,8 +97,8 @@ class LocalDisk(Store):
         return copy(self.root, source, key, exclusive=exclusive, expect=expect, together=self._together)
 
     def read(self, key: str, limit: int | None, *, timeout: float | None,
-             check: Check | None = None) -> bytes:
-        return read(self.root, key, limit)
+             check: Check | None = None, most: int | None = None) -> bytes:
+        return read(self.root, key, limit, most)
 
     def read_into(self, key: str, buffers: Sequence[memoryview], *, timeout: float | None,
                   check: Check | None = None) -> tuple[int, int]:
@@ -306,12 +306,15 @@ def _open_file(root: str, key: str, together: Together | None = None) -> int:
         return _open_below(fd, name, _READ, os.path.join(root, key))
 
 
-def read(root: str, key: str, limit: int | None = None) -> bytes:
-    """The file `root/key` (its first `limit` bytes with a limit)."""
+def read(root: str, key: str, limit: int | None = None, most: int | None = None) -> bytes:
+    """The file `root/key`: its first `limit` bytes with a limit; with `most`, Larger
+    if it holds more than `most` bytes (none of them read)."""
     with _opened(root, key) as (f, size):
-        wanted = size if limit is None else limit
+        if most is not None and size > most:
+            raise Larger(os.path.join(root, key), most)
+        wanted = size if limit is None else min(size, limit)  # a read allocates what it asks for
         data = os.read(f, wanted)
-        if limit is None and len(data) < size:  # a short read: take the rest
+        if limit is None and most is None and len(data) < size:  # a short read: take the rest
             data += b"".join(iter(lambda: os.read(f, 1 << 20), b""))
         return data
 

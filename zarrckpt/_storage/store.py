@@ -54,6 +54,15 @@ class SourceChanged(FileNotFoundError):
     made at the copy's key."""
 
 
+class Larger(OSError):
+    """An object holding more than the `most` bytes a read takes (`Store.read`): not
+    read whole (`guard` makes it a TooLarge naming its URL)."""
+
+    def __init__(self, path: str, most: int) -> None:
+        super().__init__(errno.EFBIG, f"{path} holds more than {most:,} bytes")
+        self.most = most
+
+
 class DeadlinePassed(TimeoutError):
     """A request abandoned at its deadline (`Store` methods' `timeout`)."""
 
@@ -126,10 +135,12 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def read(self, key: str, limit: int | None, *, timeout: float | None,
-             check: Check | None = None) -> bytes:
-        """The object `key` (its first `limit` bytes, with a limit). `check`: what is
-        wrong with an answer, or None, where a store may choose between answers (a
-        hedged read, see `hedge`)."""
+             check: Check | None = None, most: int | None = None) -> bytes:
+        """The object `key`: its first `limit` bytes with a limit (a read of about that
+        many); with `most` instead, the whole object, or `Larger` if it holds more than
+        `most` bytes, of which no more than `most` + 1 were read. `check`: what is wrong
+        with an answer, or None, where a store may choose between answers (a hedged
+        read, see `hedge`)."""
 
     @abc.abstractmethod
     def read_into(self, key: str, buffers: Sequence[memoryview], *, timeout: float | None,
