@@ -446,6 +446,35 @@ def test_no_policy_saves_at_every_call(tmp_path):
     assert zarrckpt.all_steps(str(tmp_path)) == [1, 2, 3]
 
 
+def test_a_flax_train_state_s_step_and_numpy_steps_are_steps(tmp_path):
+    """flax's `TrainState.step` is a 0-d int32 jax array, an `np.arange` loop's step a
+    numpy integer: each names a step wherever a step is taken (before: "step must be a
+    non-negative int"). A bool or a float is a TypeError naming the step."""
+    import optax
+    from flax.training import train_state as flax_train_state
+
+    params = {"w": jnp.ones((4, 3))}
+    state = flax_train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+    state = jax.jit(lambda s: s.apply_gradients(grads={"w": jnp.full((4, 3), 0.5)}))(state)  # a train step
+    assert isinstance(state.step, jax.Array) and state.step.ndim == 0
+    run = str(tmp_path / "run")
+    with zarrckpt.CheckpointManager(run) as mgr:
+        assert mgr.save(state.step, state)
+        for step in np.arange(2, 4):
+            assert mgr.save(step, state.replace(step=state.step + 1))
+        mgr.wait()
+        assert mgr.all_steps() == [1, 2, 3] and mgr.metrics(np.int64(2)) is None
+        mgr.pin(jnp.int32(3))
+        restored, step = mgr.restore(state, step=np.int32(1))
+        assert step == 1 and type(step) is int and int(restored.step) == 1
+        assert not mgr.reached_preemption(np.int64(3))
+        for bad in (True, 2.0, "2"):
+            with pytest.raises(TypeError, match="step must be a non-negative int"):
+                mgr.save(bad, state)
+    zarrckpt.save_checkpoint(run, np.uint16(7), params)
+    np.testing.assert_array_equal(zarrckpt.load_checkpoint(run, np.int64(7), params)["w"], params["w"])
+
+
 def test_a_step_older_than_the_newest_committed_is_not_saved_and_says_why(tmp_path, caplog):
     """A loop whose step counter went back (not restored with the state) would save
     steps a restore never picks: refused, with one warning naming both steps."""

@@ -36,6 +36,7 @@ from . import (
     _tiers,
     errors,
 )
+from ._format import naming as _naming
 
 log = logging.getLogger("zarrckpt")
 _NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}  # JSON has no such numbers
@@ -262,8 +263,9 @@ class CheckpointManager:
         the newest committed step (a restore would never pick it: a warning, once),
         unless newer than the step `restore` was asked for (a rollback).
         """
+        step = _naming.step_number(step)  # a bad step is refused here
         self._check_open()
-        location = self._root.step(step)  # a bad step is refused here
+        location = self._root.step(step)
         values = _metric_values(metrics)
         # Asked at every call, before anything can return early: under jax.distributed
         # the notice is agreed at one step, which every process must ask about.
@@ -485,6 +487,7 @@ class CheckpointManager:
         Raises CheckpointNotFoundError if `step` is not a committed step, and what
         `load_pytree` raises.
         """
+        step = None if step is None else _naming.step_number(step)
         if isinstance(target, (int, np.integer)) and not isinstance(target, bool):
             raise TypeError(f"CheckpointManager.restore takes the restore target first (the state to restore "
                             f"into, or None for numpy arrays); to restore step {target}, call "
@@ -537,6 +540,7 @@ class CheckpointManager:
         "NaN", "Infinity", "-Infinity"), or None if it was saved without. Reads the
         step's metadata; CheckpointNotFoundError if `step` is not committed. Not
         collective."""
+        step = _naming.step_number(step)
         return _retention.metrics_of(self._root, _steps.committed_step(self._root, step))
 
     def best_step(self) -> int | None:
@@ -561,6 +565,7 @@ class CheckpointManager:
         """Exempts committed `step` from retention, by a PINNED file in its directory.
         ValueError, on a local disk, if a top-level leaf of the step is named so (its
         array's directory is there)."""
+        step = _naming.step_number(step)
         if not _retention.pin(_steps.committed_step(self._root, step)):
             raise ValueError(f"step {step} cannot be pinned: a leaf of it is named {_retention.PIN_FILE!r}, the "
                              "pin file's name")
@@ -568,6 +573,7 @@ class CheckpointManager:
     def unpin(self, step: int) -> None:
         """Lets retention delete committed `step` again (removes its PINNED file, if any:
         an imported step's too). CheckpointNotFoundError if `step` is not committed."""
+        step = _naming.step_number(step)
         with contextlib.suppress(IsADirectoryError):  # a leaf named so: no pin to remove
             _steps.committed_step(self._root, step).remove_file(_retention.PIN_FILE)
 
@@ -581,6 +587,7 @@ class CheckpointManager:
         CheckpointNotFoundError if `step` is not committed, CheckpointWriteError if its
         directory holds files that are not the checkpoint's (nothing is then deleted),
         DirectoryInUseError if another job took the directory over."""
+        step = _naming.step_number(step)
         self._check_open()
         self.wait()
         with _multihost.Agreement("manager-delete", self._timeout_s,
@@ -626,6 +633,7 @@ class CheckpointManager:
         step whatever the policy says, with a warning; this returns True from that step
         on. Under `jax.distributed`, collective: every process calls it at every step,
         with the same steps. Always False with `save_on_preemption=False`."""
+        step = _naming.step_number(step)
         self._preemption.take_sigterm()
         if self._preemption.first_seen(step):
             log.warning("preemption notice at step %d, after its save or where the loop does not save: the next "

@@ -67,6 +67,7 @@ def save_checkpoint(
     committed, if step `unchanged_since` is deleted or replaced while chunks are made
     from it.
     """
+    step = _naming.step_number(step)
     options = _options.SaveOptions(overwrite=overwrite, max_chunk_bytes=max_chunk_bytes,
                                    min_chunk_bytes=min_chunk_bytes, max_inflight_bytes=max_inflight_bytes,
                                    max_workers=max_workers, timeout_s=timeout_s, progress=progress,
@@ -319,6 +320,7 @@ def load_checkpoint(
     CheckpointNotFoundError if `step` is not committed, or was deleted (by the
     training job's retention) while it was being read.
     """
+    step = _naming.step_number(step)
     options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast, donate_target=donate_target,
                                    load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
                                    max_workers=max_workers, progress=progress)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import operator
 import re
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from ..errors import CheckpointCorruptError
 
@@ -128,11 +130,25 @@ def format_version(leaf_kinds: set[str]) -> int:
     return FORMAT_VERSION if leaf_kinds & _VERSION_3_KINDS else 2
 
 
+def step_number(step: Any, what: str = "step") -> int:
+    """`step` as an int: a Python or numpy integer, or a 0-d integer jax array (flax's
+    `TrainState.step`), as `operator.index` takes them. TypeError for anything else (a
+    bool, a float, a string), ValueError for a negative number; both name `what`."""
+    try:
+        if isinstance(step, bool):  # an int to Python, never a step
+            raise TypeError
+        number = operator.index(step)
+    except TypeError:
+        raise TypeError(f"{what} must be a non-negative int (a Python or numpy integer, or a 0-d integer jax "
+                        f"array), got {type(step).__name__} {step!r:.100}") from None
+    if number < 0:
+        raise ValueError(f"{what} must be a non-negative int, got {number}")
+    return number
+
+
 def step_dir_name(step: int) -> str:
     """The directory name of a step: zero-padded to 10 digits, as seqax names them."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    return str(step).zfill(10)
+    return str(step_number(step)).zfill(10)
 
 
 def parse_step_dir_name(name: str) -> int | None:
