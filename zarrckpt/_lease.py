@@ -40,11 +40,12 @@ time); one whose writer is provably alive there is refused at once. A process in
 (another PID namespace, perhaps with the same host name) cannot be seen from here, so
 its lease is watched like any other. A lease of this very process is another manager's
 here that was never closed: refused at once, saying so, unless that manager is garbage
-(its finalizer gives the lease back). A holder that finds a newer number (it was
-taken over while it looked dead) stops saving: `check` runs before each save, again
-immediately before its commit, and before retention deletes anything, so that a holder
-stopped past its lease (SIGSTOP, a paused VM) and resumed mid-save neither commits nor
-deletes in a run another job holds now.
+(its finalizer gives the lease back). Only the process that took a lease gives it
+back: a forked child (an `os.fork`, a multiprocessing worker) never does. A holder that
+finds a newer number (it was taken over while it looked dead) stops saving: `check`
+runs before each save, again immediately before its commit, and before retention
+deletes anything, so that a holder stopped past its lease (SIGSTOP, a paused VM) and
+resumed mid-save neither commits nor deletes in a run another job holds now.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ class Lease:
         self._heartbeat_s = heartbeat_s
         self._what = what
         self._owner = uuid.uuid4().hex
+        self._pid = os.getpid()  # the process whose lease it is: never one forked from it
         self._number: int | None = None
         self._beats = 0
         self._stop = threading.Event()
@@ -176,7 +178,11 @@ class Lease:
     def release(self) -> None:
         """Stops renewing the lease and marks it released if it is still ours (removes it
         where that cannot be written: a full disk). Safe to call more than once, and from
-        any thread (a finalizer may run on the renewing one)."""
+        any thread (a finalizer may run on the renewing one). Does nothing in a process
+        forked from the one that made it: the lease is the parent's, alive or not, and a
+        child's exit must not give it to another job."""
+        if os.getpid() != self._pid:
+            return
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()

@@ -70,6 +70,11 @@ class CheckpointManager:
     manager: `latest_step`, `load_checkpoint`, `load_checkpoint_if_it_exists` and
     `checkpoints_iterator` read a directory that a training job is writing.
 
+    A manager is its process's: in a process forked from it (`os.fork`, a worker of
+    multiprocessing's `fork` start method), `save`, `restore`, `delete`, `wait` and
+    `reached_preemption` raise RuntimeError, `close` does nothing, and its lease stays
+    the parent's (a child's exit never gives it back).
+
     Args:
       checkpoint_dir: local path or fsspec URL holding one directory per step.
       save_interval_steps: save when `step % save_interval_steps == 0`.
@@ -195,6 +200,7 @@ class CheckpointManager:
         self._compressor = _save.Compressor()
         self._plans = _save.PlanCache()  # the last persistent save's, for the next of the same tree
         self._root = _storage.resolve(checkpoint_dir, storage_options)
+        self._pid = os.getpid()
         local = self._local_directory(local_directory, local_save_interval_steps, local_peer_copies, local_peer_group)
         self._interval_steps = save_interval_steps
         self._interval_seconds = save_interval_seconds
@@ -455,6 +461,7 @@ class CheckpointManager:
     def wait(self) -> None:
         """Blocks until the save in flight has committed and the retention its commit
         triggered has run; raises its error if it failed. Agreement."""
+        self._check_process()
         with self._lock:
             in_flight = self._in_flight
         try:
@@ -634,7 +641,9 @@ class CheckpointManager:
         on. Under `jax.distributed`, collective: every process calls it at every step,
         with the same steps. Always False with `save_on_preemption=False`."""
         step = _naming.step_number(step)
-        self._preemption.take_sigterm()
+        self._check_process()
+        if not self._closed:  # a closed manager listens no more: SIGTERM ends the process again
+            self._preemption.take_sigterm()
         if self._preemption.first_seen(step):
             log.warning("preemption notice at step %d, after its save or where the loop does not save: the next "
                         "`save` call saves its step whatever the policy, and reached_preemption is True from that "
@@ -651,8 +660,9 @@ class CheckpointManager:
 
         Interrupted (Ctrl-C), it leaves the manager open with the save going on: the
         next `close`, or this program's exit, waits for it again. A manager never
-        closed is closed at exit, its save in flight waited for (at most `timeout_s`)."""
-        if self._closed:
+        closed is closed at exit, its save in flight waited for (at most `timeout_s`).
+        In a process forked from the manager's, does nothing (all of it is the parent's)."""
+        if self._closed or os.getpid() != self._pid:
             return
         try:
             self.wait()
@@ -747,8 +757,17 @@ class CheckpointManager:
         return local
 
     def _check_open(self) -> None:
+        self._check_process()
         if self._closed:
             raise RuntimeError(f"CheckpointManager for {self._root.url} is closed")
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"CheckpointManager for {self._root.url} belongs to process {self._pid}, which made it; this process "
+                f"(pid {os.getpid()}) was forked from it and cannot use it (its lease and its saves are the "
+                "parent's): save from the parent, and read steps here with zarrckpt.load_checkpoint or "
+                "zarrckpt.latest_step, which need no manager")
 
     def _raise_errors(self) -> None:
         with self._lock:

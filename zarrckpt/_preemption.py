@@ -4,7 +4,10 @@ without `jax.distributed`, SIGTERM itself, which schedulers send before they kil
 
 SIGTERM is taken only once a loop asks `reached_preemption` (it then stops where told),
 only from the main thread, only where nothing else handles it; while no open manager
-listens, or at a second SIGTERM, the handler ends the process as SIGTERM does.
+listens, or at a second SIGTERM, the handler ends the process as SIGTERM does. A
+process forked from one that listens (a data loader, an evaluator, a `Pool` started
+by fork) starts with SIGTERM as it was before, and nothing listening: its parent's
+managers are not its own, and `terminate()` must end it.
 """
 
 from __future__ import annotations
@@ -84,3 +87,12 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         return
     for notice in listening:
         notice.signalled = True
+
+
+def _forget_in_child() -> None:
+    _listening.clear()
+    if signal.getsignal(signal.SIGTERM) == _on_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # ours replaced only SIG_DFL (`take_sigterm`)
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
