@@ -17,7 +17,7 @@ before any chunk (at the commit, on S3 and GCS). A reader that notes it when it 
 a checkpoint and finds it unchanged after its last read has read one save, not parts
 of two. zarrckpt writes the
 commit marker and the identity at the start of `zarr.json`, so `head` learns both
-from its first bytes, however large the document (5 MB at 10,000 leaves).
+from its first bytes, however large the document (about 7 MB at 10,000 leaves).
 """
 
 from __future__ import annotations
@@ -179,9 +179,16 @@ def commit(loc: Location, group_document: dict[str, Any]) -> None:
     commit marker, first in its attributes (see `head`).
 
     The document already describes every array, so opening a committed checkpoint
-    costs one read whatever its leaf count.
+    costs one read whatever its leaf count. CheckpointWriteError, with nothing written,
+    where it is larger than a reader reads of a group's metadata (`GROUP_BYTES`).
     """
     attributes = {_naming.COMMIT_ATTR: True, **group_document["attributes"]}
+    encoded = _zarrjson.encode_document({**group_document, "attributes": attributes})
+    if len(encoded) > GROUP_BYTES:
+        raise CheckpointWriteError(
+            f"{loc.url}: its metadata would be {len(encoded):,} bytes, more than the {GROUP_BYTES:,} that zarrckpt "
+            "reads of a checkpoint's metadata; not committed. Save fewer, larger leaves (stack a model's layers "
+            "into one array each)")
     if not loc.late_safe:
         # Where the save wrote its uncommitted document first, it must still be there: the
         # step deleted meanwhile (`zarrckpt gc` or another writer taking it for a
@@ -191,7 +198,7 @@ def commit(loc: Location, group_document: dict[str, Any]) -> None:
             raise CheckpointWriteError(f"{loc.url} was deleted or replaced by someone else while it was being "
                                        "saved (zarrckpt gc, or another writer taking it for a leftover); not "
                                        "committing it")
-    write_marker(loc, "zarr.json", _zarrjson.encode_document({**group_document, "attributes": attributes}))
+    write_marker(loc, "zarr.json", encoded)
 
 
 def write_marker(loc: Location, key: str, document: bytes) -> None:

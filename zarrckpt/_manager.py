@@ -343,7 +343,7 @@ class CheckpointManager:
         job = _save.SaveJob.create(location, state, self._save_options, channel="manager-save",
                                    extra_metadata={"metrics": metrics} if metrics is not None else None,
                                    compressor=self._compressor, plans=self._plans, discard=True,
-                                   fence=self._lease.check if self._lease is not None else None)
+                                   fence=self._lease_check)
         meta = job.meta  # not the job: no cycle may hold the state
         seen = None
         if self._unchanged is not None:
@@ -370,7 +370,7 @@ class CheckpointManager:
 
         job.before_prepare = before_prepare
         # The job holds the state: the commit's report must not.
-        nbytes, note, known, made = job.nbytes, job.reuse_note(), self._unchanged, job.made
+        nbytes, note, known, made, crcs = job.nbytes, job.reuse_note(), self._unchanged, job.made, job.crcs
 
         def committed() -> None:
             seconds = time.perf_counter() - started
@@ -389,7 +389,7 @@ class CheckpointManager:
                 log.info("checkpoint step %d committed to %s: %s%s%s", step, self._root.url,
                          _progress.rate(nbytes, seconds), blocked, note)
             if known is not None and seen is not None:
-                known.committed(seen, save.save_id, made)
+                known.committed(seen, save.save_id, made, crcs)
             if self._policy.deletes:
                 self._retain()
 
@@ -399,15 +399,17 @@ class CheckpointManager:
 
     def _failed(self, step: int, url: str, error: BaseException) -> None:
         """A persistent save failed (what it wrote is gone already, see
-        `SaveJob.before_discard`), or what its commit triggered (retention): raised by
+        `SaveJob.discard`), or what its commit triggered (retention): raised by
         the next call on the training thread. The next save makes its unchanged chunks
         from the step it would have (see `Unchanged.failed`), or, after a failed
         retention, which may have deleted steps unknown, writes every chunk."""
         with self._lock:
             committed = step in self._committed
             self._errors.append(error)
-        if self._unchanged is not None:
-            self._unchanged.forget() if committed else self._unchanged.failed(error)
+        if self._unchanged is not None and committed:
+            self._unchanged.forget()
+        elif self._unchanged is not None:
+            self._unchanged.failed(error)
         if not isinstance(error, Exception) and not committed:  # a Ctrl-C in a save run on this thread
             log.warning("%s was not saved: %s while it was being written; nothing was committed unless its commit "
                         "had been written (zarrckpt.all_steps says)", url, type(error).__name__)
@@ -450,7 +452,7 @@ class CheckpointManager:
             metrics = dict(self._metrics)
         with _multihost.Agreement("manager-retain", self._timeout_s, what=f"retention under {self._root.url}") as op:
             deleted = op.decide("retain", lambda: _retention.apply(self._root, self._policy, metrics,
-                                                                   fence=self._fence("retention deleted nothing")))
+                                                                   fence=self._lease_check))
         with self._lock:
             self._committed.difference_update(deleted)
         if self._unchanged is not None:  # a rollback's step, older than the newest: gone
@@ -620,9 +622,10 @@ class CheckpointManager:
         self._lease.check(f"step {step} not deleted")
         return _retention.delete(self._root, step, committed=True, why="delete()")
 
-    def _fence(self, doing: str) -> Callable[[], None] | None:
-        """Process 0's lease check, saying `doing` where the lease was taken over."""
-        return None if self._lease is None else functools.partial(self._lease.check, doing)
+    @property
+    def _lease_check(self) -> Callable[[str], None] | None:
+        """Process 0's lease check (`Lease.check`), None elsewhere."""
+        return None if self._lease is None else self._lease.check
 
     # -- lifetime ----------------------------------------------------------------
 

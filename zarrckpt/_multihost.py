@@ -138,11 +138,11 @@ class Agreement:
         Agreement."""
         self._everyone(tag, step, gather=False)
 
-    def gather(self, tag: str, step: Callable[[], _T]) -> list[_T]:
+    def gather(self, tag: str, step: Callable[[], _T], *, to: int | None = None) -> list[_T]:
         """Runs `step` on every process and returns every process's JSON-able result, in
-        process order, on every process; if it raised anywhere, raises on every
-        process. Agreement."""
-        return self._everyone(tag, step, gather=True)
+        process order, on every process (with `to`, on that process alone: the others
+        get []); if it raised anywhere, raises on every process. Agreement."""
+        return self._everyone(tag, step, gather=True, to=to)
 
     def failures(self, tag: str, error: BaseException | None) -> dict[int, str]:
         """Every process reports `error` (None: it has none); returns, on every process,
@@ -205,7 +205,7 @@ class Agreement:
             self._raise(failures, error)
         return {p: said["note"] for p, said in left.items()}
 
-    def _everyone(self, tag: str, step: Callable[[], _T], gather: bool) -> list[_T]:
+    def _everyone(self, tag: str, step: Callable[[], _T], gather: bool, to: int | None = None) -> list[_T]:
         mine: BaseException | None = None
         failures: dict[int, dict[str, str]] = {}
         result: Any = None
@@ -214,15 +214,16 @@ class Agreement:
         except Exception as e:  # reported to every process, then raised below
             mine = e
             failures[process_index()] = _report(e)
-        failures, results = self._meet(tag, result, failures, gather)
+        failures, results = self._meet(tag, result, failures, gather, to)
         if failures:
             self._raise(failures, mine)
         return results
 
     def _meet(self, tag: str, result: Any, failures: dict[int, dict[str, str]],
-              gather: bool) -> tuple[dict[int, dict[str, str]], list[Any]]:
+              gather: bool, to: int | None = None) -> tuple[dict[int, dict[str, str]], list[Any]]:
         """Publishes this process's failure (or, to `gather`, its result), waits at a
-        barrier for every process, and reads back every failure (and result)."""
+        barrier for every process, and reads back every failure (and every result, on
+        process `to` alone where given)."""
         results = [result]
         if process_count() > 1:
             client, me = _client(), process_index()
@@ -236,7 +237,9 @@ class Agreement:
             self._wait(tag, lambda c, ms: c.wait_at_barrier(base, ms), None)
             failures = {int(key.rsplit("/", 1)[1]): json.loads(value)
                         for key, value in client.key_value_dir_get(f"{base}/failed/")}
-            if gather and not failures:
+            if gather and not failures and to not in (None, me):
+                results = []
+            elif gather and not failures:
                 found = {int(key.rsplit("/", 1)[1]): json.loads(value)
                          for key, value in client.key_value_dir_get(f"{base}/value/")}
                 results = [found[p] for p in range(process_count())]

@@ -136,10 +136,10 @@ def is_pinned(step_loc: Location) -> bool:
 
 def apply(root: Location, policy: Policy, metrics: Mapping[int, Mapping[str, Any]], *,
           dry_run: bool = False, leftovers_free: Callable[[], bool] | None = None,
-          fence: Callable[[], None] | None = None) -> list[int]:
+          fence: Callable[[str], None] | None = None) -> list[int]:
     """Deletes what `policy` does not keep under `root`; returns the deleted steps.
-    `fence` (a lease check) is called once all is decided, immediately before the
-    first deletion: what it raises stops this with nothing deleted.
+    `fence` (a lease check, `Lease.check`) is called once all is decided, immediately
+    before the first deletion: what it raises stops this with nothing deleted.
 
     Uncommitted steps older than the newest committed one are leftovers, deleted too
     unless `leftovers_free`, asked only where there are some, says otherwise (another
@@ -162,7 +162,7 @@ def apply(root: Location, policy: Policy, metrics: Mapping[int, Mapping[str, Any
     if uncommitted and leftovers_free is not None and not leftovers_free():
         uncommitted = []
     if fence is not None and (doomed or uncommitted) and not dry_run:
-        fence()
+        fence("retention deleted nothing")
     return [step for step in doomed + uncommitted
             if delete(root, step, committed=step in doomed, why="retention" if step in doomed else
                       "uncommitted leftover", dry_run=dry_run)]

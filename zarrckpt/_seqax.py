@@ -80,9 +80,9 @@ class Codec:
         parts = name.split(self.separator)
         return canonical_ints(parts) if len(parts) == len(self.shape) else None
 
-    def read(self, source: Any, chunk: Region, out: np.ndarray | None) -> np.ndarray:
+    def read(self, source: Any, chunk: Region, out: np.ndarray | None, expect: int | None = None) -> np.ndarray:
         """As `ChunkCodec.read`: a seqax chunk, often compressed, is decoded from the whole
-        object, then copied into `out`."""
+        object, then copied into `out` (seqax's commit records no chunk: `expect` is None)."""
         values = self.decode(source.read(self.key(chunk), cap=None))  # a chunk: seqax records no size
         if out is None:
             return values

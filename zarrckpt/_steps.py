@@ -94,7 +94,7 @@ def save_checkpoint(
         if job.save_id is not None:  # past the refusals: the step its chunks would come from may be gone
             known.forget()
         raise
-    known.committed(seen, job.save_id, job.made)
+    known.committed(seen, job.save_id, job.made, job.crcs)
 
 
 def _trusted(known: _save.Unchanged, source: Location) -> str | None:

@@ -119,7 +119,7 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None, checksums
             with _progress.bar(f"verifying {loc.url}", sum(leaf.codec.data_bytes for leaf, _ in whole),
                                progress) as advance:
                 def check(item: tuple[_reader.StoredLeaf, Region]) -> Problem | None:
-                    problem = _checksum_problem(loc, *item)
+                    problem = _checksum_problem(loc, *item, ckpt.vouched)
                     advance(item[0].codec.data_bytes)
                     return problem
 
@@ -266,12 +266,15 @@ def _as_written(document: Any) -> bytes | None:
         return None
 
 
-def _checksum_problem(loc: Location, leaf: _reader.StoredLeaf, chunk: Region) -> Problem | None:
-    """Reads one chunk and compares its bytes with the CRC-32C stored after them."""
+def _checksum_problem(loc: Location, leaf: _reader.StoredLeaf, chunk: Region,
+                      vouched: dict[str, dict[str, int]]) -> Problem | None:
+    """Reads one chunk and compares its bytes with the CRC-32C stored after them, and
+    that with the one its commit records (`vouched`, where it records one)."""
+    key = leaf.codec.key(chunk)
     try:
-        _reader.read_chunk(loc, leaf.codec, chunk)
+        _reader.read_chunk(loc, leaf.codec, chunk, expect=vouched.get(leaf.name, {}).get(key.rpartition("/")[2]))
     except _reader.MissingObject:
-        return Problem(leaf.codec.key(chunk), "missing (deleted while being verified)", leaf.where)
+        return Problem(key, "missing (deleted while being verified)", leaf.where)
     except DamagedChunk as e:
         return Problem(e.key, e.why, leaf.where)
     return None

@@ -113,3 +113,32 @@ def test_damage_anywhere_in_a_large_chunk_is_caught(tmp_path, url_of):
             zarrckpt.load_pytree(url)
     loc.write("x/c.0", good)
     np.testing.assert_array_equal(zarrckpt.load_pytree(url)["x"], x)
+
+
+@pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
+def test_a_chunk_of_another_save_in_a_committed_step_is_damage_never_values(new_store, kind):
+    """A committed step one of whose chunks another writer replaced with the chunk of
+    the same key from another save (a job that took the run over while this one was
+    paused, a copy from another run): the chunk's own checksum passes, but its commit
+    records another. `verify` fails naming it, a load, a manager's restore and an
+    export raise, naming it (before: all passed, and a load returned values of two
+    saves)."""
+    import fsspec
+
+    store, other = new_store(kind), new_store(kind)
+    tree = {"w": np.arange(64, dtype=np.float32).reshape(8, 8), "b": np.ones(3)}
+    for where, scale in ((store, 1), (other, 2)):
+        zarrckpt.save_checkpoint(where.url, 1, {"w": tree["w"] * scale, "b": tree["b"]},
+                                 storage_options=where.options, max_chunk_bytes=64)
+    fs, root = fsspec.core.url_to_fs(store.url, **(store.options or {}))
+    other_fs, other_root = fsspec.core.url_to_fs(other.url, **(other.options or {}))
+    fs.pipe_file(f"{root}/0000000001/w/c.1.0", other_fs.cat_file(f"{other_root}/0000000001/w/c.1.0"))
+    step = f"{store.url}/0000000001"
+    report = zarrckpt.verify(step, storage_options=store.options)
+    assert not report.ok and [p.key for p in report.problems] == ["w/c.1.0"], report.problems
+    match = r"chunk 'w/c.1.0' of checkpoint .*0000000001 is not the chunk its commit records"
+    with pytest.raises(zarrckpt.CheckpointCorruptError, match=match):
+        zarrckpt.load_pytree(step, storage_options=store.options)
+    with zarrckpt.CheckpointManager(store.url, storage_options=store.options) as mgr:
+        with pytest.raises(zarrckpt.CheckpointCorruptError, match=match):
+            mgr.restore(tree)

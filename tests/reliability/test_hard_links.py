@@ -231,7 +231,7 @@ def test_where_links_cannot_be_made_unchanged_chunks_are_copied_and_still_checke
     """On a file system that refuses hard links (gcsfuse, blobfuse) an unchanged chunk
     is copied in the kernel: saves of the very same arrays commit, each step with files
     of its own, and a chunk rewritten after its step was saved still fails the next
-    save, which names it."""
+    save, which names it (rewritten with the same bytes, it is written again)."""
     import errno
 
     def no_links(*args, **kwargs):
@@ -239,17 +239,70 @@ def test_where_links_cannot_be_made_unchanged_chunks_are_copied_and_still_checke
 
     monkeypatch.setattr(os, "link", no_links)
     w = jax.device_put(np.arange(2**18, dtype=np.float32))
-    with zarrckpt.CheckpointManager(str(tmp_path), async_save=False) as mgr:
+    with zarrckpt.CheckpointManager(str(tmp_path), async_save=False, max_chunk_bytes=2**18) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, {"w": w, "step": step})
         chunk = tmp_path / "0000000003" / "w" / "c.0"
         assert chunk.stat().st_ino != (tmp_path / "0000000002" / "w" / "c.0").stat().st_ino
-        chunk.write_bytes(chunk.read_bytes())  # rewritten in place: with the same bytes even, a version says no more
+        other = (tmp_path / "0000000003" / "w" / "c.1").read_bytes()  # a valid chunk of other values
+        chunk.write_bytes(other)  # rewritten in place
         with pytest.raises(zarrckpt.CheckpointWriteError, match="0000000003/w/c.0"):
             mgr.save(4, {"w": w, "step": 4})
         mgr.save(5, {"w": w, "step": 5})
     assert zarrckpt.all_steps(str(tmp_path)) == [1, 2, 3, 5]
-    for step in (1, 2, 3, 5):
+    for step in (1, 2, 5):
         restored = zarrckpt.load_checkpoint(str(tmp_path), step)
         np.testing.assert_array_equal(restored["w"], np.arange(2**18, dtype=np.float32))
         assert restored["step"] == step
+
+
+def test_a_touched_chunk_is_written_again_and_the_save_commits(tmp_path):
+    """A chunk of the step the next save makes from, touched (a scratch file system's
+    anti-purge job, `touch`, a copy of the same bytes): its version changed, its bytes
+    did not. The next save commits, that chunk written anew from the bytes its step's
+    commit records (CRC-32C and size), the others linked; the save after links from it
+    (before: CheckpointWriteError into the training loop, and every chunk written at
+    the save after)."""
+    w = jax.device_put(np.arange(2**18, dtype=np.float32))
+    with zarrckpt.CheckpointManager(str(tmp_path), async_save=False, max_chunk_bytes=2**18) as mgr:
+        mgr.save(1, {"w": w, "step": 1})
+        mgr.save(2, {"w": w, "step": 2})
+        touched = tmp_path / "0000000002" / "w" / "c.0"
+        os.utime(touched, ns=(touched.stat().st_atime_ns, touched.stat().st_mtime_ns + 10**9))
+        mgr.save(3, {"w": w, "step": 3})
+        mgr.save(4, {"w": w, "step": 4})
+    assert zarrckpt.all_steps(str(tmp_path)) == [1, 2, 3, 4]
+
+    def inode(step: int, chunk: str) -> int:
+        return (tmp_path / f"{step:010d}" / "w" / chunk).stat().st_ino
+
+    assert inode(3, "c.0") != inode(2, "c.0") and inode(4, "c.0") == inode(3, "c.0")  # written anew, then linked
+    assert inode(3, "c.1") == inode(2, "c.1") == inode(1, "c.1")
+    for step in (3, 4):
+        assert zarrckpt.verify(str(tmp_path / f"{step:010d}")).ok
+        np.testing.assert_array_equal(zarrckpt.load_checkpoint(str(tmp_path), step)["w"], np.asarray(w))
+
+
+@pytest.mark.parametrize("how", ["cp", "in place"])
+def test_another_chunk_copied_over_a_linked_chunk_is_damage_in_every_step_linking_it(tmp_path, how):
+    """A valid chunk of other values written over a chunk of step 1 that later steps
+    link (`cp` of another chunk, `rsync --inplace`): it changes every step that links
+    the file. Its own checksum passes, but not the one each step's commit records:
+    `verify` of the later step fails naming it, and a load raises, never returning its
+    values (before: both passed, and the load returned the other chunk's values)."""
+    w = jax.device_put(np.arange(2**18, dtype=np.float32))
+    with zarrckpt.CheckpointManager(str(tmp_path), async_save=False, max_chunk_bytes=2**18) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": w, "step": step})
+    chunk, other = tmp_path / "0000000001" / "w" / "c.0", tmp_path / "0000000001" / "w" / "c.1"
+    assert chunk.stat().st_ino == (tmp_path / "0000000003" / "w" / "c.0").stat().st_ino
+    if how == "cp":
+        shutil.copyfile(other, chunk)  # opens the file it replaces: every link sees it
+    else:
+        with open(chunk, "r+b") as f:
+            f.write(other.read_bytes())
+    report = zarrckpt.verify(str(tmp_path / "0000000003"))
+    assert not report.ok and [p.key for p in report.problems] == ["w/c.0"], report.problems
+    assert "not the chunk its commit records" in report.problems[0].message
+    with pytest.raises(zarrckpt.CheckpointCorruptError, match="w/c.0.*not the chunk its commit records"):
+        zarrckpt.load_checkpoint(str(tmp_path), 3)

@@ -170,14 +170,14 @@ def overwrite_during(monkeypatch, url: str, after_reads: int, new_tree: dict) ->
     reads, ended = [], threading.Semaphore(0)
     original = _reader._read_box
 
-    def reading(loc, leaf, box):
+    def reading(loc, leaf, box, *rest):
         if len(reads) == after_reads:
             for _ in range(after_reads):
                 assert ended.acquire(timeout=60)
             zarrckpt.save_pytree(url, new_tree, overwrite=True)
         reads.append(leaf.name)
         try:
-            return original(loc, leaf, box)
+            return original(loc, leaf, box, *rest)
         finally:
             ended.release()
 

@@ -16,6 +16,7 @@ does the I/O.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -39,6 +40,11 @@ NAME = re.compile(r"c(\.\d+)*")
 # anything is done per chunk.
 MAX_GRID = 2**26
 _CRC_DAMAGE = "fails its CRC-32C checksum: its bytes are damaged"
+
+
+def _unvouched(found: int, expect: int) -> str:
+    return (f"is not the chunk its commit records (its CRC-32C is {found:08x}, the commit's {expect:08x}): "
+            "another writer put it there after the save made it")
 
 # The one compression zarrckpt writes (`compression="zstd"`): zstd at its fastest level,
 # on bytes bit-shuffled by the dtype's size (a float's sign and exponent bits, which
@@ -211,16 +217,23 @@ class ChunkCodec:
         return numcodecs.blosc.compress(items, self.compression.encode(), _ZSTD_LEVEL,  # type: ignore[no-any-return, unused-ignore]
                                         numcodecs.blosc.BITSHUFFLE)
 
-    def damage(self, stored: bytes | memoryview) -> str | None:
+    def crc_of(self, parts: Sequence[Any]) -> int | None:
+        """The CRC-32C that a chunk framed as `parts` (`frame`) carries, or None without a
+        checksum: what its commit records of it (see `_format.vouched`)."""
+        return int.from_bytes(parts[-1], "little") if self.checksum else None
+
+    def damage(self, stored: bytes | memoryview, expect: int | None = None) -> str | None:
         """What is wrong with the stored bytes of a chunk object, or None: its size, and
-        with a checksum, its CRC-32C; compressed, blosc's header, which must say that the
-        chunk holds exactly its data's size (a header that lies is refused before blosc
-        reads any further)."""
+        with a checksum, its CRC-32C, which must be `expect` where the commit records
+        one; compressed, blosc's header, which must say that the chunk holds exactly its
+        data's size (a header that lies is refused before blosc reads any further)."""
         if (wrong_size := self.size_damage(len(stored))) is not None:
             return wrong_size
         framed = self._framed(len(stored))
         if self.checksum and _crc(memoryview(stored)[:framed]) != bytes(stored[framed:]):
             return _CRC_DAMAGE
+        if self.checksum and expect is not None and (found := int.from_bytes(stored[framed:], "little")) != expect:
+            return _unvouched(found, expect)
         if self.compression is not None:
             return self._header_damage(stored[:BLOSC_HEADER], framed)
         return None
@@ -239,11 +252,13 @@ class ChunkCodec:
             return f"is compressed with blosc's compressor {flags >> 5}, not zstd"
         return None
 
-    def decode(self, stored: bytes | memoryview, out: np.ndarray | None = None) -> np.ndarray:
+    def decode(self, stored: bytes | memoryview, out: np.ndarray | None = None,
+               expect: int | None = None) -> np.ndarray:
         """The chunk's values, in the chunk shape, from its stored bytes (a view of
         them, uncompressed; with `out`, C-contiguous of the chunk shape, in it); Damage if
-        their size, checksum or header is wrong, or blosc cannot decompress them."""
-        if (damage := self.damage(stored)) is not None:
+        their size, checksum (or its CRC-32C is not `expect`) or header is wrong, or blosc
+        cannot decompress them."""
+        if (damage := self.damage(stored, expect)) is not None:
             raise Damage(damage)
         if self.compression is None:
             values = np.frombuffer(stored, np.uint8, count=self.data_bytes).view(self.dtype).reshape(self.shape)
@@ -260,31 +275,36 @@ class ChunkCodec:
             return out
         return values
 
-    def read(self, source: Any, chunk: Region, out: np.ndarray | None) -> np.ndarray:
+    def read(self, source: Any, chunk: Region, out: np.ndarray | None, expect: int | None = None) -> np.ndarray:
         """The chunk covering `chunk` read from `source` (a `Location`) and checked, in
         the chunk shape: with `out` (C-contiguous, of the chunk shape), into it, a chunk
         stored as it is (uncompressed, or behind blosc's header) read straight there, a
         compressed one decoded there. FileNotFoundError if it is absent, Damage if its
-        size, checksum or header is wrong (every codec's `read` says the same)."""
+        size, checksum or header is wrong, or its CRC-32C is not `expect`, the one its
+        commit records (every codec's `read` says the same)."""
         key = self.key(chunk)
+        check = functools.partial(self.damage, expect=expect)
         if out is None:
             # Never more than a chunk can hold (a compressed one's size is known only once read).
-            stored = source.read(key, limit=self.stored_bytes + 1, check=self.damage)
+            stored = source.read(key, limit=self.stored_bytes + 1, check=check)
             if len(stored) > self.stored_bytes:
                 raise Damage(f"has more than the {self.stored_bytes} bytes it can hold")
-            return self.decode(stored)
+            return self.decode(stored, expect=expect)
         header = bytearray(BLOSC_HEADER if self.compression is not None else 0)
         payload = out.reshape(-1).view(np.uint8)
         trailer = bytearray(CHECKSUM_BYTES if self.checksum else 0)
         size = source.read_into(key, memoryview(header), memoryview(payload), memoryview(trailer),  # type: ignore[arg-type, unused-ignore]
-                                check=self.damage)
+                                check=check)
         if (wrong_size := self.size_damage(size)) is not None:
             raise Damage(wrong_size)
         if size < self.stored_bytes or (self.compression is not None and not header[2] & _MEMCPYED):
             # Compressed: its frame, read into `out`, is decoded from a copy.
-            return self.decode(b"".join([header, payload[:size - len(header)].tobytes(), trailer])[:size], out)
+            return self.decode(b"".join([header, payload[:size - len(header)].tobytes(), trailer])[:size], out,
+                               expect)
         if self.checksum and _crc(header, payload) != bytes(trailer):
             raise Damage(_CRC_DAMAGE)
+        if self.checksum and expect is not None and (found := int.from_bytes(trailer, "little")) != expect:
+            raise Damage(_unvouched(found, expect))
         if self.compression is not None and (damage := self._header_damage(header, size - len(trailer))) is not None:
             raise Damage(damage)
         return out

@@ -112,9 +112,10 @@ class TensorCodec:
     def key(self, chunk: Region) -> str:
         return self.file
 
-    def read(self, source: Any, chunk: Region, out: np.ndarray | None) -> np.ndarray:
+    def read(self, source: Any, chunk: Region, out: np.ndarray | None, expect: int | None = None) -> np.ndarray:
         """As `ChunkCodec.read`: the part covering `chunk` (its rows, in a buffer of the
-        part's shape), one range request, straight into `out` when given."""
+        part's shape), one range request, straight into `out` when given (a file records
+        no chunk: `expect` is None)."""
         start, nbytes = self.span(chunk)
         values = out if out is not None else np.empty(self.shape, self.dtype)
         done = source.read_range(self.file, start, memoryview(values.reshape(-1).view(np.uint8)[:nbytes]))  # type: ignore[arg-type, unused-ignore]

@@ -26,6 +26,7 @@ from .._format import (
     naming as _naming,
     safetensors as _safetensors,
     tree as _tree,
+    vouched as _vouched,
     zarrjson as _zarrjson,
 )
 from .._format.chunks import ChunkCodec, Damage, DamagedChunk
@@ -94,6 +95,9 @@ class Checkpoint:
     documents: dict[str, Any] = dataclasses.field(default_factory=dict)
     # What messages call it where that is not `loc` (one safetensors file of a folder).
     shown: str | None = None
+    # The CRC-32C its commit records of each chunk, by array name and chunk name (see
+    # `_format.vouched`): every chunk read is checked against it.
+    vouched: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -109,13 +113,13 @@ class Checkpoint:
         replaced while being read.
         """
         with self._reading(leaf):
-            return _read_box(self.loc, leaf, box)
+            return _read_box(self.loc, leaf, box, self.vouched.get(leaf.name, {}))
 
     def read_own(self, leaf: StoredLeaf) -> Any:
         """This process's value of the per-process `leaf` (see `_tree.PerProcess`)."""
         with self._reading(leaf):
             own, document = read_own_array(self.loc, leaf, _multihost.process_index())
-            data = _read_box(self.loc, own, ((0, own.shape[0]),)).tobytes()
+            data = _read_box(self.loc, own, ((0, own.shape[0]),), self.vouched.get(own.name, {})).tobytes()
             try:
                 return _tree.Encoded.decode(document["attributes"][_naming.META_ATTR]["encoding"], data)
             except (KeyError, TypeError, ValueError, IndexError) as e:
@@ -162,7 +166,7 @@ class Checkpoint:
             raise
 
 
-def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
+def _read_box(loc: Location, leaf: StoredLeaf, box: Region, vouched: dict[str, int]) -> np.ndarray:
     nbytes = _dtypes.nbytes(region_shape(box), leaf.dtype)
     if nbytes > _MEMORY_BYTES:
         # A hostile or damaged checkpoint must not make us try to allocate it.
@@ -177,15 +181,16 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
         # The trailing Ellipsis keeps a 0-d result a view, not a scalar copy.
         dest = out[(*relative(inside, box), Ellipsis)]  # type: ignore[arg-type]
         # The common case: the chunk's bytes land in the result with no copy.
+        expect = vouched.get(leaf.codec.key(chunk).rpartition("/")[2]) if vouched else None
         if inside == chunk and all(b - a == c for (a, b), c in zip(chunk, leaf.chunks)) and dest.flags.c_contiguous:
-            read_chunk(loc, leaf.codec, chunk, out=dest)
+            read_chunk(loc, leaf.codec, chunk, out=dest, expect=expect)
             return
         # Read whole into memory of its own: room for it in the restore's byte budget,
         # or else one such chunk at a time.
         hold = _concurrency.spare(_dtypes.nbytes(region_shape(chunk), leaf.dtype)) if lent else None
         with contextlib.nullcontext() if hold is not None else in_part:
             try:
-                dest[...] = read_chunk(loc, leaf.codec, chunk)[relative(inside, chunk)]
+                dest[...] = read_chunk(loc, leaf.codec, chunk, expect=expect)[relative(inside, chunk)]
             finally:
                 if hold is not None:
                     hold.release()
@@ -211,13 +216,13 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region) -> np.ndarray:
 
 
 def read_chunk(loc: Location, codec: ChunkCodec | _seqax.Codec | _safetensors.TensorCodec, chunk: Region,
-               out: np.ndarray | None = None) -> np.ndarray:
+               out: np.ndarray | None = None, expect: int | None = None) -> np.ndarray:
     """Reads the chunk covering `chunk` with `codec` (`ChunkCodec.read`: each format's
-    way, straight into `out` where it can) and checks it; its values in the chunk
-    shape. MissingObject if it is absent, DamagedChunk naming it if its bytes are
-    wrong."""
+    way, straight into `out` where it can) and checks it, against `expect` too, the
+    CRC-32C its commit records; its values in the chunk shape. MissingObject if it is
+    absent, DamagedChunk naming it if its bytes are wrong."""
     try:
-        return codec.read(loc, chunk, out)
+        return codec.read(loc, chunk, out, expect)
     except FileNotFoundError:
         raise MissingObject(f"{codec.part} {codec.key(chunk)!r} is missing from checkpoint {loc.url}") from None
     except Damage as e:
@@ -292,12 +297,13 @@ def _open_zarrckpt(loc: Location, committed: bool, meta: dict[str, Any], documen
             raise CheckpointNotFoundError(f"checkpoint at {loc.url} is not committed and not all there ({e}): its "
                                           "save is still running, or stopped part-way") from None
         leaves = {rec["name"]: stored_leaf(path, rec, arrays.get(rec["name"])) for path, rec in records}
+        vouched = _vouched.parse(meta)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError,
             CheckpointCorruptError) as e:
         raise CheckpointCorruptError(f"checkpoint {loc.url} has malformed metadata: {e!r}") from e
     save_id = meta.get(_commit.SAVE_ID)
     return Checkpoint(loc, "zarrckpt", committed, spec, leaves, _tree.name_of, meta,
-                      save_id if isinstance(save_id, str) else None, arrays)
+                      save_id if isinstance(save_id, str) else None, arrays, vouched=vouched)
 
 
 def _checked_records(spec: Any) -> list[tuple[_tree.KeyPath, dict[str, Any]]]:

@@ -137,6 +137,8 @@ class ArrayPlan:
     # (`Entry.version`) its chunk had there as that step became known, by key.
     reuse_from: Location | None = None
     reuse_versions: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+    # And the CRC-32C that step's commit records of each, where known (see `_format.vouched`).
+    reuse_crcs: Mapping[str, int] = dataclasses.field(default_factory=dict)
     # The save's `compression`, which its chunks get where they are large enough (see
     # `ChunkCodec.of`).
     compression: str | None = None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import errno
 import functools
 import itertools
 import logging
@@ -36,9 +37,10 @@ import jax
 import zarr
 
 from .. import _commit, _concurrency, _multihost, _objects, _options, _peers, _progress, _regions, _storage, errors
-from .._format import naming as _naming, tree as _tree, zarrjson as _zarrjson
+from .._format import naming as _naming, tree as _tree, vouched as _vouched, zarrjson as _zarrjson
 from .._lease import refuse_if_held
 from .._options import SaveOptions
+from .._storage.store import SourceChanged
 from . import plan as _planning, transfer as _transfer
 from .compression import Compressor
 from .plan import ArrayPlan, WriteUnit
@@ -162,6 +164,16 @@ class Commit:
         op.check("prepare", lambda: prepare(save_id))
         return save_id
 
+    def write(self, op: _multihost.Agreement, write: Callable[[], dict[str, int]]) -> list[dict[str, int]]:
+        """Runs every process's writes (`write`, which returns the CRC-32C of each chunk
+        it made, by key); returns what the commit records: every process's, on process
+        0, for one group; this process's own, for its own group."""
+        if not self.per_process:
+            return op.gather("write", write, to=0)
+        mine: list[dict[str, int]] = []
+        op.check("write", lambda: mine.append(write()))
+        return mine
+
     def commit(self, op: _multihost.Agreement, commit: Callable[[], None]) -> None:
         """Commits once every process has written all of its part."""
         (op.check if self.per_process else op.decide)("commit", commit)
@@ -208,6 +220,9 @@ class SaveJob:
     # The version of each chunk this process made, by key, as the store said it when it
     # was made (None where it did not): what a later save makes from this step checks.
     made: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    # The CRC-32C of each chunk this process made, by key, where it has a checksum: what
+    # the commit records (see `_format.vouched`), and a later save makes from this step.
+    crcs: dict[str, int] = dataclasses.field(default_factory=dict)
     commit: Commit = SHARED
     # Which chunks are compressed, with `options.compression` (a manager's outlasts a save).
     compressor: Compressor = dataclasses.field(default_factory=Compressor)
@@ -384,23 +399,23 @@ class SaveJob:
             try:
                 self.save_id = self.commit.prepare(op, self._prepare)
                 self.compressor.start()
-                op.check("write", lambda: self._write(work, advance))
+                crcs = self.commit.write(op, lambda: self._write(work, advance))
                 committing = True
-                self.commit.commit(op, self._commit)
+                self.commit.commit(op, functools.partial(self._commit, crcs))
             except BaseException as e:
                 self.budget.abort(e)  # a stager waiting for room must not wait forever
-                # Where a commit whose request failed may still land (S3, GCS), its step is
-                # left as it is: deleted, it could come back committed with no chunks.
-                if isinstance(e, Exception) and not (committing and loc.late_safe):
+                # Where a commit whose request failed may still land (any remote store), its
+                # step is left as it is: deleted, it could come back committed with no chunks.
+                if isinstance(e, Exception) and not (committing and loc.lands_late):
                     self._discard()
                 raise
         seconds = time.perf_counter() - started
         return seconds
 
-    def _write(self, work: Work, advance: Callable[[int], None]) -> None:
+    def _write(self, work: Work, advance: Callable[[int], None]) -> dict[str, int]:
         try:
             _write_all(self.loc, work, self._array_metadata(), self.options.max_workers or self.loc.concurrency,
-                       advance, self.compressor, self.made)
+                       advance, self.compressor, self.made, self.crcs)
         except Exception as e:
             # Say why where it can be known: the run taken over by another job (whose
             # objects refused this save's), or a chunk made from one not what it was.
@@ -418,15 +433,20 @@ class SaveJob:
             raise
         if self.after_writes is not None:
             self.after_writes()
+        return self.crcs
 
     def _named(self) -> str:
         """This save as the lease's error says it: "step N" where it writes a step of a run."""
         step = _naming.step_of_url(self.loc.url)
         return self.loc.url if step is None else f"step {step}"
 
-    def _commit(self) -> None:
+    def _commit(self, crcs: list[dict[str, int]]) -> None:
+        """Writes the commit, recording the CRC-32C of every chunk made (`crcs`, each
+        process's), once the lease, where there is one, is found still this job's."""
         if self.fence is not None:
             self.fence(f"{self._named()} not committed")
+        if recorded := _vouched.record(crcs):
+            self.group["attributes"][_naming.META_ATTR][_vouched.KEY] = recorded
         _commit.commit(self.loc, _zarrjson.group_document(self.group["attributes"], self.arrays))
 
     def _discard(self) -> None:
@@ -525,7 +545,7 @@ def _tree_metadata(spec: dict[str, Any], version: int) -> dict[str, Any]:
 
 def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPlan, dict[str, Any]]],
                workers: int, advance: Callable[[int], None], compressor: Compressor,
-               made: dict[str, str | None]) -> None:
+               made: dict[str, str | None], crcs: dict[str, int]) -> None:
     """Writes each array's `metadata` document and every unit of `work` (each chunk's
     version into `made`), `workers` at a time, all on stable storage before this
     returns (written together: see `Location.together`): the commit that follows must
@@ -537,7 +557,7 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
         if isinstance(what, dict):
             _write_metadata(out, plan, what)
         else:
-            _write_one(out, plan, what, compressor, made)
+            _write_one(out, plan, what, compressor, made, crcs)
             advance(what.nbytes)
 
     def written(item: tuple[ArrayPlan, WriteUnit | dict[str, Any]]) -> int:  # bytes passing through this process
@@ -557,14 +577,21 @@ def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str,
 
 
 def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, compressor: Compressor,
-               made: dict[str, str | None]) -> None:
+               made: dict[str, str | None], crcs: dict[str, int]) -> None:
     where, key = f"chunk {plan.codec.coords(unit.region)}", plan.key(unit)
     try:
         if plan.reuse_from is not None:  # unchanged since that step: its chunk is this one
-            expect = plan.reuse_versions[key]
+            expect, crc = plan.reuse_versions[key], plan.reuse_crcs.get(key)
             assert expect is not None, "`unchanged.mark` reuses only chunks of known versions"
             with _as_write_error(plan, where):
-                made[key] = loc.copy_new(key, plan.reuse_from, nbytes=unit.nbytes, expect=expect)
+                try:
+                    made[key] = loc.copy_new(key, plan.reuse_from, nbytes=unit.nbytes, expect=expect)
+                except SourceChanged:
+                    if crc is None:
+                        raise
+                    made[key] = _write_as_recorded(loc, plan, key, crc)
+            if crc is not None:
+                crcs[key] = crc
             return
         # An import's chunk is read from its source here: a read that fails is the
         # source's error as it is (see `Deferred.values`), not a write's.
@@ -575,8 +602,27 @@ def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, compres
             started = time.perf_counter()
             made[key] = loc.write_new(key, *parts)
             compressor.wrote(sum(memoryview(p).nbytes for p in parts), time.perf_counter() - started)
+        if (crc := plan.codec.crc_of(parts)) is not None:
+            crcs[key] = crc
     finally:
         unit.release()
+
+
+def _write_as_recorded(loc: _storage.Location, plan: ArrayPlan, key: str, crc: int) -> str | None:
+    """Writes the chunk `key` of the step `plan` makes its unchanged chunks from, which
+    is no longer the version known there (a `touch`, a scratch file system's anti-purge
+    job, a copy of the same bytes), with the bytes it holds now where those are still
+    the ones that step's commit records (`crc`: its CRC-32C, and the chunk's size and
+    checksum); returns the version written. SourceChanged where they are not (rewritten
+    with other bytes, or deleted)."""
+    assert plan.reuse_from is not None
+    try:
+        stored = plan.reuse_from.read(key, limit=plan.codec.stored_bytes + 1)
+    except FileNotFoundError:
+        raise SourceChanged(errno.ENOENT, f"{plan.reuse_from.url}/{key} is gone") from None
+    if (damage := plan.codec.damage(stored, crc)) is not None:
+        raise SourceChanged(errno.ENOENT, f"{plan.reuse_from.url}/{key} {damage}")
+    return loc.write_new(key, stored)
 
 
 def missing(e: BaseException) -> bool:

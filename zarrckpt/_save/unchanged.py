@@ -94,6 +94,7 @@ class Unchanged:
         self._known: dict[str, Known] = {}
         self._save_id: str | None = None  # the identity of the step known, where told (see `of_run`)
         self._versions: Mapping[str, Version] = {}  # of the step known's objects, as it became known
+        self._crcs: Mapping[str, int] = {}  # of its chunks, as its commit records them (see `_format.vouched`)
         self._lock = threading.Lock()
 
     def mark(self, plans: Sequence[ArrayPlan], documents: dict[str, dict[str, Any]],
@@ -153,7 +154,7 @@ class Unchanged:
     def _mark(self, plans: Sequence[ArrayPlan], documents: dict[str, dict[str, Any]],
               step: _storage.Location, source: _storage.Location | None, save_id: str | None) -> dict[str, Known]:
         with self._lock:
-            known, known_id, versions = dict(self._known), self._save_id, self._versions
+            known, known_id, versions, crcs = dict(self._known), self._save_id, self._versions, self._crcs
         if known_id is None:  # a step of unknown identity: nothing can tell that it is still the one known
             known = {}
 
@@ -161,7 +162,7 @@ class Unchanged:
             """Makes `plan`'s chunks from `source`, where the version of each is known (a
             process of several knows those it made itself: one another made is written)."""
             if all(versions.get(plan.key(unit)) is not None for unit in plan.writes):
-                plan.reuse_from, plan.reuse_versions = source, versions
+                plan.reuse_from, plan.reuse_versions, plan.reuse_crcs = source, versions, crcs
 
         if source is not None:  # that step, as known, reached through the caller's store
             known = {name: dataclasses.replace(k, step=source) for name, k in known.items()
@@ -249,30 +250,33 @@ class Unchanged:
         return seen
 
     def committed(self, seen: dict[str, Known], save_id: str | None = None,
-                  made: Mapping[str, Version] | None = None) -> None:
+                  made: Mapping[str, Version] | None = None, crcs: Mapping[str, int] | None = None) -> None:
         """The save that `mark` (or `saw`) returned `seen` for committed, with identity
         `save_id`: its step is now what this process knows (of leaves not in it,
         nothing: an older step may be deleted), with the versions of the chunks it
-        `made` (`SaveJob.made`: what the store answered each write and copy). Never
-        from a listing made now: that would take another program's write since for this
-        save's. A chunk whose version the store did not say is written again."""
-        self._learnt(seen, save_id, dict(made or {}))
+        `made` (`SaveJob.made`: what the store answered each write and copy) and their
+        CRC-32C as its commit records them (`SaveJob.crcs`). Never from a listing made
+        now: that would take another program's write since for this save's. A chunk
+        whose version the store did not say is written again."""
+        self._learnt(seen, save_id, dict(made or {}), dict(crcs or {}))
 
-    def _learnt(self, known: dict[str, Known], save_id: str | None, versions: Mapping[str, Version]) -> None:
+    def _learnt(self, known: dict[str, Known], save_id: str | None, versions: Mapping[str, Version],
+                crcs: Mapping[str, int]) -> None:
         """`known` is what this process knows, of the step of identity `save_id` whose
         objects had the `versions` (`mark` makes nothing from a chunk without one: no
-        later save could check that it holds what it did)."""
+        later save could check that it holds what it did) and whose commit records the
+        `crcs` of its chunks."""
         with self._lock:
-            self._known, self._save_id, self._versions = known, save_id, versions
+            self._known, self._save_id, self._versions, self._crcs = known, save_id, versions, crcs
 
     def restored(self, step: _storage.Location, stored: Mapping[str, Any], state: Any,
-                 save_id: str | None, versions: Mapping[str, Version]) -> None:
+                 save_id: str | None, versions: Mapping[str, Version], crcs: Mapping[str, int]) -> None:
         """`step` (identity `save_id`), whose leaves by name are `stored` (each with its
         shape and codec) and whose objects had the `versions` before it was
         read (`listed`: a chunk rewritten while it was read is then not taken for the
-        one read), was restored into `state`: each jax.Array of it that `step` holds
-        (not a leaf of a partial restore's target that `step` lacks) holds exactly
-        what `step` does."""
+        one read), and whose commit records the `crcs` of its chunks, was restored into
+        `state`: each jax.Array of it that `step` holds (not a leaf of a partial
+        restore's target that `step` lacks) holds exactly what `step` does."""
         known = {}
         for path, value in jax.tree_util.tree_flatten_with_path(state)[0]:
             if not isinstance(value, jax.Array):
@@ -284,11 +288,11 @@ class Unchanged:
             if leaf is not None and isinstance(leaf.codec, ChunkCodec):
                 known[leaf.name] = Known(step, _zarrjson.array_document(leaf.shape, leaf.codec), weakref.ref(value))
         if known:
-            self._learnt(known, save_id, versions)
+            self._learnt(known, save_id, versions, crcs)
             return
         with self._lock:
             if any(where(k.step) == where(step) for k in self._known.values()) and save_id != self._save_id:
-                self._known, self._save_id, self._versions = {}, None, {}  # the step known was replaced
+                self._known, self._save_id, self._versions, self._crcs = {}, None, {}, {}  # the step known was replaced
             # else restored as numpy values, say: what the arrays hold is as known before
 
     def read(self, ckpt: Any, read: Callable[[], Any], *, arrays: bool) -> Any:
@@ -298,7 +302,8 @@ class Unchanged:
         the restore makes jax.Arrays (`arrays`: no listing for numpy values)."""
         versions = listed(ckpt.loc) if arrays else {}
         state = read()
-        self.restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id, versions)
+        crcs = {f"{array}/{chunk}": crc for array, chunks in ckpt.vouched.items() for chunk, crc in chunks.items()}
+        self.restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id, versions, crcs)
         return state
 
     def dropped(self, urls: set[str]) -> None:
@@ -328,7 +333,7 @@ class Unchanged:
         """Nothing known: after a deletion, or a failed save that found the step known
         changed, the next save writes all."""
         with self._lock:
-            self._known, self._save_id, self._versions = {}, None, {}
+            self._known, self._save_id, self._versions, self._crcs = {}, None, {}, {}
 
 
 def where(loc: _storage.Location) -> str:

@@ -195,6 +195,12 @@ class Location:
         self._call("write", key, self.store.probe)
 
     @property
+    def lands_late(self) -> bool:
+        """Whether a request abandoned here (at its deadline) may still be applied later
+        (every remote store)."""
+        return self.store.late
+
+    @property
     def late_safe(self) -> bool:
         """Whether a request abandoned here (at its deadline) may still be applied later,
         and `create` is exclusive (S3, GCS): saves and copies here then follow the
@@ -267,9 +273,9 @@ class Location:
                 if not self.child(key).exists():
                     continue  # deleted since: made again
                 raise FileExistsError(
-                    f"cannot write {self.url.rstrip('/')}/{key}: another writer made it meanwhile (a job that took "
-                    "the run over while this one was paused, or a late request of an earlier save); left as it "
-                    "is") from None
+                    f"cannot write {self.url.rstrip('/')}/{key}: another writer made it meanwhile (a request of an "
+                    "earlier save of it that landed late, or another job writing here: one that took the run over "
+                    "while this one was paused); left as it is, nothing committed: save again") from None
         raise OSError(f"cannot write {self.url.rstrip('/')}/{key}: it keeps being made and deleted by another "
                       f"writer (tried {_LATE_TRIES} times)")
 

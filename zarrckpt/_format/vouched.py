@@ -1,0 +1,45 @@
+"""What a commit vouches for (docs/pytree-zarr-checkpoint.md, "What the commit
+records"): the CRC-32C of every chunk the save made, written into the group metadata
+the commit writes, under `chunks_crc32c`, by array name and chunk name. A chunk that
+another writer put in the step (a job that took the run over while this one was
+paused, `cp` of another chunk over a chunk linked into later steps, a rewrite in place)
+carries its own valid checksum, but not the one recorded: every zarrckpt read and
+`verify` compares the two, and such a chunk is damage, never values.
+
+Only chunks with a checksum (the default, `checksums=True`) are recorded: their
+CRC-32C is the last four bytes of the chunk, so recording and checking it cost no pass
+over the data. The one place that knows the record's layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+KEY = "chunks_crc32c"  # under zarrckpt's attribute of the group
+_MAX_CRC = 2**32
+
+
+def record(crcs: Iterable[Mapping[str, int]]) -> dict[str, dict[str, int]]:
+    """The record of the chunks whose CRC-32C each of `crcs` holds (one mapping per
+    process, by chunk key: "<array>/<chunk name>")."""
+    found: dict[str, dict[str, int]] = {}
+    for made in crcs:
+        for key, crc in made.items():
+            array, _, chunk = key.rpartition("/")
+            found.setdefault(array, {})[chunk] = crc
+    return {array: dict(sorted(chunks.items())) for array, chunks in sorted(found.items())}
+
+
+def parse(meta: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+    """The record in zarrckpt's attribute `meta` of a group ({} where it has none: a
+    checkpoint saved before the record, or with `checksums=False`); ValueError saying
+    what is wrong with it (a store may hold anything)."""
+    found = meta.get(KEY, {})
+    if not isinstance(found, dict):
+        raise ValueError(f"{KEY} is not a mapping of arrays")
+    for array, chunks in found.items():
+        if not isinstance(chunks, dict) or not all(
+                isinstance(crc, int) and not isinstance(crc, bool) and 0 <= crc < _MAX_CRC for crc in chunks.values()):
+            raise ValueError(f"{KEY} of array {array!r:.200} is not a mapping of chunks to CRC-32C values")
+    return found
