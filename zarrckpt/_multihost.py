@@ -235,14 +235,18 @@ class Agreement:
                 client.key_value_set(f"{base}/value/{me}", json.dumps(result))
             client.key_value_set(f"{base}/arrived/{me}", "")
             self._wait(tag, lambda c, ms: c.wait_at_barrier(base, ms), None)
-            failures = {int(key.rsplit("/", 1)[1]): json.loads(value)
-                        for key, value in client.key_value_dir_get(f"{base}/failed/")}
-            if gather and not failures and to not in (None, me):
-                results = []
-            elif gather and not failures:
-                found = {int(key.rsplit("/", 1)[1]): json.loads(value)
-                         for key, value in client.key_value_dir_get(f"{base}/value/")}
-                results = [found[p] for p in range(process_count())]
+            if gather and to in (None, me):  # every failure and every result, in one read
+                found: dict[str, dict[int, Any]] = {"failed": {}, "value": {}}
+                for key, value in client.key_value_dir_get(f"{base}/"):
+                    kind, process = key.rsplit("/", 2)[-2:]
+                    if kind in found:
+                        found[kind][int(process)] = json.loads(value)
+                failures = found["failed"]
+                results = [] if failures else [found["value"][p] for p in range(process_count())]
+            else:
+                failures = {int(key.rsplit("/", 1)[1]): json.loads(value)
+                            for key, value in client.key_value_dir_get(f"{base}/failed/")}
+                results = [] if gather else results
         return failures, results
 
     def __enter__(self) -> Agreement:

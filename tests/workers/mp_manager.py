@@ -127,38 +127,20 @@ def late(directory: str, timeout_s: str, hold_s: str) -> None:
         client.key_value_set("test/gave-up", "")
 
 
-def preempted(directory: str) -> None:
-    """Process 1 gets SIGTERM after step 15 (as a scheduler sends it to one host): JAX's
-    preemption service agrees on a step, both save it, and both loops stop there."""
+def preempted(directory: str, save_every: int = 1, notice_after: int = 15) -> None:
+    """Process 1 gets SIGTERM after step `notice_after` (as a scheduler sends it to one
+    host): JAX's preemption service agrees on a step, both save it, and both loops stop
+    there. The loop calls `save` every `save_every` steps (5: as a loop written around
+    Orbax's `should_save` does) and `reached_preemption` at every step."""
     mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
     update = jax.jit(lambda s: jax.tree_util.tree_map(lambda x: x + 1, s), donate_argnums=0)
     state, stopped = state_on(mesh, 0.0), None
     with zarrckpt.CheckpointManager(directory, save_interval_steps=10) as mgr:
         for step in range(1, 200):
             state = update(state)
-            mgr.save(step, state)
-            if step == 15 and jax.process_index() == 1:
-                os.kill(os.getpid(), signal.SIGTERM)
-            if mgr.reached_preemption(step):
-                stopped = step
-                break
-            time.sleep(0.02)
-    report(stopped=stopped, steps=zarrckpt.all_steps(directory))
-
-
-def preempted_sometimes(directory: str) -> None:
-    """As `preempted`, with a loop that calls `save` only every 5 steps (as a loop
-    written around Orbax's `should_save` does) and `reached_preemption` at every step;
-    process 1 gets SIGTERM after step 17."""
-    mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
-    update = jax.jit(lambda s: jax.tree_util.tree_map(lambda x: x + 1, s), donate_argnums=0)
-    state, stopped = state_on(mesh, 0.0), None
-    with zarrckpt.CheckpointManager(directory, save_interval_steps=10) as mgr:
-        for step in range(1, 200):
-            state = update(state)
-            if step % 5 == 0:
+            if step % save_every == 0:
                 mgr.save(step, state)
-            if step == 17 and jax.process_index() == 1:
+            if step == notice_after and jax.process_index() == 1:
                 os.kill(os.getpid(), signal.SIGTERM)
             if mgr.reached_preemption(step):
                 stopped = step
@@ -265,5 +247,5 @@ def staging_fails(directory: str) -> None:
 
 
 {"train": train, "timeout": timeout, "late": late, "preempted": preempted,
- "preempted_sometimes": preempted_sometimes, "frozen": frozen, "grown": grown,
- "staging_fails": staging_fails}[args[0]](*args[1:])
+ "preempted_sometimes": lambda directory: preempted(directory, save_every=5, notice_after=17), "frozen": frozen,
+ "grown": grown, "staging_fails": staging_fails}[args[0]](*args[1:])
