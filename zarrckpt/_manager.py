@@ -199,7 +199,7 @@ class CheckpointManager:
         self._local_options = dataclasses.replace(self._save_options, compression=None)
         self._compressor = _save.Compressor()
         self._plans = _save.PlanCache()  # the last persistent save's, for the next of the same tree
-        self._root = _storage.resolve(checkpoint_dir, storage_options)
+        self._root = _storage.resolve(checkpoint_dir, storage_options).keeping_found()  # the lease guards it
         self._pid = os.getpid()
         local = self._local_directory(local_directory, local_save_interval_steps, local_peer_copies, local_peer_group)
         self._interval_steps = save_interval_steps

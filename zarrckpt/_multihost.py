@@ -231,18 +231,17 @@ class Agreement:
             self._used = True
             if me in failures:
                 client.key_value_set(f"{base}/failed/{me}", json.dumps(failures[me]))
-            elif gather:
-                client.key_value_set(f"{base}/value/{me}", json.dumps(result))
-            client.key_value_set(f"{base}/arrived/{me}", "")
+            # The arrival mark carries the result to gather: one call either way.
+            client.key_value_set(f"{base}/arrived/{me}", json.dumps(result) if gather and me not in failures else "")
             self._wait(tag, lambda c, ms: c.wait_at_barrier(base, ms), None)
             if gather and to in (None, me):  # every failure and every result, in one read
-                found: dict[str, dict[int, Any]] = {"failed": {}, "value": {}}
+                found: dict[str, dict[int, str]] = {"failed": {}, "arrived": {}}
                 for key, value in client.key_value_dir_get(f"{base}/"):
                     kind, process = key.rsplit("/", 2)[-2:]
                     if kind in found:
-                        found[kind][int(process)] = json.loads(value)
-                failures = found["failed"]
-                results = [] if failures else [found["value"][p] for p in range(process_count())]
+                        found[kind][int(process)] = value
+                failures = {p: json.loads(value) for p, value in found["failed"].items()}
+                results = [] if failures else [json.loads(found["arrived"][p]) for p in range(process_count())]
             else:
                 failures = {int(key.rsplit("/", 1)[1]): json.loads(value)
                             for key, value in client.key_value_dir_get(f"{base}/failed/")}

@@ -20,15 +20,23 @@ KEY = "chunks_crc32c"  # under zarrckpt's attribute of the group
 _MAX_CRC = 2**32
 
 
-def record(crcs: Iterable[Mapping[str, int]]) -> dict[str, dict[str, int]]:
-    """The record of the chunks whose CRC-32C each of `crcs` holds (one mapping per
-    process, by chunk key: "<array>/<chunk name>")."""
+def grouped(crcs: Mapping[str, int]) -> dict[str, dict[str, int]]:
+    """The record of the chunks whose CRC-32C `crcs` holds (by chunk key:
+    "<array>/<chunk name>"), by array name and chunk name."""
     found: dict[str, dict[str, int]] = {}
-    for made in crcs:
-        for key, crc in made.items():
-            array, _, chunk = key.rpartition("/")
-            found.setdefault(array, {})[chunk] = crc
-    return {array: dict(sorted(chunks.items())) for array, chunks in sorted(found.items())}
+    for key, crc in crcs.items():
+        array, _, chunk = key.rpartition("/")
+        found.setdefault(array, {})[chunk] = crc
+    return found
+
+
+def merged(records: Iterable[Mapping[str, Mapping[str, int]]]) -> dict[str, dict[str, int]]:
+    """One record of the chunks that `records` (each process's, see `grouped`) hold."""
+    found: dict[str, dict[str, int]] = {}
+    for record in records:
+        for array, chunks in record.items():
+            found.setdefault(array, {}).update(chunks)
+    return found
 
 
 def parse(meta: Mapping[str, Any]) -> dict[str, dict[str, int]]:

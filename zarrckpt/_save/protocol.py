@@ -47,6 +47,7 @@ from .plan import ArrayPlan, WriteUnit
 from .plan_cache import PlanCache, Planned
 
 log = logging.getLogger("zarrckpt")
+Record = dict[str, dict[str, int]]  # a record of chunks' CRC-32C, by array and chunk name (`_format.vouched`)
 
 def save_pytree(
     url: str,
@@ -164,15 +165,16 @@ class Commit:
         op.check("prepare", lambda: prepare(save_id))
         return save_id
 
-    def write(self, op: _multihost.Agreement, write: Callable[[], dict[str, int]]) -> list[dict[str, int]]:
-        """Runs every process's writes (`write`, which returns the CRC-32C of each chunk
-        it made, by key); returns what the commit records: every process's, on process
-        0, for one group; this process's own, for its own group."""
+    def write(self, op: _multihost.Agreement, write: Callable[[], Record]) -> list[Record]:
+        """Runs every process's writes (`write`, which returns the record of the CRC-32C
+        of each chunk it made, see `_format.vouched`); returns what the commit records:
+        every process's, on process 0, for one group. A process's own group (a local
+        copy on its own disk, whose chunks each process frames, compressed or not, as
+        its own writes go) records none: it is read back only by that process."""
         if not self.per_process:
             return op.gather("write", write, to=0)
-        mine: list[dict[str, int]] = []
-        op.check("write", lambda: mine.append(write()))
-        return mine
+        op.check("write", write)
+        return []
 
     def commit(self, op: _multihost.Agreement, commit: Callable[[], None]) -> None:
         """Commits once every process has written all of its part."""
@@ -412,7 +414,7 @@ class SaveJob:
         seconds = time.perf_counter() - started
         return seconds
 
-    def _write(self, work: Work, advance: Callable[[int], None]) -> dict[str, int]:
+    def _write(self, work: Work, advance: Callable[[int], None]) -> Record:
         try:
             _write_all(self.loc, work, self._array_metadata(), self.options.max_workers or self.loc.concurrency,
                        advance, self.compressor, self.made, self.crcs)
@@ -433,19 +435,19 @@ class SaveJob:
             raise
         if self.after_writes is not None:
             self.after_writes()
-        return self.crcs
+        return _vouched.grouped(self.crcs)
 
     def _named(self) -> str:
         """This save as the lease's error says it: "step N" where it writes a step of a run."""
         step = _naming.step_of_url(self.loc.url)
         return self.loc.url if step is None else f"step {step}"
 
-    def _commit(self, crcs: list[dict[str, int]]) -> None:
-        """Writes the commit, recording the CRC-32C of every chunk made (`crcs`, each
+    def _commit(self, records: list[Record]) -> None:
+        """Writes the commit, recording the CRC-32C of every chunk made (`records`, each
         process's), once the lease, where there is one, is found still this job's."""
         if self.fence is not None:
             self.fence(f"{self._named()} not committed")
-        if recorded := _vouched.record(crcs):
+        if recorded := _vouched.merged(records):
             self.group["attributes"][_naming.META_ATTR][_vouched.KEY] = recorded
         _commit.commit(self.loc, _zarrjson.group_document(self.group["attributes"], self.arrays))
 

@@ -77,6 +77,9 @@ class Location:
     store: Store = dataclasses.field(repr=False, compare=False)
     guard: Guarded = dataclasses.field(repr=False, compare=False)
     below: str = ""
+    # Whether an object found where a save creates one, not its own, is left as it is
+    # (`_created`): where a lease guards the place, as a manager's run (see `keeping_found`).
+    keep_found: bool = dataclasses.field(default=False, repr=False, compare=False)
 
     @property
     def path(self) -> str:
@@ -92,6 +95,13 @@ class Location:
     def concurrency(self) -> int:
         """How many requests to keep in flight here by default."""
         return self.store.concurrency
+
+    def keeping_found(self) -> Location:
+        """This location, and every place below it, for a job that holds its lease: an
+        object found where a save of it creates one, other than that save's own, may be
+        another job's (one that took the run over while this one was paused), so it is
+        never deleted (`write_new`, `copy_new`)."""
+        return dataclasses.replace(self, keep_found=True)
 
     def child(self, name: str) -> Location:
         return dataclasses.replace(self, url=posixpath.join(self.url.rstrip("/"), name),
@@ -213,9 +223,10 @@ class Location:
 
         Where requests may land late and `create` is exclusive (S3, GCS), it is created
         only if absent, so that no request of this or an earlier save that lands later
-        can change it: an object found there that is not these bytes (another writer's,
-        or such a request that landed before) is left as it is, and FileExistsError
-        raised. Elsewhere it is a `write` (`atomic` as there)."""
+        can change it: an object found there that is not these bytes (such a request
+        that landed before, or another writer's) is deleted and the object made again,
+        or, `keeping_found`, left as it is, and FileExistsError raised. Elsewhere it is
+        a `write` (`atomic` as there)."""
         if not self.late_safe:
             return self.write(key, *parts, atomic=atomic, durable=True)
         return self._created(key, lambda: self.create(key, *parts),
@@ -244,8 +255,8 @@ class Location:
         local disk, once the copy is made elsewhere.
 
         Where requests may land late (as `write_new`), it is created only if absent: an
-        object found there that is not the source's bytes is left as it is, and
-        FileExistsError raised."""
+        object found there that is not the source's bytes is treated as `write_new`
+        treats one."""
         if source.guard is not self.guard or source.store.root != self.store.root:
             raise ValueError(f"{source.url} is not in the store of {self.url}: a chunk is copied within one store")
         _stats.add("store_bytes_copied", nbytes)
@@ -260,22 +271,25 @@ class Location:
         """Makes `key` by `create` (exclusive), against requests that land late: where an
         object is there already, `meant()` says whether it is the one meant: if so, an
         earlier attempt of this one that landed unseen (whose version is then not known:
-        None). One that is not was put there by another writer: a job that took the run
-        over while this one was paused, or a late request of an earlier save. Nothing
-        proves it is not another job's, so it is never deleted: FileExistsError, naming
-        it. Returns the version `create` returned."""
+        None). One that is not is a request of an earlier save that landed late (deleted,
+        and the object made again) or, where a lease guards the place (`keep_found`),
+        may be another job's (one that took the run over while this one was paused):
+        left as it is, FileExistsError naming it. Returns the version `create` returned."""
         for _ in range(_LATE_TRIES):
             try:
                 return create()
             except FileExistsError:
                 if meant():
                     return None
+                if not self.keep_found:
+                    self.remove_file(key)
+                    continue
                 if not self.child(key).exists():
                     continue  # deleted since: made again
                 raise FileExistsError(
-                    f"cannot write {self.url.rstrip('/')}/{key}: another writer made it meanwhile (a request of an "
-                    "earlier save of it that landed late, or another job writing here: one that took the run over "
-                    "while this one was paused); left as it is, nothing committed: save again") from None
+                    f"cannot write {self.url.rstrip('/')}/{key}: another writer made it meanwhile (a job that took "
+                    "the run over while this one was paused, or a request of an earlier save of this step that "
+                    "landed late); left as it is, nothing committed") from None
         raise OSError(f"cannot write {self.url.rstrip('/')}/{key}: it keeps being made and deleted by another "
                       f"writer (tried {_LATE_TRIES} times)")
 
