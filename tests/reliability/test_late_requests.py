@@ -140,3 +140,26 @@ def test_a_late_commit_of_a_step_retention_deleted_never_reads_as_values(proxied
         mgr.save(3, tree(3))
     assert zarrckpt.all_steps(url, storage_options=direct) == [3]
     assert exact(zarrckpt.load_checkpoint(url, 3, tree(0), storage_options=direct), tree(3))
+
+
+def test_an_overwrite_takes_a_late_request_of_the_save_it_replaces_for_one_and_commits(proxied):
+    """Where no lease guards the place (`save_pytree`), an object found where the save
+    creates one, not its own, is a request of an earlier save there that landed late:
+    the first save's abandoned write of a chunk lands just as the overwriting save makes
+    that chunk, and is deleted, the chunk made again, the save committed with its own
+    values (the fencing of a manager's run must not fail such a save)."""
+    url, options, proxy, direct = proxied
+    proxy.once(LATE, writes("run/w/c.0.0"))
+    zarrckpt.save_pytree(url, tree(1), storage_options=options, max_chunk_bytes=1024)  # the chunk retried
+    landed = []
+
+    def land_first(kind, method, target, body):
+        if kind == "write" and ("run/w/c.0.0" in target or b"run/w/c.0.0" in body) and not landed:
+            landed.append(1)
+            proxy.settle()  # save 1's abandoned request lands now, before save 2's create
+        return None
+
+    proxy.fault = land_first
+    zarrckpt.save_pytree(url, tree(2), storage_options=options, max_chunk_bytes=1024, overwrite=True)
+    assert landed
+    assert exact(zarrckpt.load_pytree(url, tree(0), storage_options=direct), tree(2))

@@ -235,3 +235,19 @@ def test_an_object_store_is_asked_for_no_more_than_the_cap(request, kind):
 
 if __name__ == "__main__":
     print(json.dumps(measure(*sys.argv[1:])))
+
+
+def test_a_save_whose_metadata_no_reader_would_read_is_refused_before_its_commit(tmp_path, monkeypatch):
+    """A checkpoint's metadata larger than the cap a reader reads would commit a step
+    that no restore can open (a restore would start over from the state given, and
+    retention would delete the steps before it): the commit is refused, naming the
+    size and the cap, and nothing is committed. The cap is lowered here: a real 64 MiB
+    document takes some 90,000 leaves."""
+    from zarrckpt import _commit
+
+    monkeypatch.setattr(_commit, "GROUP_BYTES", 16 * 1024)
+    url = str(tmp_path / "ck")
+    with pytest.raises(zarrckpt.CheckpointWriteError, match=r"metadata would be [\d,]+ bytes, more than the 16,384"):
+        zarrckpt.save_pytree(url, {f"leaf_{i:03d}": np.ones(2) for i in range(100)})
+    with pytest.raises(zarrckpt.CheckpointNotFoundError):
+        zarrckpt.load_pytree(url)

@@ -131,3 +131,35 @@ def test_reuse_on_a_store_that_ignores_the_copy_condition_never_commits_a_rewrit
         restored = zarrckpt.load_checkpoint(url, 2, storage_options=server.options())
         np.testing.assert_array_equal(np.asarray(restored["frozen"]), np.asarray(jax.device_get(frozen)))
     assert copies == [] and rewrites == [], (copies, rewrites)  # made through this process
+
+
+def test_a_failed_commit_that_may_land_late_leaves_the_step_whole(unconditional, monkeypatch):
+    """On a store that ignores If-None-Match a commit is a plain write, which a request
+    abandoned at its deadline may still apply later. A manager's save whose every commit
+    request is held fails; the step's chunks stay (the failed save's clean-up stands
+    back once the commit was asked for), so the commit that lands late makes a whole
+    step, never a committed step without its chunks (before: the chunks were deleted,
+    and the late commit made step 2 the newest, unreadable)."""
+    from fault_proxy import Late
+
+    from zarrckpt import _storage
+
+    monkeypatch.setattr(_storage.guard, "_FIRST_BACKOFF_S", 0.001)
+    url, options, proxy, server = unconditional
+    options = {**options, "request_timeout_s": 1.0}
+    state = {"w": np.arange(1024, dtype=np.float32), "b": np.ones(5)}
+
+    def commits(kind, target, body):
+        return kind == "write" and "0000000002/zarr.json" in target + body.decode("latin-1") and \
+            b'"write_completed":true' in body
+
+    with zarrckpt.CheckpointManager(url, storage_options=options, async_save=False) as mgr:
+        mgr.save(1, state)
+        proxy.once(Late(600), commits, times=10)
+        with pytest.raises(zarrckpt.CheckpointWriteError):
+            mgr.save(2, {**state, "w": state["w"] + 1})
+    proxy.settle()  # the held commits land now
+    direct = server.options()
+    for step in zarrckpt.all_steps(url, storage_options=direct):
+        restored = zarrckpt.load_checkpoint(url, step, storage_options=direct)
+        np.testing.assert_array_equal(restored["w"], state["w"] + step - 1)
