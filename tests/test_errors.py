@@ -288,3 +288,23 @@ def test_a_saved_python_int_restores_into_a_float_target_when_asked(tmp_path):
     assert back == {"lr": 3.0, "z": 1j} and type(back["lr"]) is float
     with pytest.raises(zarrckpt.CheckpointMismatchError, match=r"a Python complex in the checkpoint, a Python float"):
         zarrckpt.load_pytree(url, {"lr": 0.0, "z": 0.0}, allow_dtype_cast=True)
+
+
+@pytest.mark.parametrize(("url", "extra"), [("s3://bucket/run", "s3"), ("gs://bucket/run", "gcs")])
+def test_an_object_store_url_without_its_client_names_the_extra_to_install(url, extra):
+    """zarrckpt installed without the extra an object store needs: the error names the
+    URL and `pip install 'zarrckpt[...]'`, which brings the release zarrckpt needs (a
+    bare `pip install s3fs` may bring an older one), not fsspec's "Install s3fs" inside
+    a long traceback. Run where the clients cannot be imported."""
+    import subprocess
+    import sys
+
+    script = ("import sys; sys.modules['s3fs'] = sys.modules['gcsfs'] = None\n"
+              "import zarrckpt\n"
+              f"try:\n    zarrckpt.latest_step({url!r})\n"
+              "except ImportError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu",
+                               "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert done.returncode == 0, done.stderr
+    assert url in done.stdout and f"pip install 'zarrckpt[{extra}]'" in done.stdout, done.stdout

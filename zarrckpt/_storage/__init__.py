@@ -419,7 +419,8 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None, *, option: 
     `storage_options` go to fsspec, but for `request_timeout_s` (zarrckpt's: how long a
     request may take before it is abandoned, see `guard`), the only one a local path
     takes. Raises ValueError or TypeError naming what is wrong with the URL or an option
-    (the options by `option`, the caller's keyword for them).
+    (the options by `option`, the caller's keyword for them); ImportError naming the
+    extra to install where the URL's client is missing (`zarrckpt[s3]`, `zarrckpt[gcs]`).
     """
     if not isinstance(url, str) or not url:
         raise ValueError(f"checkpoint URL must be a non-empty string, got {reprlib.repr(url)}")
@@ -434,9 +435,14 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None, *, option: 
     scheme = fsspec.core.split_protocol(url)[0] or "file"
     protocol = PROTOCOLS.get(scheme, OTHER)
     options = _merged(protocol.option_defaults, given)
-    fs, path = _url_to_fs(url, tuple(sorted(options.items(), key=lambda kv: kv[0])))
-    path = path.rstrip("/") or path
     shown, password = redacted_url(url)
+    try:
+        fs, path = _url_to_fs(url, tuple(sorted(options.items(), key=lambda kv: kv[0])))
+    except ImportError as e:  # fsspec's words name a package, not the release zarrckpt needs
+        install = f"pip install 'zarrckpt[{protocol.extra}]'" if protocol.extra else "install it"
+        raise ImportError(f"{shown!r:.300} needs fsspec's client for {scheme}://, which is not installed "
+                          f"({e}): {install}") from None
+    path = path.rstrip("/") or path
     store: Store
     if "file" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol):
         if given:  # zarrckpt reads and writes a local disk itself: they would do nothing, silently

@@ -70,6 +70,9 @@ class Protocol:
     # precondition: gcsfs's `cp_file` sends none), or "bytes" (read, then written,
     # through this process: a file system whose `cp_file` is missing or unknown).
     copy: str = "bytes"
+    # zarrckpt's extra that installs the client (`pip install 'zarrckpt[<extra>]'`), a
+    # release zarrckpt was tested with.
+    extra: str | None = None
 
 
 # An object store answers each request in tens of milliseconds, mostly spent waiting:
@@ -101,11 +104,12 @@ S3 = Protocol(
     request_method="_call_s3",
     create="store",
     copy="object",
+    extra="s3",
 )
 # gcsfs copies the body into its multipart upload anyway (or slices a memoryview for
 # resumable uploads of large objects), so a memoryview saves a copy. Its aiohttp
 # session opens at most 100 connections: more requests would only queue for them.
-GCS = Protocol(100, bytes_body=False, request_method="_request", create="store", copy="rewrite")
+GCS = Protocol(100, bytes_body=False, request_method="_request", create="store", copy="rewrite", extra="gcs")
 # The in-process memory file system: more threads would only contend for the GIL.
 MEMORY = Protocol(8, bytes_body=False, create="process", copy="store")
 # Anything else (azure, http, a wrapper...) is assumed remote and given bytes.
