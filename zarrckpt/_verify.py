@@ -30,7 +30,7 @@ import math
 from typing import Any
 
 from . import _commit, _concurrency, _progress, _storage
-from ._format import chunks as _chunks, naming as _naming, tree as _tree, zarrjson as _zarrjson
+from ._format import chunks as _chunks, naming as _naming, tree as _tree, vouched as _vouched, zarrjson as _zarrjson
 from ._format.chunks import ChunkCodec, DamagedChunk
 from ._regions import Region, first_absent, indices
 from ._restore import checkpoint as _reader
@@ -267,12 +267,12 @@ def _as_written(document: Any) -> bytes | None:
 
 
 def _checksum_problem(loc: Location, leaf: _reader.StoredLeaf, chunk: Region,
-                      vouched: dict[str, dict[str, int]]) -> Problem | None:
+                      vouched: _vouched.Record) -> Problem | None:
     """Reads one chunk and compares its bytes with the CRC-32C stored after them, and
     that with the one its commit records (`vouched`, where it records one)."""
     key = leaf.codec.key(chunk)
     try:
-        _reader.read_chunk(loc, leaf.codec, chunk, expect=vouched.get(leaf.name, {}).get(key.rpartition("/")[2]))
+        _reader.read_chunk(loc, leaf.codec, chunk, expect=_vouched.recorded(vouched, key))
     except _reader.MissingObject:
         return Problem(key, "missing (deleted while being verified)", leaf.where)
     except DamagedChunk as e:

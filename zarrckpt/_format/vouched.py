@@ -18,28 +18,40 @@ from typing import Any
 
 KEY = "chunks_crc32c"  # under zarrckpt's attribute of the group
 _MAX_CRC = 2**32
+Record = dict[str, dict[str, int]]  # each chunk's CRC-32C, by array name and chunk name
 
 
-def grouped(crcs: Mapping[str, int]) -> dict[str, dict[str, int]]:
+def grouped(crcs: Mapping[str, int]) -> Record:
     """The record of the chunks whose CRC-32C `crcs` holds (by chunk key:
-    "<array>/<chunk name>"), by array name and chunk name."""
-    found: dict[str, dict[str, int]] = {}
+    "<array>/<chunk name>")."""
+    found: Record = {}
     for key, crc in crcs.items():
         array, _, chunk = key.rpartition("/")
         found.setdefault(array, {})[chunk] = crc
     return found
 
 
-def merged(records: Iterable[Mapping[str, Mapping[str, int]]]) -> dict[str, dict[str, int]]:
+def by_key(record: Record) -> dict[str, int]:
+    """The CRC-32C `record` holds, by chunk key (as `grouped` takes them)."""
+    return {f"{array}/{chunk}": crc for array, chunks in record.items() for chunk, crc in chunks.items()}
+
+
+def recorded(record: Record, key: str) -> int | None:
+    """The CRC-32C `record` holds of the chunk `key` ("<array>/<chunk name>"), or None."""
+    array, _, chunk = key.rpartition("/")
+    return record.get(array, {}).get(chunk)
+
+
+def merged(records: Iterable[Mapping[str, Mapping[str, int]]]) -> Record:
     """One record of the chunks that `records` (each process's, see `grouped`) hold."""
-    found: dict[str, dict[str, int]] = {}
+    found: Record = {}
     for record in records:
         for array, chunks in record.items():
             found.setdefault(array, {}).update(chunks)
     return found
 
 
-def parse(meta: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+def parse(meta: Mapping[str, Any]) -> Record:
     """The record in zarrckpt's attribute `meta` of a group ({} where it has none: a
     checkpoint saved before the record, or with `checksums=False`); ValueError saying
     what is wrong with it (a store may hold anything)."""

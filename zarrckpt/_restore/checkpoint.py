@@ -97,7 +97,7 @@ class Checkpoint:
     shown: str | None = None
     # The CRC-32C its commit records of each chunk, by array name and chunk name (see
     # `_format.vouched`): every chunk read is checked against it.
-    vouched: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    vouched: _vouched.Record = dataclasses.field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -113,13 +113,13 @@ class Checkpoint:
         replaced while being read.
         """
         with self._reading(leaf):
-            return _read_box(self.loc, leaf, box, self.vouched.get(leaf.name, {}))
+            return _read_box(self.loc, leaf, box, self.vouched)
 
     def read_own(self, leaf: StoredLeaf) -> Any:
         """This process's value of the per-process `leaf` (see `_tree.PerProcess`)."""
         with self._reading(leaf):
             own, document = read_own_array(self.loc, leaf, _multihost.process_index())
-            data = _read_box(self.loc, own, ((0, own.shape[0]),), self.vouched.get(own.name, {})).tobytes()
+            data = _read_box(self.loc, own, ((0, own.shape[0]),), self.vouched).tobytes()
             try:
                 return _tree.Encoded.decode(document["attributes"][_naming.META_ATTR]["encoding"], data)
             except (KeyError, TypeError, ValueError, IndexError) as e:
@@ -166,7 +166,7 @@ class Checkpoint:
             raise
 
 
-def _read_box(loc: Location, leaf: StoredLeaf, box: Region, vouched: dict[str, int]) -> np.ndarray:
+def _read_box(loc: Location, leaf: StoredLeaf, box: Region, vouched: _vouched.Record) -> np.ndarray:
     nbytes = _dtypes.nbytes(region_shape(box), leaf.dtype)
     if nbytes > _MEMORY_BYTES:
         # A hostile or damaged checkpoint must not make us try to allocate it.
@@ -181,7 +181,7 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region, vouched: dict[str, i
         # The trailing Ellipsis keeps a 0-d result a view, not a scalar copy.
         dest = out[(*relative(inside, box), Ellipsis)]  # type: ignore[arg-type]
         # The common case: the chunk's bytes land in the result with no copy.
-        expect = vouched.get(leaf.codec.key(chunk).rpartition("/")[2]) if vouched else None
+        expect = _vouched.recorded(vouched, leaf.codec.key(chunk)) if vouched else None
         if inside == chunk and all(b - a == c for (a, b), c in zip(chunk, leaf.chunks)) and dest.flags.c_contiguous:
             read_chunk(loc, leaf.codec, chunk, out=dest, expect=expect)
             return

@@ -47,7 +47,6 @@ from .plan import ArrayPlan, WriteUnit
 from .plan_cache import PlanCache, Planned
 
 log = logging.getLogger("zarrckpt")
-Record = dict[str, dict[str, int]]  # a record of chunks' CRC-32C, by array and chunk name (`_format.vouched`)
 
 def save_pytree(
     url: str,
@@ -165,7 +164,7 @@ class Commit:
         op.check("prepare", lambda: prepare(save_id))
         return save_id
 
-    def write(self, op: _multihost.Agreement, write: Callable[[], Record]) -> list[Record]:
+    def write(self, op: _multihost.Agreement, write: Callable[[], _vouched.Record]) -> list[_vouched.Record]:
         """Runs every process's writes (`write`, which returns the record of the CRC-32C
         of each chunk it made, see `_format.vouched`); returns what the commit records:
         every process's, on process 0, for one group. A process's own group (a local
@@ -414,7 +413,7 @@ class SaveJob:
         seconds = time.perf_counter() - started
         return seconds
 
-    def _write(self, work: Work, advance: Callable[[int], None]) -> Record:
+    def _write(self, work: Work, advance: Callable[[int], None]) -> _vouched.Record:
         try:
             _write_all(self.loc, work, self._array_metadata(), self.options.max_workers or self.loc.concurrency,
                        advance, self.compressor, self.made, self.crcs)
@@ -442,7 +441,7 @@ class SaveJob:
         step = _naming.step_of_url(self.loc.url)
         return self.loc.url if step is None else f"step {step}"
 
-    def _commit(self, records: list[Record]) -> None:
+    def _commit(self, records: list[_vouched.Record]) -> None:
         """Writes the commit, recording the CRC-32C of every chunk made (`records`, each
         process's), once the lease, where there is one, is found still this job's."""
         if self.fence is not None:

@@ -44,7 +44,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import _commit, _devices, _storage
-from .._format import tree as _tree, zarrjson as _zarrjson
+from .._format import tree as _tree, vouched as _vouched, zarrjson as _zarrjson
 from .._format.chunks import ChunkCodec
 from .._regions import Region, region_size, replicas_of
 from ..errors import CheckpointError, CheckpointWriteError
@@ -302,8 +302,7 @@ class Unchanged:
         the restore makes jax.Arrays (`arrays`: no listing for numpy values)."""
         versions = listed(ckpt.loc) if arrays else {}
         state = read()
-        crcs = {f"{array}/{chunk}": crc for array, chunks in ckpt.vouched.items() for chunk, crc in chunks.items()}
-        self.restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id, versions, crcs)
+        self.restored(ckpt.loc, ckpt.leaves, state, ckpt.save_id, versions, _vouched.by_key(ckpt.vouched))
         return state
 
     def dropped(self, urls: set[str]) -> None:

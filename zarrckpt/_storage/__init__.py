@@ -230,7 +230,7 @@ class Location:
         if not self.late_safe:
             return self.write(key, *parts, atomic=atomic, durable=True)
         return self._created(key, lambda: self.create(key, *parts),
-                             lambda: self.holds(key, b"".join(memoryview(p).cast("B") for p in parts)))
+                             lambda: b"".join(memoryview(p).cast("B") for p in parts))
 
     @contextlib.contextmanager
     def together(self) -> Iterator[Location]:
@@ -264,28 +264,29 @@ class Location:
                                  expect=expect, nbytes=nbytes)
         if not self.late_safe:
             return made(exclusive=False)
-        return self._created(key, lambda: made(exclusive=True),
-                             lambda: self.holds(key, source.read(key, limit=nbytes + 1)))
+        return self._created(key, lambda: made(exclusive=True), lambda: source.read(key, limit=nbytes + 1))
 
-    def _created(self, key: str, create: Callable[[], str | None], meant: Callable[[], bool]) -> str | None:
+    def _created(self, key: str, create: Callable[[], str | None], meant: Callable[[], bytes]) -> str | None:
         """Makes `key` by `create` (exclusive), against requests that land late: where an
-        object is there already, `meant()` says whether it is the one meant: if so, an
-        earlier attempt of this one that landed unseen (whose version is then not known:
-        None). One that is not is a request of an earlier save that landed late (deleted,
-        and the object made again) or, where a lease guards the place (`keep_found`),
-        may be another job's (one that took the run over while this one was paused):
-        left as it is, FileExistsError naming it. Returns the version `create` returned."""
+        object is there already, and holds the bytes `meant()` gives, it is an earlier
+        attempt of this one that landed unseen (whose version is then not known: None).
+        One that does not is a request of an earlier save that landed late (deleted, and
+        the object made again) or, where a lease guards the place (`keep_found`), may be
+        another job's (one that took the run over while this one was paused): left as it
+        is, FileExistsError naming it. Returns the version `create` returned."""
         for _ in range(_LATE_TRIES):
             try:
                 return create()
             except FileExistsError:
-                if meant():
-                    return None
+                expected = meant()
+                try:  # one byte past what is meant: a larger object is another
+                    if self.read(key, limit=len(expected) + 1) == expected:
+                        return None
+                except FileNotFoundError:
+                    continue  # deleted since: made again
                 if not self.keep_found:
                     self.remove_file(key)
                     continue
-                if not self.child(key).exists():
-                    continue  # deleted since: made again
                 raise FileExistsError(
                     f"cannot write {self.url.rstrip('/')}/{key}: another writer made it meanwhile (a job that took "
                     "the run over while this one was paused, or a request of an earlier save of this step that "
