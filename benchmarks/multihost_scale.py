@@ -6,7 +6,7 @@ device each), each holding a small data-parallel state (every leaf replicated on
 process, as data-parallel replicas hold it), and measures per process count: save and
 restore time, coordination-service calls per process, store requests and bytes read per
 process, and the store bytes read by all processes over the checkpoint's bytes. The
-counts come from zarrckpt._stats. The state is small so that 16 processes on 2 cores
+counts come from zarrckpt._util.stats. The state is small so that 16 processes on 2 cores
 measure coordination and traffic, not CPU.
 
 Part 2 saves and restores 10,000 leaves of 4 KiB, each sharded over 8 CPU devices in one
@@ -110,7 +110,7 @@ def scale_worker(coordinator, count, pid, directory, rounds):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import zarrckpt
-    from zarrckpt import _stats
+    from zarrckpt._util import stats as _stats
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
     replicated = NamedSharding(mesh, P())

@@ -58,7 +58,8 @@ from jax.sharding import (
 )
 
 import zarrckpt  # noqa: E402
-from zarrckpt import _concurrency, _storage  # noqa: E402
+from zarrckpt import _storage
+from zarrckpt._util import concurrency as _concurrency  # noqa: E402
 
 SMALL_LEAF_LEN = 256  # float32: 1 KiB
 RESTORE_TARGET_RTTS = 20

@@ -28,7 +28,7 @@ def one_state(mib: int, step: int) -> dict:
 
 def copies(persistent: str | Path, local: str | Path, process: int = 0) -> Path:
     """Where `process` keeps its local-tier copies of the run saved in `persistent`
-    (`<local>/run-<run identity>/process<i>`, see zarrckpt._tiers)."""
+    (`<local>/run-<run identity>/process<i>`, see zarrckpt._tier.tier)."""
     run = (Path(persistent) / "zarrckpt.run").read_text().strip()
     return Path(local) / f"run-{run}" / f"process{process}"
 

@@ -23,7 +23,8 @@ from forked_cli import run, run_together
 from object_store_servers import TEST_KEY, TEST_SECRET
 
 import zarrckpt
-from zarrckpt import _cli, _commit, _retention, _storage
+from zarrckpt import _cli, _commit, _storage
+from zarrckpt._run import retention as _retention
 
 
 def state(scale: float = 1.0) -> dict:

@@ -9,7 +9,8 @@ import pytest
 from builders import train_state
 
 import zarrckpt
-from zarrckpt import _commit, _retention, _steps, _storage
+from zarrckpt import _commit, _storage
+from zarrckpt._run import retention as _retention, steps as _steps
 
 
 def test_checkpoints_iterator_follows_a_training_run(tmp_path):

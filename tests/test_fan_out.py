@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import zarrckpt
-from zarrckpt import _concurrency, _storage
+from zarrckpt import _storage
+from zarrckpt._util import concurrency as _concurrency
 
 
 def _fan_out(items, start, fn, nbytes=lambda item: 0):

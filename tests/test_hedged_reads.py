@@ -15,8 +15,8 @@ import pytest
 from fault_proxy import Delay, FaultProxy, Garbled, Late
 
 import zarrckpt
-from zarrckpt import _stats
 from zarrckpt._storage import hedge
+from zarrckpt._util import stats as _stats
 
 LEAVES = 64
 
@@ -217,10 +217,10 @@ def test_a_read_given_up_by_its_operation_cancels_its_requests_at_once():
         began.set()
         return hedge.first_good(start, hedge.Hedging(), nbytes=0, timeout=30, check=None)
 
-    with zarrckpt._concurrency.Operation(1, "test") as op:
-        window = op.window([0], read, budget=zarrckpt._concurrency.ByteBudget(1), nbytes=lambda _: 1,
+    with zarrckpt._util.concurrency.Operation(1, "test") as op:
+        window = op.window([0], read, budget=zarrckpt._util.concurrency.ByteBudget(1), nbytes=lambda _: 1,
                            abandon=lambda _: began.is_set())
-        assert [result for _, result, _ in window] == [zarrckpt._concurrency.ABANDONED]
+        assert [result for _, result, _ in window] == [zarrckpt._util.concurrency.ABANDONED]
     for _ in range(100):  # the request is cancelled on the reading thread, as it wakes
         if futures[0].cancelled():
             break
@@ -241,12 +241,12 @@ def test_a_read_given_up_cancels_the_requests_of_every_chunk_it_reads_at_once():
         return hedge.first_good(start, hedge.Hedging(), nbytes=0, timeout=30, check=None)
 
     def read(_):
-        return zarrckpt._concurrency.run_all(chunk, [0, 1], 2)
+        return zarrckpt._util.concurrency.run_all(chunk, [0, 1], 2)
 
-    with zarrckpt._concurrency.Operation(1, "test") as op:
-        window = op.window([0], read, budget=zarrckpt._concurrency.ByteBudget(1), nbytes=lambda _: 1,
+    with zarrckpt._util.concurrency.Operation(1, "test") as op:
+        window = op.window([0], read, budget=zarrckpt._util.concurrency.ByteBudget(1), nbytes=lambda _: 1,
                            abandon=lambda _: len(sent) == 2)
-        assert [result for _, result, _ in window] == [zarrckpt._concurrency.ABANDONED]
+        assert [result for _, result, _ in window] == [zarrckpt._util.concurrency.ABANDONED]
     for _ in range(200):  # each request is cancelled on its reading thread, as it wakes
         if all(f.cancelled() for f in futures):
             break
@@ -257,7 +257,7 @@ def test_a_read_given_up_cancels_the_requests_of_every_chunk_it_reads_at_once():
 def test_chunks_read_at_once_take_spare_bytes_from_the_restore_budget_and_stop_when_it_fails():
     """The chunks of one read share its restore's byte budget for second requests (a
     full budget spares nothing), and stop making requests once another read failed."""
-    concurrency = zarrckpt._concurrency
+    concurrency = zarrckpt._util.concurrency
     failed, inner_started = threading.Event(), threading.Barrier(3)  # the two chunks and the other read
 
     def chunk(i):

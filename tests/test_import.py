@@ -27,9 +27,10 @@ from test_cli import run
 from test_safetensors import assert_exact, at, sharded_set, tensors
 
 import zarrckpt
-from zarrckpt import _retention, _storage
+from zarrckpt import _storage
+from zarrckpt._foreign import orbax as _orbax
 from zarrckpt._format import naming as _naming, tree as _tree
-from zarrckpt._restore import orbax as _orbax
+from zarrckpt._run import retention as _retention
 
 
 def train_state(step: int) -> dict:

@@ -22,8 +22,8 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zarrckpt
-from zarrckpt import _stats
-from zarrckpt._save import unchanged as _unchanged
+from zarrckpt._run import lineage as _unchanged
+from zarrckpt._util import stats as _stats
 
 
 def fsdp(array: jax.Array) -> jax.Array:
@@ -502,7 +502,7 @@ def test_leaves_no_fingerprint_can_be_taken_of_are_saved_and_restored_whole(tmp_
     """int4 weights (narrower than a byte), a state offloaded to host memory, and a leaf
     whose fingerprints fail to compute (the device out of memory): each is written
     at every save as it is, unless it is the very same array, and restores exactly."""
-    from zarrckpt._save import unchanged
+    from zarrckpt._run import lineage as unchanged
 
     host = NamedSharding(mesh((8,), ("fsdp",)), P("fsdp"), memory_kind="pinned_host")
     made = {"int4": lambda i: fsdp(jnp.full((2**23,), i % 7, jnp.int4)),
@@ -706,7 +706,7 @@ def test_save_checkpoint_unchanged_since_links_the_base_it_saved_and_every_step_
 def test_save_checkpoint_unchanged_since_the_step_restored_links_what_training_left_as_it_was(tmp_path, restore):
     state, optimizer = lora_state()
     zarrckpt.save_checkpoint(str(tmp_path), 1, state)
-    zarrckpt._save.unchanged._runs.clear()  # a new process: it knows only what it restores
+    zarrckpt._run.lineage._runs.clear()  # a new process: it knows only what it restores
     if restore == "load_checkpoint":
         state = zarrckpt.load_checkpoint(str(tmp_path), 1, state)
     else:

@@ -123,10 +123,10 @@ def test_ctrl_c_that_stops_a_save_says_the_step_is_lost_and_the_step_saves_again
     nothing of it is committed, and saving the same step again saves it."""
     import jax.numpy as jnp
 
-    from zarrckpt import _save
+    from zarrckpt._run import lineage as _lineage
     from zarrckpt._save import protocol, transfer
 
-    owner, name = {"comparing": (_save.Unchanged, "mark"), "copying": (transfer, "start"),
+    owner, name = {"comparing": (_lineage.Unchanged, "mark"), "copying": (transfer, "start"),
                    "writing": (protocol, "_write_all")}[where]
     original = getattr(owner, name)
 
@@ -154,7 +154,7 @@ def test_ctrl_c_that_stops_a_save_says_the_step_is_lost_and_the_step_saves_again
 def test_ctrl_c_in_the_retention_after_a_commit_does_not_say_the_step_is_lost(tmp_path, caplog, monkeypatch):
     """With `async_save=False` the retention a commit triggers runs in `save`: a Ctrl-C
     there stops it, but the step has committed, and no warning says it was not saved."""
-    from zarrckpt import _retention
+    from zarrckpt._run import retention as _retention
 
     apply = _retention.apply
 
@@ -175,7 +175,7 @@ def test_ctrl_c_in_the_retention_after_a_commit_does_not_say_the_step_is_lost(tm
 def test_ctrl_c_while_a_local_copy_is_made_names_that_copy(tmp_path, caplog, monkeypatch):
     """A step due only in the local tier: a Ctrl-C while its copy is made names the copy
     lost, not the persistent step (never due)."""
-    from zarrckpt import _tiers
+    from zarrckpt._tier import tier as _tiers
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -194,7 +194,7 @@ def test_ctrl_c_while_the_manager_takes_its_lease_gives_it_back(tmp_path, monkey
     """A Ctrl-C that lands once the lease is taken but before the constructor returns
     (a notebook's interrupt) leaves no manager to close: the lease is given back, and
     the directory opens again at once, here and in another process."""
-    from zarrckpt import _lease
+    from zarrckpt._run import lease as _lease
 
     take = _lease.Lease._take
 
@@ -234,7 +234,7 @@ concurrent.futures.ThreadPoolExecutor._adjust_thread_count = no_thread
 def _where_no_thread_can_start(script: str) -> str:
     """The last line `script` prints, run after `_NO_THREAD_CAN_START`. In a process of its
     own: a deadlock there holds a lock every executor of the process needs."""
-    ran = subprocess.run([sys.executable, "-c", _NO_THREAD_CAN_START + script, zarrckpt._concurrency.__file__],
+    ran = subprocess.run([sys.executable, "-c", _NO_THREAD_CAN_START + script, zarrckpt._util.concurrency.__file__],
                          capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr
     return ran.stdout.split("\n")[-2]

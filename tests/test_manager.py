@@ -13,7 +13,8 @@ from builders import mesh, train_state
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zarrckpt
-from zarrckpt import _commit, _manager, _retention, _storage
+from zarrckpt import _commit, _manager, _storage
+from zarrckpt._run import retention as _retention
 from zarrckpt._save import plan as _planning, transfer as _transfer
 
 
@@ -109,7 +110,7 @@ def test_staging_is_bounded_by_max_inflight_bytes(tmp_path, monkeypatch):
 def test_a_managers_default_byte_budget_is_a_quarter_of_the_memory_and_at_least_8_gib(
         tmp_path, monkeypatch, memory_gib, budget_gib):
     # A fixed 8 GiB made an async save of a state just over it wait for a write.
-    monkeypatch.setattr(zarrckpt._concurrency, "memory_bytes", lambda: memory_gib * 2**30)
+    monkeypatch.setattr(zarrckpt._util.concurrency, "memory_bytes", lambda: memory_gib * 2**30)
     with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
         assert mgr._save_options.max_inflight_bytes == budget_gib * 2**30
 
@@ -126,7 +127,7 @@ def test_the_memory_a_process_may_use_is_the_lowest_limit_of_its_cgroup_and_thos
         (top / path / name).write_text(value + "\n")
     cgroups = tmp_path / "cgroup"
     cgroups.write_text("4:memory:/slurm/job_7\n1:cpu:/\n" if version == "v1" else "0::/slurm/job_7\n")
-    assert zarrckpt._concurrency.memory_bytes(str(cgroups), str(tmp_path / "sys")) == 3 * 2**30
+    assert zarrckpt._util.concurrency.memory_bytes(str(cgroups), str(tmp_path / "sys")) == 3 * 2**30
 
 
 def test_background_errors_are_raised_never_lost(tmp_path, monkeypatch):
@@ -178,7 +179,7 @@ def test_a_save_and_a_restore_each_log_one_line_in_binary_units(tmp_path, caplog
         caplog.clear()
         mgr.restore(state)
         restored = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    shown = zarrckpt._progress.size(64 * 64 * 4 + 8)
+    shown = zarrckpt._util.progress.size(64 * 64 * 4 + 8)
     assert shown == "16.0 KiB"  # as `zarrckpt ls` and `info` show sizes
     (line,) = saved
     assert line.startswith(f"checkpoint step 3 committed to {tmp_path}: {shown} in ") and "training blocked" in line
@@ -376,7 +377,7 @@ def test_interrupted_deletion_never_looks_committed(tmp_path, monkeypatch):
 
 
 def test_progress_bars_can_be_turned_on_and_off(tmp_path, monkeypatch, capsys):
-    from zarrckpt import _progress
+    from zarrckpt._util import progress as _progress
 
     monkeypatch.setattr(_progress, "_SHOW_AFTER_S", 0)
     with zarrckpt.CheckpointManager(str(tmp_path), progress=True) as mgr:

@@ -17,7 +17,8 @@ import pytest
 from object_store_servers import TEST_KEY, TEST_SECRET, request_kinds
 
 import zarrckpt
-from zarrckpt import _commit, _stats, _storage
+from zarrckpt import _commit, _storage
+from zarrckpt._util import stats as _stats
 
 both = pytest.mark.parametrize("store", ["s3", "gcs"], indirect=True)
 UNCOMMITTED_GROUP = b'{"zarr_format": 3, "node_type": "group", "attributes": {}}'

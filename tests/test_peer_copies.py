@@ -22,7 +22,9 @@ from builders import copies, flip_bit, logged_bytes, one_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import zarrckpt
-from zarrckpt import _cli, _peers
+from zarrckpt import _cli
+from zarrckpt._tier import peers as _peers
+from zarrckpt._util import permute as _permute
 
 
 def save(*runs: Path, processes: int) -> None:
@@ -197,5 +199,5 @@ def test_blocks_moved_to_a_peer_keep_every_bit(dtype: str) -> None:
         host = values if dtype == "bool" else values.view(kind)
     with jax.enable_x64(dtype == "float64"):
         array = jax.device_put(host, NamedSharding(mesh, P("x")))
-        moved = _peers.move(array, tuple((i, (i + 1) % 8) for i in range(8)))
+        moved = _permute.move(array, tuple((i, (i + 1) % 8) for i in range(8)))
         assert np.asarray(moved).tobytes() == np.roll(host, 1, axis=0).tobytes()

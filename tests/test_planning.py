@@ -16,13 +16,14 @@ import pytest
 from builders import mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zarrckpt import PerProcess, _multihost, _storage
+from zarrckpt import PerProcess, _storage
 from zarrckpt._format import tree as _tree
 from zarrckpt._options import SaveOptions
-from zarrckpt._peers import Peers
-from zarrckpt._regions import region_size, replicas_of
 from zarrckpt._restore import plan as read_plan
 from zarrckpt._save import PER_PROCESS, SHARED, PlanCache, SaveJob, plan as write_plan
+from zarrckpt._tier.peers import Peers
+from zarrckpt._util import multihost as _multihost
+from zarrckpt._util.regions import region_size, replicas_of
 from zarrckpt.errors import UnsupportedLeafError
 
 

@@ -19,8 +19,8 @@ from builders import mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zarrckpt
-from zarrckpt import _stats
 from zarrckpt._format import safetensors as _format
+from zarrckpt._util import stats as _stats
 
 
 def tensors() -> dict[str, np.ndarray]:
@@ -252,8 +252,8 @@ def test_thousands_of_tensors_of_every_size_load_bit_for_bit_each_in_memory_of_i
     ("removed", r"model.safetensors was removed while it was being read"),
 ])
 def test_a_file_cut_short_or_removed_once_opened_is_damage_named(tmp_path: Path, change: str, message: str) -> None:
+    from zarrckpt._foreign import safetensors as opening
     from zarrckpt._options import LoadOptions
-    from zarrckpt._restore import safetensors as opening
 
     path = tmp_path / "model.safetensors"
     safetensors.numpy.save_file({"a": np.ones(64, np.float32), "b": np.ones(64, np.float32)}, str(path))

@@ -21,16 +21,16 @@ format's pure pieces in `_format/`, storage at the bottom.
 import importlib.metadata as _importlib_metadata
 
 from ._copy import CopyResult, copy_checkpoint
-from ._export import ExportResult, export_checkpoint
+from ._foreign.export import ExportResult, export_checkpoint
+from ._foreign.safetensors import load_safetensors
 from ._format import dtypes as _dtypes
 from ._format.naming import FORMAT_VERSION
 from ._format.tree import PerProcess
 from ._import import ImportResult, import_checkpoint
 from ._manager import CheckpointManager
 from ._metadata import CheckpointMetadata, LeafMetadata, metadata
-from ._restore import load_pytree, load_safetensors
-from ._save import save_pytree
-from ._steps import (
+from ._restore import load_pytree
+from ._run.steps import (
     all_steps,
     checkpoints_iterator,
     latest_step,
@@ -38,6 +38,7 @@ from ._steps import (
     load_checkpoint_if_it_exists,
     save_checkpoint,
 )
+from ._save import save_pytree
 from ._verify import Problem, VerifyReport, verify
 from .errors import (
     CheckpointCorruptError,

@@ -30,27 +30,14 @@ from typing import Any
 
 import jax
 
-from . import (
-    __version__,
-    _commit,
-    _concurrency,
-    _copy,
-    _export,
-    _import,
-    _lease,
-    _metadata,
-    _progress,
-    _retention,
-    _seqax,
-    _steps,
-    _storage,
-    _tiers,
-    _verify,
-)
+from . import __version__, _commit, _copy, _import, _metadata, _seqax, _storage, _verify
+from ._foreign import export as _export, orbax as _orbax
 from ._format import naming as _naming, zarrjson as _zarrjson
 from ._metadata import metadata
-from ._restore import orbax as _orbax
-from ._restore.from_copies import peers_of
+from ._run import lease as _lease, retention as _retention, steps as _steps
+from ._tier import tier as _tiers
+from ._tier.from_copies import peers_of
+from ._util import concurrency as _concurrency, progress as _progress
 from .errors import CheckpointError, DirectoryInUseError
 
 EXIT_ERROR = 1  # the command could not do its job (message on stderr)

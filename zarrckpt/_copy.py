@@ -19,11 +19,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _commit, _concurrency, _deprecated, _lease, _objects, _progress, _seqax, _storage
+from . import _commit, _deprecated, _objects, _seqax, _storage
 from ._format import naming as _naming, zarrjson as _zarrjson
 from ._format.chunks import DamagedChunk
 from ._restore import checkpoint as _reader
+from ._run import lease as _lease
 from ._storage import Location
+from ._util import concurrency as _concurrency, progress as _progress
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointWriteError
 
 _MARKERS = ("zarr.json", _seqax.MARKER)  # where the commit marker is: zarrckpt's layout, seqax's

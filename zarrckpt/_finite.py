@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _devices
 from ._format.tree import Leaf, describe_path
+from ._util import devices as _devices
 
 log = logging.getLogger("zarrckpt")
 

@@ -19,11 +19,13 @@ from typing import Any
 
 import jax
 
-from . import _deprecated, _lease, _multihost, _options, _progress, _retention, _storage
+from . import _deprecated, _options, _storage
+from ._foreign.sources import open_source
 from ._format import naming as _naming, tree as _tree
 from ._options import SaveOptions
-from ._restore.foreign import open_source
+from ._run import lease as _lease, retention as _retention
 from ._save import protocol as _save
+from ._util import multihost as _multihost, progress as _progress
 from .errors import CheckpointCorruptError, CheckpointWriteError, SourceReadError
 
 log = logging.getLogger("zarrckpt")

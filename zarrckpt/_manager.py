@@ -20,23 +20,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import (
-    _concurrency,
-    _deprecated,
-    _finite,
-    _lease,
-    _multihost,
-    _options,
-    _preemption,
-    _progress,
-    _retention,
-    _save,
-    _steps,
-    _storage,
-    _tiers,
-    errors,
-)
+from . import _deprecated, _finite, _options, _preemption, _save, _storage, errors
 from ._format import naming as _naming
+from ._run import lease as _lease, lineage as _lineage, retention as _retention, steps as _steps
+from ._tier import tier as _tiers
+from ._util import concurrency as _concurrency, multihost as _multihost, progress as _progress
 
 log = logging.getLogger("zarrckpt")
 _NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}  # JSON has no such numbers
@@ -82,7 +70,7 @@ class CheckpointManager:
         With neither interval, every `save` call saves (as Orbax's default interval
         of 1 step does).
       keep_last, keep_every, keep_best, best_metric, best_mode: retention, applied on
-        process 0 after each commit, off the training thread; see `zarrckpt._retention`.
+        process 0 after each commit, off the training thread; see `zarrckpt._run.retention`.
         The newest committed step and pinned steps are never deleted.
       async_save: `save` returns once the state's copies to host memory are dispatched
         (pinned host memory where the devices have it); writing and committing continue
@@ -107,7 +95,7 @@ class CheckpointManager:
       save_on_preemption: save at a preemption notice (JAX's preemption sync point; in
         a job of one process, SIGTERM), and say so by `reached_preemption`.
       heartbeat_s: how often process 0 renews its lease on the directory; a second
-        manager on a directory whose lease is alive is refused (see `zarrckpt._lease`).
+        manager on a directory whose lease is alive is refused (see `zarrckpt._run.lease`).
       progress: progress bars on process 0 (default: when stderr is a terminal).
       local_directory: a path on each host's own disk (a RAM disk such as /dev/shm/run1,
         or a local SSD) for the local tier: every `local_save_interval_steps` steps, each
@@ -205,7 +193,7 @@ class CheckpointManager:
         self._interval_steps = save_interval_steps
         self._interval_seconds = save_interval_seconds
         self._async = async_save
-        self._unchanged = _save.Unchanged() if reuse_unchanged else None
+        self._unchanged = _lineage.Unchanged() if reuse_unchanged else None
         # What the NaN check found in the newest step this manager committed (process
         # 0's), with that save's identity: a leaf made from that very save holds what it
         # held then.

@@ -24,9 +24,9 @@ import re
 
 from . import _commit, _seqax
 from ._format import chunks as _chunks, naming as _naming, safetensors as _safetensors
-from ._regions import first_absent, indices
 from ._restore import checkpoint as _reader
 from ._storage import Entry, Location
+from ._util.regions import first_absent, indices
 from .errors import CheckpointError, CheckpointExistsError
 
 # Every object a checkpoint (ours or seqax's) can hold, and the temporary files of an

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ._concurrency import DEFAULT_MAX_INFLIGHT_BYTES
 from ._format.chunks import COMPRESSIONS
-from ._multihost import DEFAULT_TIMEOUT_S
+from ._util.concurrency import DEFAULT_MAX_INFLIGHT_BYTES
+from ._util.multihost import DEFAULT_TIMEOUT_S
 
 DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
 # Shards smaller than this are merged, side by side, into chunks of at least this size

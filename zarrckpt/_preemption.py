@@ -21,7 +21,7 @@ from typing import Any
 
 from jax.experimental import multihost_utils
 
-from . import _multihost
+from ._util import multihost as _multihost
 
 log = logging.getLogger("zarrckpt")
 

@@ -25,11 +25,11 @@ import jax
 import numcodecs.blosc
 import numpy as np
 
-from . import _concurrency
 from ._format import dtypes as _dtypes, zarrjson as _zarrjson
 from ._format.chunks import MAX_GRID, Damage, canonical_ints, grid
-from ._regions import Region
 from ._storage import GROUP_BYTES, Location
+from ._util import concurrency as _concurrency
+from ._util.regions import Region
 
 LAYOUT = "seqax"  # a Checkpoint's `layout` when it is this one
 GROUP = ".zgroup"

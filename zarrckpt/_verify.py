@@ -29,12 +29,13 @@ import dataclasses
 import math
 from typing import Any
 
-from . import _commit, _concurrency, _progress, _storage
+from . import _commit, _storage
 from ._format import chunks as _chunks, naming as _naming, tree as _tree, vouched as _vouched, zarrjson as _zarrjson
 from ._format.chunks import ChunkCodec, DamagedChunk
-from ._regions import Region, first_absent, indices
 from ._restore import checkpoint as _reader
 from ._storage import Location
+from ._util import concurrency as _concurrency, progress as _progress
+from ._util.regions import Region, first_absent, indices
 from .errors import CheckpointCorruptError
 
 _SHOWN = 10  # missing chunks named one by one per array; the rest are counted

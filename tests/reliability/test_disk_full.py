@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import zarrckpt
-from zarrckpt import _stats
+from zarrckpt._util import stats as _stats
 
 
 def state(mib: int, value: float) -> dict:

@@ -206,7 +206,7 @@ def test_a_tensorstore_request_that_never_answers_is_abandoned_at_the_stores_dea
     its error, on a local disk too."""
     import tensorstore as ts
 
-    from zarrckpt._restore import orbax as _orbax
+    from zarrckpt._foreign import orbax as _orbax
 
     monkeypatch.setattr(zarrckpt._storage.guard, "_MAX_BACKOFF_S", 0.01)  # the rule is tested, not the pace
     remote = zarrckpt._storage.resolve("memory://orbax-source", {"request_timeout_s": 0.05})

@@ -22,8 +22,8 @@ from builders import mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zarrckpt
-from zarrckpt import _stats
 from zarrckpt._format import safetensors as _format
+from zarrckpt._util import stats as _stats
 
 WAYS = ["load", "mesh", "import"]  # load_safetensors without a target, onto a mesh; import_checkpoint
 

@@ -23,7 +23,8 @@ from builders import copies, flip_bit, mesh, one_state
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zarrckpt
-from zarrckpt import _lease, _tiers
+from zarrckpt._run import lease as _lease
+from zarrckpt._tier import tier as _tiers
 
 # -- damage ----------------------------------------------------------------------------
 

@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 import zarrckpt
-from zarrckpt import _cli, _lease, _storage
+from zarrckpt import _cli, _storage
 from zarrckpt._restore import checkpoint as _reader
+from zarrckpt._run import lease as _lease
 
 SECRET = b"AWS_SECRET=wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY\n"
 
@@ -404,7 +405,7 @@ def test_deep_json_is_a_one_line_error_naming_the_file_or_option(tmp_path, capsy
 
 _MANAGER = """
 import json, os, sys, time, numpy as np, zarrckpt
-from zarrckpt import _lease
+from zarrckpt._run import lease as _lease
 run, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 if len(sys.argv) > 4:  # BARRIER NAME: take the lease only once both managers have looked for one
     barrier, name = sys.argv[4], sys.argv[5]

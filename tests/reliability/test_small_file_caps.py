@@ -30,7 +30,8 @@ from fault_proxy import Answer, FaultProxy
 from forked_cli import environment
 
 import zarrckpt
-from zarrckpt import _cli, _retention, _storage
+from zarrckpt import _cli, _storage
+from zarrckpt._run import retention as _retention
 
 HUGE = 1 << 30
 MORE = 100 << 20  # the most a planted file may add to a process's peak memory

@@ -16,7 +16,8 @@ import pytest
 from fault_proxy import RESET, Answer, FaultProxy
 
 import zarrckpt
-from zarrckpt import _cli, _stats, _storage
+from zarrckpt import _cli, _storage
+from zarrckpt._util import stats as _stats
 
 FAULTS = {"500": lambda rng: Answer(500), "503": lambda rng: Answer(503), "429": lambda rng: Answer(429),
           "reset": lambda rng: RESET}

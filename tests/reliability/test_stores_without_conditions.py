@@ -19,7 +19,7 @@ import pytest
 from fault_proxy import FaultProxy
 
 import zarrckpt
-from zarrckpt import _lease
+from zarrckpt._run import lease as _lease
 
 BEAT = 0.2
 

@@ -14,7 +14,8 @@ import pytest
 from fault_proxy import Delay, FaultProxy
 
 import zarrckpt
-from zarrckpt import _lease, _storage
+from zarrckpt import _storage
+from zarrckpt._run import lease as _lease
 
 BEAT = 0.1
 

@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 import zarrckpt
-from zarrckpt import _cli, _retention, _stats
+from zarrckpt import _cli
+from zarrckpt._run import retention as _retention
+from zarrckpt._util import stats as _stats
 
 
 def state(step: int) -> dict:
@@ -104,7 +106,7 @@ def test_export_never_writes_through_a_planted_partial_link(tmp_path: Path, out:
     victim = tmp_path / "victim"
     victim.write_bytes(b"someone's file")
     (tmp_path / f"{out}.partial").symlink_to(victim)  # the name the export used to write aside to
-    result = zarrckpt._export.export_checkpoint(str(tmp_path / "run" / "0000000001"), str(tmp_path / out))
+    result = zarrckpt._foreign.export.export_checkpoint(str(tmp_path / "run" / "0000000001"), str(tmp_path / out))
     assert victim.read_bytes() == b"someone's file"
     assert result.leaves == 2 and (tmp_path / out).is_file() and not (tmp_path / out).is_symlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run", "victim", out, f"{out}.partial"])
@@ -116,7 +118,7 @@ def test_export_refuses_an_existing_out_unless_told_to_replace_it(tmp_path: Path
     out = tmp_path / "x.npz"
     out.write_bytes(b"an earlier export")
     with pytest.raises(FileExistsError, match=r"x\.npz already exists; pass overwrite=True"):
-        zarrckpt._export.export_checkpoint(url, str(out))
+        zarrckpt._foreign.export.export_checkpoint(url, str(out))
     done = forked_cli.run("export", url, str(out))
     assert done.returncode == 1 and "x.npz already exists; pass --overwrite" in done.stderr, done.stderr
     assert out.read_bytes() == b"an earlier export"
@@ -140,7 +142,7 @@ def test_export_never_writes_inside_the_checkpoint_it_exports(tmp_path: Path, in
     step = tmp_path / "run" / "0000000001"
     before = {str(p.relative_to(step)): p.read_bytes() for p in sorted(step.rglob("*")) if p.is_file()}
     with pytest.raises(ValueError, match=str(step / inside)):
-        zarrckpt._export.export_checkpoint(str(step), str(step / inside), format="npz",
+        zarrckpt._foreign.export.export_checkpoint(str(step), str(step / inside), format="npz",
                                            overwrite=True)
     done = forked_cli.run("export", str(step), str(step / inside), "--format", "npz", "--overwrite")
     assert done.returncode == 1 and str(step / inside) in done.stderr, done.stderr

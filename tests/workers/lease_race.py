@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 import zarrckpt
-from zarrckpt import _lease
+from zarrckpt._run import lease as _lease
 
 run, rounds, barrier, name, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 heartbeat_s, stall_s = float(sys.argv[6]), float(sys.argv[7])

@@ -70,7 +70,8 @@ def late(directory: str, timeout_s: str, hold_s: str) -> None:
     its key, the timeout it was given and how long it took."""
     from jax._src import distributed
 
-    from zarrckpt import _commit, _multihost, _objects
+    from zarrckpt import _commit, _objects
+    from zarrckpt._util import multihost as _multihost
 
     client = distributed.global_state.client
     if jax.process_index() == 0:

@@ -35,7 +35,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zarrckpt  # noqa: E402
-from zarrckpt import _stats, _storage  # noqa: E402
+from zarrckpt import _storage
+from zarrckpt._util import stats as _stats  # noqa: E402
 
 # Staged (staged, half, cplx): cut over the 8 devices at chunk boundaries (then resharded
 # onto every device);

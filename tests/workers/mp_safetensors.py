@@ -17,7 +17,7 @@ import safetensors.numpy  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zarrckpt  # noqa: E402
-from zarrckpt import _stats  # noqa: E402
+from zarrckpt._util import stats as _stats  # noqa: E402
 
 want = safetensors.numpy.load_file(path)
 rows = NamedSharding(Mesh(np.array(jax.devices()), ("fsdp",)), P("fsdp"))

@@ -1,5 +1,5 @@
 """Multi-process worker for the scale tests, reporting what each process asked of the
-coordination service and of the store (zarrckpt._stats).
+coordination service and of the store (zarrckpt._util.stats).
 
     save DIR STEP            save the state (every process)
     restore DIR MESH [BROADCAST [MAX_INFLIGHT_BYTES]]
@@ -27,7 +27,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zarrckpt  # noqa: E402
-from zarrckpt import _stats, _storage  # noqa: E402
+from zarrckpt import _storage
+from zarrckpt._util import stats as _stats  # noqa: E402
 
 SHAPES = {"sharded": (64, 32), "replicated": (1024, 512), "small": (1024,), "host": (5, 3)}  # replicated: 2 MiB
 TIMEOUT_S = 20.0

@@ -25,7 +25,7 @@ import crc32c
 import numcodecs.blosc
 import numpy as np
 
-from .._regions import Region
+from .._util.regions import Region
 from ..errors import CheckpointCorruptError
 from . import dtypes as _dtypes, naming as _naming
 

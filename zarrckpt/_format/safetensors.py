@@ -25,7 +25,7 @@ from typing import Any, ClassVar, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from .._regions import Region
+from .._util.regions import Region
 from . import tree as _tree, zarrjson as _zarrjson
 from .chunks import Damage
 

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._regions import Region, region_of
+from .._util.regions import Region, region_of
 from ..errors import CheckpointCorruptError, SourceReadError, UnsupportedLeafError
 from . import dtypes as _dtypes, naming as _naming, zarrjson as _zarrjson
 

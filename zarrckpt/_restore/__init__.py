@@ -2,7 +2,5 @@
 
 from .checkpoint import Checkpoint, MissingObject, StoredLeaf, open_checkpoint
 from .load import load, load_opened, load_pytree
-from .safetensors import load_safetensors
 
-__all__ = ["Checkpoint", "MissingObject", "StoredLeaf", "load", "load_opened", "load_pytree", "load_safetensors",
-           "open_checkpoint"]
+__all__ = ["Checkpoint", "MissingObject", "StoredLeaf", "load", "load_opened", "load_pytree", "open_checkpoint"]

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _devices, _peers
+from .._util import devices as _devices, permute as _permute
 from . import plan as _plan
 from .match import Request, Share
 
@@ -44,17 +44,17 @@ def _program(shares: tuple[Share, ...]) -> Callable[..., Any]:
 def _shared(x: jax.Array | tuple[jax.Array, ...], share: Share) -> jax.Array:
     """Inside the program: one leaf as its target holds it.
 
-    Summed, ORed and permuted as unsigned integers of its width (`_peers.bits`): sums
+    Summed, ORed and permuted as unsigned integers of its width (`_permute.bits`): sums
     and ors with zeros are then exact, -0.0 and NaN payloads survive. Resharded by XLA
-    as it is where that keeps every bit (`_peers.carried_exactly`), else as integers too,
+    as it is where that keeps every bit (`_permute.carried_exactly`), else as integers too,
     through a program of its own that XLA cannot fold back (slower: about 1.7x on CPU)."""
     staged = x if isinstance(x, tuple) else (x,)
     dtype = staged[0].dtype
     if not share.summed and not share.routes and (
-            not _peers.as_bits(dtype) or _peers.carried_exactly(dtype, share.sharding.mesh)):
+            not _permute.as_bits(dtype) or _permute.carried_exactly(dtype, share.sharding.mesh)):
         return staged[0]  # out_shardings reshards it (XLA's own reshard: the fastest)
-    # Complex and 4-bit leaves are never summed nor routed (`_peers.as_bits`, `relief`).
-    assert _peers.as_bits(dtype), (dtype, share)
+    # Complex and 4-bit leaves are never summed nor routed (`_permute.as_bits`, `relief`).
+    assert _permute.as_bits(dtype), (dtype, share)
     same = np.dtype(f"uint{dtype.itemsize * 8}")
     wide = np.dtype(np.int64) if dtype.itemsize == 8 else np.dtype(np.int32)
     axes = tuple(_plan.replica_axes(share.sharding))
@@ -63,9 +63,9 @@ def _shared(x: jax.Array | tuple[jax.Array, ...], share: Share) -> jax.Array:
 
     def total(block: jax.Array, *moved: jax.Array) -> jax.Array:
         # Each part is read once (or, relieved, twice the same): the others hold zeros there.
-        bits = _peers.bits(block)
+        bits = _permute.bits(block)
         for blocks, route in zip(moved, share.routes):
-            bits = bits | jax.lax.ppermute(_peers.bits(blocks), mesh.axis_names, route)  # peers' reads, placed
+            bits = bits | jax.lax.ppermute(_permute.bits(blocks), mesh.axis_names, route)  # peers' reads, placed
         if share.summed:
             bits = jax.lax.convert_element_type(jax.lax.psum(jax.lax.convert_element_type(bits, wide), axes), same)
         return bits
@@ -73,9 +73,9 @@ def _shared(x: jax.Array | tuple[jax.Array, ...], share: Share) -> jax.Array:
     # check_vma off: blocks replicated along an axis are sent along it all the same.
     bits = jax.shard_map(total, mesh=mesh, in_specs=(spec,) * len(staged), out_specs=spec,
                          check_vma=not share.routes)(*staged)
-    if not share.summed and not _peers.carried_exactly(dtype, mesh):
+    if not share.summed and not _permute.carried_exactly(dtype, mesh):
         bits = jax.lax.with_sharding_constraint(bits, share.sharding)  # resharded as integers, not by out_shardings
-    return _peers.from_bits(bits, dtype)
+    return _permute.from_bits(bits, dtype)
 
 
 def groups(requests: list[Request], max_bytes: int) -> list[list[Request]]:

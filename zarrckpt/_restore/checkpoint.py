@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _commit, _concurrency, _multihost, _seqax, _storage
+from .. import _commit, _seqax, _storage
 from .._format import (
     chunks as _chunks,
     dtypes as _dtypes,
@@ -30,8 +30,9 @@ from .._format import (
     zarrjson as _zarrjson,
 )
 from .._format.chunks import ChunkCodec, Damage, DamagedChunk
-from .._regions import Region, chunks_touching, intersect, region_shape, relative
 from .._storage import Location
+from .._util import concurrency as _concurrency, multihost as _multihost
+from .._util.regions import Region, chunks_touching, intersect, region_shape, relative
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 
 _MEMORY_BYTES = _concurrency.memory_bytes() or sys.maxsize

@@ -24,10 +24,11 @@ from typing import Any
 
 import jax
 
-from .. import _concurrency, _multihost, _options, _progress, _stats, _storage
+from .. import _options, _storage
 from .._format import dtypes as _dtypes, tree as _tree
 from .._options import LoadOptions
-from .._regions import Region, region_shape
+from .._util import concurrency as _concurrency, multihost as _multihost, progress as _progress, stats as _stats
+from .._util.regions import Region, region_shape
 from ..errors import CheckpointError
 from . import broadcast as _broadcast, checkpoint as _reader, relief as _relief
 from .match import Request, match, saved_form

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _multihost, _peers
 from .._format import dtypes as _dtypes, tree as _tree
 from .._format.tree import PerProcess
-from .._regions import Region, region_of, region_shape, relative
+from .._util import multihost as _multihost, permute as _permute
+from .._util.regions import Region, region_of, region_shape, relative
 from ..errors import CheckpointMismatchError, UnsupportedLeafError
 from . import checkpoint as _reader, plan as _plan
 from .plan import Placement
@@ -250,7 +250,7 @@ def sharded(dtype: np.dtype, sharding: jax.sharding.Sharding, stored: _reader.St
         staged = _plan.staging_sharding(sharding, stored.shape, stored.chunks)
         if staged is not None:
             return sharded(dtype, staged, stored)[0], Share(sharding, summed=False, staging=staged)
-        if _peers.as_bits(dtype):
+        if _permute.as_bits(dtype):
             readers = _plan.one_readers(sharding, stored.shape, stored.chunks, stored.name)
             return OneReader(dtype, sharding, readers), Share(sharding, summed=True)
     cpu = all(getattr(device, "platform", None) == "cpu" for device in sharding.device_set)

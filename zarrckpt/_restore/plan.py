@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import jax
 
-from .._regions import (
+from .._util.regions import (
     HostOf,
     Region,
     aligned,

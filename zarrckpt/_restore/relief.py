@@ -46,10 +46,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _concurrency, _multihost, _peers, _stats
 from .._format import dtypes as _dtypes
 from .._options import LoadOptions
-from .._regions import Region, region_of, region_shape, relative
+from .._util import concurrency as _concurrency, multihost as _multihost, permute as _permute, stats as _stats
+from .._util.regions import Region, region_of, region_shape, relative
 from ..errors import CheckpointError
 from . import checkpoint as _reader
 from .match import OneReader, Request, Sharded, ShardedByReaders, cut
@@ -277,8 +277,8 @@ def _routable(request: Request) -> bool:
     blocks all have one shape, of a dtype whose blocks can be ORed as integers."""
     form, share = request.form, request.share
     return (share is not None and not share.routes and type(form) in (Sharded, ShardedByReaders, OneReader)
-            and _peers.as_bits(form.dtype)
-            and _peers.movable(form.sharding, request.stored.shape))  # type: ignore[attr-defined]
+            and _permute.as_bits(form.dtype)
+            and _permute.movable(form.sharding, request.stored.shape))  # type: ignore[attr-defined]
 
 
 def _route(request: Request, helper: int | None, helped: int | None) -> tuple[tuple[int, int], ...] | None:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import _concurrency
+from .._util import concurrency as _concurrency
 from ..errors import CheckpointError
 from .protocol import SaveJob, Work, stage
 

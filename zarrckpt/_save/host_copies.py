@@ -12,8 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._concurrency import Hold
-from .._regions import Slices
+from .._util.concurrency import Hold
+from .._util.regions import Slices
 
 
 class HostCopy:

@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 
-from .. import _peers
-from .._concurrency import Hold
 from .._format import dtypes as _dtypes
 from .._format.chunks import ChunkCodec
 from .._format.tree import Deferred, Leaf
 from .._options import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MIN_CHUNK_BYTES
-from .._regions import (
+from .._util import permute as _permute
+from .._util.concurrency import Hold
+from .._util.regions import (
     HostOf,
     Region,
     Slices,
@@ -371,16 +371,16 @@ class Moved:
     and `array` holds them on this process's devices until they are copied off."""
 
     source: jax.Array | None
-    route: _peers.Pairs
+    route: _permute.Pairs
     array: jax.Array | None = None
 
     def start(self) -> None:
         if self.source is not None:
             source, self.source = self.source, None
-            self.array = _peers.move(source, self.route)
+            self.array = _permute.move(source, self.route)
 
 
-def plan_peer_array(own: ArrayPlan, route: _peers.Pairs, max_chunk_bytes: int, *, process: int,
+def plan_peer_array(own: ArrayPlan, route: _permute.Pairs, max_chunk_bytes: int, *, process: int,
                     min_chunk_bytes: int, written: set[Region], host_of: HostOf = process_of) -> ArrayPlan:
     """The peer copy's part of a leaf `own` plans (a local-tier save): the chunks that the
     process `route` sends its blocks to `process` holds and `process` does not write
@@ -389,7 +389,7 @@ def plan_peer_array(own: ArrayPlan, route: _peers.Pairs, max_chunk_bytes: int, *
     collective all the same."""
     value = own.leaf.value
     lay = layout(value.sharding, own.shape, own.dtype.itemsize, max_chunk_bytes, min_chunk_bytes,
-                 host_of).moved(_peers.mapping(value.sharding.mesh, route))
+                 host_of).moved(_permute.mapping(value.sharding.mesh, route))
     assert lay.chunks == own.chunks, "a permutation of whole processes keeps the chunk grid"
     mine = Writes.of(lay, ((c, p) for c, p in lay.held(process) if c not in written), process)
     units = [WriteUnit(chunk, size * own.dtype.itemsize, sources=parts) for chunk, size, parts in mine.units]
@@ -449,7 +449,7 @@ class Layout:
 
     def moved(self, to: dict[jax.Device, jax.Device]) -> Layout:
         """This layout with each device's blocks on the device `to` maps it to (see
-        `_peers.move`), computed once per mapping."""
+        `_permute.move`), computed once per mapping."""
         key = tuple(sorted((a.id, b.id) for a, b in to.items()))
         found = self._moved.get(key)
         if found is None:

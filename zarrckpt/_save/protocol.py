@@ -36,11 +36,19 @@ from typing import Any
 import jax
 import zarr
 
-from .. import _commit, _concurrency, _multihost, _objects, _options, _peers, _progress, _regions, _storage, errors
+from .. import _commit, _objects, _options, _storage, errors
 from .._format import naming as _naming, tree as _tree, vouched as _vouched, zarrjson as _zarrjson
-from .._lease import refuse_if_held
 from .._options import SaveOptions
+from .._run.lease import refuse_if_held
 from .._storage.store import SourceChanged
+from .._tier import peers as _peers
+from .._util import (
+    concurrency as _concurrency,
+    multihost as _multihost,
+    permute as _permute,
+    progress as _progress,
+    regions as _regions,
+)
 from . import plan as _planning, transfer as _transfer
 from .compression import Compressor
 from .plan import ArrayPlan, WriteUnit
@@ -517,14 +525,14 @@ def _peer_plans(own: ArrayPlan, peers: _peers.Peers, options: SaveOptions, proce
     value = own.leaf.value
     if not peers.holders or not isinstance(value, jax.Array) or value.is_fully_addressable:
         return []
-    if not _peers.movable(value.sharding, own.shape):
+    if not _permute.movable(value.sharding, own.shape):
         return []
     processes = [frozenset(d.process_index for d in devices)
                  for devices in _regions.replicas_of(value.sharding, own.shape).values()]
     written = {u.region for u in own.writes}
     plans = []
     for holder in peers.holders:
-        route = _peers.pairs(value.sharding.mesh, holder)  # type: ignore[attr-defined]  # movable: a NamedSharding
+        route = _permute.pairs(value.sharding.mesh, holder)  # type: ignore[attr-defined]  # movable: a NamedSharding
         if route is None or all(holder[p] in found for found in processes for p in found):
             continue  # every holder already holds all its peer holds
         plan = _planning.plan_peer_array(own, route, options.max_chunk_bytes, process=process,

@@ -33,9 +33,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _devices
-from .._concurrency import Hold
-from .._regions import Slices, region_slices
+from .._util import devices as _devices
+from .._util.concurrency import Hold
+from .._util.regions import Slices, region_slices
 from .host_copies import HostCopy, SharedHold, shard_source
 from .plan import ArrayPlan, PartCopy, WriteUnit
 

@@ -35,8 +35,8 @@ from typing import Any
 
 import fsspec
 
-from .. import _concurrency, _stats
 from .._format import naming as _naming
+from .._util import concurrency as _concurrency, stats as _stats
 from ..errors import CheckpointLocationError
 from .guard import DEFAULT_REQUEST_TIMEOUT_S, RETRIES, Guarded, NotAFileInCheckpoint, TooLarge
 from .local import LOCAL_CONCURRENCY, LocalDisk, UnsafeDirectory

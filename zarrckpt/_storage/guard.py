@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from .. import _concurrency, _stats
+from .._util import concurrency as _concurrency, stats as _stats
 from ..errors import CheckpointCorruptError
 from .store import DeadlinePassed, Larger, NotAFile, SourceChanged
 

@@ -39,7 +39,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .. import _concurrency, _stats
+from .._util import concurrency as _concurrency, stats as _stats
 from . import guard as _guard
 from .store import Check, DeadlinePassed
 

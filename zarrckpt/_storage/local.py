@@ -40,7 +40,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 
-from .. import _concurrency
+from .._util import concurrency as _concurrency
 from .store import Check, Entry, Larger, NotAFile, SourceChanged, Store
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

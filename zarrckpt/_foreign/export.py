@@ -29,9 +29,10 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
-from . import _concurrency, _deprecated, _options, _progress, _storage
-from ._format import dtypes as _dtypes, naming as _naming, safetensors as _safetensors_format
-from ._restore import checkpoint as _reader
+from .. import _deprecated, _options, _storage
+from .._format import dtypes as _dtypes, naming as _naming, safetensors as _safetensors_format
+from .._restore import checkpoint as _reader
+from .._util import concurrency as _concurrency, progress as _progress
 
 FORMATS = ("npz", "safetensors")
 # What every safetensors release since 0.4 writes from NumPy arrays (later ones add a few).

@@ -20,9 +20,11 @@ import math
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from . import _commit, _concurrency, _objects, _options, _steps
-from ._finite import NON_FINITE
-from ._storage import Location, TooLarge
+from .. import _commit, _objects, _options
+from .._finite import NON_FINITE
+from .._storage import Location, TooLarge
+from .._util import concurrency as _concurrency
+from . import steps as _steps
 
 log = logging.getLogger("zarrckpt")
 

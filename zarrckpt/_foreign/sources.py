@@ -13,8 +13,9 @@ import dataclasses
 from typing import Any
 
 from .._format import safetensors as _safetensors_format, tree as _tree
+from .._restore import checkpoint as _reader
 from ..errors import CheckpointNotFoundError
-from . import checkpoint as _reader, orbax as _orbax, safetensors as _safetensors
+from . import orbax as _orbax, safetensors as _safetensors
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import _progress
 from .._format import chunks as _chunks, tree as _tree, zarrjson as _zarrjson
-from .._regions import Region, region_shape, region_slices
+from .._restore import checkpoint as _reader
 from .._storage import Location
+from .._util import progress as _progress
+from .._util.regions import Region, region_shape, region_slices
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, UnsupportedLeafError
-from . import checkpoint as _reader
 
 log = logging.getLogger("zarrckpt")
 

@@ -37,12 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _peers
 from .._format import dtypes as _dtypes
-from .._regions import Region, chunks_touching, intersect, region_of, region_shape, relative, replicas_of
-from . import checkpoint as _reader
-from .match import Form, OneReader, OwnValue, Request, Sharded, Share, cut, sharded
-from .plan import Placement
+from .._restore import checkpoint as _reader
+from .._restore.match import Form, OneReader, OwnValue, Request, Sharded, Share, cut, sharded
+from .._restore.plan import Placement
+from .._util import permute as _permute
+from .._util.regions import Region, chunks_touching, intersect, region_of, region_shape, relative, replicas_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,18 +113,18 @@ def plan(requests: list[Request], held: Holdings, me: int, holders: Sequence[Seq
                 planned.append(dataclasses.replace(request, form=direct, share=None))
                 own += sum(_dtypes.nbytes(region_shape(box), form.dtype) for box, _ in direct.reads(stored, me))
                 continue
-            if not (_peers.as_bits(form.dtype) and isinstance(sharding, jax.sharding.NamedSharding)):
+            if not (_permute.as_bits(form.dtype) and isinstance(sharding, jax.sharding.NamedSharding)):
                 raise Unrebuildable(f"leaf {stored.where}: some process's local copy lacks parts it needs")
             # Blocks of uneven shapes cannot be permuted (jax 0.12 makes no such array yet):
             # their parts come from the copies alone, or the restore falls back.
-            movable = _peers.movable(sharding, stored.shape)
-            routes = [_peers.pairs(sharding.mesh, holder) if movable else None  # type: ignore[arg-type]  # a concrete mesh
+            movable = _permute.movable(sharding, stored.shape)
+            routes = [_permute.pairs(sharding.mesh, holder) if movable else None  # type: ignore[arg-type]  # a concrete mesh
                       for holder in holders]
             readers, moved = _readers(sharding, stored, holds, holders, routes)
             used = sorted({m for *_, m in moved})
             moved = tuple((part, device, reader, used.index(m)) for part, device, reader, m in moved)
             summed = any(len(devices) > 1 for devices in replicas_of(sharding, stored.shape).values())
-            back = tuple(_peers.inverse(routes[m]) for m in used)  # type: ignore[arg-type]  # never None when used
+            back = tuple(_permute.inverse(routes[m]) for m in used)  # type: ignore[arg-type]  # never None when used
             planned.append(dataclasses.replace(request, form=CopyParts(form.dtype, sharding, readers, moved),
                                                share=Share(sharding, summed, back) if summed or back else None))
             mine, theirs = _bytes(sharding, stored, readers + tuple((p, r) for p, _, r, _ in moved), me, form.dtype,
@@ -186,7 +186,7 @@ MovedPart = tuple[Region, jax.Device, jax.Device, int]
 
 def _readers(sharding: jax.sharding.NamedSharding, stored: _reader.StoredLeaf,
              holds: Sequence[frozenset[tuple[int, ...]] | None], peers: Sequence[Sequence[int]],
-             routes: Sequence[_peers.Pairs | None]) -> tuple[tuple[tuple[Region, jax.Device], ...],
+             routes: Sequence[_permute.Pairs | None]) -> tuple[tuple[tuple[Region, jax.Device], ...],
                                                              tuple[MovedPart, ...]]:
     """The one device reading each part of the leaf: a device holding the part's shard,
     of a process whose copy holds the part's chunk (taken in turn among them, as
@@ -194,7 +194,7 @@ def _readers(sharding: jax.sharding.NamedSharding, stored: _reader.StoredLeaf,
     copy's route pairs with one of those devices, on the process keeping that peer copy
     (`moved`). Unrebuildable naming a part no process holds."""
     readers, moved, k = [], [], zlib.crc32(stored.name.encode())
-    to = [None if route is None else _peers.mapping(sharding.mesh, route)  # type: ignore[arg-type]
+    to = [None if route is None else _permute.mapping(sharding.mesh, route)  # type: ignore[arg-type]
           for route in routes]
     for region, devices in sorted(replicas_of(sharding, stored.shape).items()):
         processes = sorted({d.process_index for d in devices})

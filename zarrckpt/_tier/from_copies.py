@@ -24,16 +24,18 @@ from typing import Any
 
 import numpy as np
 
-from .. import _commit, _multihost, _peers, _progress
+from .. import _commit
 from .._format import naming as _naming
 from .._format.chunks import ChunkCodec
 from .._format.copy_record import CopyRecord
 from .._options import LoadOptions
-from .._regions import Region, region_shape, region_slices
+from .._restore import checkpoint as _reader, match as _match
+from .._restore.load import GateClosed, load_requests
 from .._storage import Location
+from .._util import multihost as _multihost, progress as _progress
+from .._util.regions import Region, region_shape, region_slices
 from ..errors import CheckpointError, CheckpointMismatchError
-from . import checkpoint as _reader, copies as _copies, match as _match
-from .load import GateClosed, load_requests
+from . import copies as _copies, peers as _peers
 
 log = logging.getLogger("zarrckpt")
 

@@ -43,14 +43,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .. import _commit, _devices, _storage
+from .. import _commit, _storage
 from .._format import tree as _tree, vouched as _vouched, zarrjson as _zarrjson
 from .._format.chunks import ChunkCodec
-from .._regions import Region, region_size, replicas_of
+from .._save.host_copies import shard_source
+from .._save.plan import ArrayPlan
+from .._save.protocol import missing
+from .._util import devices as _devices
+from .._util.regions import Region, region_size, replicas_of
 from ..errors import CheckpointError, CheckpointWriteError
-from .host_copies import shard_source
-from .plan import ArrayPlan
-from .protocol import missing
 
 log = logging.getLogger("zarrckpt")
 

@@ -7,7 +7,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 
-from . import _multihost
+from . import multihost as _multihost
 
 _SHOW_AFTER_S = 2.0  # short saves and restores stay silent
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")

@@ -29,14 +29,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _concurrency, _options, _progress, _storage
+from .. import _options, _storage
 from .._format import safetensors as _format
 from .._format.tree import KeyPath
 from .._options import LoadOptions
+from .._restore import checkpoint as _reader
+from .._restore.load import load_opened
 from .._storage import Location
+from .._util import concurrency as _concurrency, progress as _progress
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
-from . import checkpoint as _reader
-from .load import load_opened
 
 # The first read of a file: its header is usually inside, so one request serves it.
 _FIRST_READ = 64 * 2**10

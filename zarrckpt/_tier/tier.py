@@ -36,15 +36,16 @@ import uuid
 from collections.abc import Collection
 from typing import Any
 
-from . import _lease, _multihost, _peers, _retention, _steps
-from ._format import copy_record, naming as _naming
-from ._format.copy_record import CopyRecord
-from ._options import LoadOptions, SaveOptions
-from ._restore import copies as _copies
-from ._restore.from_copies import CopiesDamaged, CopyReader, Unusable, open_copy
-from ._save import PER_PROCESS, BackgroundSave, PlanCache, SaveJob
-from ._storage import Location
-from .errors import CheckpointError, CheckpointLocationError, DirectoryInUseError
+from .._format import copy_record, naming as _naming
+from .._format.copy_record import CopyRecord
+from .._options import LoadOptions, SaveOptions
+from .._run import lease as _lease, retention as _retention, steps as _steps
+from .._save import PER_PROCESS, BackgroundSave, PlanCache, SaveJob
+from .._storage import Location
+from .._util import multihost as _multihost
+from ..errors import CheckpointError, CheckpointLocationError, DirectoryInUseError
+from . import copies as _copies, peers as _peers
+from .from_copies import CopiesDamaged, CopyReader, Unusable, open_copy
 
 log = logging.getLogger("zarrckpt")
 

@@ -9,12 +9,15 @@ from typing import Any, TypeVar
 
 import jax
 
-from . import _commit, _concurrency, _lease, _multihost, _options, _restore, _save, _storage
-from ._format import naming as _naming
-from ._restore import checkpoint as _reader, orbax as _orbax
-from ._save.unchanged import where
-from ._storage import Location
-from .errors import CheckpointLocationError, CheckpointNotFoundError
+from .. import _commit, _options, _restore, _save, _storage
+from .._foreign import orbax as _orbax
+from .._format import naming as _naming
+from .._restore import checkpoint as _reader
+from .._storage import Location
+from .._util import concurrency as _concurrency, multihost as _multihost
+from ..errors import CheckpointLocationError, CheckpointNotFoundError
+from . import lease as _lease, lineage as _lineage
+from .lineage import where
 
 log = logging.getLogger("zarrckpt")
 T = TypeVar("T")
@@ -82,7 +85,7 @@ def save_checkpoint(
     job = _save.SaveJob.create(loc, state, options,
                                before_prepare=lambda: _lease.refuse_if_held(loc, "save_checkpoint",
                                                                             existing_only=not overwrite))
-    known = _save.of_run(where(root))
+    known = _lineage.of_run(where(root))
     if source is not None and (trusted := _trusted(known, source)) is not None:
         seen = known.mark(job.plans, job.arrays, loc, source=source, save_id=trusted)
         job.after_writes = known.after_writes(job.plans, "unchanged_since", job.made, trusted)
@@ -97,7 +100,7 @@ def save_checkpoint(
     known.committed(seen, job.save_id, job.made, job.crcs)
 
 
-def _trusted(known: _save.Unchanged, source: Location) -> str | None:
+def _trusted(known: _lineage.Unchanged, source: Location) -> str | None:
     """The identity of committed step `source` if this process knows its leaves as they
     are now (it saved or restored that very save); else None, saying why."""
     step = known.step()
@@ -294,7 +297,7 @@ def load_checkpoint_if_it_exists(
                                    max_workers=max_workers, progress=progress)
     _options.check("timeout_s", timeout_s, _options.NUMBER)
     root = _storage.resolve(checkpoint_dir, storage_options)
-    state, step, _ = restore_latest(root, target, options, timeout_s, _save.of_run(where(root)))
+    state, step, _ = restore_latest(root, target, options, timeout_s, _lineage.of_run(where(root)))
     return state, step or 0
 
 
@@ -325,11 +328,11 @@ def load_checkpoint(
                                    load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
                                    max_workers=max_workers, progress=progress)
     root = _storage.resolve(checkpoint_dir, storage_options)
-    return load_step(root, step, target, options, _save.of_run(where(root)))[0]
+    return load_step(root, step, target, options, _lineage.of_run(where(root)))[0]
 
 
 def load_step(root: Location, step: int, target: Any, options: _options.LoadOptions,
-              known: _save.Unchanged | None) -> tuple[Any, _reader.Checkpoint]:
+              known: _lineage.Unchanged | None) -> tuple[Any, _reader.Checkpoint]:
     """`load_checkpoint` under `root`, and the checkpoint it read; told to what this
     process `known`s of it (for a later save's unchanged chunks), if given."""
     ckpt = _reader.open_checkpoint(committed_step(root, step))
@@ -337,7 +340,7 @@ def load_step(root: Location, step: int, target: Any, options: _options.LoadOpti
 
 
 def _read(ckpt: _reader.Checkpoint, target: Any, options: _options.LoadOptions,
-          known: _save.Unchanged | None) -> Any:
+          known: _lineage.Unchanged | None) -> Any:
     def read() -> Any:
         return _restore.load_opened(ckpt, target, options)
 
@@ -404,7 +407,7 @@ def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None,
 
 
 def restore_latest(root: Location, target: Any, options: _options.LoadOptions, timeout_s: float,
-                   known: _save.Unchanged | None) -> tuple[Any, int | None, _reader.Checkpoint | None]:
+                   known: _lineage.Unchanged | None) -> tuple[Any, int | None, _reader.Checkpoint | None]:
     """`load_checkpoint_if_it_exists` under `root`, but None for the step when nothing
     was restored (step 0 may have been saved), and the checkpoint it read, told to what
     this process `known`s of it, if given. Agreement."""

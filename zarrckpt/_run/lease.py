@@ -61,9 +61,9 @@ import time
 import uuid
 from typing import Any
 
-from ._format import naming as _naming, zarrjson as _zarrjson
-from ._storage import Location, NotAFileInCheckpoint, TooLarge
-from .errors import DirectoryInUseError
+from .._format import naming as _naming, zarrjson as _zarrjson
+from .._storage import Location, NotAFileInCheckpoint, TooLarge
+from ..errors import DirectoryInUseError
 
 log = logging.getLogger("zarrckpt")
 

@@ -44,8 +44,9 @@ from typing import Any, TypeVar
 
 import jax
 
-from . import _stats, errors
-from .errors import CheckpointError, CoordinationTimeoutError
+from .. import errors
+from ..errors import CheckpointError, CoordinationTimeoutError
+from . import stats as _stats
 
 DEFAULT_TIMEOUT_S = 600.0
 _T = TypeVar("_T")

@@ -1,0 +1,1 @@
+"""Other libraries' checkpoints and files: Orbax, safetensors; import and export."""

@@ -1,0 +1,1 @@
+"""General helpers that know nothing of checkpoints."""
