@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before ours: see _AtExit)
-import contextlib
 import dataclasses
-import difflib
 import functools
 import logging
 import math
@@ -14,15 +12,15 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _deprecated, _finite, _options, _preemption, _save, _storage, errors
+from . import _deprecated, _finite, _inflight, _options, _preemption, _save, _schedule, _storage
 from ._format import naming as _naming
-from ._run import lease as _lease, lineage as _lineage, retention as _retention, steps as _steps
+from ._run import lease as _lease, lineage as _lineage, retention as _retention, run as _run, steps as _steps
 from ._tier import tier as _tiers
 from ._util import concurrency as _concurrency, multihost as _multihost, progress as _progress
 
@@ -177,8 +175,8 @@ class CheckpointManager:
                                   ("heartbeat_s", heartbeat_s, _options.NUMBER)):
             _options.check(name, value, kind)
         inflight = default_inflight_bytes() if inflight is None else inflight
-        self._policy = _retention.Policy(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
-                                         best_metric=best_metric, best_mode=best_mode)
+        keep = _retention.Policy(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
+                                 best_metric=best_metric, best_mode=best_mode)
         self._save_options = _options.SaveOptions(max_chunk_bytes=max_chunk_bytes, min_chunk_bytes=min_chunk_bytes,
                                                   max_inflight_bytes=inflight,
                                                   max_workers=max_workers, timeout_s=timeout_s, progress=progress,
@@ -187,11 +185,10 @@ class CheckpointManager:
         self._local_options = dataclasses.replace(self._save_options, compression=None)
         self._compressor = _save.Compressor()
         self._plans = _save.PlanCache()  # the last persistent save's, for the next of the same tree
-        self._root = _storage.resolve(checkpoint_dir, storage_options).keeping_found()  # the lease guards it
+        root = _storage.resolve(checkpoint_dir, storage_options).keeping_found()  # the lease guards it
         self._pid = os.getpid()
-        local = self._local_directory(local_directory, local_save_interval_steps, local_peer_copies, local_peer_group)
-        self._interval_steps = save_interval_steps
-        self._interval_seconds = save_interval_seconds
+        local = _tiers.local_directory(local_directory, local_save_interval_steps, local_peer_copies, local_peer_group)
+        self._schedule = _schedule.SaveSchedule(save_interval_steps, save_interval_seconds, timeout_s=timeout_s)
         self._async = async_save
         self._unchanged = _lineage.Unchanged() if reuse_unchanged else None
         # What the NaN check found in the newest step this manager committed (process
@@ -199,35 +196,29 @@ class CheckpointManager:
         # held then.
         self._findings: tuple[str, str | None, _finite.Findings] | None = None
         self._preemption = _preemption.Notice(listen=save_on_preemption)
-        self._warned_unranked = False
         self._warned_older = False
         self._progress = progress
         self._timeout_s = timeout_s
-        self._last_save = time.monotonic()
-        self._committed = set(_steps.scan(self._root)[1])
         # A checkpoint itself (even one a manager saved steps into), or Orbax's: refused.
-        _steps.check_directory_of_steps(self._root, has_steps=bool(self._committed))
+        self._run = _run.Run(root, keep, heartbeat_s=heartbeat_s, timeout_s=timeout_s)
+        self._root = root
         self._restored_step: int | None = None
         self._restored_tier: str | None = None
-        self._metrics = _retention.load_metrics(self._root, self._committed) if best_metric is not None else {}
         self._lock = threading.Lock()
-        self._in_flight: list[_save.BackgroundSave] = []  # the saves of the last `save` call
-        self._in_flight_step = 0  # their step
-        self._errors: list[BaseException] = []
-        self._lease = _lease.Lease(self._root, heartbeat_s) if _multihost.process_index() == 0 else None
+        self._in_flight = _inflight.InFlight()
         self._tier: _tiers.LocalTier | None = None
         self._closed = True  # until the leases are ours
         try:  # a failure or a Ctrl-C from here on gives back what was taken: no caller holds a manager to close
-            run = self._claim_lease(local is not None)
+            run = self._run.claim((lambda: _tiers.run_identity(root)) if local is not None else (lambda: None))
             if local is not None and run is not None:
                 self._tier = _tiers.LocalTier.open(local, run, local_save_interval_steps or 0, local_keep_last,
                                                    heartbeat_s=heartbeat_s, timeout_s=timeout_s,
                                                    peer_copies=local_peer_copies, peer_group=local_peer_group)
             # A manager nobody holds any more (a notebook cell run again) gives its leases
             # back; the leases' threads never hold the manager.
-            self._release = weakref.finalize(self, _release, self._lease, self._tier)
+            self._release = weakref.finalize(self, _release, self._run.lease, self._tier)
         except BaseException:
-            _release(self._lease, self._tier)
+            _release(self._run.lease, self._tier)
             raise
         self._closed = False
         _close_at_exit.register(self)
@@ -266,7 +257,7 @@ class CheckpointManager:
         if self._preemption.first_seen(step):
             log.warning("preemption notice at step %d: saving it; `if mgr.reached_preemption(step): break` stops the "
                         "loop there", step)
-        self._raise_errors()
+        self._in_flight.raise_errors()
         for_notice = self._preemption.unsaved  # this save is the notice's, whatever the policy says
         persistent = self._should_save(step, force or for_notice)
         if for_notice and not persistent:  # committed or in flight already: that save is the notice's
@@ -275,7 +266,7 @@ class CheckpointManager:
         if not (persistent or copy):
             return False
         if persistent:
-            self._warn_unranked(step, values)
+            self._run.warn_unranked(step, values)
         called = time.perf_counter()
         self.wait()
         saves: list[_save.BackgroundSave] = []  # the persistent save first: the one that must not fail
@@ -286,20 +277,18 @@ class CheckpointManager:
                 saves.append(self._persistent_save(step, location, state, values, called))
             if copy and self._tier is not None:
                 making = f"the local copy of step {step}"
-                if (copy_save := self._tier.save(step, state, self._local_options, self._committed_steps(),
+                if (copy_save := self._tier.save(step, state, self._local_options, self._run.committed_steps(),
                                                  self._timeout_s)) is not None:
                     saves.append(copy_save)
             making = None
             if not saves:
                 return False
-            with self._lock:
-                self._in_flight, self._in_flight_step = saves, step
+            self._in_flight.started(saves, step)
             for save in saves:
                 save.start() if self._async else save.run()
         except BaseException as e:
             unstarted = [save for save in saves if not save.started]
-            with self._lock:  # not in flight, so that a `save` of the step again saves it
-                self._in_flight = [save for save in self._in_flight if save.started and not save.done]
+            self._in_flight.drop_unstarted()
             if not isinstance(e, Exception):
                 # A Ctrl-C's traceback alone does not say that the step was lost (a save
                 # that had started says so itself).
@@ -307,31 +296,19 @@ class CheckpointManager:
                     log.warning("%s was not saved: %s before its save started; nothing was committed", what,
                                 type(e).__name__)
             raise
-        self._raise_errors()  # without async_save: the persistent save's error
+        self._in_flight.raise_errors()  # without async_save: the persistent save's error
         if for_notice:
             self._preemption.saved = step
         return True
 
-    def _warn_unranked(self, step: int, metrics: Mapping[str, float] | None) -> None:
-        """Warns, once, when `keep_best` cannot rank a save: its metrics lack
-        `best_metric` (a misspelling deletes the best step as unranked)."""
-        name = self._policy.best_metric
-        if name is None or self._warned_unranked or (metrics is not None and name in metrics):
-            return
-        self._warned_unranked = True
-        close = difflib.get_close_matches(name, list(metrics or ()), n=1)
-        log.warning("step %d is saved without best_metric %r in its metrics (%s): keep_best cannot rank it, and "
-                    "keeps only steps that have it%s", step, name, ", ".join(map(repr, metrics or ())) or "none",
-                    f"; did you mean {close[0]!r}?" if close else "")
-
     def _persistent_save(self, step: int, location: _storage.Location, state: Any,
                          metrics: Mapping[str, float] | None, called: float) -> _save.BackgroundSave:
         started = time.perf_counter()
-        self._last_save = time.monotonic()
+        self._schedule.started()
         job = _save.SaveJob.create(location, state, self._save_options, channel="manager-save",
                                    extra_metadata={"metrics": metrics} if metrics is not None else None,
                                    compressor=self._compressor, plans=self._plans, discard=True,
-                                   fence=self._lease_check)
+                                   fence=self._run.fence)
         meta = job.meta  # not the job: no cycle may hold the state
         seen = None
         if self._unchanged is not None:
@@ -347,8 +324,8 @@ class CheckpointManager:
         findings: list[_finite.Findings] = []  # process 0's, once known
 
         def before_prepare() -> None:  # process 0, in the background, before anything is written
-            if self._lease is not None:
-                self._lease.check()
+            if self._run.lease is not None:
+                self._run.lease.check()
             findings.append(check())
             if found := list(findings[0].bad.values()):
                 meta[_finite.NON_FINITE] = found
@@ -362,10 +339,8 @@ class CheckpointManager:
 
         def committed() -> None:
             seconds = time.perf_counter() - started
+            self._run.committed(step, metrics)
             with self._lock:
-                self._committed.add(step)
-                if metrics is not None:
-                    self._metrics[step] = dict(metrics)
                 self._findings = (location.url, save.save_id, findings[0]) if findings else None
             if _multihost.process_index() == 0:
                 # `save` blocked training from its call until the copies were dispatched,
@@ -378,7 +353,7 @@ class CheckpointManager:
                          _progress.rate(nbytes, seconds), blocked, note)
             if known is not None and seen is not None:
                 known.committed(seen, save.save_id, made, crcs)
-            if self._policy.deletes:
+            if self._run.keep.deletes:
                 self._retain()
 
         save = _save.BackgroundSave(job, f"zarrckpt-save-{step}", on_commit=committed,
@@ -391,9 +366,8 @@ class CheckpointManager:
         the next call on the training thread. The next save makes its unchanged chunks
         from the step it would have (see `Unchanged.failed`), or, after a failed
         retention, which may have deleted steps unknown, writes every chunk."""
-        with self._lock:
-            committed = step in self._committed
-            self._errors.append(error)
+        self._in_flight.failed(error)
+        committed = step in self._run.committed_steps()
         if self._unchanged is not None and committed:
             self._unchanged.forget()
         elif self._unchanged is not None:
@@ -403,13 +377,15 @@ class CheckpointManager:
                         "had been written (zarrckpt.all_steps says)", url, type(error).__name__)
 
     def _should_save(self, step: int, force: bool) -> bool:
-        with self._lock:
-            in_flight = {save.url for save in self._in_flight}
-            if step in self._committed or self._root.step(step).url in in_flight:
-                return False
-            # The steps in flight too: `_committed` learns of a commit on each process's
-            # own background thread, `_in_flight` only here, the same on every process.
-            newest = max(self._committed | ({self._in_flight_step} if self._in_flight else set()), default=None)
+        # Committed read first: a save in flight stays in `_in_flight` until `wait`, so a
+        # commit between the two reads is seen by one of them.
+        committed = self._run.committed_steps()
+        in_flight, flying = self._in_flight.urls(), self._in_flight.step()
+        # The step in flight too: the run learns of a commit on each process's own
+        # background thread, `_in_flight` only here, the same on every process.
+        newest = max(committed | ({flying} if flying is not None else set()), default=None)
+        if step in committed or self._root.step(step).url in in_flight:
+            return False
         # A loop restored on purpose to an older step (`restore(..., step=...)`) saves on from it.
         rolled_back = self._restored_step is not None and step > self._restored_step
         if newest is not None and step < newest and not force and not rolled_back:
@@ -420,29 +396,11 @@ class CheckpointManager:
                             "state?); save(..., force=True) saves one anyway, and mgr.delete(%d) deletes the "
                             "newer one", step, newest, self._root.url, newest)
             return False
-        every_call = self._interval_steps is None and self._interval_seconds is None
-        due = force or every_call or bool(self._interval_steps and step % self._interval_steps == 0)
-        if not due and (interval := self._interval_seconds) is not None:
-            # Clocks differ across hosts: process 0 decides for everyone.
-            with _multihost.Agreement("manager-decide", self._timeout_s) as op:
-                due = bool(op.decide("due", lambda: time.monotonic() - self._last_save >= interval))
-        return due
-
-    def _committed_steps(self) -> set[int]:
-        with self._lock:
-            return set(self._committed)
+        return force or self._schedule.due(step)
 
     def _retain(self) -> None:
-        """Applies retention after a commit, on the thread that committed: process 0
-        deletes, every process waits for it (so `wait` covers it) and learns what
-        went. Agreement."""
-        with self._lock:
-            metrics = dict(self._metrics)
-        with _multihost.Agreement("manager-retain", self._timeout_s, what=f"retention under {self._root.url}") as op:
-            deleted = op.decide("retain", lambda: _retention.apply(self._root, self._policy, metrics,
-                                                                   fence=self._lease_check))
-        with self._lock:
-            self._committed.difference_update(deleted)
+        """Applies retention after a commit, on the thread that committed. Agreement."""
+        deleted = self._run.retain()
         if self._unchanged is not None:  # a rollback's step, older than the newest: gone
             self._unchanged.dropped({self._root.step(step).url for step in deleted})
 
@@ -452,21 +410,7 @@ class CheckpointManager:
         """Blocks until the save in flight has committed and the retention its commit
         triggered has run; raises its error if it failed. Agreement."""
         self._check_process()
-        with self._lock:
-            in_flight = self._in_flight
-        try:
-            for save in in_flight:
-                save.join()
-        except KeyboardInterrupt:
-            for save in in_flight:
-                if not save.done:
-                    log.warning("interrupted while waiting for %s to be saved: the save goes on, and the next "
-                                "save, wait() or close() waits for it, as does this program's exit", save.url)
-            raise
-        with self._lock:
-            if self._in_flight is in_flight:
-                self._in_flight = []
-        self._raise_errors()
+        self._in_flight.wait()
 
     def restore(self, target: Any, *, step: int | None = None, partial: bool = False, allow_dtype_cast: bool = False,
                 donate_target: bool = False, load_and_broadcast: bool = True,
@@ -537,42 +481,31 @@ class CheckpointManager:
         "NaN", "Infinity", "-Infinity"), or None if it was saved without. Reads the
         step's metadata; CheckpointNotFoundError if `step` is not committed. Not
         collective."""
-        step = _naming.step_number(step)
-        return _retention.metrics_of(self._root, _steps.committed_step(self._root, step))
+        return self._run.metrics(_naming.step_number(step))
 
     def best_step(self) -> int | None:
         """The committed step with the best `best_metric` (by `best_mode`), among those
         saved with it, or None. Needs `best_metric`. Not collective."""
-        if self._policy.best_metric is None:
-            raise ValueError("best_step needs best_metric (and best_mode) given to the CheckpointManager")
-        with self._lock:
-            metrics = {step: self._metrics.get(step, {}) for step in self._committed}
-        ranked = _retention.ranked(self._policy, metrics)
-        return ranked[0] if ranked else None
+        return self._run.best_step()
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending (read from storage). Not collective."""
-        return _steps.scan(self._root)[1]
+        return self._run.all_steps()
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None. Not collective."""
-        return _steps.latest(self._root)
+        return self._run.latest_step()
 
     def pin(self, step: int) -> None:
         """Exempts committed `step` from retention, by a PINNED file in its directory.
         ValueError, on a local disk, if a top-level leaf of the step is named so (its
         array's directory is there)."""
-        step = _naming.step_number(step)
-        if not _retention.pin(_steps.committed_step(self._root, step)):
-            raise ValueError(f"step {step} cannot be pinned: a leaf of it is named {_retention.PIN_FILE!r}, the "
-                             "pin file's name")
+        self._run.pin(_naming.step_number(step))
 
     def unpin(self, step: int) -> None:
         """Lets retention delete committed `step` again (removes its PINNED file, if any:
         an imported step's too). CheckpointNotFoundError if `step` is not committed."""
-        step = _naming.step_number(step)
-        with contextlib.suppress(IsADirectoryError):  # a leaf named so: no pin to remove
-            _steps.committed_step(self._root, step).remove_file(_retention.PIN_FILE)
+        self._run.unpin(_naming.step_number(step))
 
     def delete(self, step: int) -> None:
         """Deletes committed `step` now, pinned or not, its commit marker first (an
@@ -587,33 +520,15 @@ class CheckpointManager:
         step = _naming.step_number(step)
         self._check_open()
         self.wait()
-        with _multihost.Agreement("manager-delete", self._timeout_s,
-                                  what=f"deleting step {step} of {self._root.url}") as op:
-            # Asked of process 0 for all: asked by each, a process behind would find the step
-            # that process 0 had already deleted, and fail alone.
-            op.decide("committed", lambda: _steps.committed_step(self._root, step).url)
-            if self._tier is not None:  # else a restore would bring it back from the local tier
-                self._tier.forget(step)
-            if self._unchanged is not None:  # a save must not make its chunks from a deleted step
-                self._unchanged.dropped({self._root.step(step).url})
-            deleted = op.decide("delete", lambda: self._delete_on_process_0(step))
-        if not deleted:
-            raise errors.CheckpointWriteError(f"step {step} of {self._root.url} was not deleted: its directory also "
-                                              "holds files that are not the checkpoint's (see the warning)")
-        with self._lock:
-            self._committed.discard(step)
-            self._metrics.pop(step, None)
+        # Told before the deletion: a restore would bring the step back from the local
+        # tier, and a save would make its chunks from it.
+        forget = [tell for tell in (self._tier.forget if self._tier is not None else None,
+                                    self._forget_lineage if self._unchanged is not None else None) if tell]
+        self._run.delete(step, forget=forget)
 
-    def _delete_on_process_0(self, step: int) -> bool:
-        # The lease is checked inside the decision: its error reaches every process.
-        assert self._lease is not None  # process 0's
-        self._lease.check(f"step {step} not deleted")
-        return _retention.delete(self._root, step, committed=True, why="delete()")
-
-    @property
-    def _lease_check(self) -> Callable[[str], None] | None:
-        """Process 0's lease check (`Lease.check`), None elsewhere."""
-        return None if self._lease is None else self._lease.check
+    def _forget_lineage(self, step: int) -> None:
+        assert self._unchanged is not None
+        self._unchanged.dropped({self._root.step(step).url})
 
     # -- lifetime ----------------------------------------------------------------
 
@@ -658,19 +573,14 @@ class CheckpointManager:
         try:
             self.wait()
         except KeyboardInterrupt:
-            if not self._unfinished():
+            if not self._in_flight.unfinished():
                 self._end()
             raise
         except BaseException:
             self._end()
             raise
         self._end()
-        self._raise_errors()
-
-    def _unfinished(self) -> list[_save.BackgroundSave]:
-        """The saves of the last `save` call still writing or committing."""
-        with self._lock:
-            return [save for save in self._in_flight if not save.done]
+        self._in_flight.raise_errors()
 
     def _end(self) -> None:
         self._closed = True
@@ -683,7 +593,7 @@ class CheckpointManager:
         said by a warning naming it), never cut off by the interpreter's end."""
         if self._closed:
             return
-        for save in self._unfinished():
+        for save in self._in_flight.unfinished():
             log.warning("exiting while %s is being saved by a CheckpointManager nobody closed: waiting for it "
                         "(close() the manager, or use `with`, to wait where you choose)", save.url)
             try:
@@ -700,52 +610,10 @@ class CheckpointManager:
 
     def __exit__(self, kind: type[BaseException] | None, *exc: Any) -> None:
         if kind is KeyboardInterrupt:
-            if pending := [save.url for save in self._unfinished()]:
+            if pending := [save.url for save in self._in_flight.unfinished()]:
                 log.warning("waiting for %s to commit before leaving (Ctrl-C again stops waiting here; the program's "
                             "exit then waits for it)", ", ".join(pending))
         self.close()
-
-    def _claim_lease(self, tiers: bool) -> str | None:
-        """Process 0 claims the directory (and, with a local tier, reads or makes its run
-        identity, which every process learns and this returns); a refusal is raised on
-        every process. Agreement."""
-        def claim() -> str | None:
-            if self._lease is not None:
-                self._lease.claim()
-            return _tiers.run_identity(self._root) if tiers else None
-
-        with _multihost.Agreement("manager-open", self._timeout_s, what=f"claiming {self._root.url} for this job",
-                                  error=errors.CheckpointWriteError) as op:
-            if not self._root.is_local:  # every process asks what the store honours: all then write and copy alike
-                op.check("probe", lambda: self._root.probe(_lease.LEASES))
-            return op.decide("claim", claim)
-
-    def _local_directory(self, directory: str | None, interval: int | None, peer_copies: int,
-                         peer_group: str | None) -> _storage.Location | None:
-        if peer_group is not None and not isinstance(peer_group, str):
-            raise TypeError(f"local_peer_group must be a str naming this process's failure domain, got "
-                            f"{type(peer_group).__name__}")
-        if (peer_copies or peer_group is not None) and directory is None:
-            raise ValueError("local_peer_copies and local_peer_group keep copies of the local tier: give "
-                             "local_directory and local_save_interval_steps too")
-        processes = _multihost.process_count()
-        if peer_copies >= processes > 1:
-            raise ValueError(f"local_peer_copies={peer_copies} needs more processes than the job's {processes}: "
-                             "each copy is kept by another process")
-        if peer_copies and processes == 1:
-            log.warning("local_peer_copies=%d: a job of one process has no peer to keep a copy", peer_copies)
-        if directory is None and interval is None:
-            return None
-        if directory is None or interval is None:
-            raise ValueError("local_directory and local_save_interval_steps go together: give both for a local "
-                             "tier, or neither")
-        if not isinstance(directory, str):
-            raise TypeError(f"local_directory must be a str path, got {type(directory).__name__}")
-        local = _storage.resolve(directory)
-        if not local.is_local:
-            raise ValueError(f"local_directory must be a path on this host's own disk (a RAM disk or a local SSD), "
-                             f"got {directory!r}; the persistent tier is checkpoint_dir")
-        return local
 
     def _check_open(self) -> None:
         self._check_process()
@@ -759,12 +627,6 @@ class CheckpointManager:
                 f"(pid {os.getpid()}) was forked from it and cannot use it (its lease and its saves are the "
                 "parent's): save from the parent, and read steps here with zarrckpt.load_checkpoint or "
                 "zarrckpt.latest_step, which need no manager")
-
-    def _raise_errors(self) -> None:
-        with self._lock:
-            pending, self._errors = self._errors, []
-        if pending:
-            raise pending[0]
 
 
 def _release(lease: _lease.Lease | None, tier: _tiers.LocalTier | None) -> None:

@@ -41,7 +41,7 @@ from .._format.copy_record import CopyRecord
 from .._options import LoadOptions, SaveOptions
 from .._run import lease as _lease, retention as _retention, steps as _steps
 from .._save import PER_PROCESS, BackgroundSave, PlanCache, SaveJob
-from .._storage import Location
+from .._storage import Location, resolve
 from .._util import multihost as _multihost
 from ..errors import CheckpointError, CheckpointLocationError, DirectoryInUseError
 from . import copies as _copies, peers as _peers
@@ -211,6 +211,36 @@ class LocalTier:
         if me in problems:
             log.warning("local copy %s set aside (deleted): %s", self.root.step(step).url, problems[me])
             self._remove(step, committed=True, why="damaged")
+
+
+def local_directory(directory: str | None, interval: int | None, peer_copies: int,
+                     peer_group: str | None) -> Location | None:
+    """The local tier's directory for a manager's local_* options, or None without one.
+    Raises TypeError or ValueError naming the option on a bad or contradictory one."""
+    if peer_group is not None and not isinstance(peer_group, str):
+        raise TypeError(f"local_peer_group must be a str naming this process's failure domain, got "
+                        f"{type(peer_group).__name__}")
+    if (peer_copies or peer_group is not None) and directory is None:
+        raise ValueError("local_peer_copies and local_peer_group keep copies of the local tier: give "
+                         "local_directory and local_save_interval_steps too")
+    processes = _multihost.process_count()
+    if peer_copies >= processes > 1:
+        raise ValueError(f"local_peer_copies={peer_copies} needs more processes than the job's {processes}: "
+                         "each copy is kept by another process")
+    if peer_copies and processes == 1:
+        log.warning("local_peer_copies=%d: a job of one process has no peer to keep a copy", peer_copies)
+    if directory is None and interval is None:
+        return None
+    if directory is None or interval is None:
+        raise ValueError("local_directory and local_save_interval_steps go together: give both for a local "
+                         "tier, or neither")
+    if not isinstance(directory, str):
+        raise TypeError(f"local_directory must be a str path, got {type(directory).__name__}")
+    local = resolve(directory)
+    if not local.is_local:
+        raise ValueError(f"local_directory must be a path on this host's own disk (a RAM disk or a local SSD), "
+                         f"got {directory!r}; the persistent tier is checkpoint_dir")
+    return local
 
 
 def _run_of_directory(name: str) -> str | None:
