@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 
 from ._save import BackgroundSave
 
@@ -21,16 +22,22 @@ class InFlight:
         self._step = 0
         self._errors: list[BaseException] = []
 
-    def started(self, saves: list[BackgroundSave], step: int) -> None:
-        """`saves`, of `step`, are the ones in flight now."""
+    def start(self, saves: list[BackgroundSave], step: int, *, background: bool) -> None:
+        """Starts `saves`, of `step`, in the background (else runs them here, one after the
+        other), as the ones in flight. Interrupted, those not started are not in flight
+        (a `save` of their step again saves it), and a warning names them."""
         with self._lock:
             self._saves, self._step = saves, step
-
-    def drop_unstarted(self) -> None:
-        """Forgets the saves that never started or have finished: a `save` of their step
-        again saves it."""
-        with self._lock:
-            self._saves = [save for save in self._saves if save.started and not save.done]
+        try:
+            for save in saves:
+                save.start() if background else save.run()
+        except BaseException as e:
+            unstarted = [save.url for save in saves if not save.started]
+            with self._lock:
+                self._saves = [save for save in self._saves if save.started and not save.done]
+            if not isinstance(e, Exception):  # a save that had started says so itself
+                warn_unsaved(unstarted, e)
+            raise
 
     def urls(self) -> set[str]:
         with self._lock:
@@ -76,3 +83,12 @@ class InFlight:
             pending, self._errors = self._errors, []
         if pending:
             raise pending[0]
+
+
+def warn_unsaved(what: Iterable[str | None], error: BaseException) -> None:
+    """Says that each of `what` was not saved, `error` (a Ctrl-C, whose traceback alone
+    does not say so) having come before its save started."""
+    for url in what:
+        if url is not None:
+            log.warning("%s was not saved: %s before its save started; nothing was committed", url,
+                        type(error).__name__)

@@ -38,7 +38,7 @@ def default_inflight_bytes() -> int:
 
 
 class CheckpointManager:
-    """Saves a training state every so often under one directory, and restores it.
+    """Saves a training state every so often under one directory of steps, and restores it.
 
         with zarrckpt.CheckpointManager("gs://bucket/run", save_interval_steps=1000, keep_last=3) as mgr:
             state, step = mgr.restore(state)          # newest committed step, or (state, 0)
@@ -46,88 +46,56 @@ class CheckpointManager:
                 state = train_step(state)
                 mgr.save(step, state)                  # saves when a policy says so
 
-    Agreement: under `jax.distributed` every process must make the same calls
-    (`save`, `restore`, `wait`, `close`) with the same arguments; process 0 takes the
-    decisions that depend on its clock and broadcasts them. `all_steps`,
-    `latest_step` and `pin` are not collective.
-
-    One manager per directory: a second one on a directory that a live manager
-    holds is refused (DirectoryInUseError). Evaluators and other readers need no
-    manager: `latest_step`, `load_checkpoint`, `load_checkpoint_if_it_exists` and
-    `checkpoints_iterator` read a directory that a training job is writing.
-
-    A manager is its process's: in a process forked from it (`os.fork`, a worker of
-    multiprocessing's `fork` start method), `save`, `restore`, `delete`, `wait` and
-    `reached_preemption` raise RuntimeError, `close` does nothing, and its lease stays
-    the parent's (a child's exit never gives it back).
+    Collective under `jax.distributed`: every process makes the same calls (`save`,
+    `restore`, `wait`, `delete`, `reached_preemption`, `close`) with the same
+    arguments; `all_steps`, `latest_step`, `metrics`, `best_step`, `pin` and `unpin`
+    are not. One manager holds a directory at a time (a lease): a second is refused
+    with DirectoryInUseError. Readers need no manager (`load_checkpoint`,
+    `checkpoints_iterator`). In a process forked from the one that made it, a manager
+    raises RuntimeError and its lease stays the parent's.
 
     Args:
       checkpoint_dir: local path or fsspec URL holding one directory per step.
       save_interval_steps: save when `step % save_interval_steps == 0`.
-      save_interval_seconds: save when this long has passed since the last save.
-        With neither interval, every `save` call saves (as Orbax's default interval
-        of 1 step does).
-      keep_last, keep_every, keep_best, best_metric, best_mode: retention, applied on
-        process 0 after each commit, off the training thread; see `zarrckpt._run.retention`.
-        The newest committed step and pinned steps are never deleted.
-      async_save: `save` returns once the state's copies to host memory are dispatched
-        (pinned host memory where the devices have it); writing and committing continue
-        on a background thread (at most one save in flight).
-      reuse_unchanged: write only what changed (default True). A jax.Array leaf that
-        holds exactly what it held in the newest step this manager saved or restored
-        (the very same array, or every shard with the same fingerprint, computed on
-        its device) is neither copied off the devices nor written: its chunks are
-        made from that step's, a hard link on a local disk, a copy inside the store on
-        S3 and GCS. Every step stays complete: deleting the older one loses nothing.
-        A fine-tune's frozen weights cost no PCIe traffic and no bytes from the second
-        save on when they are the same arrays, from the third when the step rebuilds
-        them (a leaf under 4 MiB on a process is then written). `save` waits for the
-        fingerprints it compares (so for the step that made the arrays). See
-        docs/pytree-zarr-checkpoint.md, "Unchanged chunks", for the guarantee.
-      max_inflight_bytes: bound on host memory holding a save's copies off the devices
-        that are not yet written (default: a quarter of the memory this process may
-        use, the host's or its cgroup's limit, at least 8 GiB; each process of a host
-        takes as much: with several on one host, give less); a larger state makes
-        `save` wait for writes to drain before it has copied everything.
-        `max_staged_bytes`, its name before, still works, with a DeprecationWarning.
-      save_on_preemption: save at a preemption notice (JAX's preemption sync point; in
-        a job of one process, SIGTERM), and say so by `reached_preemption`.
-      heartbeat_s: how often process 0 renews its lease on the directory; a second
-        manager on a directory whose lease is alive is refused (see `zarrckpt._run.lease`).
+      save_interval_seconds: save when this long has passed since the last save
+        started. With neither interval, every `save` call saves.
+      keep_last, keep_every, keep_best, best_metric, best_mode: what retention keeps
+        (process 0, after each commit, off the training thread): the newest N steps,
+        every step divisible by K, the N best by `metrics[best_metric]` ("min" or
+        "max"). The newest step, pinned steps and the newest step without NaN or
+        infinities are always kept; without keep_last or keep_best nothing is deleted.
+      async_save: `save` returns once the copies off the devices are dispatched;
+        writing and committing go on in the background (one save in flight).
+      reuse_unchanged: a jax.Array leaf that holds exactly what it held in the newest
+        step this manager saved or restored (the very same array, or every shard with
+        the same fingerprint, computed on its device) has its chunks made from that
+        step's (a hard link, a copy inside S3 or GCS) instead of written. Every step
+        stays complete on its own.
+      max_inflight_bytes: host memory a save may hold in copies not yet written
+        (default: a quarter of this process's memory limit, at least 8 GiB); past it,
+        `save` waits for writes. `max_staged_bytes` is a deprecated alias.
+      save_on_preemption: save at a preemption notice (JAX's preemption sync point;
+        SIGTERM in a job of one process) and report it by `reached_preemption`.
+      heartbeat_s: how often process 0 renews its lease on the directory.
       progress: progress bars on process 0 (default: when stderr is a terminal).
-      local_directory: a path on each host's own disk (a RAM disk such as /dev/shm/run1,
-        or a local SSD) for the local tier: every `local_save_interval_steps` steps, each
-        process saves what its own devices hold there (under `run-<run>/process<i>`),
-        beside the persistent checkpoints; `restore` takes the newest step the surviving
-        local copies can rebuild when it is newer than the newest persistent step (see
-        README, "Two tiers"). It must be this user's alone (made with mode 0700 if
-        missing): one another user owns or can write is refused
-        (CheckpointLocationError), as is a second live job of the same run on it
-        (DirectoryInUseError, as for the checkpoint directory). A local
-        save that would not fit, or that fails, is skipped with a warning (a half-written
-        copy is deleted): training and the persistent tier go on. A copy that fails any
-        check while restoring is set aside with a warning, and the restore goes on to a
-        replica, then to the persistent tier. After a restore, each process deletes its
-        copies newer than the step restored (abandoned training).
-      local_save_interval_steps: the local tier's interval; needed with local_directory.
+      local_directory, local_save_interval_steps: the local tier, given together: every
+        N steps each process saves what its devices hold under this path on its own
+        disk (a RAM disk, a local SSD; this user's alone, made with mode 0700), and
+        `restore` takes the newest step the local copies rebuild when it is newer than
+        the newest persistent one. A local save that fails or would not fit is skipped
+        with a warning; a damaged copy is set aside and the restore goes on.
       local_keep_last: local copies each process keeps.
-      local_peer_copies: how many other processes keep a copy of each process's local
-        copy (default 0): each also writes, into its own copy of the step, the chunks
-        of its peers' copies that its own devices do not hold, moved over the device
-        network, so that a lost host (its disk gone) is rebuilt from its peers, with no
-        read of the persistent store, even when no other process holds a replica of its
-        shards (fully sharded training). Each copy costs about one local copy more of
-        disk and of device-network traffic per local save. Peers are chosen in other
-        failure domains (see local_peer_group). Needs at least copies + 1 processes.
-      local_peer_group: this process's failure domain (a rack, a slice, a host name),
-        each process naming its own: peer copies are kept in other domains. Default:
-        the slice its devices are on where they say (TPU), else its host.
+      local_peer_copies: how many other processes also keep each process's local copy,
+        so that a lost host is rebuilt from its peers (needs more processes than that).
+      local_peer_group: this process's failure domain; peers are chosen in others
+        (default: its slice where the devices say, else its host).
       storage_options, timeout_s, max_chunk_bytes, min_chunk_bytes, max_workers,
-        checksums, compression: as for `save_pytree` (the persistent tier's; local
-        copies are never compressed). A manager's saves go on from what the last one
-        learned of the store's speed.
-    Raises TypeError or ValueError, naming the option, on an unknown, ill-typed or
-    contradictory setting.
+        checksums, compression: as for `save_pytree`, for the persistent tier.
+
+    Raises TypeError or ValueError naming the option on an unknown, ill-typed or
+    contradictory setting; CheckpointLocationError if `checkpoint_dir` is a checkpoint
+    itself, holds another library's checkpoints, or `local_directory` is not this
+    user's alone; DirectoryInUseError if another live job holds either directory.
     """
 
     def __init__(
@@ -163,24 +131,17 @@ class CheckpointManager:
     ) -> None:
         inflight, inflight_option = _deprecated.argument("CheckpointManager", "max_inflight_bytes", max_inflight_bytes,
                                                          "max_staged_bytes", max_staged_bytes)
-        for name, value, kind in (("save_interval_steps", save_interval_steps, _options.COUNT + "?"),
-                                  ("local_save_interval_steps", local_save_interval_steps, _options.COUNT + "?"),
-                                  ("local_keep_last", local_keep_last, _options.COUNT),
-                                  ("local_peer_copies", local_peer_copies, _options.COUNT_OR_ZERO),
-                                  ("save_interval_seconds", save_interval_seconds, _options.NUMBER + "?"),
-                                  ("async_save", async_save, _options.FLAG),
-                                  ("reuse_unchanged", reuse_unchanged, _options.FLAG),
-                                  (inflight_option, inflight, _options.COUNT + "?"),
-                                  ("save_on_preemption", save_on_preemption, _options.FLAG),
-                                  ("heartbeat_s", heartbeat_s, _options.NUMBER)):
-            _options.check(name, value, kind)
-        inflight = default_inflight_bytes() if inflight is None else inflight
+        _check_options(save_interval_steps=save_interval_steps, local_save_interval_steps=local_save_interval_steps,
+                       local_keep_last=local_keep_last, local_peer_copies=local_peer_copies,
+                       save_interval_seconds=save_interval_seconds, async_save=async_save,
+                       reuse_unchanged=reuse_unchanged, **{inflight_option: inflight},
+                       save_on_preemption=save_on_preemption, heartbeat_s=heartbeat_s)
         keep = _retention.Policy(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
                                  best_metric=best_metric, best_mode=best_mode)
-        self._save_options = _options.SaveOptions(max_chunk_bytes=max_chunk_bytes, min_chunk_bytes=min_chunk_bytes,
-                                                  max_inflight_bytes=inflight,
-                                                  max_workers=max_workers, timeout_s=timeout_s, progress=progress,
-                                                  checksums=checksums, compression=compression)
+        self._save_options = _options.SaveOptions(
+            max_chunk_bytes=max_chunk_bytes, min_chunk_bytes=min_chunk_bytes, max_workers=max_workers,
+            max_inflight_bytes=default_inflight_bytes() if inflight is None else inflight, timeout_s=timeout_s,
+            progress=progress, checksums=checksums, compression=compression)
         # A local disk takes writes at the speed of memory: compressing never pays there.
         self._local_options = dataclasses.replace(self._save_options, compression=None)
         self._compressor = _save.Compressor()
@@ -254,9 +215,7 @@ class CheckpointManager:
         values = _metric_values(metrics)
         # Asked at every call, before anything can return early: under jax.distributed
         # the notice is agreed at one step, which every process must ask about.
-        if self._preemption.first_seen(step):
-            log.warning("preemption notice at step %d: saving it; `if mgr.reached_preemption(step): break` stops the "
-                        "loop there", step)
+        self._preemption.look(step, saving=True)
         self._in_flight.raise_errors()
         for_notice = self._preemption.unsaved  # this save is the notice's, whatever the policy says
         persistent = self._should_save(step, force or for_notice)
@@ -280,22 +239,13 @@ class CheckpointManager:
                 if (copy_save := self._tier.save(step, state, self._local_options, self._run.committed_steps(),
                                                  self._timeout_s)) is not None:
                     saves.append(copy_save)
-            making = None
-            if not saves:
-                return False
-            self._in_flight.started(saves, step)
-            for save in saves:
-                save.start() if self._async else save.run()
         except BaseException as e:
-            unstarted = [save for save in saves if not save.started]
-            self._in_flight.drop_unstarted()
-            if not isinstance(e, Exception):
-                # A Ctrl-C's traceback alone does not say that the step was lost (a save
-                # that had started says so itself).
-                for what in [save.url for save in unstarted] + ([making] if making is not None else []):
-                    log.warning("%s was not saved: %s before its save started; nothing was committed", what,
-                                type(e).__name__)
+            if not isinstance(e, Exception):  # a Ctrl-C's traceback alone does not say that the step was lost
+                _inflight.warn_unsaved([save.url for save in saves] + [making], e)
             raise
+        if not saves:
+            return False
+        self._in_flight.start(saves, step, background=self._async)
         self._in_flight.raise_errors()  # without async_save: the persistent save's error
         if for_notice:
             self._preemption.saved = step
@@ -550,11 +500,7 @@ class CheckpointManager:
         self._check_process()
         if not self._closed:  # a closed manager listens no more: SIGTERM ends the process again
             self._preemption.take_sigterm()
-        if self._preemption.first_seen(step):
-            log.warning("preemption notice at step %d, after its save or where the loop does not save: the next "
-                        "`save` call saves its step whatever the policy, and reached_preemption is True from that "
-                        "step on (a loop that calls mgr.save(step, state) at every step, leaving the policy to "
-                        "decide, saves at the notice's step)", step)
+        self._preemption.look(step, saving=False)
         saved = self._preemption.saved
         if saved is None or step < saved:
             return False
@@ -587,24 +533,6 @@ class CheckpointManager:
         self._preemption.close()
         self._release()
 
-    def _close_at_exit(self) -> None:
-        """`close`, at this program's exit, for a manager nobody closed: its save in
-        flight commits (or, after `timeout_s` or another Ctrl-C, is left uncommitted,
-        said by a warning naming it), never cut off by the interpreter's end."""
-        if self._closed:
-            return
-        for save in self._in_flight.unfinished():
-            log.warning("exiting while %s is being saved by a CheckpointManager nobody closed: waiting for it "
-                        "(close() the manager, or use `with`, to wait where you choose)", save.url)
-            try:
-                finished = save.join(self._timeout_s)
-            except KeyboardInterrupt:
-                finished = False
-            if not finished:
-                log.error("%s left uncommitted at exit: its save did not finish (every reader skips it)", save.url)
-                return  # the rest is cut off with the interpreter, as it would be without this
-        self.close()  # its error is logged by the exit hook
-
     def __enter__(self) -> CheckpointManager:
         return self
 
@@ -627,6 +555,21 @@ class CheckpointManager:
                 f"(pid {os.getpid()}) was forked from it and cannot use it (its lease and its saves are the "
                 "parent's): save from the parent, and read steps here with zarrckpt.load_checkpoint or "
                 "zarrckpt.latest_step, which need no manager")
+
+
+_OPTION_KINDS = {"save_interval_steps": _options.COUNT + "?", "local_save_interval_steps": _options.COUNT + "?",
+                 "local_keep_last": _options.COUNT, "local_peer_copies": _options.COUNT_OR_ZERO,
+                 "save_interval_seconds": _options.NUMBER + "?", "async_save": _options.FLAG,
+                 "reuse_unchanged": _options.FLAG, "max_inflight_bytes": _options.COUNT + "?",
+                 "max_staged_bytes": _options.COUNT + "?", "save_on_preemption": _options.FLAG,
+                 "heartbeat_s": _options.NUMBER}
+
+
+def _check_options(**given: Any) -> None:
+    """Raises TypeError or ValueError naming the first of a manager's `given` options
+    (see `_OPTION_KINDS`) that is ill-typed or out of range."""
+    for name, value in given.items():
+        _options.check(name, value, _OPTION_KINDS[name])
 
 
 def _release(lease: _lease.Lease | None, tier: _tiers.LocalTier | None) -> None:
@@ -657,8 +600,27 @@ def _metric_values(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return values
 
 
+def _close_left_open(manager: CheckpointManager) -> None:
+    """`close`, at this program's exit, for a manager nobody closed: its save in flight
+    commits (or, after `timeout_s` or another Ctrl-C, is left uncommitted, said by a
+    warning naming it), never cut off by the interpreter's end."""
+    if manager._closed:
+        return
+    for save in manager._in_flight.unfinished():
+        log.warning("exiting while %s is being saved by a CheckpointManager nobody closed: waiting for it "
+                    "(close() the manager, or use `with`, to wait where you choose)", save.url)
+        try:
+            finished = save.join(manager._timeout_s)
+        except KeyboardInterrupt:
+            finished = False
+        if not finished:
+            log.error("%s left uncommitted at exit: its save did not finish (every reader skips it)", save.url)
+            return  # the rest is cut off with the interpreter, as it would be without this
+    manager.close()  # its error is logged by the exit hook
+
+
 class _AtExit:
-    """Closes, at this program's exit, every manager still open (see `_close_at_exit`).
+    """Closes, at this program's exit, every manager still open (see `_close_left_open`).
 
     It runs where the interpreter's shutdown begins, with threading's own exit hooks
     (Python's `atexit` where those are missing), registered after `concurrent.futures`
@@ -681,7 +643,7 @@ class _AtExit:
     def _close_all(self) -> None:
         for manager in list(self._managers):
             try:
-                manager._close_at_exit()
+                _close_left_open(manager)
             except BaseException as e:  # a Ctrl-C here must not stop the rest of the shutdown
                 log.error("closing the CheckpointManager of %s at exit: %s", manager._root.url, e)
 

@@ -60,6 +60,21 @@ class Notice:
             self.at = step
         return bool(seen)
 
+    def look(self, step: int, *, saving: bool) -> None:
+        """`first_seen(step)`, saying so with a warning: at a step being `saving`, that
+        it is saved; elsewhere, that the next save call saves its step whatever the
+        policy. Collective, as `first_seen`."""
+        if not self.first_seen(step):
+            return
+        if saving:
+            log.warning("preemption notice at step %d: saving it; `if mgr.reached_preemption(step): break` stops the "
+                        "loop there", step)
+        else:
+            log.warning("preemption notice at step %d, after its save or where the loop does not save: the next "
+                        "`save` call saves its step whatever the policy, and reached_preemption is True from that "
+                        "step on (a loop that calls mgr.save(step, state) at every step, leaving the policy to "
+                        "decide, saves at the notice's step)", step)
+
     def take_sigterm(self) -> None:
         """Listens for SIGTERM, in a job of one process, if nothing else handles it."""
         if not self._listen or _multihost.coordinated() or threading.current_thread() is not threading.main_thread():
