@@ -8,8 +8,7 @@ the commit marker (`zarr.json`, or `.zattrs` in seqax's layout), once the source
 found unchanged (the same save) and every object is on stable storage. So a copy cut
 short, of a damaged source, or of a source overwritten meanwhile is an uncommitted
 checkpoint, which readers skip and the next copy or save replaces, never a committed
-one with holes or parts of two saves (Orbax #394: copies made without their commit
-file).
+one with holes or parts of two saves.
 """
 
 from __future__ import annotations

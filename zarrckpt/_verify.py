@@ -19,8 +19,7 @@ so an object store sees two requests per array, not one per chunk. An array's
 that entry, already checked by `open_checkpoint`: only other bytes are parsed and
 compared field by field. Checksums then read every chunk once, concurrently, with a
 bound on the bytes held in memory; without them (`zarrckpt verify --quick`) no chunk
-is read, which saves time in proportion to the chunk bytes: for many small leaves the
-two requests per array are most of the work either way.
+is read.
 """
 
 from __future__ import annotations
