@@ -8,8 +8,7 @@ the commit marker (`zarr.json`, or `.zattrs` in seqax's layout), once the source
 found unchanged (the same save) and every object is on stable storage. So a copy cut
 short, of a damaged source, or of a source overwritten meanwhile is an uncommitted
 checkpoint, which readers skip and the next copy or save replaces, never a committed
-one with holes or parts of two saves (Orbax #394: copies made without their commit
-file).
+one with holes or parts of two saves.
 """
 
 from __future__ import annotations
@@ -34,8 +33,8 @@ _ARRAY_METADATA = ("zarr.json", _seqax.ARRAY, _seqax.MARKER)  # an array's, in e
 @dataclasses.dataclass(frozen=True)
 class CopyResult:
     """What `copy_checkpoint` copied: from `source` to `url`, its objects (files, the
-    metadata's too) and bytes, in `seconds`. (`destination`, the name of `url` before,
-    still works, with a DeprecationWarning.)"""
+    metadata's too) and bytes, in `seconds`. `destination` is a deprecated alias of
+    `url` (DeprecationWarning)."""
 
     source: str
     url: str
@@ -64,12 +63,16 @@ def copy_checkpoint(
       src, dst: local paths or fsspec URLs of one checkpoint each (not of a directory
         of steps: give the step's URL, e.g. `.../0000000100`).
       src_storage_options, dst_storage_options: passed to fsspec for each side.
-      overwrite: replace a committed checkpoint at `dst` (removed commit marker first).
+      overwrite: replace a committed checkpoint at `dst` (its commit marker is
+        removed first).
       allow_uncommitted: copy an uncommitted source too; the copy is uncommitted.
       max_workers: objects copied at once (default: the larger of the two stores'
         concurrency, e.g. 128 when either is an object store).
       max_inflight_bytes: bound on bytes read and not yet written.
       progress: show a progress bar (default: when stderr is a terminal).
+
+    Returns:
+      A `CopyResult`.
 
     Raises:
       CheckpointNotFoundError: no checkpoint at `src`, or it is not committed and
@@ -79,6 +82,7 @@ def copy_checkpoint(
         is left uncommitted.
       CheckpointExistsError: `dst` holds a committed checkpoint and `overwrite` is
         False, or `dst` holds something that is no checkpoint's (never deleted).
+      DirectoryInUseError: `dst` is a step of a directory a live job's manager holds.
       CheckpointWriteError: an object could not be copied; `dst` is left uncommitted.
       ValueError: `src` and `dst` are the same place (however spelled), or one lies
         inside the other.

@@ -52,75 +52,64 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
                       storage_options: dict[str, Any] | None = None,
                       max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
                       progress: bool | None = None) -> ImportResult:
-    """Writes the checkpoint of another library at `src` as a committed zarrckpt
-    checkpoint under `dst`.
+    """Writes another library's checkpoint at `src` as a committed zarrckpt checkpoint under `dst`.
 
-    `src` is a Hugging Face `.safetensors` file, or a directory holding a sharded set
-    with its `model.safetensors.index.json` (tensor names nest on '.', as
-    `load_safetensors` reads them); or an Orbax checkpoint: a run directory (one
-    directory per step, as Orbax's CheckpointManager writes), one step of it, or one
-    item (what a Checkpointer saves). A step's item `default` (CheckpointManager's
-    single item) is its tree; named items (`ocp.args.Composite`) are a dict of them by
-    name, those that are no pytree of arrays (`JsonSave`) left out and listed.
+    Not collective: call it in a job of one process (as `zarrckpt import` runs). The
+    source is checked before anything is written, then read a chunk at a time: memory
+    holds what `max_inflight_bytes` admits and working copies of it, never the whole
+    source. Leaves keep their dtypes (bfloat16 and float8 exactly) and kinds (typed
+    PRNG keys, str, empty nodes); an Orbax scalar of dtype int64, float64, bool or
+    complex128 comes back as a Python scalar. `verify` vouches for the copy written,
+    not for the source.
 
-    Where it lands: a step of an Orbax run lands as `dst/<step, zero-padded>`, so that
-    `CheckpointManager(dst)` and `load_checkpoint_if_it_exists(dst, ...)` resume from it;
-    a run's newest finished step, unless `step` names another. A source that is no step
-    of a run lands at `dst` itself, or, given `step`, as `dst/<step, zero-padded>`.
-    Safetensors weights landing as a step are pinned (a `PINNED` file, written after the
-    commit: retention and `zarrckpt gc` leave the step), since a fine-tune's `keep_last`
-    would otherwise delete the weights it started from (on a local disk, unless a
-    top-level tensor is named `PINNED`, whose directory takes the pin file's place: a
-    warning, and `pinned` is False); an Orbax run's step is not.
-    With `prefix` (a dotted key path, "params"), the tree lands under it, where a
-    training state keeps its weights: `{"params": <the source's tree>}`.
+    Args:
+      src: a `.safetensors` file; a directory holding a sharded set and its
+        `model.safetensors.index.json` (tensor names nest on '.'); or an Orbax run
+        directory, one step of it, or one item. An Orbax step's `default` item is its
+        tree; named items become a dict by name, items that are no pytree of arrays
+        (`JsonSave`) are left out and listed in `ImportResult.skipped`.
+      dst: where it lands: an Orbax run's step as `dst/<step, zero-padded>` (so
+        `CheckpointManager(dst)` and `load_checkpoint_if_it_exists(dst, ...)` resume
+        from it); any other source at `dst` itself, or as `dst/<step>` given `step`.
+      step: the Orbax run's step to import (default: its newest finished step); for
+        any other source, the step number it lands as.
+      prefix: a dotted key path ("params") the tree lands under.
+      overwrite: replace a committed checkpoint where it lands.
+      src_storage_options: fsspec options of a safetensors source. A remote Orbax
+        source is read by TensorStore with the credentials of its environment.
+      dst_storage_options: fsspec options of `dst`. `storage_options` is a deprecated
+        alias (DeprecationWarning).
+      max_inflight_bytes: bound on source bytes read and not yet written.
+      progress: show a progress bar (default: when stderr is a terminal).
 
-    Leaves keep their dtypes (bfloat16 and float8 exactly), typed PRNG keys stay typed,
-    str leaves and empty nodes come back as saved, and an Orbax scalar of a Python
-    scalar's dtype (int64, float64, bool, complex128) as that Python scalar (Orbax keeps
-    no difference between 3 and np.int64(3)), any other as a numpy scalar. The source
-    is read a chunk at a time: what is in memory at once is the chunks
-    `max_inflight_bytes` admits, with the reader's and writer's working copies of them
-    (measured: 2.6x the budget reading Orbax's compressed chunks, 1.1x reading
-    safetensors), and a source chunk larger than a checkpoint's chunks (64 MiB) whole
-    while its parts are written (twice its size, while TensorStore decodes it),
-    whatever the source's size; a source chunk larger than `max_inflight_bytes` is
-    refused. The values are the source's as read: checksums are added as they are
-    written, so `verify` vouches for the copy, not for the source.
-
-    The source is untrusted, and checked before anything is written: an Orbax item
-    holds only regular files, every chunk its arrays' metadata claims is there (unless
-    the Orbax that wrote it says it left out chunks of fill values: then up to 4x the
-    bytes it holds, plus 1 GiB, with a warning); a safetensors header tiles its file
-    exactly; and the arrays fit the free space of a local destination.
-
-    Not collective: call it in a job of one process (as `zarrckpt import` runs).
-    Reading an Orbax checkpoint needs TensorStore (`pip install 'zarrckpt[orbax]'`; not
-    orbax-checkpoint itself). A remote Orbax URL (gs://, s3://) goes to TensorStore as
-    it is, with the credentials of its environment: `src_storage_options` apply to
-    safetensors sources only (given for a remote Orbax source, a ValueError rather
-    than ignored). `dst_storage_options` are the destination's (as `copy_checkpoint`
-    names them; `storage_options`, its name before, still works, with a
-    DeprecationWarning).
+    Returns:
+      An `ImportResult`. Safetensors weights landing as a step are pinned (a `PINNED`
+      file written after the commit: retention and `zarrckpt gc` keep the step),
+      except on a local disk where a top-level tensor is named `PINNED` (a warning,
+      `pinned` False). An Orbax run's step is not pinned.
 
     Raises:
       CheckpointNotFoundError: nothing at `src` is a safetensors file or set or an Orbax
         checkpoint, or an Orbax run has no finished step `step`.
       CheckpointCorruptError: the source's metadata is not what its format writes, an
-        array is missing or damaged or claims chunks the source does not hold (named), or
-        the source holds a symbolic link or a special file; nothing was committed (an
-        uncommitted group may be left where it was to land: the next save or import
-        there clears it).
-      SourceReadError (an OSError): the source could not be read (denied, unavailable,
-        no answer in time); nothing was committed.
+        array is missing or damaged or claims chunks the source does not hold, a
+        safetensors header does not tile its file, or the source holds a symbolic
+        link or a special file. Nothing was committed; an uncommitted group may be
+        left where it was to land, cleared by the next save or import there.
+      SourceReadError: the source could not be read (denied, unavailable, no answer in
+        time); nothing was committed.
       UnsupportedLeafError: an Orbax leaf of a kind zarrckpt does not know.
       CheckpointExistsError: a committed checkpoint is where it lands and `overwrite`
         is False.
+      DirectoryInUseError: a live job's manager holds the directory it lands in.
       CheckpointWriteError: a write failed, or the arrays would not fit a local
         destination's free space (then before anything is written); nothing was committed.
-      ModuleNotFoundError: an Orbax source without TensorStore installed.
-      TypeError, ValueError: an option of the wrong type or value (named); a source
-        chunk larger than `max_inflight_bytes`; a job of several processes.
+      ModuleNotFoundError: an Orbax source without TensorStore installed
+        (`pip install 'zarrckpt[orbax]'`).
+      TypeError, ValueError: an option of the wrong type or value (named); both
+        `dst_storage_options` and `storage_options`; `src_storage_options` for a
+        remote Orbax source; a source chunk larger than `max_inflight_bytes`; a job
+        of several processes.
     """
     if step is not None:
         _naming.step_dir_name(step)  # a bad step is an error before anything is read

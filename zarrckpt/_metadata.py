@@ -71,10 +71,17 @@ def _placeholder(leaf: LeafMetadata) -> Any:
 def metadata(url: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointMetadata:
     """Describes the checkpoint at `url` without reading array data. Not collective.
 
-    Works on uncommitted checkpoints too (`committed` says which).
-    Raises CheckpointNotFoundError if there is no checkpoint at `url`, or an
-    uncommitted one whose arrays' metadata is not all there (its save still running),
-    and CheckpointCorruptError if its metadata cannot be understood.
+    Args:
+      url: a local path or fsspec URL of one checkpoint, committed or not.
+      storage_options: passed to fsspec.
+
+    Returns:
+      A `CheckpointMetadata`; its `committed` says whether the checkpoint is committed.
+
+    Raises:
+      CheckpointNotFoundError: no checkpoint at `url`, or an uncommitted one whose
+        arrays' metadata is not all there (its save still running).
+      CheckpointCorruptError: its metadata cannot be understood.
     """
     ckpt = _reader.open_checkpoint(_storage.resolve(url, storage_options), require_committed=False)
     leaves = {

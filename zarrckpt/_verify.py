@@ -19,8 +19,7 @@ so an object store sees two requests per array, not one per chunk. An array's
 that entry, already checked by `open_checkpoint`: only other bytes are parsed and
 compared field by field. Checksums then read every chunk once, concurrently, with a
 bound on the bytes held in memory; without them (`zarrckpt verify --quick`) no chunk
-is read, which saves time in proportion to the chunk bytes: for many small leaves the
-two requests per array are most of the work either way.
+is read.
 """
 
 from __future__ import annotations
@@ -52,7 +51,8 @@ class Problem:
     """One thing wrong with a checkpoint.
 
     `key` is the object at fault, relative to the checkpoint (`params.w/c.0.1`,
-    `zarr.json`); `leaf` is the key path of the leaf it belongs to, when it does.
+    `zarr.json`); `message` says what is wrong; `leaf` is the key path of the leaf it
+    belongs to, when it does.
     """
 
     key: str
@@ -65,7 +65,7 @@ class Problem:
 
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
-    """What `verify` found. `ok` exactly when there is no problem."""
+    """What `verify` found about the checkpoint at `url`; `ok` exactly when `problems` is empty."""
 
     url: str
     layout: str  # "zarrckpt", "seqax", or "unknown" when the metadata cannot be read
@@ -83,15 +83,30 @@ class VerifyReport:
 def verify(url: str, *, storage_options: dict[str, Any] | None = None, checksums: bool = True,
            max_workers: int | None = None, max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
            progress: bool | None = None) -> VerifyReport:
-    """Checks the checkpoint at `url` for completeness and, with `checksums`, for damaged
-    bytes (which reads every chunk once). Not collective.
+    """Checks that the checkpoint at `url` is whole and, with `checksums`, undamaged. Not collective.
 
-    Damage is reported, not raised: the report lists every problem found.
-    `max_workers` bounds the requests in flight (default: the store's concurrency),
-    `max_inflight_bytes` the chunk bytes held at once while checksumming; `progress`
-    shows a bar while checksumming (default: when stderr is a terminal).
-    Raises CheckpointNotFoundError if there is no checkpoint at `url`, or if it was
-    deleted or replaced while it was verified, and OSError if the store cannot be read.
+    Checks the commit marker, that the tree record agrees with the consolidated
+    metadata and each array's `zarr.json`, and that every chunk exists with a size it
+    may have. Damage is reported, not raised.
+
+    Args:
+      url: a local path or fsspec URL of one checkpoint; uncommitted ones are checked too.
+      storage_options: passed to fsspec.
+      checksums: also read every chunk once and check its CRC-32C (checkpoints of
+        format version 2 or later) and, if compressed, that it decompresses. False
+        reads no chunk.
+      max_workers: requests in flight (default: the store's concurrency).
+      max_inflight_bytes: bound on chunk bytes held at once while checksumming.
+      progress: show a progress bar while checksumming (default: when stderr is a
+        terminal).
+
+    Returns:
+      A `VerifyReport` listing every problem found.
+
+    Raises:
+      CheckpointNotFoundError: no checkpoint at `url`, or it was deleted or replaced
+        while it was verified.
+      OSError: the store cannot be read.
     """
     loc = _storage.resolve(url, storage_options)
     try:

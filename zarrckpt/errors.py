@@ -12,7 +12,9 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
-    """A save would replace a committed checkpoint and `overwrite=True` was not given."""
+    """A save, copy or import would replace a committed checkpoint and `overwrite=True`
+    was not given, or its destination holds something that is no checkpoint's (which is
+    never deleted)."""
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):
@@ -24,7 +26,9 @@ class UnsupportedLeafError(CheckpointError, TypeError):
 
 
 class CheckpointCorruptError(CheckpointError):
-    """A committed checkpoint is missing data or metadata it declares."""
+    """A checkpoint, or a source being imported or loaded, is missing data or metadata
+    it declares, or holds damaged bytes (a chunk failing its checksum, a malformed
+    header); names the object at fault."""
 
 
 class CheckpointWriteError(CheckpointError):

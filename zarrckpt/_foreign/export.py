@@ -48,8 +48,8 @@ class ExportResult:
     """What `export_checkpoint` wrote: the file (a sharded set's index) at `url`, its
     format, the leaves written and their bytes. `widened` maps each array name whose
     dtype the format lacks to (stored dtype, exported dtype); `skipped` maps each leaf
-    left out (no array of numbers) to why. (`path` and `arrays`, the names of `url` and
-    `leaves` before, still work, with a DeprecationWarning.)"""
+    left out (no array of numbers) to why. `path` and `arrays` are deprecated aliases
+    of `url` and `leaves` (DeprecationWarning)."""
 
     url: str
     format: str
@@ -76,36 +76,51 @@ def export_checkpoint(url: str, path: str, *, select: str | None = None, format:
                       storage_options: dict[str, Any] | None = None,
                       max_inflight_bytes: int = _concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
                       progress: bool | None = None) -> ExportResult:
-    """Writes every leaf of the committed checkpoint at `url` to the local file `path`.
+    """Writes the array leaves of the committed checkpoint at `url` to the local file `path`.
 
-    `select` is a subtree, by its name as `zarrckpt info` lists it (`params`,
-    `params.encoder`): only its leaves are written, named inside it. `format` is "npz"
-    or "safetensors" (default: from `path`'s extension). A `.safetensors` file carries
-    the `__metadata__` of the safetensors the checkpoint was imported from, with
-    `"format": "pt"` unless it says otherwise (transformers loads no file without it). With
-    `max_shard_bytes`, a `.safetensors` export larger than that is a set as
-    transformers writes one: `model-00001-of-00003.safetensors`... beside `path` (for
-    `path` model.safetensors), each at most `max_shard_bytes` unless one array is
-    larger, and `model.safetensors.index.json` naming the file of each tensor, written
-    last; `path` is then not written (a file there is removed), and
-    `ExportResult.path` is the index; if one of its files cannot be written, those
-    already written are removed.
+    Each leaf becomes one array named as `zarrckpt info` lists it (`params.dense.kernel`),
+    a typed PRNG key as its key data. A dtype the format lacks is widened to one that
+    holds every value exactly (`ExportResult.widened`); str, bytes and per-process
+    leaves are left out (`ExportResult.skipped`).
 
-    Each file appears whole or not at all: it is written aside, to a new file of a
-    random name in the same folder (created exclusively, so a link planted there is
-    never followed), then renamed over its name; an existing file is replaced only with
-    `overwrite` (checked for every file before any is written), a link there is
-    replaced, never written through. `.npz` is written one leaf at a time (about
-    `max_inflight_bytes` in memory); `.safetensors` needs a whole file in memory.
+    Not collective. Each file appears whole or not at all: it is written to a new file
+    of a random name in the same folder, then renamed over its name (a link there is
+    replaced, never written through). `.npz` is written one leaf at a time (about
+    `max_inflight_bytes` in memory); `.safetensors` holds one whole file in memory.
 
-    Raises CheckpointNotFoundError if there is no committed checkpoint at `url`,
-    CheckpointCorruptError if data is missing, FileExistsError if a file exists and
-    `overwrite` is False, ValueError for an unknown format, a file that would lie
-    inside the checkpoint, a `select` that names no subtree, a dtype the format
-    cannot hold, or `max_shard_bytes` with `.npz`,
-    ModuleNotFoundError if `safetensors` is not installed (`pip install
-    'zarrckpt[export]'`), IsADirectoryError if a file would replace a directory,
-    OSError if a file cannot be written.
+    Args:
+      url: a local path or fsspec URL of one checkpoint.
+      path: the local file to write (or, with `max_shard_bytes`, to name the set by).
+      select: a subtree by its name as `zarrckpt info` lists it (`params`,
+        `params.encoder`): only its leaves are written, named inside it.
+      format: "npz" or "safetensors" (default: from `path`'s extension).
+      overwrite: replace existing files (checked for every file before any is written).
+      max_shard_bytes: split a `.safetensors` export larger than this into a set as
+        transformers writes one (`model-00001-of-00003.safetensors`... beside `path`,
+        each at most this unless one array is larger, and
+        `model.safetensors.index.json`, written last); `path` itself is then removed,
+        not written. If a file of the set cannot be written, those written are removed.
+      storage_options: passed to fsspec for `url`.
+      max_inflight_bytes: bound on bytes read and not yet written.
+      progress: show a progress bar (default: when stderr is a terminal).
+
+    Returns:
+      An `ExportResult`; its `url` is the index of a set. A `.safetensors` file carries
+      the `__metadata__` of the safetensors the checkpoint was imported from, with
+      `"format": "pt"` unless that says otherwise.
+
+    Raises:
+      CheckpointNotFoundError: no committed checkpoint at `url`.
+      CheckpointCorruptError: data the checkpoint declares is missing or damaged.
+      FileExistsError: a file to write exists and `overwrite` is False.
+      FileNotFoundError: the folder of `path` does not exist.
+      IsADirectoryError: a file to write is a directory.
+      ValueError: an unknown format, a file that would lie inside the checkpoint, a
+        `select` that names no subtree, a dtype the format cannot hold, or
+        `max_shard_bytes` with `.npz`.
+      ModuleNotFoundError: `.safetensors` without `safetensors` installed
+        (`pip install 'zarrckpt[export]'`).
+      OSError: a file cannot be written.
     """
     format = format or format_of(path)
     if format not in FORMATS:

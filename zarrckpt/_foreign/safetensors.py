@@ -59,25 +59,30 @@ def load_safetensors(
 ) -> Any:
     """Restores the tensors of a Hugging Face safetensors file or sharded set.
 
-    `url` is a `.safetensors` file, or a directory (any fsspec URL) holding a sharded
-    set with its `model.safetensors.index.json`, or one `.safetensors` file. Tensor names
-    nest on '.': `model.layers.0.mlp.up_proj.weight` is
-    `["model"]["layers"]["0"]["mlp"]["up_proj"]["weight"]`.
+    Tensor names nest on '.': `model.layers.0.mlp.up_proj.weight` is
+    `["model"]["layers"]["0"]["mlp"]["up_proj"]["weight"]`. bfloat16 and float8 (E4M3,
+    E5M2) come back exactly. Every header is checked against its file, and the index
+    against the headers, before any tensor is read. Collective exactly as
+    `load_pytree` is.
 
-    With a `target` (a pytree whose key paths, joined by '.', are the tensor names;
-    leaves as for `load_pytree`: jax.Array, jax.ShapeDtypeStruct with a sharding,
-    numpy arrays...), each tensor lands on its target's sharding, each process reading
-    only the rows its devices need; without one, nested dicts of numpy arrays. Every
-    option means what it means for `load_pytree` (collective as it is). bfloat16 and
-    float8 (E4M3, E5M2) come back exactly.
+    Args:
+      url: a `.safetensors` file, or a directory (any fsspec URL) holding one such
+        file or a sharded set with its `model.safetensors.index.json`.
+      target: a pytree whose key paths, joined by '.', are the tensor names, with leaves
+        as for `load_pytree`; each tensor lands on its target's sharding, each process
+        reading only the rows its devices hold. None: nested dicts of numpy arrays.
+      storage_options, partial, allow_dtype_cast, donate_target, load_and_broadcast,
+        max_inflight_bytes, max_workers, progress: as for `load_pytree`.
+
+    Returns:
+      The restored pytree.
 
     Raises:
       CheckpointNotFoundError: no safetensors file or set at `url`.
-      CheckpointCorruptError: a file or index that is not what the format says, named
-        with the tensor at fault (see `_format.safetensors`: tensors that share bytes or
-        leave some to none, a key named twice, a shape no array has, an index over the
-        header's cap or disagreeing with the files), or a file cut short or removed
-        while it was read. No tensor is read before every header has passed.
+      CheckpointCorruptError: a file or index that is not what the format says (tensors
+        that overlap or leave bytes unused, a key named twice, an impossible shape, an
+        index too large or disagreeing with the files), named with the tensor at
+        fault; or a file cut short or removed while it was read.
       CheckpointMismatchError: the target does not match; lists every missing and
         unexpected key path and every shape and dtype difference. Nothing was read.
       TypeError, ValueError: an option of the wrong type or value (named).

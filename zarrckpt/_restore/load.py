@@ -50,60 +50,50 @@ def load_pytree(
     max_workers: int | None = None,
     progress: bool | None = None,
 ) -> Any:
-    """Restores the committed checkpoint at `url`.
+    """Restores the committed checkpoint at `url` onto `target`.
 
-    Each process reads only what its own devices need, so it works whatever the
-    process count; under `jax.distributed` every process calls it with the same
-    target to get one consistent global state. Agreement when a leaf of the target
-    is held by several processes (data-parallel replicas) and `load_and_broadcast`
-    is on: that leaf is read once in total and shared over device collectives.
+    Each process reads only what its own devices hold of the target, so the mesh,
+    device count and process count may differ from the save's. Collective under
+    jax.distributed when the target places a leaf on devices of several processes:
+    every process calls it with the same target.
 
     Args:
-      url: a local path or fsspec URL of one checkpoint (not a step directory parent).
-      target: what to restore into, a pytree with the saved structure whose leaves are
-        jax.Array (shape, dtype and sharding are taken from it), jax.ShapeDtypeStruct
-        (with a sharding, or none for the default device), jax.sharding.Sharding (shape
-        and dtype from the checkpoint), numpy arrays or scalars, Python scalars, a str
-        or bytes (any: the saved one comes back), or `zarrckpt.PerProcess(None)` (this
-        process's saved value comes back). None restores the saved tree as nested
-        dicts/lists of numpy arrays and scalars, str, bytes and PerProcess values.
-      partial: restore only the leaves the target has; the checkpoint's other leaves
-        are skipped and never read. The target's leaves must all be in the checkpoint.
-      allow_dtype_cast: convert leaves whose saved dtype differs from the target's;
-        without it such a leaf is a mismatch.
-      donate_target: free each jax.Array of the target just before its replacement is
-        read, so that peak device memory stays near one copy of the state; any other
-        reference to those arrays dies with them (an `eqx.filter` of a model, say).
-        Off by default: nothing the caller holds is freed. Nothing is freed if
-        validation fails; if reading fails after it began, the arrays already freed
-        are gone (the target is unusable, the checkpoint unchanged): restore again.
-      load_and_broadcast: where several processes need the same part of a leaf (its
-        target sharding replicates it across hosts), each process reads a distinct
-        part of it (the replica axes of the target's NamedSharding cut the leaf at
-        chunk boundaries, or else each chunk is read by one replica) and a compiled
-        program sends the parts to the replicas over the device network, so the store
-        serves each byte once, not once per host. Leaves
-        wait on the devices, staged, until shared in groups of about
-        `max_inflight_bytes` (one leaf more at most): that is the extra device memory
-        it costs. A process still reading its part of a group half as long again
-        after its buddy (processes 2k and 2k+1) read its own part as the buddy took
-        is relieved: the buddy reads that part too and sends it over the device
-        network, and the slow process gives its own reads of it up. That holds for
-        leaves on a NamedSharding with blocks of one shape and a dtype of integers of
-        its width (not complex, not 4-bit), between buddies with as many devices in
-        the mesh, where the buddy read a part of the group itself. A group in which
-        any process was relieved costs every process its staged size again in device
-        memory, and the helper host memory for the part it read.
-        Off: every process reads all it needs itself.
+      url: a local path or fsspec URL of one checkpoint (not of a directory of steps).
+      target: a pytree of the saved structure whose leaves are jax.Array (shape, dtype
+        and sharding taken from it), jax.ShapeDtypeStruct (with a sharding, or none for
+        the default device), jax.sharding.Sharding (shape and dtype from the
+        checkpoint), numpy arrays or scalars, Python scalars, str or bytes (the saved
+        value comes back), or `PerProcess(None)` (this process's saved value comes
+        back). None: the saved tree as nested dicts and lists of numpy arrays and
+        scalars, str, bytes and PerProcess values.
+      storage_options: passed to fsspec.
+      partial: restore only the leaves the target has (all must be in the checkpoint);
+        the others are never read.
+      allow_dtype_cast: convert a leaf whose saved dtype differs from the target's;
+        without it that is a mismatch.
+      donate_target: delete each jax.Array of the target just before its replacement
+        is read, keeping peak device memory near one copy of the state. Any other
+        reference to those arrays becomes unusable. Nothing is deleted if matching
+        fails; if reading fails after it began, the target is unusable (restore again).
+      load_and_broadcast: where several processes hold the same part of a leaf, each
+        reads a distinct piece and the pieces are shared over the device network, so
+        the store serves each byte once; a process that falls far behind has its
+        piece read for it by another. Costs about `max_inflight_bytes` (plus one
+        leaf) of extra device memory per process while pieces wait to be shared,
+        twice that for a group in which a piece was read for a slow process. Off:
+        every process reads all it needs itself.
       max_inflight_bytes: bound on host bytes read and not yet placed on devices.
       max_workers: concurrent reads (default: one per core, 8 to 32, on a local disk;
         128 on an object store; 100 on GCS).
       progress: show a progress bar on process 0 (default: when stderr is a terminal).
 
+    Returns:
+      The restored pytree: the target's structure, or the saved one when `target` is None.
+
     Raises:
       TypeError, ValueError: an option of the wrong type or value (named).
-      CheckpointNotFoundError: nothing committed at `url`, or it was deleted while
-        being read (by retention, say).
+      CheckpointNotFoundError: nothing committed at `url`, or it was deleted or
+        replaced while being read.
       CheckpointMismatchError: the target does not match; lists every missing and
         unexpected key path and every shape and dtype difference. Nothing was read.
       CheckpointCorruptError: a chunk or metadata the checkpoint declares is missing

@@ -128,9 +128,12 @@ def _trusted(known: _lineage.Unchanged, source: Location) -> str | None:
 
 
 def all_steps(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
-    """Every committed step under `checkpoint_dir`, ascending. Not collective. Raises
-    CheckpointLocationError if `checkpoint_dir` is a checkpoint itself or holds another
-    library's checkpoints."""
+    """Every committed step under `checkpoint_dir`, ascending. Not collective.
+
+    Raises:
+      CheckpointLocationError: `checkpoint_dir` is a checkpoint itself or holds another
+        library's checkpoints.
+    """
     root = _storage.resolve(checkpoint_dir, storage_options)
     committed = scan(root)[1]
     if not committed:
@@ -139,12 +142,13 @@ def all_steps(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = N
 
 
 def latest_step(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> int | None:
-    """The newest committed step under `checkpoint_dir`, or None. Not collective.
+    """The newest committed step under `checkpoint_dir`, or None if there is none.
 
-    Reads the commit marker of candidates newest first and stops at the first
-    committed one, so uncommitted leftovers (a crashed save) are skipped. Raises
-    CheckpointLocationError if `checkpoint_dir` is a checkpoint itself or holds another
-    library's checkpoints.
+    Not collective. Uncommitted step directories (a save running or crashed) are skipped.
+
+    Raises:
+      CheckpointLocationError: `checkpoint_dir` is a checkpoint itself or holds another
+        library's checkpoints.
     """
     return latest(_storage.resolve(checkpoint_dir, storage_options))
 
@@ -282,15 +286,27 @@ def load_checkpoint_if_it_exists(
 ) -> tuple[Any, int]:
     """Restores the newest committed step under `checkpoint_dir` onto `target`.
 
-    Returns (state, step), or (target, 0) unchanged when nothing is committed yet, so
-    a training loop can call it unconditionally at start-up; that case is logged as a
-    warning naming the URL (a manager's `restored_step` tells the two apart).
+    Collective under jax.distributed: every process calls it; process 0 chooses the
+    step and every process restores that one, even if a save commits another step
+    meanwhile. A restore into jax.Arrays lets a later `save_checkpoint` of this process
+    make unchanged chunks from this step (`unchanged_since`).
 
-    Agreement: process 0 chooses the step and every process restores that one, even
-    if a save commits another step in between (`timeout_s`: how long a process waits
-    for that choice). Takes `load_pytree`'s options (see there) and raises what it
-    raises; CheckpointLocationError, on every process, if `checkpoint_dir` is a
-    checkpoint itself or holds another library's checkpoints.
+    Args:
+      checkpoint_dir: a local path or fsspec URL of a directory of steps.
+      target: as for `load_pytree`.
+      storage_options, partial, allow_dtype_cast, donate_target, load_and_broadcast,
+        max_inflight_bytes, max_workers, progress: as for `load_pytree`.
+      timeout_s: how long a process waits for process 0's choice of step.
+
+    Returns:
+      (state, step); or (target, 0), with a warning naming the URL, when nothing is
+      committed yet, so a training loop can call it unconditionally at start-up.
+
+    Raises:
+      CheckpointLocationError: on every process, if `checkpoint_dir` is a checkpoint
+        itself or holds another library's checkpoints.
+      CoordinationTimeoutError: the step was not chosen within `timeout_s`.
+      Anything `load_pytree` raises.
     """
     options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast, donate_target=donate_target,
                                    load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
@@ -315,13 +331,27 @@ def load_checkpoint(
     max_workers: int | None = None,
     progress: bool | None = None,
 ) -> Any:
-    """Restores committed step `step` under `checkpoint_dir` onto `target`: what an
-    evaluator calls for each step `checkpoints_iterator` yields. Not collective (but
-    see `load_pytree`'s `load_and_broadcast`).
+    """Restores committed step `step` under `checkpoint_dir` onto `target`, as an
+    evaluator does for each step `checkpoints_iterator` yields.
 
-    Takes `load_pytree`'s options (see there) and raises what it raises;
-    CheckpointNotFoundError if `step` is not committed, or was deleted (by the
-    training job's retention) while it was being read.
+    Collective exactly as `load_pytree` is. A restore into jax.Arrays lets a later
+    `save_checkpoint` of this process make unchanged chunks from this step
+    (`unchanged_since`).
+
+    Args:
+      checkpoint_dir: a local path or fsspec URL of a directory of steps.
+      step: the step to restore.
+      target, storage_options, partial, allow_dtype_cast, donate_target,
+        load_and_broadcast, max_inflight_bytes, max_workers, progress: as for
+        `load_pytree`.
+
+    Returns:
+      The restored pytree.
+
+    Raises:
+      CheckpointNotFoundError: `step` is not committed (the message lists the
+        committed steps), or was deleted (by retention, say) while being read.
+      Anything `load_pytree` raises.
     """
     step = _naming.step_number(step)
     options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast, donate_target=donate_target,
@@ -365,21 +395,26 @@ def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None,
                          start_after: int | None = None,
                          storage_options: dict[str, Any] | None = None) -> Iterator[int]:
     """Yields the steps committed under `checkpoint_dir` as they appear, in increasing
-    order: an evaluator's loop beside a training job (the habit of TensorFlow's and
-    Orbax's `checkpoints_iterator`). Not collective.
+    order, for an evaluator's loop beside a training job. Not collective.
 
         for step in zarrckpt.checkpoints_iterator(run_dir, timeout_s=3600):
             params = zarrckpt.load_checkpoint(run_dir, step, {"params": target}, partial=True)
 
-    First the newest step already committed (or, with `start_after`, every committed
-    step after it), then each step committed later, one by one. A step deleted (by
-    the training job's retention) before it is yielded is skipped. Checks every
-    `poll_interval_s`: a listing of the directory, and the commit markers of the steps
-    newer than the last one yielded (the first time, of the newest steps down to the
-    newest committed one), so a poll costs the same however many steps the run keeps.
-    Returns once `timeout_s` (None: never) has passed without a new step. Raises
-    CheckpointLocationError, at a poll that lists no step directory, if
-    `checkpoint_dir` is a checkpoint itself or holds another library's checkpoints.
+    Yields first the newest step already committed (or, with `start_after`, every
+    committed step after it), then each step committed later. A step deleted (by
+    retention, say) before it is yielded is skipped. Each poll lists the directory and
+    reads the commit markers of steps newer than the last one yielded.
+
+    Args:
+      checkpoint_dir: a local path or fsspec URL of a directory of steps.
+      timeout_s: stop once this many seconds pass without a new step (None: never).
+      poll_interval_s: seconds between polls.
+      start_after: yield every committed step after this one instead of the newest only.
+      storage_options: passed to fsspec.
+
+    Raises:
+      CheckpointLocationError: at a poll that lists no step directory, if
+        `checkpoint_dir` is a checkpoint itself or holds another library's checkpoints.
     """
     _options.check("timeout_s", timeout_s, _options.NUMBER + "?")
     _options.check("poll_interval_s", poll_interval_s, _options.NUMBER)
