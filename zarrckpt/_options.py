@@ -9,7 +9,7 @@ it, naming the option, never later on a background thread. `check` is the one ch
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from ._format.chunks import COMPRESSIONS
 from ._util.concurrency import DEFAULT_MAX_INFLIGHT_BYTES
@@ -64,8 +64,11 @@ def _option(default: Any, kind: str) -> Any:
 class _Checked:
     """Options checked field by field, each by the kind its field declares."""
 
+    # Declared, never set here: every subclass is a dataclass, which sets it.
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+        for field in dataclasses.fields(self):
             check(field.name, getattr(self, field.name), field.metadata["check"])
 
 

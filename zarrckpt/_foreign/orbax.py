@@ -390,8 +390,8 @@ def _prng_impls(item: Location) -> dict[str, str]:
         meta = entry.get("array_metadata") if isinstance(entry, dict) else None
         ext = meta.get("ext_metadata") if isinstance(meta, dict) else None
         impl = ext.get("random_key_impl") if isinstance(ext, dict) else None
-        if isinstance(impl, str) and isinstance(meta.get("param_name"), str):  # type: ignore[union-attr]
-            found[meta["param_name"]] = impl  # type: ignore[index]
+        if isinstance(impl, str) and isinstance(meta, dict) and isinstance(name := meta.get("param_name"), str):
+            found[name] = impl
     return found
 
 

@@ -297,7 +297,7 @@ def _read_run(src: Location, run: _Run) -> None:
     (cut short since it was opened), or naming the file if it is gone."""
     whole = run.parts[0][1] if len(run.parts) == 1 else np.empty(run.nbytes, np.uint8)
     try:
-        done = src.read_range(run.key, run.start, memoryview(whole))  # type: ignore[arg-type, unused-ignore]
+        done = src.read_range(run.key, run.start, whole.data)
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{run.shown} was removed while it was being read") from None
     at = 0

@@ -214,7 +214,7 @@ class ChunkCodec:
         its own context, as numcodecs does off the main thread."""
         assert self.compression is not None
         items = payload.view(np.dtype((np.void, self.dtype.itemsize)))  # blosc shuffles by the buffer's item size
-        return numcodecs.blosc.compress(items, self.compression.encode(), _ZSTD_LEVEL,  # type: ignore[no-any-return, unused-ignore]
+        return numcodecs.blosc.compress(items, self.compression.encode(), _ZSTD_LEVEL,
                                         numcodecs.blosc.BITSHUFFLE)
 
     def crc_of(self, parts: Sequence[Any]) -> int | None:
@@ -293,7 +293,7 @@ class ChunkCodec:
         header = bytearray(BLOSC_HEADER if self.compression is not None else 0)
         payload = out.reshape(-1).view(np.uint8)
         trailer = bytearray(CHECKSUM_BYTES if self.checksum else 0)
-        size = source.read_into(key, memoryview(header), memoryview(payload), memoryview(trailer),  # type: ignore[arg-type, unused-ignore]
+        size = source.read_into(key, memoryview(header), payload.data, memoryview(trailer),
                                 check=check)
         if (wrong_size := self.size_damage(size)) is not None:
             raise Damage(wrong_size)
@@ -336,7 +336,7 @@ def _crc(*parts: Any) -> bytes:
     value = 0
     for part in parts:
         value = crc32c.crc32c(part, value)
-    return value.to_bytes(CHECKSUM_BYTES, "little")  # type: ignore[no-any-return, unused-ignore]
+    return value.to_bytes(CHECKSUM_BYTES, "little")
 
 
 def _blosc_header(typesize: int, nbytes: int, cbytes: int, flags: int) -> bytes:

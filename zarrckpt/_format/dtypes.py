@@ -44,10 +44,24 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, SupportsFloat, SupportsIndex
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Literal,
+    Self,
+    SupportsFloat,
+    SupportsIndex,
+    SupportsInt,
+    TypeGuard,
+    cast,
+    overload,
+)
 
 import ml_dtypes
 import numpy as np
+import zarr.errors
+from zarr.core.dtype import common as _zarr_dtype_common
 from zarr.core.dtype.common import HasEndianness, HasItemSize, check_dtype_spec_v2
 from zarr.core.dtype.npy.common import (
     endianness_to_numpy_str,
@@ -55,13 +69,14 @@ from zarr.core.dtype.npy.common import (
 )
 from zarr.dtype import ZDType, data_type_registry
 
-try:  # newer zarr moved the exception and warns on the old path
-    from zarr.errors import DataTypeValidationError  # type: ignore[attr-defined, unused-ignore]
-except ImportError:  # zarr 3.1
-    from zarr.core.dtype.common import DataTypeValidationError  # type: ignore[no-redef, unused-ignore]
+# Newer zarr moved the exception to zarr.errors; zarr 3.1's path then warns, through a
+# module __getattr__ typed as returning object.
+DataTypeValidationError = cast("type[ValueError]", getattr(zarr.errors, "DataTypeValidationError", None)
+                               or _zarr_dtype_common.DataTypeValidationError)
 
 if TYPE_CHECKING:
     from zarr.core.common import JSON, ZarrFormat
+    from zarr.core.dtype.common import DTypeConfig_V2
 
 __all__ = [
     "BFloat16",
@@ -160,7 +175,13 @@ class _MLDType(ZDType[np.dtype[Any], Any], HasItemSize):
             f"expected {cls._zarr_v3_name!r}."
         )
 
-    def to_json(self, zarr_format: ZarrFormat) -> str | dict[str, str | None]:  # type: ignore[override]
+    @overload
+    def to_json(self, zarr_format: Literal[2]) -> DTypeConfig_V2[str, None]: ...
+
+    @overload
+    def to_json(self, zarr_format: Literal[3]) -> str: ...
+
+    def to_json(self, zarr_format: ZarrFormat) -> DTypeConfig_V2[str, None] | str:
         """``"name"`` for v3, ``{"name": name, "object_codec_id": None}`` for v2."""
         if zarr_format == 2:
             if isinstance(self, HasEndianness) and self.endianness != "little":
@@ -197,7 +218,7 @@ class _MLFloat(_MLDType):
             return None
         return np.array(raw, dtype=f"u{self.item_size}").view(self.scalar_type)[()]
 
-    def _check_scalar(self, data: object) -> bool:
+    def _check_scalar(self, data: object) -> TypeGuard[str | SupportsFloat | SupportsIndex]:
         if isinstance(data, str):
             try:
                 float(data)
@@ -220,7 +241,7 @@ class _MLFloat(_MLDType):
         elif not isinstance(data, np.generic):
             # ml_dtypes constructors only take numbers and NumPy scalars; float()
             # also handles Decimal, Fraction and other __float__/__index__ objects.
-            data = float(data)  # type: ignore[arg-type]
+            data = float(data)
         return self.scalar_type(data)
 
     def from_json_scalar(self, data: JSON, *, zarr_format: ZarrFormat) -> Any:
@@ -272,7 +293,7 @@ class _MLInt(_MLDType):
         info = ml_dtypes.iinfo(self.scalar_type)
         return int(info.min), int(info.max)
 
-    def _check_scalar(self, data: object) -> bool:
+    def _check_scalar(self, data: object) -> TypeGuard[SupportsIndex | SupportsInt]:
         if isinstance(data, bool | np.bool_):
             return False
         # ml_dtypes' small-int scalars support int() but not __index__.
@@ -284,7 +305,7 @@ class _MLInt(_MLDType):
             raise TypeError(
                 f"Cannot convert {data!r} of type {type(data)} to a scalar of {self}."
             )
-        value = int(data)  # type: ignore[call-overload]
+        value = int(data)
         low, high = self._bounds()
         if not low <= value <= high:
             raise ValueError(f"{value} is out of range [{low}, {high}] for {self._zarr_v3_name}.")

@@ -118,7 +118,7 @@ class TensorCodec:
         no chunk: `expect` is None)."""
         start, nbytes = self.span(chunk)
         values = out if out is not None else np.empty(self.shape, self.dtype)
-        done = source.read_range(self.file, start, memoryview(values.reshape(-1).view(np.uint8)[:nbytes]))  # type: ignore[arg-type, unused-ignore]
+        done = source.read_range(self.file, start, values.reshape(-1).view(np.uint8)[:nbytes].data)
         if done != nbytes:
             raise Damage(f"ends before the bytes of tensor {self.array!r} (bytes {start:,} to {start + nbytes:,})")
         return values

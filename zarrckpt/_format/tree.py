@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -28,6 +28,16 @@ MAX_DEPTH = 100
 PYTHON_DTYPES = {"bool": np.dtype(bool), "int": np.dtype(np.int64), "float": np.dtype(np.float64),
                  "complex": np.dtype(np.complex128)}
 _tu = jax.tree_util
+
+
+class _TreeCounts(Protocol):
+    """What is read here of a `jax.tree_util.PyTreeDef` (jaxlib ships no stubs for it)."""
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def num_leaves(self) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,14 +291,14 @@ def _record_node(node: Any, path: KeyPath, leaves: list[Leaf], components: tuple
     if len(path) > MAX_DEPTH:
         raise _too_deep(path)
     try:
-        treedef = _tu.tree_structure(node)
+        treedef: _TreeCounts = _tu.tree_structure(node)
     except ValueError as e:  # e.g. dict keys of mixed types, which jax cannot sort
         raise UnsupportedLeafError(f"cannot flatten the tree at {describe_path(path)}: {e}") from None
     except (RecursionError, SystemError) as e:  # jax's flatten ran out of stack (SystemError from C++)
         if not isinstance(e, RecursionError) and not isinstance(e.__cause__, RecursionError):
             raise
         raise _too_deep(path) from None
-    if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # type: ignore[attr-defined]
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
         leaf, leaf_spec = as_stored(Leaf(path, _naming.leaf_name(components), node))
         leaves.append(leaf)
         return leaf_spec

@@ -180,7 +180,7 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region, vouched: _vouched.Re
     def read(chunk: Region) -> None:
         inside = intersect(chunk, box)
         # The trailing Ellipsis keeps a 0-d result a view, not a scalar copy.
-        dest = out[(*relative(inside, box), Ellipsis)]  # type: ignore[arg-type]
+        dest = out[relative(inside, box) + (Ellipsis,)]
         # The common case: the chunk's bytes land in the result with no copy.
         expect = _vouched.recorded(vouched, leaf.codec.key(chunk)) if vouched else None
         if inside == chunk and all(b - a == c for (a, b), c in zip(chunk, leaf.chunks)) and dest.flags.c_contiguous:

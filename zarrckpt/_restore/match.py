@@ -220,8 +220,12 @@ class Sharded(Form):
 
     def build(self, stored: _reader.StoredLeaf, pieces: list[Any]) -> Any:
         by_region = dict(pieces)
-        return jax.make_array_from_callback(stored.shape, self.sharding,
-                                            lambda index: by_region[region_of(index, stored.shape)])  # type: ignore[arg-type]
+
+        def piece(index: tuple[slice, ...] | None) -> Any:
+            assert index is not None  # jax asks for each shard by its index
+            return by_region[region_of(index, stored.shape)]
+
+        return jax.make_array_from_callback(stored.shape, self.sharding, piece)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +294,8 @@ class OneReader(Sharded):
         readers = dict(self.readers)
         arrays = []
         for device, index in self.sharding.addressable_devices_indices_map(stored.shape).items():
-            region = region_of(index, stored.shape)  # type: ignore[arg-type]  # never None: a device's own index
+            assert index is not None  # a device's own index
+            region = region_of(index, stored.shape)
             mine = [(part, piece) for part, piece in pieces if readers[part] == device]
             if not mine:  # made on the device: nothing to copy from the host
                 arrays.append(jnp.zeros(region_shape(region), self.dtype, device=device))

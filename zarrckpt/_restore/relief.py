@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +52,7 @@ from .._util import concurrency as _concurrency, multihost as _multihost, permut
 from .._util.regions import Region, region_of, region_shape, relative
 from ..errors import CheckpointError
 from . import checkpoint as _reader
-from .match import OneReader, Request, Sharded, ShardedByReaders, cut
+from .match import Form, OneReader, Request, Sharded, ShardedByReaders, cut
 
 log = logging.getLogger("zarrckpt")
 
@@ -260,9 +260,10 @@ class Relief:
 def _swaps(request: Request) -> tuple[tuple[int, int], ...] | None:
     """The permute between every two buddies' devices, both ways, for `request`'s blocks;
     None where its blocks cannot be moved so (see `_routable`)."""
-    if not _routable(request):
+    sharding = _routable(request)
+    if sharding is None:
         return None
-    return _swap(request.form.sharding.mesh) or None  # type: ignore[attr-defined]  # a sharded form
+    return _swap(_permute.mesh_of(sharding)) or None
 
 
 @functools.lru_cache(maxsize=64)
@@ -271,14 +272,24 @@ def _swap(mesh: jax.sharding.Mesh) -> tuple[tuple[int, int], ...]:
     return tuple(pair for p in sorted(processes) if p ^ 1 in processes for pair in (_pairs(mesh, p, p ^ 1) or ()))
 
 
-def _routable(request: Request) -> bool:
-    """Whether `request`'s blocks can be read by one process for another and moved to
-    it: a shared leaf not already routed (the local tier), read by a sharded form whose
-    blocks all have one shape, of a dtype whose blocks can be ORed as integers."""
+def _routable(request: Request) -> jax.sharding.NamedSharding | None:
+    """The sharding of `request`'s blocks where they can be read by one process for
+    another and moved to it, else None: a shared leaf not already routed (the local
+    tier), read by a sharded form whose blocks all have one shape, of a dtype whose
+    blocks can be ORed as integers."""
     form, share = request.form, request.share
-    return (share is not None and not share.routes and type(form) in (Sharded, ShardedByReaders, OneReader)
+    if not (share is not None and not share.routes and _moving_form(form)
             and _permute.as_bits(form.dtype)
-            and _permute.movable(form.sharding, request.stored.shape))  # type: ignore[attr-defined]
+            and _permute.movable(form.sharding, request.stored.shape)):
+        return None
+    assert isinstance(form.sharding, jax.sharding.NamedSharding)  # `movable`
+    return form.sharding
+
+
+def _moving_form(form: Form) -> TypeGuard[Sharded]:
+    """Whether `form` is one whose reads relief may move: a sharded form of this module's
+    kinds (not one reading otherwise, such as the local tier's)."""
+    return type(form) in (Sharded, ShardedByReaders, OneReader)
 
 
 def _route(request: Request, helper: int | None, helped: int | None) -> tuple[tuple[int, int], ...] | None:
@@ -286,12 +297,12 @@ def _route(request: Request, helper: int | None, helped: int | None) -> tuple[tu
     positions) that carries `helped`'s part of `request`, or None when `helper` cannot
     read it for `helped`: not `_routable`, or the two processes' devices in its mesh
     differ in number, or `helped` reads none of it."""
-    if helper is None or helped is None or not _routable(request):
+    if helper is None or helped is None or (sharding := _routable(request)) is None:
         return None
     form = request.form
     if isinstance(form, OneReader) and not any(device.process_index == helped for _, device in form.readers):
         return None  # else `helped` has devices in the mesh, so a part of the staged slices to read
-    return _pairs(form.sharding.mesh, helper, helped)  # type: ignore[attr-defined]  # a sharded form
+    return _pairs(_permute.mesh_of(sharding), helper, helped)
 
 
 @functools.lru_cache(maxsize=64)
@@ -312,9 +323,12 @@ def _blocks(request: Request, route: Sequence[tuple[int, int]],
     """The array of blocks this process sends along `route` for `request`: on each of
     its devices, what it read for the device the route sends that block to (zeros
     where it read nothing, as on every process that helped no one)."""
-    sharding = request.form.sharding  # type: ignore[attr-defined]  # a sharded form (`_route`)
-    shape, dtype = request.stored.shape, request.form.dtype
-    flat = list(sharding.mesh.devices.flat)
+    form = request.form
+    # A route is only for a sharded form on a NamedSharding (`_routable`).
+    assert isinstance(form, Sharded) and isinstance(form.sharding, jax.sharding.NamedSharding)
+    sharding = form.sharding
+    shape, dtype = request.stored.shape, form.dtype
+    flat = list(_permute.mesh_of(sharding).devices.flat)
     back = {flat[b]: flat[a] for a, b in route}
     where = sharding.devices_indices_map(shape)
     block = sharding.shard_shape(shape)

@@ -92,7 +92,7 @@ def _plain(array: Any) -> bool:
     if not _in_host_memory(array):
         return False
     try:
-        layout = array.format.layout  # type: ignore[attr-defined, unused-ignore]  # not in jax 0.10's stubs
+        layout = array.format.layout
         return (jax.dtypes.itemsize_bits(array.dtype) >= 8 and not layout.tiling
                 and not layout.sub_byte_element_size_in_bits
                 and tuple(layout.major_to_minor) == tuple(range(array.ndim)))

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -118,13 +118,14 @@ def plan(requests: list[Request], held: Holdings, me: int, holders: Sequence[Seq
             # Blocks of uneven shapes cannot be permuted (jax 0.12 makes no such array yet):
             # their parts come from the copies alone, or the restore falls back.
             movable = _permute.movable(sharding, stored.shape)
-            routes = [_permute.pairs(sharding.mesh, holder) if movable else None  # type: ignore[arg-type]  # a concrete mesh
-                      for holder in holders]
+            # The route of each peer copy (by its index) whose holders' devices pair up.
+            routes = {m: route for m, holder in enumerate(holders)
+                      if movable and (route := _permute.pairs(_permute.mesh_of(sharding), holder)) is not None}
             readers, moved = _readers(sharding, stored, holds, holders, routes)
             used = sorted({m for *_, m in moved})
             moved = tuple((part, device, reader, used.index(m)) for part, device, reader, m in moved)
             summed = any(len(devices) > 1 for devices in replicas_of(sharding, stored.shape).values())
-            back = tuple(_permute.inverse(routes[m]) for m in used)  # type: ignore[arg-type]  # never None when used
+            back = tuple(_permute.inverse(routes[m]) for m in used)
             planned.append(dataclasses.replace(request, form=CopyParts(form.dtype, sharding, readers, moved),
                                                share=Share(sharding, summed, back) if summed or back else None))
             mine, theirs = _bytes(sharding, stored, readers + tuple((p, r) for p, _, r, _ in moved), me, form.dtype,
@@ -186,7 +187,7 @@ MovedPart = tuple[Region, jax.Device, jax.Device, int]
 
 def _readers(sharding: jax.sharding.NamedSharding, stored: _reader.StoredLeaf,
              holds: Sequence[frozenset[tuple[int, ...]] | None], peers: Sequence[Sequence[int]],
-             routes: Sequence[_permute.Pairs | None]) -> tuple[tuple[tuple[Region, jax.Device], ...],
+             routes: Mapping[int, _permute.Pairs]) -> tuple[tuple[tuple[Region, jax.Device], ...],
                                                              tuple[MovedPart, ...]]:
     """The one device reading each part of the leaf: a device holding the part's shard,
     of a process whose copy holds the part's chunk (taken in turn among them, as
@@ -194,8 +195,7 @@ def _readers(sharding: jax.sharding.NamedSharding, stored: _reader.StoredLeaf,
     copy's route pairs with one of those devices, on the process keeping that peer copy
     (`moved`). Unrebuildable naming a part no process holds."""
     readers, moved, k = [], [], zlib.crc32(stored.name.encode())
-    to = [None if route is None else _permute.mapping(sharding.mesh, route)  # type: ignore[arg-type]
-          for route in routes]
+    to = {m: _permute.mapping(_permute.mesh_of(sharding), route) for m, route in routes.items()}
     for region, devices in sorted(replicas_of(sharding, stored.shape).items()):
         processes = sorted({d.process_index for d in devices})
         for chunk in chunks_touching(region, stored.chunks, stored.shape):
@@ -207,7 +207,7 @@ def _readers(sharding: jax.sharding.NamedSharding, stored: _reader.StoredLeaf,
                 k += 1
                 readers.append((part, next(d for d in devices if d.process_index == process)))
                 continue
-            found = next(((d, sent[d], m) for m, sent in enumerate(to) if sent is not None for d in devices
+            found = next(((d, sent[d], m) for m, sent in to.items() for d in devices
                           if (h := holds[peers[m][d.process_index]]) is not None and coords in h), None)
             if found is None:
                 raise Unrebuildable(f"leaf {stored.where}: part {[list(r) for r in part]} is in the local copy of "

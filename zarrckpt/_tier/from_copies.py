@@ -104,7 +104,7 @@ class CopyReader:
         if len(tables) > 1:
             raise Unusable("its copies record different peer copies")
         loc = self.root.step(step)
-        document = self.op.decide(f"document-{attempt}", lambda: _outcome(lambda: _commit.read_group(loc).document),  # type: ignore[union-attr]
+        document = self.op.decide(f"document-{attempt}", lambda: _outcome(lambda: _document(loc)),
                                   source=holders[0])
         ckpt = _opened(loc, document, holders[0], ids.pop())
         if found[_multihost.process_index()] is None:
@@ -165,6 +165,14 @@ def _outcome(read: Any) -> dict[str, Any]:
         return {"value": read()}
     except Exception as e:
         return {"damaged": str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"}
+
+
+def _document(loc: Location) -> dict[str, Any]:
+    """The group metadata document of the copy at `loc`; FileNotFoundError if it is gone."""
+    group = _commit.read_group(loc)
+    if group is None:
+        raise FileNotFoundError(f"no group metadata at {loc.url}")
+    return group.document
 
 
 def _value(outcome: dict[str, Any], source: int) -> Any:

@@ -34,6 +34,14 @@ def pairs(mesh: jax.sharding.Mesh, holder: Sequence[int]) -> Pairs | None:
                  for p, devices in by_process.items() for rank, d in enumerate(devices))
 
 
+def mesh_of(sharding: jax.sharding.NamedSharding) -> jax.sharding.Mesh:
+    """The mesh of `sharding`, which places an array on devices: a concrete `Mesh` (an
+    `AbstractMesh` has no devices, and places nothing)."""
+    mesh = sharding.mesh
+    assert isinstance(mesh, jax.sharding.Mesh)
+    return mesh
+
+
 def movable(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
     """Whether blocks of an array on `sharding` can move by `move`: a NamedSharding whose
     blocks all have one shape (each sharded dimension divides evenly)."""
