@@ -138,15 +138,15 @@ class Lineage:
         if known_id is None:  # a step of unknown identity: nothing can tell that it is still the one known
             known = {}
         reused: dict[str, Reused] = {}
-        steps: dict[str, Reused] = {}  # one for each step made from, by URL
+        by_step: dict[str, Reused] = {}  # one for each step made from, by URL
 
         def reuse(plan: ArrayPlan, source: _storage.Location) -> None:
             """Makes `plan`'s chunks from `source`, where the version of each is known (a
             process of several knows those it made itself: one another made is written)."""
             if all(versions.get(plan.key(unit)) is not None for unit in plan.writes):
-                if (made := steps.get(source.url)) is None:
-                    made = steps[source.url] = Reused(source, versions, crcs)
-                reused[plan.leaf.name] = made
+                if (made_from := by_step.get(source.url)) is None:
+                    made_from = by_step[source.url] = Reused(source, versions, crcs)
+                reused[plan.leaf.name] = made_from
 
         if source is not None:  # that step, as known, reached through the caller's store
             known = {name: dataclasses.replace(k, step=source) for name, k in known.items()
@@ -365,7 +365,7 @@ class _Reuse:
         every chunk `made` holds what was saved. A chunk that could not be made is named,
         with what became of it: rewritten by another program (zarr-python, a copy over
         the step) or deleted. Nothing to check where nothing was made from a step."""
-        sources = {found.source for plan in plans if plan.writes and (found := reused_of(reused, plan)) is not None}
+        sources = {found.step for plan in plans if plan.writes and (found := reused_of(reused, plan)) is not None}
         if not sources or self._source_id is None:  # `mark` makes nothing from a step of unknown identity
             return
         (source,) = sources  # one step known at a time

@@ -17,12 +17,12 @@ from .plan import ArrayPlan
 
 @dataclasses.dataclass(frozen=True)
 class Reused:
-    """A leaf whose chunks are made from the committed step `source` (`Location.copy_new`):
+    """A leaf whose chunks are made from the committed step `step` (`Location.copy_new`):
     each only from the version its chunk had there as that step became known (`versions`,
     by key; a chunk whose version is not known is never made so), and, where that step's
     commit records it, with its CRC-32C (`crcs`, by key; see `_format.vouched`)."""
 
-    source: Location
+    step: Location
     versions: Mapping[str, str | None]
     crcs: Mapping[str, int]
 

@@ -253,8 +253,8 @@ class SaveJob:
     def reuse_note(self) -> str:
         """For a log line: what this process makes from committed steps instead of
         writing it ("" where nothing)."""
-        sources = sorted({made.source.url for plan in self.plans
-                          if plan.writes and (made := reused_of(self.reused, plan)) is not None})
+        sources = sorted({found.step.url for plan in self.plans
+                          if plan.writes and (found := reused_of(self.reused, plan)) is not None})
         return (f"; {_progress.size(self.reused_bytes)} unchanged, made from {', '.join(sources)}, not written "
                 "(process 0's part)" if sources else "")
 
@@ -528,19 +528,19 @@ def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str,
 
 
 def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, compressor: Compressor,
-               source: Reused | None, made: dict[str, str | None], crcs: dict[str, int]) -> None:
+               made_from: Reused | None, made: dict[str, str | None], crcs: dict[str, int]) -> None:
     where, key = f"chunk {plan.codec.coords(unit.region)}", plan.key(unit)
     try:
-        if source is not None:  # unchanged since that step: its chunk is this one
-            expect, crc = source.versions[key], source.crcs.get(key)
+        if made_from is not None:  # unchanged since that step: its chunk is this one
+            expect, crc = made_from.versions[key], made_from.crcs.get(key)
             assert expect is not None, "`Reuse.plan` reuses only chunks of known versions"
             with _as_write_error(plan, where):
                 try:
-                    made[key] = loc.copy_new(key, source.source, nbytes=unit.nbytes, expect=expect)
+                    made[key] = loc.copy_new(key, made_from.step, nbytes=unit.nbytes, expect=expect)
                 except SourceChanged:
                     if crc is None:
                         raise
-                    made[key] = _write_as_recorded(loc, plan, source.source, key, crc)
+                    made[key] = _write_as_recorded(loc, plan, made_from.step, key, crc)
             if crc is not None:
                 crcs[key] = crc
             return
