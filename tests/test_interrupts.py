@@ -126,7 +126,7 @@ def test_ctrl_c_that_stops_a_save_says_the_step_is_lost_and_the_step_saves_again
     from zarrckpt._run import lineage as _lineage
     from zarrckpt._save import protocol, transfer
 
-    owner, name = {"comparing": (_lineage.Unchanged, "mark"), "copying": (transfer, "start"),
+    owner, name = {"comparing": (_lineage.Lineage, "mark"), "copying": (transfer, "start"),
                    "writing": (protocol, "_write_all")}[where]
     original = getattr(owner, name)
 

@@ -30,6 +30,7 @@ from ._import import ImportResult, import_checkpoint
 from ._manager import CheckpointManager
 from ._metadata import CheckpointMetadata, LeafMetadata, metadata
 from ._restore import load_pytree
+from ._run.checkpoints import save_pytree
 from ._run.steps import (
     all_steps,
     checkpoints_iterator,
@@ -38,7 +39,6 @@ from ._run.steps import (
     load_checkpoint_if_it_exists,
     save_checkpoint,
 )
-from ._save import save_pytree
 from ._verify import Problem, VerifyReport, verify
 from .errors import (
     CheckpointCorruptError,

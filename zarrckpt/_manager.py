@@ -20,7 +20,14 @@ import numpy as np
 
 from . import _deprecated, _finite, _inflight, _options, _preemption, _save, _schedule, _storage
 from ._format import naming as _naming
-from ._run import lease as _lease, lineage as _lineage, retention as _retention, run as _run, steps as _steps
+from ._run import (
+    guards as _guards,
+    lease as _lease,
+    lineage as _lineage,
+    retention as _retention,
+    run as _run,
+    steps as _steps,
+)
 from ._tier import tier as _tiers
 from ._util import concurrency as _concurrency, multihost as _multihost, progress as _progress
 
@@ -151,7 +158,7 @@ class CheckpointManager:
         local = _tiers.local_directory(local_directory, local_save_interval_steps, local_peer_copies, local_peer_group)
         self._schedule = _schedule.SaveSchedule(save_interval_steps, save_interval_seconds, timeout_s=timeout_s)
         self._async = async_save
-        self._unchanged = _lineage.Unchanged() if reuse_unchanged else None
+        self._unchanged = _lineage.Lineage() if reuse_unchanged else None
         # What the NaN check found in the newest step this manager committed (process
         # 0's), with that save's identity: a leaf made from that very save holds what it
         # held then.
@@ -255,43 +262,25 @@ class CheckpointManager:
                          metrics: Mapping[str, float] | None, called: float) -> _save.BackgroundSave:
         started = time.perf_counter()
         self._schedule.started()
-        job = _save.SaveJob.create(location, state, self._save_options, channel="manager-save",
-                                   extra_metadata={"metrics": metrics} if metrics is not None else None,
-                                   compressor=self._compressor, plans=self._plans, discard=True,
-                                   fence=self._run.fence)
-        meta = job.meta  # not the job: no cycle may hold the state
-        seen = None
-        if self._unchanged is not None:
-            seen = self._unchanged.mark(job.plans, job.arrays, location)
-            job.after_writes = self._unchanged.after_writes(job.plans, "reuse_unchanged", job.made)
-        # The findings of the step the unchanged leaves were made from, where it is the
+        # The findings of the step the unchanged leaves are made from, where it is the
         # very save this manager checked.
         then, source = self._findings, self._unchanged.step() if self._unchanged is not None else None
         same = then is not None and source is not None and (source[0].url, source[1]) == then[:2]
-        check = _finite.start([plan.leaf for plan in job.plans if plan.moved is None],
-                              before=then[2] if then is not None and same else None,
-                              unchanged={plan.leaf.name for plan in job.plans if plan.reuse_from is not None})
-        findings: list[_finite.Findings] = []  # process 0's, once known
-
-        def before_prepare() -> None:  # process 0, in the background, before anything is written
-            if self._run.lease is not None:
-                self._run.lease.check()
-            findings.append(check())
-            if found := list(findings[0].bad.values()):
-                meta[_finite.NON_FINITE] = found
-                log.warning("step %d holds NaN or infinities, in %s%s: saving it; retention keeps the newest step "
-                            "without them until a newer one commits", step, ", ".join(found[:5]),
-                            f" and {len(found) - 5} more leaves" if len(found) > 5 else "")
-
-        job.before_prepare = before_prepare
+        guard = _guards.ManagerGuard(self._run.lease, step, then[2] if then is not None and same else None)
+        reuse = _lineage.ReuseUnchanged(self._unchanged) if self._unchanged is not None else _save.NO_REUSE
+        job = _save.SaveJob.create(location, state, self._save_options, channel="manager-save",
+                                   extra_metadata={"metrics": metrics} if metrics is not None else None,
+                                   compressor=self._compressor, plans=self._plans, discard=True, guard=guard,
+                                   reuse=reuse)
         # The job holds the state: the commit's report must not.
-        nbytes, note, known, made, crcs = job.nbytes, job.reuse_note(), self._unchanged, job.made, job.crcs
+        nbytes, note = job.nbytes, job.reuse_note()
 
         def committed() -> None:
             seconds = time.perf_counter() - started
             self._run.committed(step, metrics)
             with self._lock:
-                self._findings = (location.url, save.save_id, findings[0]) if findings else None
+                found = guard.findings
+                self._findings = (location.url, save.save_id, found) if found is not None else None
             if _multihost.process_index() == 0:
                 # `save` blocked training from its call until the copies were dispatched,
                 # waiting for the save before it included.
@@ -301,8 +290,6 @@ class CheckpointManager:
                        if started - called >= 0.001 else ""))
                 log.info("checkpoint step %d committed to %s: %s%s%s", step, self._root.url,
                          _progress.rate(nbytes, seconds), blocked, note)
-            if known is not None and seen is not None:
-                known.committed(seen, save.save_id, made, crcs)
             if self._run.keep.deletes:
                 self._retain()
 
@@ -314,14 +301,12 @@ class CheckpointManager:
         """A persistent save failed (what it wrote is gone already, see
         `SaveJob.discard`), or what its commit triggered (retention): raised by
         the next call on the training thread. The next save makes its unchanged chunks
-        from the step it would have (see `Unchanged.failed`), or, after a failed
-        retention, which may have deleted steps unknown, writes every chunk."""
+        from the step it would have (the save told its `ReuseUnchanged`), or, after a
+        failed retention, which may have deleted steps unknown, writes every chunk."""
         self._in_flight.failed(error)
         committed = step in self._run.committed_steps()
         if self._unchanged is not None and committed:
             self._unchanged.forget()
-        elif self._unchanged is not None:
-            self._unchanged.failed(error)
         if not isinstance(error, Exception) and not committed:  # a Ctrl-C in a save run on this thread
             log.warning("%s was not saved: %s while it was being written; nothing was committed unless its commit "
                         "had been written (zarrckpt.all_steps says)", url, type(error).__name__)

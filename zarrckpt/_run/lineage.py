@@ -36,7 +36,7 @@ import secrets
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .. import _commit, _storage
 from .._format import tree as _tree, vouched as _vouched, zarrjson as _zarrjson
 from .._format.chunks import ChunkCodec
+from .._save.collaborators import Reused, reused_of
 from .._save.host_copies import shard_source
 from .._save.plan import ArrayPlan
 from .._save.protocol import missing
@@ -85,65 +86,43 @@ class Known:
     quiet: int = 0
 
 
-class Unchanged:
-    """What this process knows of the newest committed step's leaves (`Known`), and
-    which leaves of a new save it holds as they are (`mark`). Thread-safe: a save is
-    marked on the training thread and committed on a background one."""
+class Lineage:
+    """What this process knows of the newest committed step's leaves (`Known`) of one
+    directory of steps, and which leaves of a new save it holds as they are (`mark`).
+    A save is handed it through a `Reuse` (`ReuseUnchanged`, `ReuseSince`). Thread-safe:
+    a save is marked on the training thread and committed on a background one."""
 
     def __init__(self) -> None:
         self._keys = np.frombuffer(secrets.token_bytes(8), np.uint32).copy()
         self._known: dict[str, Known] = {}
-        self._save_id: str | None = None  # the identity of the step known, where told (see `of_run`)
+        self._save_id: str | None = None  # the identity of the step known, where told
         self._versions: Mapping[str, Version] = {}  # of the step known's objects, as it became known
         self._crcs: Mapping[str, int] = {}  # of its chunks, as its commit records them (see `_format.vouched`)
         self._lock = threading.Lock()
 
-    def mark(self, plans: Sequence[ArrayPlan], documents: dict[str, dict[str, Any]],
+    def mark(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
              step: _storage.Location, *, source: _storage.Location | None = None,
-             save_id: str | None = None) -> dict[str, Known]:
-        """Sets `reuse_from` on each plan of a save to `step` whose leaf is unchanged
-        since the newest committed step this process knows (with `source`: only if that
-        step is `source`, as save `save_id`, whose chunks it then names as the caller
-        reaches them); returns what `step` will hold once committed (for `committed`).
-        Computes the fingerprints it needs on the devices, and waits for them. Never
-        raises: every process of a save must go into it, so a failure here leaves every
-        leaf to be written."""
+             save_id: str | None = None) -> Marked:
+        """Which leaves of `plans`, a save into `step`, are unchanged since the newest
+        committed step this process knows (with `source`: only if that step is `source`,
+        as save `save_id`, whose chunks it then names as the caller reaches them): their
+        chunks are made from that step's. Computes the fingerprints it needs on the
+        devices, and waits for them. Never raises an Exception: every process of a save
+        must go into it, so a failure here leaves every leaf to be written."""
         try:
             return self._mark(plans, documents, step, source, save_id)
         except Exception:
             log.warning("could not tell which leaves are unchanged: this save writes them all", exc_info=True)
-            for plan in plans:
-                plan.reuse_from = None
-            return {}
+            return Marked({}, {}, None)
 
-    def saw(self, plans: Sequence[ArrayPlan], documents: dict[str, dict[str, Any]],
-            step: _storage.Location) -> dict[str, Known]:
+    def known_without_reuse(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
+                            step: _storage.Location) -> dict[str, Known]:
         """What `step` will hold once committed (for `committed`), learnt without looking
         for unchanged leaves (no fingerprint, nothing reused): a later save finds the
         very same arrays unchanged."""
         return {plan.leaf.name: Known(step, documents[plan.leaf.name], weakref.ref(plan.leaf.value))
                 for plan in plans if plan.moved is None and plan.leaf.name in documents
                 and isinstance(plan.leaf.value, jax.Array)}
-
-    def after_writes(self, plans: Sequence[ArrayPlan], option: str, made: Mapping[str, Version],
-                     save_id: str | None = None) -> Callable[[], None] | None:
-        """For `SaveJob.after_writes`: a check, run once this process's writes are in (or
-        one failed for want of what it was made from), that the step its `plans` made
-        chunks from (`mark`) is still committed as save `save_id` (by default, the one
-        this process knows), raising CheckpointWriteError (naming `option`, the caller's
-        keyword) if another writer deleted or replaced it meanwhile. A replacement
-        uncommits a step before it changes a chunk, and each chunk was made only from
-        the version it had when that step became known here (`Location.copy_new`), so
-        every chunk `made` holds what was saved. A chunk that could not be made is named,
-        with what became of it: rewritten by another program (zarr-python, a copy over
-        the step) or deleted. None where nothing was made from a step."""
-        sources = {plan.reuse_from for plan in plans if plan.reuse_from is not None and plan.writes}
-        with self._lock:
-            save_id = save_id if save_id is not None else self._save_id
-        if not sources or save_id is None:  # `mark` makes nothing from a step of unknown identity
-            return None
-        (source,) = sources  # one step known at a time
-        return functools.partial(_still, source, save_id, option, plans, made)
 
     def step(self) -> tuple[_storage.Location, str | None] | None:
         """The step whose leaves this process knows, and that step's identity where it
@@ -152,22 +131,26 @@ class Unchanged:
             known = next(iter(self._known.values()), None)
             return None if known is None else (known.step, self._save_id)
 
-    def _mark(self, plans: Sequence[ArrayPlan], documents: dict[str, dict[str, Any]],
-              step: _storage.Location, source: _storage.Location | None, save_id: str | None) -> dict[str, Known]:
+    def _mark(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
+              step: _storage.Location, source: _storage.Location | None, save_id: str | None) -> Marked:
         with self._lock:
             known, known_id, versions, crcs = dict(self._known), self._save_id, self._versions, self._crcs
         if known_id is None:  # a step of unknown identity: nothing can tell that it is still the one known
             known = {}
+        reused: dict[str, Reused] = {}
+        by_step: dict[str, Reused] = {}  # one for each step made from, by URL
 
         def reuse(plan: ArrayPlan, source: _storage.Location) -> None:
             """Makes `plan`'s chunks from `source`, where the version of each is known (a
             process of several knows those it made itself: one another made is written)."""
             if all(versions.get(plan.key(unit)) is not None for unit in plan.writes):
-                plan.reuse_from, plan.reuse_versions, plan.reuse_crcs = source, versions, crcs
+                if (made_from := by_step.get(source.url)) is None:
+                    made_from = by_step[source.url] = Reused(source, versions, crcs)
+                reused[plan.leaf.name] = made_from
 
         if source is not None:  # that step, as known, reached through the caller's store
             known = {name: dataclasses.replace(k, step=source) for name, k in known.items()
-                     if known_id == save_id and where(k.step) == where(source)}
+                     if known_id == save_id and directory_key(k.step) == directory_key(source)}
         seen: dict[str, Known] = {}
         # Looked at by a sample first: a leaf that keeps changing is never read whole.
         sampled: list[tuple[ArrayPlan, dict[Region, jax.Array], Known | None]] = []
@@ -248,11 +231,11 @@ class Unchanged:
                 reuse(plan, before.step)
         for (plan, _, before, whole), sample in zip(changed, second[len(same_sample):]):
             judged(plan, before, sample, whole)
-        return seen
+        return Marked(seen, reused, known_id)
 
     def committed(self, seen: dict[str, Known], save_id: str | None = None,
                   made: Mapping[str, Version] | None = None, crcs: Mapping[str, int] | None = None) -> None:
-        """The save that `mark` (or `saw`) returned `seen` for committed, with identity
+        """The save that `mark` (or `known_without_reuse`) returned `seen` for committed, with identity
         `save_id`: its step is now what this process knows (of leaves not in it,
         nothing: an older step may be deleted), with the versions of the chunks it
         `made` (`SaveJob.made`: what the store answered each write and copy) and their
@@ -292,7 +275,8 @@ class Unchanged:
             self._learnt(known, save_id, versions, crcs)
             return
         with self._lock:
-            if any(where(k.step) == where(step) for k in self._known.values()) and save_id != self._save_id:
+            if (any(directory_key(k.step) == directory_key(step) for k in self._known.values())
+                    and save_id != self._save_id):
                 self._known, self._save_id, self._versions, self._crcs = {}, None, {}, {}  # the step known was replaced
             # else restored as numpy values, say: what the arrays hold is as known before
 
@@ -314,9 +298,9 @@ class Unchanged:
     def failed(self, error: BaseException) -> None:
         """A save that `mark`ed its plans failed with `error`, uncommitted. The step known
         stays known, so that the next save makes its unchanged chunks from it again (each
-        only from the version known, see `after_writes`): a full disk or a store's outage
-        changes nothing of it. Nothing is known any more where `error` comes of a chunk
-        made from it that was gone or not what it was (see `after_writes`), or where the
+        only from the version known, see `check_after_writes`): a full disk or a store's
+        outage changes nothing of it. Nothing is known any more where `error` comes of a
+        chunk made from it that was gone or not what it was, or where the
         step is no longer committed as the save known (one read of its commit; one that
         fails counts as such)."""
         known = self.step()
@@ -336,8 +320,8 @@ class Unchanged:
             self._known, self._save_id, self._versions, self._crcs = {}, None, {}, {}
 
 
-def where(loc: _storage.Location) -> str:
-    """`loc` as this module knows it: one name however a local path is spelled."""
+def directory_key(loc: _storage.Location) -> str:
+    """`loc` as a `Lineage` knows it: one name however a local path is spelled."""
     return os.path.realpath(loc.path) if loc.is_local else loc.url
 
 
@@ -351,21 +335,131 @@ def listed(step: _storage.Location) -> dict[str, Version]:
         return {}
 
 
-def _still(source: _storage.Location, save_id: str, option: str, plans: Sequence[ArrayPlan],
-           made: Mapping[str, Version]) -> None:
+class Marked(NamedTuple):
+    """What `Lineage.mark` found: what the step saved will hold once committed (`seen`,
+    for `Lineage.committed`), the leaves whose chunks are made from a committed step
+    (`reused`, by name), and the identity of the step it compared with (None: none known)."""
+
+    seen: dict[str, Known]
+    reused: dict[str, Reused]
+    save_id: str | None
+
+
+class _Reuse:
+    """A save's `Reuse` (see `_save.collaborators`) through a `Lineage`; `option` is the
+    caller's keyword, named in errors. Told the commit, the lineage learns what the step
+    saved holds."""
+
+    def __init__(self, lineage: Lineage, option: str) -> None:
+        self._lineage, self._option = lineage, option
+        self._seen: dict[str, Known] = {}  # what the step saved will hold once committed
+        self._source_id: str | None = None  # the identity of the step chunks are made from
+
+    def check_after_writes(self, plans: Sequence[ArrayPlan], reused: Mapping[str, Reused],
+                           made: Mapping[str, Version]) -> None:
+        """Raises CheckpointWriteError (naming the caller's keyword) if the step that
+        `plans` made chunks from (`reused`) is no longer committed as the save they were
+        made from: another writer deleted or replaced it meanwhile. A replacement
+        uncommits a step before it changes a chunk, and each chunk was made only from
+        the version it had when that step became known here (`Location.copy_new`), so
+        every chunk `made` holds what was saved. A chunk that could not be made is named,
+        with what became of it: rewritten by another program (zarr-python, a copy over
+        the step) or deleted. Nothing to check where nothing was made from a step."""
+        sources = {found.step for plan in plans if plan.writes and (found := reused_of(reused, plan)) is not None}
+        if not sources or self._source_id is None:  # `mark` makes nothing from a step of unknown identity
+            return
+        (source,) = sources  # one step known at a time
+        _check_source_still_committed(source, self._source_id, self._option, plans, reused, made)
+
+    def committed(self, save_id: str | None, made: Mapping[str, Version], crcs: Mapping[str, int]) -> None:
+        self._lineage.committed(self._seen, save_id, made, crcs)
+
+
+class ReuseUnchanged(_Reuse):
+    """A manager's `Reuse` (`reuse_unchanged`): each leaf unchanged since the newest step
+    its `lineage` knows has its chunks made from that step's. A failed save leaves that
+    step known unless the failure comes of it (`Lineage.failed`)."""
+
+    def __init__(self, lineage: Lineage) -> None:
+        super().__init__(lineage, "reuse_unchanged")
+
+    def plan(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
+             step: _storage.Location) -> dict[str, Reused]:
+        self._seen, reused, self._source_id = self._lineage.mark(plans, documents, step)
+        return reused
+
+    def failed(self, error: BaseException, *, prepared: bool) -> None:
+        self._lineage.failed(error)
+
+
+class ReuseSince(_Reuse):
+    """`save_checkpoint`'s `Reuse` (`unchanged_since`): each leaf unchanged since the
+    committed step `source` has its chunks made from that step's, where `lineage` knows
+    that step as it is now (it saved or restored that very save: else, with a warning,
+    every chunk is written). With no `source`, nothing is reused, and what the step saved
+    holds is learnt. A failed save that got past its preparation forgets all."""
+
+    def __init__(self, lineage: Lineage, source: _storage.Location | None) -> None:
+        super().__init__(lineage, "unchanged_since")
+        self._source = source
+
+    def plan(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
+             step: _storage.Location) -> dict[str, Reused]:
+        trusted = None if self._source is None else _trusted(self._lineage, self._source)
+        if trusted is None:
+            self._seen = self._lineage.known_without_reuse(plans, documents, step)
+            return {}
+        self._seen, reused, self._source_id = self._lineage.mark(plans, documents, step, source=self._source,
+                                                                 save_id=trusted)
+        return reused
+
+    def failed(self, error: BaseException, *, prepared: bool) -> None:
+        if prepared:  # past the refusals: the step its chunks would come from may be gone
+            self._lineage.forget()
+
+
+def _trusted(known: Lineage, source: _storage.Location) -> str | None:
+    """The identity of committed step `source` if this process knows its leaves as they
+    are now (it saved or restored that very save); else None, saying why."""
+    step = known.step()
+    if step is None or directory_key(step[0]) != directory_key(source):
+        log.warning("%s is not the step this process saved, or restored into jax.Arrays, last in that directory: "
+                    "every chunk of this save is written (unchanged_since)", source.url)
+        return None
+    if step[1] is None:
+        log.warning("%s was saved before checkpoints had an identity (or by seqax): nothing tells that it is still "
+                    "the step this process knows, and every chunk of this save is written (unchanged_since)",
+                    source.url)
+        return None
+    try:
+        head = _commit.head(source)
+    except Exception as e:  # written whole, as every other process may go on to do: never left waiting
+        log.warning("could not read %s's commit (%s): every chunk of this save is written (unchanged_since)",
+                    source.url, e)
+        return None
+    if head.state is not _commit.State.COMMITTED or head.save_id != step[1]:
+        log.warning("%s was deleted or replaced by another save since this process saved or restored it: every "
+                    "chunk of this save is written (unchanged_since)", source.url)
+        known.forget()
+        return None
+    return step[1]
+
+
+def _check_source_still_committed(source: _storage.Location, save_id: str, option: str, plans: Sequence[ArrayPlan],
+                                  reused: Mapping[str, Reused], made: Mapping[str, Version]) -> None:
     now = _commit.head(source)
     if now.state is not _commit.State.COMMITTED or now.save_id != save_id:
         raise CheckpointWriteError(f"{source.url}, the step this save made unchanged chunks from ({option}), was "
                                    "deleted or replaced by another writer meanwhile: save again")
-    unmade = [(plan, key) for plan in plans if plan.reuse_from is not None
+    unmade = [(found, key) for plan in plans if (found := reused_of(reused, plan)) is not None
               for key in map(plan.key, plan.writes) if key not in made]
     if not unmade:
         return
     # A copy failed: say which chunk was not what it was (a listing that fails fails the
     # save, saying why), else the copy's own error says it.
-    found = {entry.name: entry.version for entry in source.walk()}
-    for plan, key in unmade:
-        if (version := found.get(key, "")) != plan.reuse_versions.get(key):
+    listing = {entry.name: entry.version for entry in source.walk()}
+    for found, key in unmade:
+        if (version := listing.get(key, "")) != found.versions.get(key):
             what = ("is gone (deleted by another program)" if version == "" else
                     "is not the object it was when that step was saved or restored here (rewritten by another "
                     "program, or the step copied over)")
@@ -373,24 +467,27 @@ def _still(source: _storage.Location, save_id: str, option: str, plans: Sequence
                                        f"({option}), {what}; the next save writes every chunk")
 
 
-# Directories of steps (by `where`) whose newest step saved or restored by this process
-# through `save_checkpoint` and `load_checkpoint` is known, the least recent first.
-_RUNS = 8
-_runs: collections.OrderedDict[str, Unchanged] = collections.OrderedDict()
-_runs_lock = threading.Lock()
+class Lineages:
+    """What this process knows of the newest step it saved or restored without a manager
+    (`save_checkpoint`, `load_checkpoint`), per directory of steps (by `directory_key`):
+    a `Lineage` each, with keys of its own, of the last `size` directories (the least
+    recently asked forgotten first). Thread-safe."""
 
+    def __init__(self, size: int = 8) -> None:
+        self._size = size
+        self._by_directory: collections.OrderedDict[str, Lineage] = collections.OrderedDict()
+        self._lock = threading.Lock()
 
-def of_run(url: str) -> Unchanged:
-    """What this process knows of the newest step it saved or restored in the directory
-    of steps `url` (as `where` names it: a local path made absolute, links resolved)
-    without a manager (for `save_checkpoint`'s `unchanged_since`): of the last `_RUNS`
-    directories, each with keys of its own."""
-    with _runs_lock:
-        found = _runs.pop(url, None) or Unchanged()
-        _runs[url] = found
-        while len(_runs) > _RUNS:
-            _runs.popitem(last=False)
-        return found
+    def of(self, root: _storage.Location) -> Lineage:
+        """The lineage of the directory of steps `root` (a local path made absolute,
+        links resolved), made the most recently asked."""
+        key = directory_key(root)
+        with self._lock:
+            found = self._by_directory.pop(key, None) or Lineage()
+            self._by_directory[key] = found
+            while len(self._by_directory) > self._size:
+                self._by_directory.popitem(last=False)
+            return found
 
 
 def _shards_written(plan: ArrayPlan) -> dict[Region, jax.Array]:

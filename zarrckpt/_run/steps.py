@@ -16,11 +16,14 @@ from .._restore import checkpoint as _reader
 from .._storage import Location
 from .._util import concurrency as _concurrency, multihost as _multihost
 from ..errors import CheckpointLocationError, CheckpointNotFoundError
-from . import lease as _lease, lineage as _lineage
-from .lineage import where
+from . import lineage as _lineage
+from .guards import RefuseIfHeld
 
 log = logging.getLogger("zarrckpt")
 T = TypeVar("T")
+# What this process knows of the newest step it saved or restored in each directory of
+# steps without a manager (for `save_checkpoint`'s `unchanged_since`).
+_lineages = _lineage.Lineages()
 
 
 def save_checkpoint(
@@ -83,48 +86,9 @@ def save_checkpoint(
     loc = root.step(step)
     source = None if unchanged_since is None else root.step(unchanged_since)
     job = _save.SaveJob.create(loc, state, options,
-                               before_prepare=lambda: _lease.refuse_if_held(loc, "save_checkpoint",
-                                                                            existing_only=not overwrite))
-    known = _lineage.of_run(where(root))
-    if source is not None and (trusted := _trusted(known, source)) is not None:
-        seen = known.mark(job.plans, job.arrays, loc, source=source, save_id=trusted)
-        job.after_writes = known.after_writes(job.plans, "unchanged_since", job.made, trusted)
-    else:
-        seen = known.saw(job.plans, job.arrays, loc)
-    try:
-        _save.write(job)
-    except BaseException:
-        if job.save_id is not None:  # past the refusals: the step its chunks would come from may be gone
-            known.forget()
-        raise
-    known.committed(seen, job.save_id, job.made, job.crcs)
-
-
-def _trusted(known: _lineage.Unchanged, source: Location) -> str | None:
-    """The identity of committed step `source` if this process knows its leaves as they
-    are now (it saved or restored that very save); else None, saying why."""
-    step = known.step()
-    if step is None or where(step[0]) != where(source):
-        log.warning("%s is not the step this process saved, or restored into jax.Arrays, last in that directory: "
-                    "every chunk of this save is written (unchanged_since)", source.url)
-        return None
-    if step[1] is None:
-        log.warning("%s was saved before checkpoints had an identity (or by seqax): nothing tells that it is still "
-                    "the step this process knows, and every chunk of this save is written (unchanged_since)",
-                    source.url)
-        return None
-    try:
-        head = _commit.head(source)
-    except Exception as e:  # written whole, as every other process may go on to do: never left waiting
-        log.warning("could not read %s's commit (%s): every chunk of this save is written (unchanged_since)",
-                    source.url, e)
-        return None
-    if head.state is not _commit.State.COMMITTED or head.save_id != step[1]:
-        log.warning("%s was deleted or replaced by another save since this process saved or restored it: every "
-                    "chunk of this save is written (unchanged_since)", source.url)
-        known.forget()
-        return None
-    return step[1]
+                               guard=RefuseIfHeld(loc, "save_checkpoint", existing_only=not overwrite),
+                               reuse=_lineage.ReuseSince(_lineages.of(root), source))
+    _save.write(job)
 
 
 def all_steps(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
@@ -313,7 +277,7 @@ def load_checkpoint_if_it_exists(
                                    max_workers=max_workers, progress=progress)
     _options.check("timeout_s", timeout_s, _options.NUMBER)
     root = _storage.resolve(checkpoint_dir, storage_options)
-    state, step, _ = restore_latest(root, target, options, timeout_s, _lineage.of_run(where(root)))
+    state, step, _ = restore_latest(root, target, options, timeout_s, _lineages.of(root))
     return state, step or 0
 
 
@@ -358,11 +322,11 @@ def load_checkpoint(
                                    load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
                                    max_workers=max_workers, progress=progress)
     root = _storage.resolve(checkpoint_dir, storage_options)
-    return load_step(root, step, target, options, _lineage.of_run(where(root)))[0]
+    return load_step(root, step, target, options, _lineages.of(root))[0]
 
 
 def load_step(root: Location, step: int, target: Any, options: _options.LoadOptions,
-              known: _lineage.Unchanged | None) -> tuple[Any, _reader.Checkpoint]:
+              known: _lineage.Lineage | None) -> tuple[Any, _reader.Checkpoint]:
     """`load_checkpoint` under `root`, and the checkpoint it read; told to what this
     process `known`s of it (for a later save's unchanged chunks), if given."""
     ckpt = _reader.open_checkpoint(committed_step(root, step))
@@ -370,7 +334,7 @@ def load_step(root: Location, step: int, target: Any, options: _options.LoadOpti
 
 
 def _read(ckpt: _reader.Checkpoint, target: Any, options: _options.LoadOptions,
-          known: _lineage.Unchanged | None) -> Any:
+          known: _lineage.Lineage | None) -> Any:
     def read() -> Any:
         return _restore.load_opened(ckpt, target, options)
 
@@ -442,7 +406,7 @@ def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None,
 
 
 def restore_latest(root: Location, target: Any, options: _options.LoadOptions, timeout_s: float,
-                   known: _lineage.Unchanged | None) -> tuple[Any, int | None, _reader.Checkpoint | None]:
+                   known: _lineage.Lineage | None) -> tuple[Any, int | None, _reader.Checkpoint | None]:
     """`load_checkpoint_if_it_exists` under `root`, but None for the step when nothing
     was restored (step 0 may have been saved), and the checkpoint it read, told to what
     this process `known`s of it, if given. Agreement."""

@@ -1,9 +1,10 @@
 """Saving checkpoints: see `protocol` for the write path, module by module."""
 
 from .background import BackgroundSave
+from .collaborators import NO_REUSE, UNGUARDED, Guard, Reuse, Reused
 from .compression import Compressor
 from .plan_cache import PlanCache
-from .protocol import PER_PROCESS, SHARED, Commit, SaveJob, save, save_pytree, stage, write
+from .protocol import PER_PROCESS, SHARED, Commit, SaveJob, save, stage, write
 
-__all__ = ["PER_PROCESS", "SHARED", "BackgroundSave", "Commit", "Compressor", "PlanCache", "SaveJob", "save",
-           "save_pytree", "stage", "write"]
+__all__ = ["NO_REUSE", "PER_PROCESS", "SHARED", "UNGUARDED", "BackgroundSave", "Commit", "Compressor", "Guard",
+           "PlanCache", "Reuse", "Reused", "SaveJob", "save", "stage", "write"]

@@ -25,8 +25,8 @@ import dataclasses
 import functools
 import math
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -52,9 +52,6 @@ from .._util.regions import (
     replicas_of,
 )
 from .host_copies import HostCopy, SharedHold
-
-if TYPE_CHECKING:
-    from .._storage import Location
 
 # A replicated shard smaller than this per replica is not worth splitting.
 _MIN_REPLICA_SPLIT_BYTES = 2**20
@@ -132,13 +129,6 @@ class ArrayPlan:
     # A peer copy's part (see `_peers`): the leaf's blocks, once moved onto this process's
     # devices, that its units are copied from.
     moved: Moved | None = None
-    # A committed step that holds this leaf's chunks as they are now (see `unchanged`):
-    # its units are made from there, never copied off the devices, each from the version
-    # (`Entry.version`) its chunk had there as that step became known, by key.
-    reuse_from: Location | None = None
-    reuse_versions: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
-    # And the CRC-32C that step's commit records of each, where known (see `_format.vouched`).
-    reuse_crcs: Mapping[str, int] = dataclasses.field(default_factory=dict)
     # The save's `compression`, which its chunks get where they are large enough (see
     # `ChunkCodec.of`).
     compression: str | None = None

@@ -30,16 +30,15 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
 import zarr
 
-from .. import _commit, _objects, _options, _storage, errors
+from .. import _commit, _objects, _storage, errors
 from .._format import naming as _naming, tree as _tree, vouched as _vouched, zarrjson as _zarrjson
 from .._options import SaveOptions
-from .._run.lease import refuse_if_held
 from .._storage.store import SourceChanged
 from .._tier import peers as _peers
 from .._util import (
@@ -50,86 +49,19 @@ from .._util import (
     regions as _regions,
 )
 from . import plan as _planning, transfer as _transfer
+from .collaborators import NO_REUSE, UNGUARDED, Guard, Reuse, Reused, reused_of
 from .compression import Compressor
 from .plan import ArrayPlan, WriteUnit
 from .plan_cache import PlanCache, Planned
 
 log = logging.getLogger("zarrckpt")
 
-def save_pytree(
-    url: str,
-    tree: Any,
-    *,
-    storage_options: dict[str, Any] | None = None,
-    overwrite: bool = False,
-    max_chunk_bytes: int = _options.DEFAULT_MAX_CHUNK_BYTES,
-    min_chunk_bytes: int = _options.DEFAULT_MIN_CHUNK_BYTES,
-    max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
-    max_workers: int | None = None,
-    timeout_s: float = _options.DEFAULT_TIMEOUT_S,
-    progress: bool | None = None,
-    checksums: bool = True,
-    compression: str | None = None,
-) -> None:
-    """Saves `tree` as a checkpoint at `url` and commits it.
-
-    Agreement: under `jax.distributed` every process must call it with the same tree
-    structure (each passes its own shards). Returns once the checkpoint is committed.
-
-    Args:
-      url: a local path or fsspec URL (file://, memory://, s3://, gs://...).
-      tree: a pytree whose leaves are jax.Array (any sharding; typed PRNG keys
-        included), numpy arrays or scalars, Python bool/int/float/complex, str, bytes,
-        or `zarrckpt.PerProcess` (each process saves its own value). None and empty
-        containers are kept.
-      storage_options: passed to fsspec (credentials, endpoint_url...). Never logged.
-      overwrite: replace a committed checkpoint at `url`. Without it that is an error.
-      max_chunk_bytes: shards larger than this are split into several chunks.
-      min_chunk_bytes: shards smaller than this are merged into larger chunks where one
-        process holds several side by side (fewer objects: each is a request on S3/GCS).
-      max_inflight_bytes: bound on host bytes copied off devices and not yet written.
-      max_workers: concurrent writes per process (default: one per core, 8 to 32, on a local
-        disk; 128 on an object store; 100 on GCS).
-      timeout_s: how long a process may wait for the others, in all, during the save
-        (its own work not counted).
-      progress: show a progress bar on process 0 (default: when stderr is a terminal).
-      checksums: store a CRC-32C after every chunk (zarr's crc32c codec), verified on
-        every read. Turning it off is for measuring its cost.
-      compression: "zstd" stores chunks through zarr v3's `blosc` codec (zstd,
-        bit-shuffled by the dtype's size), which zarr-python and TensorStore read as
-        they are: each chunk of 64 KiB or more is compressed where a probe of its leaf
-        shows that pays at the speed this process's writes are going (a slow object
-        store), else stored as it is behind blosc's 16-byte header, so that it is never
-        slower than it would be uncompressed by more than the probe; on a local disk
-        that is about never. None (the default): uncompressed.
-
-    Raises:
-      TypeError, ValueError: an option of the wrong type or value (named).
-      UnsupportedLeafError: a leaf or key that cannot be saved (names its key path).
-      CheckpointExistsError: `url` holds a committed checkpoint and overwrite is False.
-      DirectoryInUseError: `url` is a step, there already, of a directory of steps
-        that a live `CheckpointManager` holds (names the holder); a lease left
-        unreleased whose holder may be alive elsewhere is watched first (2.5
-        heartbeats).
-      CheckpointWriteError: a write failed on some process (names process and leaf);
-        nothing was committed.
-      CoordinationTimeoutError: a process did not arrive at an agreement in time.
-    """
-    options = SaveOptions(overwrite=overwrite, max_chunk_bytes=max_chunk_bytes, min_chunk_bytes=min_chunk_bytes,
-                          max_inflight_bytes=max_inflight_bytes, max_workers=max_workers, timeout_s=timeout_s,
-                          progress=progress, checksums=checksums, compression=compression)
-    loc = _storage.resolve(url, storage_options)
-    # A step of a run a live manager holds: one it is writing would be taken for a
-    # leftover and deleted, and one replaced would hold what the manager's record of it
-    # does not (its next save would link the replacement's chunks).
-    save(loc, tree, options, before_prepare=lambda: refuse_if_held(loc, "save_pytree", existing_only=not overwrite))
-
 
 def save(loc: _storage.Location, tree: Any, options: SaveOptions, *,
-         extra_metadata: dict[str, Any] | None = None, before_prepare: Callable[[], None] | None = None) -> SaveJob:
-    """`save_pytree` at `loc`: plan, then write as the budget lets each unit in; returns
-    the job done. Agreement."""
-    job = SaveJob.create(loc, tree, options, extra_metadata=extra_metadata, before_prepare=before_prepare)
+         extra_metadata: dict[str, Any] | None = None, guard: Guard = UNGUARDED) -> SaveJob:
+    """`save_pytree` at `loc`, guarded by `guard`: plan, then write as the budget lets
+    each unit in; returns the job done. Agreement."""
+    job = SaveJob.create(loc, tree, options, extra_metadata=extra_metadata, guard=guard)
     write(job)
     return job
 
@@ -213,15 +145,10 @@ class SaveJob:
     options: SaveOptions
     budget: _concurrency.ByteBudget
     channel: str = "save"
-    before_prepare: Callable[[], None] | None = None  # run on process 0 first: a lease check
-    # Run on each process once its writes are in, before the commit: that the step its
-    # unchanged chunks were made from is still the one they were made from.
-    after_writes: Callable[[], None] | None = None
-    # The lease check of the job that writes the run (`Lease.check`, process 0's): run
-    # where the commit is written, just before it, before a failed save's group is
-    # removed, and to explain a failed write; it raises DirectoryInUseError, saying what
-    # it stops (its argument), where another job took the run over.
-    fence: Callable[[str], None] | None = None
+    guard: Guard = UNGUARDED  # asked before anything is written, and before the commit (see `Guard`)
+    reuse: Reuse = NO_REUSE  # which leaves are made from a committed step, told how the save ends
+    # What `reuse` decided: the leaves whose chunks are made from a committed step, by name.
+    reused: dict[str, Reused] = dataclasses.field(default_factory=dict)
     # Whether a save that fails removes the group it began (see `_discard`); else that is
     # left to the next save there, and to `gc`.
     discard: bool = False
@@ -238,13 +165,14 @@ class SaveJob:
 
     @classmethod
     def create(cls, loc: _storage.Location, tree: Any, options: SaveOptions, *,
-               extra_metadata: dict[str, Any] | None = None, channel: str = "save",
-               before_prepare: Callable[[], None] | None = None, commit: Commit = SHARED,
+               extra_metadata: dict[str, Any] | None = None, channel: str = "save", commit: Commit = SHARED,
                peers: _peers.Peers | None = None, compressor: Compressor | None = None,
-               plans: PlanCache | None = None, fence: Callable[[str], None] | None = None,
+               plans: PlanCache | None = None, guard: Guard = UNGUARDED, reuse: Reuse = NO_REUSE,
                discard: bool = False) -> SaveJob:
-        """Plans a save; raises UnsupportedLeafError before anything is written. `fence`
-        and `discard`: see the fields of the same names. A
+        """Plans a save; raises UnsupportedLeafError before anything is written. `guard`
+        and `discard`: see the fields of the same names. `reuse` is asked, once the plans
+        exist, which leaves' chunks are made from a committed step (collective where it
+        computes on the devices); then `guard` is told what is saved. A
         `PER_PROCESS` save with `peers` (who keeps whose peer copy, see `_peers`) also
         writes the chunks of the processes this one keeps a copy of that its own devices
         lack. `compressor`: the cost model of `options.compression` to go on with (a
@@ -292,9 +220,11 @@ class SaveJob:
             paths = [(leaf.path, leaf.name, rec["type"] == "prng_key") for leaf, rec in zip(leaves, records)]
             plans.keep(note, key, Planned(spec, version, paths, [plan.template() for plan in job_plans], arrays))
         meta = {**_tree_metadata(spec, version), **(extra_metadata or {})}
+        reused = reuse.plan(job_plans, arrays, loc)
+        guard.planned([plan.leaf for plan in job_plans if plan.moved is None], reused.keys())
         return cls(loc, job_plans, arrays, own, _zarrjson.group_document({_naming.META_ATTR: meta}), options,
-                   _concurrency.ByteBudget(options.max_inflight_bytes), channel, before_prepare, fence=fence,
-                   discard=discard, commit=commit, compressor=compressor or Compressor())
+                   _concurrency.ByteBudget(options.max_inflight_bytes), channel, guard=guard, reuse=reuse,
+                   reused=reused, discard=discard, commit=commit, compressor=compressor or Compressor())
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -317,24 +247,26 @@ class SaveJob:
 
     @property
     def reused_bytes(self) -> int:
-        """Bytes of this process's writes made from a committed step (`reuse_from`)."""
-        return sum(unit.nbytes for plan in self.plans if plan.reuse_from is not None for unit in plan.writes)
+        """Bytes of this process's writes made from a committed step (`reused`)."""
+        return sum(unit.nbytes for plan, unit in self.made_from_steps())
 
     def reuse_note(self) -> str:
         """For a log line: what this process makes from committed steps instead of
         writing it ("" where nothing)."""
-        sources = sorted({plan.reuse_from.url for plan in self.plans if plan.reuse_from is not None and plan.writes})
+        sources = sorted({found.step.url for plan in self.plans
+                          if plan.writes and (found := reused_of(self.reused, plan)) is not None})
         return (f"; {_progress.size(self.reused_bytes)} unchanged, made from {', '.join(sources)}, not written "
                 "(process 0's part)" if sources else "")
 
     def units(self) -> Work:
         """This process's writes to copy off the devices (all but those made from a
         committed step), in order."""
-        return ((plan, unit) for plan in self.plans if plan.reuse_from is None for unit in plan.writes)
+        return ((plan, unit) for plan in self.plans if reused_of(self.reused, plan) is None for unit in plan.writes)
 
-    def reused(self) -> Work:
+    def made_from_steps(self) -> Work:
         """This process's writes made from a committed step: nothing to copy or hold."""
-        return ((plan, unit) for plan in self.plans if plan.reuse_from is not None for unit in plan.writes)
+        return ((plan, unit) for plan in self.plans if reused_of(self.reused, plan) is not None
+                for unit in plan.writes)
 
     def admitted(self, *, snapshot: bool = False, before_waiting: Callable[[], None] | None = None
                  ) -> Generator[tuple[ArrayPlan, WriteUnit], None, None]:
@@ -364,7 +296,7 @@ class SaveJob:
                 if not plan.writes:
                     plan.moved.array = None
 
-        yield from self.reused()
+        yield from self.made_from_steps()
         units = iter(self.units())
         try:
             item = next(units, None)
@@ -398,8 +330,19 @@ class SaveJob:
 
     def run(self, work: Work) -> float:
         """Runs the write protocol over `work` (`admitted()`, or what `stage` staged);
-        returns the seconds it took. Agreement."""
+        returns the seconds it took. Tells `reuse` that the save committed, or failed.
+        Agreement."""
         started = time.perf_counter()
+        try:
+            self._run(work)
+        except BaseException as e:
+            self.reuse.failed(e, prepared=self.save_id is not None)
+            raise
+        seconds = time.perf_counter() - started
+        self.reuse.committed(self.save_id, self.made, self.crcs)
+        return seconds
+
+    def _run(self, work: Work) -> None:
         loc = self.loc
         with (_multihost.Agreement(self.channel, self.options.timeout_s, what=f"saving {loc.url}",
                                    error=errors.CheckpointWriteError, note="nothing was committed") as op,
@@ -418,19 +361,17 @@ class SaveJob:
                 if isinstance(e, Exception) and not (committing and loc.lands_late):
                     self._discard()
                 raise
-        seconds = time.perf_counter() - started
-        return seconds
 
     def _write(self, work: Work, advance: Callable[[int], None]) -> _vouched.Record:
         try:
             _write_all(self.loc, work, self._array_metadata(), self.options.max_workers or self.loc.concurrency,
-                       advance, self.compressor, self.made, self.crcs)
+                       advance, self.compressor, self.reused, self.made, self.crcs)
         except Exception as e:
             # Say why where it can be known: the run taken over by another job (whose
             # objects refused this save's), or a chunk made from one not what it was.
-            fence = functools.partial(self.fence, f"{self._named()} not committed") if self.fence else None
+            fence = functools.partial(self.guard.fence, f"{self._named()} not committed")
             for explain, why in ((fence, errors.DirectoryInUseError),
-                                 (self.after_writes if missing(e) else None, errors.CheckpointWriteError)):
+                                 (self._check_after_writes if missing(e) else None, errors.CheckpointWriteError)):
                 if explain is None:
                     continue
                 try:
@@ -440,9 +381,11 @@ class SaveJob:
                 except Exception:  # the store failing on: the writes' own error says it
                     pass
             raise
-        if self.after_writes is not None:
-            self.after_writes()
+        self._check_after_writes()
         return _vouched.grouped(self.crcs)
+
+    def _check_after_writes(self) -> None:
+        self.reuse.check_after_writes(self.plans, self.reused, self.made)
 
     def _named(self) -> str:
         """This save as the lease's error says it: "step N" where it writes a step of a run."""
@@ -452,8 +395,7 @@ class SaveJob:
     def _commit(self, records: list[_vouched.Record]) -> None:
         """Writes the commit, recording the CRC-32C of every chunk made (`records`, each
         process's), once the lease, where there is one, is found still this job's."""
-        if self.fence is not None:
-            self.fence(f"{self._named()} not committed")
+        self.guard.fence(f"{self._named()} not committed")
         if recorded := _vouched.merged(records):
             self.group["attributes"][_naming.META_ATTR][_vouched.KEY] = recorded
         _commit.commit(self.loc, _zarrjson.group_document(self.group["attributes"], self.arrays))
@@ -471,8 +413,8 @@ class SaveJob:
                 self.commit.per_process or _multihost.process_index() == 0):
             return
         try:
-            if self.fence is not None:  # a job that lost the run deletes nothing of the one that took it
-                self.fence(f"what the failed save of {self._named()} wrote is left as it is")
+            # A job that lost the run deletes nothing of the one that took it.
+            self.guard.fence(f"what the failed save of {self._named()} wrote is left as it is")
             found = _commit.head(self.loc)
             ours = (found.state is _commit.State.ABSENT if self.loc.late_safe else
                     found.state is _commit.State.UNCOMMITTED and found.save_id == self.save_id)
@@ -498,10 +440,9 @@ class SaveJob:
         """Process 0 (every process, for its local copy): clears the way and writes the
         group metadata, uncommitted, with the save's identity first (not on S3 and GCS:
         see `_commit`); returns the identity."""
-        if self.before_prepare is not None:
-            self.before_prepare()
+        found = self.guard.before_prepare()
         _objects.make_way(self.loc, overwrite=self.options.overwrite)
-        meta = self.group["attributes"][_naming.META_ATTR]
+        meta = {**self.group["attributes"][_naming.META_ATTR], **found}
         self.group = _zarrjson.group_document({_naming.META_ATTR: {_commit.SAVE_ID: save_id, **meta}})
         if not self.loc.late_safe:  # else the commit alone is written (see `_commit.write_marker`)
             self.loc.write("zarr.json", _zarrjson.encode_document(self.group), atomic=True, durable=True)
@@ -553,10 +494,11 @@ def _tree_metadata(spec: dict[str, Any], version: int) -> dict[str, Any]:
 
 
 def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPlan, dict[str, Any]]],
-               workers: int, advance: Callable[[int], None], compressor: Compressor,
+               workers: int, advance: Callable[[int], None], compressor: Compressor, reused: Mapping[str, Reused],
                made: dict[str, str | None], crcs: dict[str, int]) -> None:
     """Writes each array's `metadata` document and every unit of `work` (each chunk's
-    version into `made`), `workers` at a time, all on stable storage before this
+    version into `made`; of a leaf in `reused`, made from the step named there),
+    `workers` at a time, all on stable storage before this
     returns (written together: see `Location.together`): the commit that follows must
     never find a chunk only in the page cache. Array metadata is only read once
     committed, so it goes out alongside the chunks. Chunks are compressed where
@@ -566,12 +508,12 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
         if isinstance(what, dict):
             _write_metadata(out, plan, what)
         else:
-            _write_one(out, plan, what, compressor, made, crcs)
+            _write_one(out, plan, what, compressor, reused_of(reused, plan), made, crcs)
             advance(what.nbytes)
 
     def written(item: tuple[ArrayPlan, WriteUnit | dict[str, Any]]) -> int:  # bytes passing through this process
         plan, what = item
-        return 0 if isinstance(what, dict) or plan.reuse_from is not None else what.nbytes
+        return 0 if isinstance(what, dict) or reused_of(reused, plan) is not None else what.nbytes
 
     items: Iterable[tuple[ArrayPlan, WriteUnit | dict[str, Any]]] = itertools.chain(metadata, work)
     with loc.together() as out, _concurrency.Operation(workers, "write") as op:
@@ -586,19 +528,19 @@ def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str,
 
 
 def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, compressor: Compressor,
-               made: dict[str, str | None], crcs: dict[str, int]) -> None:
+               made_from: Reused | None, made: dict[str, str | None], crcs: dict[str, int]) -> None:
     where, key = f"chunk {plan.codec.coords(unit.region)}", plan.key(unit)
     try:
-        if plan.reuse_from is not None:  # unchanged since that step: its chunk is this one
-            expect, crc = plan.reuse_versions[key], plan.reuse_crcs.get(key)
-            assert expect is not None, "`unchanged.mark` reuses only chunks of known versions"
+        if made_from is not None:  # unchanged since that step: its chunk is this one
+            expect, crc = made_from.versions[key], made_from.crcs.get(key)
+            assert expect is not None, "`Reuse.plan` reuses only chunks of known versions"
             with _as_write_error(plan, where):
                 try:
-                    made[key] = loc.copy_new(key, plan.reuse_from, nbytes=unit.nbytes, expect=expect)
+                    made[key] = loc.copy_new(key, made_from.step, nbytes=unit.nbytes, expect=expect)
                 except SourceChanged:
                     if crc is None:
                         raise
-                    made[key] = _write_as_recorded(loc, plan, key, crc)
+                    made[key] = _write_as_recorded(loc, plan, made_from.step, key, crc)
             if crc is not None:
                 crcs[key] = crc
             return
@@ -617,20 +559,20 @@ def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, compres
         unit.release()
 
 
-def _write_as_recorded(loc: _storage.Location, plan: ArrayPlan, key: str, crc: int) -> str | None:
-    """Writes the chunk `key` of the step `plan` makes its unchanged chunks from, which
+def _write_as_recorded(loc: _storage.Location, plan: ArrayPlan, step: _storage.Location, key: str,
+                       crc: int) -> str | None:
+    """Writes the chunk `key` of `step`, which `plan` makes its unchanged chunks from, which
     is no longer the version known there (a `touch`, a scratch file system's anti-purge
     job, a copy of the same bytes), with the bytes it holds now where those are still
     the ones that step's commit records (`crc`: its CRC-32C, and the chunk's size and
     checksum); returns the version written. SourceChanged where they are not (rewritten
     with other bytes, or deleted)."""
-    assert plan.reuse_from is not None
     try:
-        stored = plan.reuse_from.read(key, limit=plan.codec.stored_bytes + 1)
+        stored = step.read(key, limit=plan.codec.stored_bytes + 1)
     except FileNotFoundError:
-        raise SourceChanged(errno.ENOENT, f"{plan.reuse_from.url}/{key} is gone") from None
+        raise SourceChanged(errno.ENOENT, f"{step.url}/{key} is gone") from None
     if (damage := plan.codec.damage(stored, crc)) is not None:
-        raise SourceChanged(errno.ENOENT, f"{plan.reuse_from.url}/{key} {damage}")
+        raise SourceChanged(errno.ENOENT, f"{step.url}/{key} {damage}")
     return loc.write_new(key, stored)
 
 
