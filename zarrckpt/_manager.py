@@ -18,15 +18,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _deprecated, _finite, _inflight, _options, _preemption, _save, _schedule, _storage
+from . import _deprecated, _inflight, _options, _preemption, _save, _schedule, _storage
 from ._format import naming as _naming
 from ._run import (
-    guards as _guards,
     lease as _lease,
-    lineage as _lineage,
     retention as _retention,
     run as _run,
-    steps as _steps,
 )
 from ._tier import tier as _tiers
 from ._util import concurrency as _concurrency, multihost as _multihost, progress as _progress
@@ -158,21 +155,16 @@ class CheckpointManager:
         local = _tiers.local_directory(local_directory, local_save_interval_steps, local_peer_copies, local_peer_group)
         self._schedule = _schedule.SaveSchedule(save_interval_steps, save_interval_seconds, timeout_s=timeout_s)
         self._async = async_save
-        self._unchanged = _lineage.Lineage() if reuse_unchanged else None
-        # What the NaN check found in the newest step this manager committed (process
-        # 0's), with that save's identity: a leaf made from that very save holds what it
-        # held then.
-        self._findings: tuple[str, str | None, _finite.Findings] | None = None
         self._preemption = _preemption.Notice(listen=save_on_preemption)
         self._warned_older = False
         self._progress = progress
         self._timeout_s = timeout_s
         # A checkpoint itself (even one a manager saved steps into), or Orbax's: refused.
-        self._run = _run.Run(root, keep, heartbeat_s=heartbeat_s, timeout_s=timeout_s)
+        self._run = _run.Run(root, keep, heartbeat_s=heartbeat_s, timeout_s=timeout_s,
+                            reuse_unchanged=reuse_unchanged)
         self._root = root
         self._restored_step: int | None = None
         self._restored_tier: str | None = None
-        self._lock = threading.Lock()
         self._in_flight = _inflight.InFlight()
         self._tier: _tiers.LocalTier | None = None
         self._closed = True  # until the leases are ours
@@ -198,23 +190,18 @@ class CheckpointManager:
         """Saves `state` as `step` if a policy says so (or `force`); returns whether it did.
 
         `metrics` (for `keep_best`, and kept in the checkpoint) maps names to real
-        numbers: Python or numpy numbers, or 0-d numpy or jax arrays (a jax value is
-        fetched to the host here, as `float(loss)` would). NaN and infinities are kept
-        as the strings "NaN", "Infinity", "-Infinity" and never rank as best.
+        numbers (Python or numpy numbers, 0-d numpy or jax arrays); NaN and infinities
+        are kept as "NaN", "Infinity", "-Infinity" and never rank as best.
 
         With async_save, returns once the state's copies off the devices are dispatched
-        and numpy leaves are copied (and the fingerprints of the leaves it compares for
-        `reuse_unchanged` computed): the caller may then donate or overwrite its buffers
-        (the runtime finishes the copies first). Waits first for the previous save.
-        Without async_save, returns once the save has committed and the retention
-        it triggers has run. Raises TypeError or ValueError for a bad step or metric
-        (nothing is saved, and the next save works), the error of an earlier
-        background save or deletion, if any, and what `save_pytree` raises (a save
-        that fails removes what it wrote before its error is raised: a full disk has
-        its room back for the next one, which still makes unchanged chunks). A step
-        already committed is not saved again, nor, without `force`, one older than
-        the newest committed step (a restore would never pick it: a warning, once),
-        unless newer than the step `restore` was asked for (a rollback).
+        (and the fingerprints `reuse_unchanged` compares computed): the caller may then
+        donate or overwrite its buffers. Waits first for the previous save. Without
+        async_save, returns once the save and the retention it triggers are done.
+        Raises TypeError or ValueError for a bad step or metric (nothing is saved), the
+        error of an earlier background save or deletion, and what `save_pytree` raises
+        (a failed save removes what it wrote first). A step already committed is not
+        saved again, nor, without `force`, one older than the newest committed step (a
+        warning, once), unless newer than the step `restore` was asked for.
         """
         step = _naming.step_number(step)  # a bad step is refused here
         self._check_open()
@@ -262,25 +249,14 @@ class CheckpointManager:
                          metrics: Mapping[str, float] | None, called: float) -> _save.BackgroundSave:
         started = time.perf_counter()
         self._schedule.started()
-        # The findings of the step the unchanged leaves are made from, where it is the
-        # very save this manager checked.
-        then, source = self._findings, self._unchanged.step() if self._unchanged is not None else None
-        same = then is not None and source is not None and (source[0].url, source[1]) == then[:2]
-        guard = _guards.ManagerGuard(self._run.lease, step, then[2] if then is not None and same else None)
-        reuse = _lineage.ReuseUnchanged(self._unchanged) if self._unchanged is not None else _save.NO_REUSE
-        job = _save.SaveJob.create(location, state, self._save_options, channel="manager-save",
-                                   extra_metadata={"metrics": metrics} if metrics is not None else None,
-                                   compressor=self._compressor, plans=self._plans, discard=True, guard=guard,
-                                   reuse=reuse)
+        job, record = self._run.plan_save(step, state, self._save_options, metrics=metrics,
+                                          compressor=self._compressor, plans=self._plans)
         # The job holds the state: the commit's report must not.
         nbytes, note = job.nbytes, job.reuse_note()
 
         def committed() -> None:
             seconds = time.perf_counter() - started
-            self._run.committed(step, metrics)
-            with self._lock:
-                found = guard.findings
-                self._findings = (location.url, save.save_id, found) if found is not None else None
+            record(save.save_id)
             if _multihost.process_index() == 0:
                 # `save` blocked training from its call until the copies were dispatched,
                 # waiting for the save before it included.
@@ -291,7 +267,7 @@ class CheckpointManager:
                 log.info("checkpoint step %d committed to %s: %s%s%s", step, self._root.url,
                          _progress.rate(nbytes, seconds), blocked, note)
             if self._run.keep.deletes:
-                self._retain()
+                self._run.retain()
 
         save = _save.BackgroundSave(job, f"zarrckpt-save-{step}", on_commit=committed,
                                     on_failure=functools.partial(self._failed, step, location.url))
@@ -305,8 +281,7 @@ class CheckpointManager:
         failed retention, which may have deleted steps unknown, writes every chunk."""
         self._in_flight.failed(error)
         committed = step in self._run.committed_steps()
-        if self._unchanged is not None and committed:
-            self._unchanged.forget()
+        self._run.save_failed(step)
         if not isinstance(error, Exception) and not committed:  # a Ctrl-C in a save run on this thread
             log.warning("%s was not saved: %s while it was being written; nothing was committed unless its commit "
                         "had been written (zarrckpt.all_steps says)", url, type(error).__name__)
@@ -333,12 +308,6 @@ class CheckpointManager:
             return False
         return force or self._schedule.due(step)
 
-    def _retain(self) -> None:
-        """Applies retention after a commit, on the thread that committed. Agreement."""
-        deleted = self._run.retain()
-        if self._unchanged is not None:  # a rollback's step, older than the newest: gone
-            self._unchanged.dropped({self._root.step(step).url for step in deleted})
-
     # -- waiting, restoring, listing --------------------------------------------
 
     def wait(self) -> None:
@@ -353,15 +322,13 @@ class CheckpointManager:
                 max_workers: int | None = None, progress: bool | None = None) -> tuple[Any, int]:
         """Restores the newest committed step (or `step`) onto `target`. Agreement.
 
-        Returns (state, step); (target, 0) when nothing is committed and no `step`
-        was asked for, which is logged as a warning naming the directory and leaves
-        `restored_step` None. With a local tier and no `step`, the newest step the
-        local copies rebuild is taken when newer than the newest persistent one
-        (`restored_tier` says which tier was read; each process logs its bytes by
-        source). Waits for a save in flight first. Takes `load_pytree`'s options
-        (see there; the manager's `max_workers` and `progress` unless given).
-        Raises CheckpointNotFoundError if `step` is not a committed step, and what
-        `load_pytree` raises.
+        Returns (state, step); (target, 0), with a warning, when nothing is committed
+        and no `step` was asked for. With a local tier and no `step`, the newest step
+        the local copies rebuild is taken when newer than the newest persistent one
+        (`restored_tier` says which). Waits for a save in flight first. Takes
+        `load_pytree`'s options (the manager's `max_workers` and `progress` unless
+        given). Raises CheckpointNotFoundError if `step` is not a committed step, and
+        what `load_pytree` raises.
         """
         step = None if step is None else _naming.step_number(step)
         if isinstance(target, (int, np.integer)) and not isinstance(target, bool):
@@ -379,17 +346,11 @@ class CheckpointManager:
         local, restored = None, step
         if step is None and self._tier is not None:
             local = _tiers.restore_newer_copy(self._root, self._tier, target, options, self._timeout_s)
-        ckpt = None
         if local is not None:
             (state, restored), tier = local, "local"
-        elif step is None:  # a save reuses the restored step's chunks (told to `_unchanged`)...
-            state, restored, ckpt = _steps.restore_latest(self._root, target, options, self._timeout_s,
-                                                          self._unchanged)
-            tier = "persistent"
+            self._run.restored_elsewhere()
         else:
-            (state, ckpt), tier = _steps.load_step(self._root, step, target, options, self._unchanged), "persistent"
-        if self._unchanged is not None and ckpt is None:  # ...and none after a local step, none of any older save's
-            self._unchanged.forget()
+            (state, restored), tier = self._run.restore(target, options, step), "persistent"
         self._restored_step = restored
         self._restored_tier = tier if restored is not None else None
         if self._tier is not None:  # copies newer than this are of abandoned training: never restore them
@@ -457,30 +418,18 @@ class CheckpointManager:
         self.wait()
         # Told before the deletion: a restore would bring the step back from the local
         # tier, and a save would make its chunks from it.
-        forget = [tell for tell in (self._tier.forget if self._tier is not None else None,
-                                    self._forget_lineage if self._unchanged is not None else None) if tell]
-        self._run.delete(step, forget=forget)
-
-    def _forget_lineage(self, step: int) -> None:
-        assert self._unchanged is not None
-        self._unchanged.dropped({self._root.step(step).url})
+        self._run.delete(step, forget=[self._tier.forget] if self._tier is not None else [])
 
     # -- lifetime ----------------------------------------------------------------
 
     def reached_preemption(self, step: int) -> bool:
-        """Whether a preemption notice came, and `step` is at or past the step saved for
-        it; then the save has committed (this waits for it) and the loop should stop:
-        `if mgr.reached_preemption(step): break` after `mgr.save(step, state)`. The same
-        on every process. The notice is JAX's preemption sync point under
-        `jax.distributed`, and in a job of one process SIGTERM (taken from the first
-        call of this until `close`, unless something else handles it; a second SIGTERM
-        ends the process).
-
-        A notice seen here rather than in `save` (it came after this step's save, or the
-        loop calls `save` only when a save is due) makes the next `save` call save its
-        step whatever the policy says, with a warning; this returns True from that step
-        on. Under `jax.distributed`, collective: every process calls it at every step,
-        with the same steps. Always False with `save_on_preemption=False`."""
+        """Whether a preemption notice came and `step` is at or past the step saved for
+        it; then that save has committed (this waits for it) and the loop should stop:
+        `if mgr.reached_preemption(step): break` after `mgr.save(step, state)`. A notice
+        seen here rather than in `save` makes the next `save` save its step whatever the
+        policy. The notice is JAX's preemption sync point under `jax.distributed` (then
+        this is collective: every process calls it at every step), SIGTERM in a job of
+        one process. Always False with `save_on_preemption=False`."""
         step = _naming.step_number(step)
         self._check_process()
         if not self._closed:  # a closed manager listens no more: SIGTERM ends the process again

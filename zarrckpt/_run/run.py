@@ -2,7 +2,8 @@
 
 A `Run` owns the directory's location, its lease (process 0's), the committed steps and
 their metrics as this job knows them, what to keep (`retention.Policy`) and deleting
-the rest. `CheckpointManager` is a run plus the policies of when to save and a local
+the rest, and its lineage: what the newest step saved or restored holds, which a save
+makes its unchanged chunks from. `CheckpointManager` is a run plus the policies of when to save and a local
 tier; the calls marked collective below must be made by every process of a
 `jax.distributed` job, with the same arguments.
 """
@@ -16,10 +17,10 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .. import errors
+from .. import _finite, _options, _save, errors
 from .._storage import Location
 from .._util import multihost as _multihost
-from . import lease as _lease, retention as _retention, steps as _steps
+from . import guards as _guards, lease as _lease, lineage as _lineage, retention as _retention, steps as _steps
 
 log = logging.getLogger("zarrckpt")
 
@@ -30,12 +31,19 @@ class Run:
     Thread-safe: commits are recorded from background saves while the training thread
     asks which steps are committed."""
 
-    def __init__(self, root: Location, keep: _retention.Policy, *, heartbeat_s: float, timeout_s: float) -> None:
+    def __init__(self, root: Location, keep: _retention.Policy, *, heartbeat_s: float, timeout_s: float,
+                 reuse_unchanged: bool) -> None:
         """Lists `root`'s committed steps (and, with `keep.best_metric`, reads their
-        metrics). Raises CheckpointLocationError if `root` is a checkpoint itself or
-        holds another library's checkpoints. Takes no lease: see `claim`."""
+        metrics). With `reuse_unchanged`, saves make the chunks of leaves unchanged since
+        the newest step saved or restored from that step's. Raises
+        CheckpointLocationError if `root` is a checkpoint itself or holds another
+        library's checkpoints. Takes no lease: see `claim`."""
         self.root = root
         self.keep = keep
+        self.lineage = _lineage.Lineage() if reuse_unchanged else None
+        # What the NaN check found in the newest step this job committed (process 0's),
+        # with that save's identity: a leaf made from that very save holds what it held then.
+        self._findings: tuple[str, str | None, _finite.Findings] | None = None
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._committed = set(_steps.scan(root)[1])
@@ -92,6 +100,60 @@ class Run:
         """The directory of committed `step`; CheckpointNotFoundError if it is not one."""
         return _steps.committed_step(self.root, step)
 
+    # -- saving and restoring ------------------------------------------------------
+
+    def plan_save(self, step: int, state: Any, options: _options.SaveOptions, *,
+                  metrics: Mapping[str, Any] | None, compressor: _save.Compressor,
+                  plans: _save.PlanCache) -> tuple[_save.SaveJob, Callable[[str | None], None]]:
+        """Plans the save of `state` as `step`, guarded by the lease and checked for NaN
+        and infinities (`_guards.ManagerGuard`), its unchanged leaves' chunks made from
+        the lineage's step; returns the job and what to call, with the save's identity,
+        once it has committed. Raises what `SaveJob.create` raises."""
+        location = self.root.step(step)
+        with self._lock:
+            then = self._findings
+        source = self.lineage.step() if self.lineage is not None else None
+        same = then is not None and source is not None and (source[0].url, source[1]) == then[:2]
+        guard = _guards.ManagerGuard(self.lease, step, then[2] if then is not None and same else None)
+        reuse = _lineage.ReuseUnchanged(self.lineage) if self.lineage is not None else _save.NO_REUSE
+        job = _save.SaveJob.create(location, state, options, channel="manager-save",
+                                   extra_metadata={"metrics": metrics} if metrics is not None else None,
+                                   compressor=compressor, plans=plans, discard=True, guard=guard, reuse=reuse)
+
+        def committed(save_id: str | None) -> None:
+            self.committed(step, metrics)
+            with self._lock:
+                found = guard.findings
+                self._findings = (location.url, save_id, found) if found is not None else None
+
+        return job, committed
+
+    def save_failed(self, step: int) -> None:
+        """A save of `step` failed (told to its reuse collaborator already), or what its
+        commit triggered: after a failed retention, which may have deleted steps unknown,
+        the next save writes every chunk."""
+        if self.lineage is not None and step in self.committed_steps():
+            self.lineage.forget()
+
+    def restore(self, target: Any, options: _options.LoadOptions, step: int | None) -> tuple[Any, int | None]:
+        """Restores `step`, or the newest committed step (None when there is none, and
+        `target` comes back), onto `target`, and learns what it holds (a save makes its
+        unchanged chunks from it). Raises CheckpointNotFoundError if `step` is not
+        committed, and what `load_pytree` raises. Collective."""
+        if step is None:
+            state, restored, ckpt = _steps.restore_latest(self.root, target, options, self._timeout_s, self.lineage)
+        else:
+            (state, ckpt), restored = _steps.load_step(self.root, step, target, options, self.lineage), step
+        if ckpt is None:  # none of any older save's
+            self.restored_elsewhere()
+        return state, restored
+
+    def restored_elsewhere(self) -> None:
+        """The state now comes from elsewhere (the local tier): no chunk is made from any
+        step of this run until one is saved or restored again."""
+        if self.lineage is not None:
+            self.lineage.forget()
+
     # -- metrics -------------------------------------------------------------------
 
     def metrics(self, step: int) -> dict[str, Any] | None:
@@ -134,12 +196,18 @@ class Run:
                                                                               fence=self.fence))
         with self._lock:
             self._committed.difference_update(deleted)
+        self._drop(deleted)  # a rollback's step, older than the newest: gone
         return deleted
+
+    def _drop(self, steps: Iterable[int]) -> None:
+        """No save makes its chunks from `steps` any more."""
+        if self.lineage is not None:
+            self.lineage.dropped({self.root.step(step).url for step in steps})
 
     def delete(self, step: int, *, forget: Iterable[Callable[[int], None]] = ()) -> None:
         """Deletes committed `step`, pinned or not, its commit marker first; each of
-        `forget` is told first on every process (what would bring the step back, or make
-        chunks from it). Process 0 deletes, its lease checked first; every process
+        `forget` (what would bring the step back) and the lineage are told first on every
+        process. Process 0 deletes, its lease checked first; every process
         returns once it has. Raises CheckpointNotFoundError if `step` is not committed,
         CheckpointWriteError if its directory holds files that are not the
         checkpoint's (nothing is then deleted), DirectoryInUseError if another job took
@@ -151,6 +219,7 @@ class Run:
             op.decide("committed", lambda: self.step(step).url)
             for tell in forget:
                 tell(step)
+            self._drop([step])
             deleted = op.decide("delete", lambda: self._delete_on_process_0(step))
         if not deleted:
             raise errors.CheckpointWriteError(f"step {step} of {self.root.url} was not deleted: its directory also "
