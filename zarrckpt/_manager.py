@@ -716,7 +716,7 @@ class CheckpointManager:
 
         with _multihost.Agreement("manager-open", self._timeout_s, what=f"claiming {self._root.url} for this job",
                                   error=errors.CheckpointWriteError) as op:
-            if not self._root.is_local:  # every process asks what the store honours: all then write and copy alike
+            if self._root.needs_probe:  # every process asks what the store honours: all then write and copy alike
                 op.check("probe", lambda: self._root.probe(_lease.LEASES))
             return op.decide("claim", claim)
 

@@ -31,7 +31,6 @@ import collections
 import dataclasses
 import functools
 import logging
-import os
 import secrets
 import threading
 import weakref
@@ -338,7 +337,7 @@ class Unchanged:
 
 def where(loc: _storage.Location) -> str:
     """`loc` as this module knows it: one name however a local path is spelled."""
-    return os.path.realpath(loc.path) if loc.is_local else loc.url
+    return loc.canonical
 
 
 def listed(step: _storage.Location) -> dict[str, Version]:
