@@ -629,13 +629,18 @@ class GCSStore(ObjectStore):
     def _checked_by_copy(self, made: str | None, expect: str) -> bool:
         return True  # GCS refuses the request otherwise; its answer names the new object's generation
 
+    def _copy(self, source: str, target: str, size: int, condition: Mapping[str, str] | None,
+              timeout: float | None) -> Any:
+        # gcsfs's `cp_file` would send no condition on the source.
+        return self._await(_rewrite(self.fs, source, target, condition or {}), timeout)
+
     def _copy_if_absent(self, source: str, target: str, size: int, condition: Mapping[str, str] | None,
                         timeout: float | None) -> Any:
-        return self._await(_rewrite_if_absent(self.fs, source, target, condition or {}), timeout)
+        return self._await(_rewrite(self.fs, source, target, {"ifGenerationMatch": 0, **(condition or {})}), timeout)
 
     def _copy_from_no_version(self, source: str, target: str, size: int, timeout: float | None) -> None:
-        self._await(_rewrite_if_absent(self.fs, source, target, {"ifSourceGenerationMatch": _PROBE_GENERATION}),
-                    timeout)
+        self._await(_rewrite(self.fs, source, target,
+                             {"ifGenerationMatch": 0, "ifSourceGenerationMatch": _PROBE_GENERATION}), timeout)
 
 
 # An object store answers each request in tens of milliseconds, mostly spent waiting:
@@ -720,19 +725,19 @@ def _refused_as_existing(path: str, request: Callable[[], _T]) -> _T:
         raise
 
 
-async def _rewrite_if_absent(fs: Any, source: str, target: str, condition: Mapping[str, str]) -> dict[str, Any]:
-    """GCS's copy (a rewrite, in as many calls as it asks for) of `source` to `target`
-    only if no object is there (ifGenerationMatch=0: gcsfs's `cp_file` sends no
-    precondition) and, with `condition`, only from that generation of `source`.
-    Returns GCS's last answer, which holds the object made. Through gcsfs's `_call`,
-    its own coroutine for a request of its JSON API: gcsfs offers no public call that
-    sends a rewrite's preconditions."""
+async def _rewrite(fs: Any, source: str, target: str, preconditions: Mapping[str, object]) -> dict[str, Any]:
+    """GCS's copy (a rewrite, in as many calls as it asks for) of `source` to `target`,
+    sent with `preconditions` (ifGenerationMatch=0: only if no object is there;
+    ifSourceGenerationMatch: only from that generation of `source`), which gcsfs's
+    `cp_file` does not send. Returns GCS's last answer, which holds the object made.
+    Through gcsfs's `_call`, its own coroutine for a request of its JSON API: gcsfs
+    offers no public call that sends a rewrite's preconditions."""
     (source_bucket, source_key, _), (bucket, key, _) = fs.split_path(source), fs.split_path(target)
     token = None
     while True:
         out: dict[str, Any] = await fs._call("POST", "b/{}/o/{}/rewriteTo/b/{}/o/{}", source_bucket, source_key,
                                              bucket, key, headers={"Content-Type": "application/json"},
-                                             json_out=True, ifGenerationMatch=0, rewriteToken=token, **condition)
+                                             json_out=True, rewriteToken=token, **preconditions)
         if out.get("done", True):
             return out
         token = out["rewriteToken"]
