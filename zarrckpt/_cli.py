@@ -287,7 +287,7 @@ def _options(*lists: list[tuple[str, Any]]) -> dict[str, Any] | None:
 def _side(url: str, common: list[tuple[str, Any]], own: list[tuple[str, Any]]) -> dict[str, Any] | None:
     """One side's options in a command of two URLs: -o is meant for the remote one (a
     local side takes none), the side's own flag for that side alone."""
-    return _options([] if _storage.is_local_url(url) else common, own)
+    return _options(common if _storage.takes_options(url) else [], own)
 
 
 # -- commands ------------------------------------------------------------------
@@ -424,7 +424,7 @@ def _gc(args: argparse.Namespace) -> int:
     committed = set(_steps.scan(root)[1])
     if not committed:
         _steps.check_directory_of_steps(root)  # a step itself, Orbax's checkpoints, a missing bucket: say so
-        if root.is_local and not root.exists():  # a mistyped DIR is no success with nothing to delete
+        if root.has_directories and not root.exists():  # a mistyped DIR is no success with nothing to delete
             raise FileNotFoundError(f"{root.url} does not exist")
     metrics = _retention.load_metrics(root, committed) if args.keep_best is not None else {}
     # A job holding the run may be saving an older step than its newest (`force`): what

@@ -157,7 +157,7 @@ def _check_claims(tree: Any, src: str, loc: _storage.Location, budget: int) -> N
             raise ValueError(f"array {name} of {src} is stored in chunks of {size(chunk)} {leaf.chunks}, each read "
                              f"whole, more than max_inflight_bytes ({size(budget)}): give max_inflight_bytes of at "
                              f"least {chunk} to import it")
-    if loc.is_local:
+    if loc.can_fill:
         needed = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for _, leaf in deferred)
         if needed > (free := loc.free_bytes()):
             raise CheckpointWriteError(f"{src} holds {size(needed)} of arrays, more than the {size(free)} free where "

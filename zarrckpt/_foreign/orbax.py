@@ -19,7 +19,6 @@ import bisect
 import dataclasses
 import logging
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -128,7 +127,7 @@ def _finished(run: Location, name: str) -> bool:
     writes the step in place and `commit_success.txt` last; on a local disk it renames a
     finished step into place (its `_CHECKPOINT_METADATA` is there from the start)."""
     names = {e.name for e in run.list_dir(name)}
-    return "commit_success.txt" in names or (run.is_local and "_CHECKPOINT_METADATA" in names)
+    return "commit_success.txt" in names or (run.has_directories and "_CHECKPOINT_METADATA" in names)
 
 
 def _number(name: str) -> int | None:
@@ -227,7 +226,7 @@ def _answer(future: Any, item: Location, what: str, nbytes: int = 0) -> Any:
     retries (`Guarded.patience`), since TensorStore makes its requests and retries them
     inside it, as TimeoutError, an OSError. A local disk's have no deadline, as in
     `_storage.local`."""
-    timeout = None if item.is_local else item.guard.patience(nbytes)
+    timeout = item.patience(nbytes)
     try:
         return future.result(timeout=timeout)
     except TimeoutError as e:
@@ -251,8 +250,8 @@ def _kvstore(item: Location) -> dict[str, Any]:
     """The item's place as TensorStore's JSON spec, its path as data: TensorStore would
     percent-decode a URL, so that a name holding '%', '#' or '?' (or a planted '%2F..')
     would name another place."""
-    if item.is_local:
-        return {"driver": "file", "path": f"{os.path.abspath(item.path)}/"}
+    if (on_disk := item.file_path) is not None:
+        return {"driver": "file", "path": f"{on_disk}/"}
     scheme, _, rest = item.url.partition("://")
     bucket, _, path = rest.partition("/")
     if scheme not in _TENSORSTORE_DRIVERS:

@@ -149,7 +149,7 @@ def _open(loc: Location, name: str | None) -> _Opened:
             src, keys, sizes = _sources(loc, files, listed)
     # On a local disk a header is a read from the page cache: threads would cost more.
     headers = _concurrency.run_all(lambda file: _header(src, keys[file], sizes[file], loc.child(file).url), files,
-                                   1 if src.is_local else src.concurrency)
+                                   src.concurrency if src.requests_wait else 1)
     metadata = {k: v for _, found in headers for k, v in found.items()}  # a set's files all say the same
     tensors = [found for found, _ in headers]
     held = _held(loc, files, tensors, weight_map)
@@ -325,7 +325,7 @@ def _sources(loc: Location, files: list[str], listed: dict[str, int]
     snapshots link into its blobs: the files the user named are read where they
     really are, below their common folder. (Checkpoints never follow a link; these
     files are no checkpoint, and the user named them.)"""
-    if not loc.is_local or not files:
+    if not loc.has_links or not files:
         return loc, {f: f for f in files}, {f: listed[f] for f in files}
     try:
         return loc.followed(files)

@@ -41,7 +41,7 @@ def open_source(src: str, storage_options: dict[str, Any] | None, *, option: str
         raise CheckpointNotFoundError(f"nothing to import: {loc.url} does not exist")
     found = _orbax.find(loc)
     if found is not None:
-        if storage_options and not loc.is_local:
+        if storage_options and loc.takes_options:
             raise ValueError(f"storage options for the source cannot reach {loc.url}: TensorStore reads Orbax's "
                              "arrays, with the credentials and endpoint of its environment (AWS_*, "
                              "GOOGLE_APPLICATION_CREDENTIALS)")

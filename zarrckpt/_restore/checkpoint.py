@@ -204,7 +204,7 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region, vouched: _vouched.Re
     # its link idle between requests. The chunks are taken as the reads go (hostile
     # metadata may claim billions of them: the first one missing ends the read).
     count = math.prod(len(range(a // c, -(-b // c))) for (a, b), c in zip(box, leaf.chunks))
-    together = count > 1 and (not loc.is_local or out.nbytes >= _BOX_TOGETHER_BYTES)
+    together = count > 1 and (loc.requests_wait or out.nbytes >= _BOX_TOGETHER_BYTES)
     chunks = chunks_touching(box, leaf.chunks, leaf.shape)
     with _concurrency.spare_workers(min(_BOX_READERS, count) - 1 if together else 0) as lent:
         if lent:

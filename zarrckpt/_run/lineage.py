@@ -31,7 +31,6 @@ import collections
 import dataclasses
 import functools
 import logging
-import os
 import secrets
 import threading
 import weakref
@@ -322,7 +321,7 @@ class Lineage:
 
 def directory_key(loc: _storage.Location) -> str:
     """`loc` as a `Lineage` knows it: one name however a local path is spelled."""
-    return os.path.realpath(loc.path) if loc.is_local else loc.url
+    return loc.canonical
 
 
 def listed(step: _storage.Location) -> dict[str, Version]:

@@ -64,7 +64,7 @@ class Run:
 
         with _multihost.Agreement("manager-open", self._timeout_s, what=f"claiming {self.root.url} for this job",
                                   error=errors.CheckpointWriteError) as op:
-            if not self.root.is_local:
+            if self.root.needs_probe:
                 op.check("probe", lambda: self.root.probe(_lease.LEASES))
             return op.decide("claim", claimed)
 

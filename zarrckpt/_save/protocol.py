@@ -519,7 +519,7 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
     with loc.together() as out, _concurrency.Operation(workers, "write") as op:
         # On a local disk small files (documents, links, small chunks) are written in turn;
         # the bytes of chunks, and writes that wait, add threads.
-        op.fan_out(items, functools.partial(write, out), nbytes=written, start=1 if loc.is_local else None)
+        op.fan_out(items, functools.partial(write, out), nbytes=written, start=None if loc.requests_wait else 1)
 
 
 def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str, Any]) -> None:

@@ -1,10 +1,11 @@
 """URLs -> Locations: the few storage operations zarrckpt needs, on any fsspec URL.
 
 Three layers, imported only through this package:
-- `store.Store`, the interface, with one class per kind of storage: `local.LocalDisk`
-  (local paths and file:// URLs: plain file calls, chunks straight between files and
-  array memory, never through a symbolic link below the path given) and
-  `remote.Fsspec` (every other protocol, with per-protocol settings);
+- `store.Store`, the interface, with one class per kind of storage, each saying what it
+  can do: `local.LocalDisk` (local paths and file:// URLs: plain file calls, chunks
+  straight between files and array memory, never through a symbolic link below the
+  path given), and in `remote` `S3Store`, `GCSStore`, `MemoryStore` and `Fsspec` (any
+  other fsspec protocol);
 - `guard.Guarded`, what every request needs whatever the store: a deadline, retries,
   the abort check, counting, and errors without credentials;
 - `Location`, a place in a store (a checkpoint, or a directory of steps) that the rest
@@ -40,7 +41,7 @@ from .._util import concurrency as _concurrency, stats as _stats
 from ..errors import CheckpointLocationError
 from .guard import DEFAULT_REQUEST_TIMEOUT_S, RETRIES, Guarded, NotAFileInCheckpoint, TooLarge
 from .local import LOCAL_CONCURRENCY, LocalDisk, UnsafeDirectory
-from .remote import OBJECT_STORE_CONCURRENCY, OTHER, PROTOCOLS, Fsspec
+from .remote import OBJECT_STORE_CONCURRENCY, OTHER, PROTOCOLS
 from .store import Check, Entry, Store
 
 __all__ = ["DEFAULT_REQUEST_TIMEOUT_S", "GROUP_BYTES", "LOCAL_CONCURRENCY", "OBJECT_STORE_CONCURRENCY", "RETRIES",
@@ -95,6 +96,56 @@ class Location:
     def concurrency(self) -> int:
         """How many requests to keep in flight here by default."""
         return self.store.concurrency
+
+    @property
+    def requests_wait(self) -> bool:
+        """Whether a request here mostly waits for its answer (a remote store's round
+        trip), so that more in flight hide the wait; where not (a local disk's system
+        calls, answered from the page cache), threads cost more than they save."""
+        return self.store.requests_wait
+
+    def patience(self, nbytes: int = 0) -> float | None:
+        """How long a request here moving about `nbytes` may take in all, every retry
+        included (`Guarded.patience`), before it is abandoned; None where requests are
+        never abandoned (a local disk's system calls run to their end)."""
+        return self.guard.patience(nbytes) if self.store.abandons else None
+
+    @property
+    def has_directories(self) -> bool:
+        """Whether directories here are things of their own, there when empty and
+        renamed whole (a local disk); an object store's are prefixes of its objects,
+        there while something is below them."""
+        return self.store.has_directories
+
+    @property
+    def has_links(self) -> bool:
+        """Whether a name here may be a symbolic link to another file (`followed`)."""
+        return self.store.has_links
+
+    @property
+    def can_fill(self) -> bool:
+        """Whether the store can fill up, as a disk does (`free_bytes` says how far)."""
+        return self.store.can_fill
+
+    @property
+    def takes_options(self) -> bool:
+        """Whether the store is reached through a client that takes fsspec's storage
+        options (credentials, an endpoint); a local disk takes none but
+        `request_timeout_s`, zarrckpt's own."""
+        return self.store.takes_options
+
+    @property
+    def canonical(self) -> str:
+        """One name for this place however its URL was spelled, where the store can tell
+        (a local path, every symbolic link resolved); else the URL as given. For keys
+        of what is known about a place."""
+        return self.store.canonical(self.below) or self.url
+
+    @property
+    def file_path(self) -> str | None:
+        """This place as a path another program on this machine can open (a local
+        disk's, absolute); None where it is no file of this machine."""
+        return self.store.file_path(self.below)
 
     def keeping_found(self) -> Location:
         """This location, and every place below it, for a job that holds its lease: an
@@ -203,6 +254,12 @@ class Location:
         process, its source looked at once the copy is made. `key` is a place of the
         caller's own (a run's lease area): nothing else is written."""
         self._call("write", key, self.store.probe)
+
+    @property
+    def needs_probe(self) -> bool:
+        """Whether `probe` asks the store anything (S3, GCS): where it does, every process
+        of a job asks, so that all of them write and copy alike."""
+        return self.store.needs_probe
 
     @property
     def lands_late(self) -> bool:
@@ -327,7 +384,7 @@ class Location:
             except FileNotFoundError:
                 return None
 
-        return _concurrency.run_all(attempt, keys, 1 if self.is_local else len(keys))
+        return _concurrency.run_all(attempt, keys, len(keys) if self.requests_wait else 1)
 
     def read_into(self, key: str, *buffers: memoryview, check: Check | None = None) -> int:
         """Reads object `key` into `buffers`, filling each in turn (as far as the object
@@ -453,12 +510,18 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None, *, option: 
         store = LocalDisk(path)
     else:
         endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
-        store = Fsspec(fs, path, protocol, _taken(fs, protocol.read_options), endpoint)
+        store = protocol.kind(fs, path, protocol, _taken(fs, protocol.read_options), endpoint)
     return Location(url=shown.rstrip("/") or shown, store=store,
                     guard=Guarded(request_timeout_s, _secrets(given, password)))
 
 
-def is_local_url(url: str) -> bool:
+def takes_options(url: str) -> bool:
+    """Whether the store `url` names takes fsspec's storage options (see
+    `Location.takes_options`): every URL but a local path's (no scheme, or file://)."""
+    return not _is_local_url(url)
+
+
+def _is_local_url(url: str) -> bool:
     """Whether `url` names a local path (no scheme, or file://)."""
     return (fsspec.core.split_protocol(url)[0] or "file") in ("file", "local")
 
@@ -531,7 +594,7 @@ def _find_secrets(value: Any, secret: bool, found: set[str]) -> None:
 
 
 def _url_to_fs(url: str, options: tuple[tuple[str, Any], ...]) -> tuple[fsspec.AbstractFileSystem, str]:
-    if is_local_url(url):
+    if _is_local_url(url):
         # A relative path names what it names now: after `os.chdir`, the same spelling is
         # another directory (another job's run), so it is never a key of the cache.
         return fsspec.core.url_to_fs(url, **dict(options))

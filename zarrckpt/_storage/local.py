@@ -68,6 +68,12 @@ class LocalDisk(Store):
     abandoned (they are system calls): `timeout` is not used."""
 
     local = True
+    requests_wait = False  # a system call, mostly answered from the page cache
+    abandons = False
+    has_directories = True
+    has_links = True
+    can_fill = True
+    takes_options = False  # zarrckpt reads and writes the disk itself
 
     def __init__(self, root: str, together: Together | None = None) -> None:
         self.root = root
@@ -118,6 +124,12 @@ class LocalDisk(Store):
 
     def place(self, key: str) -> tuple[str, str]:
         return "file", os.path.realpath(os.path.join(self.root, key))
+
+    def canonical(self, key: str) -> str:
+        return os.path.realpath(os.path.join(self.root, key))
+
+    def file_path(self, key: str) -> str:
+        return os.path.abspath(os.path.join(self.root, key))
 
     def moved(self, root: str) -> LocalDisk:
         return LocalDisk(root)

@@ -1,7 +1,7 @@
 """The storage interface: the few operations zarrckpt asks of any store, on keys below
 the store's root (`a/b/c`, '' for the root itself).
 
-One class per kind of storage implements it (`local.LocalDisk`, `remote.Fsspec`);
+One class per kind of storage implements it (`local.LocalDisk`, `remote.Fsspec` and its kinds);
 `guard.Guarded` wraps every request of either with what all of them need (deadline,
 retries, the abort check, counting, errors as zarrckpt raises them). A backend raises
 what its storage raises, as OSError subclasses (FileNotFoundError for what is absent),
@@ -78,6 +78,21 @@ class Store(abc.ABC):
     root: str  # what the keys are below: a local path, or a path in the remote store
     concurrency: int  # requests kept in flight by default (save's and restore's pools)
     local: bool = False  # this machine's own disk
+    # What the store can do, each asked where that is what matters (see `Location`'s
+    # properties of the same names); a remote store's values here, a local disk's its own.
+    # A request mostly waits for its answer (a round trip), so more in flight hide that.
+    requests_wait: bool = True
+    # A request is abandoned at its deadline (`timeout`), where a system call runs to its end.
+    abandons: bool = True
+    # Directories are things of their own, there when empty (not prefixes of objects).
+    has_directories: bool = False
+    # A name may be a symbolic link to another (`followed`).
+    has_links: bool = False
+    # The store can fill up, as a disk does (`free_bytes` says how far).
+    can_fill: bool = False
+    # The store is reached through a client that takes fsspec's storage options
+    # (credentials, an endpoint).
+    takes_options: bool = True
 
     @abc.abstractmethod
     def list_dir(self, key: str, *, timeout: float | None) -> list[Entry]:
@@ -120,6 +135,12 @@ class Store(abc.ABC):
     def exclusive(self) -> bool:
         """Whether `create` is exclusive against every other writer, in any process."""
         return True
+
+    @property
+    def needs_probe(self) -> bool:
+        """Whether `probe` asks the store anything: where zarrckpt trusts the store to
+        check a condition it sends (S3, GCS), not where it checks them itself."""
+        return False
 
     def probe(self, key: str, *, timeout: float | None) -> None:
         """Asks the store, with objects made and deleted below `key`, whether it honours
@@ -168,6 +189,16 @@ class Store(abc.ABC):
     def place(self, key: str) -> tuple[str, str]:
         """Where `key` really is: the store's identity and its path with every other
         spelling undone, so that two Locations can be compared."""
+
+    def canonical(self, key: str) -> str | None:
+        """One name for `key` however it was spelled, where the store can tell (a local
+        path with every symbolic link resolved); None where it cannot."""
+        return None
+
+    def file_path(self, key: str) -> str | None:
+        """`key` as a path another program on this machine can open; None where it is
+        no file of this machine."""
+        return None
 
     @abc.abstractmethod
     def moved(self, root: str) -> Store:
