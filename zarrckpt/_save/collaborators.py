@@ -1,7 +1,9 @@
 """What `SaveJob.create` is handed besides the tree: a `Guard` (may the save write, may
-it commit) and a `Reuse` (which leaves' chunks are made from a committed step instead of
-being copied off the devices). The run directory (`_run`) provides the ones that know a
-run; `UNGUARDED` and `NO_REUSE` do nothing.
+it commit), a `Reuse` (which leaves' chunks are made from a committed step instead of
+being copied off the devices) and `Beside` (plans written beside each leaf's own: the
+local tier's peer copies). The run directory (`_run`) and the local tier (`_tier`)
+provide the ones that do something; `UNGUARDED`, `NO_REUSE` and `NOTHING_BESIDE` do
+nothing.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Mapping, Sequence, Set as AbstractSet
 from typing import Any, Protocol
 
 from .._format.tree import Leaf
+from .._options import SaveOptions
 from .._storage import Location
 from .plan import ArrayPlan
 
@@ -81,6 +84,20 @@ class Reuse(Protocol):
         its preparation (and may have written). Never raises."""
 
 
+class Beside(Protocol):
+    """Plans a save writes beside each leaf's own plan (a peer copy's part, moved onto
+    this process's devices)."""
+
+    @property
+    def adds(self) -> bool:
+        """Whether it adds any plan: a leaf may then have several, and the plans of an
+        earlier save are not used again."""
+
+    def plans(self, own: ArrayPlan, options: SaveOptions, process: int) -> list[ArrayPlan]:
+        """The plans written beside `own` (the same on every process: moves are
+        collective)."""
+
+
 class _Unguarded:
     """Writes wherever it is aimed, with nothing to record besides."""
 
@@ -112,5 +129,15 @@ class _NoReuse:
         pass
 
 
+class _NothingBeside:
+    """Each leaf's own plan alone."""
+
+    adds = False
+
+    def plans(self, own: ArrayPlan, options: SaveOptions, process: int) -> list[ArrayPlan]:
+        return []
+
+
 UNGUARDED: Guard = _Unguarded()
 NO_REUSE: Reuse = _NoReuse()
+NOTHING_BESIDE: Beside = _NothingBeside()

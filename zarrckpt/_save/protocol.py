@@ -40,16 +40,13 @@ from .. import _commit, _objects, _storage, errors
 from .._format import naming as _naming, tree as _tree, vouched as _vouched, zarrjson as _zarrjson
 from .._options import SaveOptions
 from .._storage.store import SourceChanged
-from .._tier import peers as _peers
 from .._util import (
     concurrency as _concurrency,
     multihost as _multihost,
-    permute as _permute,
     progress as _progress,
-    regions as _regions,
 )
 from . import plan as _planning, transfer as _transfer
-from .collaborators import NO_REUSE, UNGUARDED, Guard, Reuse, Reused, reused_of
+from .collaborators import NO_REUSE, NOTHING_BESIDE, UNGUARDED, Beside, Guard, Reuse, Reused, reused_of
 from .compression import Compressor
 from .plan import ArrayPlan, WriteUnit
 from .plan_cache import PlanCache, Planned
@@ -166,16 +163,16 @@ class SaveJob:
     @classmethod
     def create(cls, loc: _storage.Location, tree: Any, options: SaveOptions, *,
                extra_metadata: dict[str, Any] | None = None, channel: str = "save", commit: Commit = SHARED,
-               peers: _peers.Peers | None = None, compressor: Compressor | None = None,
+               beside: Beside = NOTHING_BESIDE, compressor: Compressor | None = None,
                plans: PlanCache | None = None, guard: Guard = UNGUARDED, reuse: Reuse = NO_REUSE,
                discard: bool = False) -> SaveJob:
         """Plans a save; raises UnsupportedLeafError before anything is written. `guard`
         and `discard`: see the fields of the same names. `reuse` is asked, once the plans
         exist, which leaves' chunks are made from a committed step (collective where it
-        computes on the devices); then `guard` is told what is saved. A
-        `PER_PROCESS` save with `peers` (who keeps whose peer copy, see `_peers`) also
-        writes the chunks of the processes this one keeps a copy of that its own devices
-        lack. `compressor`: the cost model of `options.compression` to go on with (a
+        computes on the devices); then `guard` is told what is saved. `beside`
+        gives the plans written beside each shared leaf's own (a `PER_PROCESS` save's
+        peer copies: the chunks of the processes this one keeps a copy of that its own
+        devices lack). `compressor`: the cost model of `options.compression` to go on with (a
         manager's, which knows how fast its last saves wrote). `plans`: the last save's
         plans, used where `tree` has the same signature, and given this save's."""
         process, processes = _multihost.process_index(), _multihost.process_count()
@@ -183,7 +180,7 @@ class SaveJob:
         key = (options.max_chunk_bytes, options.min_chunk_bytes, options.checksums, options.compression,
                process, processes, commit.writers)
         planned, note = None, None
-        if plans is not None and (peers is None or not peers.holders):  # else a leaf may have several plans
+        if plans is not None and not beside.adds:  # else a leaf may have several plans
             planned, values, note = plans.find(tree, key)
         if planned is not None:
             spec, version, leaves = planned.spec, planned.version, planned.leaves(values)
@@ -211,7 +208,7 @@ class SaveJob:
                 if planned is None:
                     arrays[leaf.name] = _zarrjson.array_document(plan.shape, plan.codec)
                 job_plans.append(plan)
-                job_plans += _peer_plans(plan, peers, options, process) if peers is not None else []
+                job_plans += beside.plans(plan, options, process)
                 continue
             job_plans.append(plan)
         if planned is not None:
@@ -458,29 +455,6 @@ def stage(job: SaveJob, put: Callable[[tuple[ArrayPlan, WriteUnit]], None], *,
     unit holds its bytes until it is written. `before_waiting`: see `SaveJob.admitted`."""
     for item in job.admitted(snapshot=True, before_waiting=before_waiting):
         put(item)
-
-
-def _peer_plans(own: ArrayPlan, peers: _peers.Peers, options: SaveOptions, process: int) -> list[ArrayPlan]:
-    """The peer copies' parts of the leaf `own` plans (see `_peers`), one per copy whose
-    move some process needs (the same on every process: moves are collective)."""
-    value = own.leaf.value
-    if not peers.holders or not isinstance(value, jax.Array) or value.is_fully_addressable:
-        return []
-    if not _permute.movable(value.sharding, own.shape):
-        return []
-    processes = [frozenset(d.process_index for d in devices)
-                 for devices in _regions.replicas_of(value.sharding, own.shape).values()]
-    written = {u.region for u in own.writes}
-    plans = []
-    for holder in peers.holders:
-        route = _permute.pairs(value.sharding.mesh, holder)  # type: ignore[attr-defined]  # movable: a NamedSharding
-        if route is None or all(holder[p] in found for found in processes for p in found):
-            continue  # every holder already holds all its peer holds
-        plan = _planning.plan_peer_array(own, route, options.max_chunk_bytes, process=process,
-                                         min_chunk_bytes=options.min_chunk_bytes, written=written)
-        written |= {u.region for u in plan.writes}
-        plans.append(plan)
-    return plans
 
 
 def _tree_metadata(spec: dict[str, Any], version: int) -> dict[str, Any]:

@@ -24,6 +24,11 @@ from collections.abc import Sequence
 
 import jax
 
+from .._options import SaveOptions
+from .._save import plan as _planning
+from .._save.plan import ArrayPlan
+from .._util import permute as _permute, regions as _regions
+
 log = logging.getLogger("zarrckpt")
 
 @dataclasses.dataclass(frozen=True)
@@ -83,3 +88,39 @@ def choose(copies: int, groups: Sequence[str]) -> Peers:
             holder[p] = order[(t + m * spacing) % count]
         holders.append(tuple(holder))
     return Peers(tuple(holders))
+
+
+class PeerPlans:
+    """The plans a local-tier save writes beside each shared leaf's own: the parts of
+    the peer copies this process keeps that its own devices lack, moved onto them over
+    the device network (`_save.collaborators.Beside`)."""
+
+    def __init__(self, peers: Peers) -> None:
+        self._peers = peers
+
+    @property
+    def adds(self) -> bool:
+        return bool(self._peers.holders)
+
+    def plans(self, own: ArrayPlan, options: SaveOptions, process: int) -> list[ArrayPlan]:
+        """The peer copies' parts of the leaf `own` plans, one per copy whose move some
+        process needs (the same on every process: moves are collective)."""
+        value = own.leaf.value
+        if not self._peers.holders or not isinstance(value, jax.Array) or value.is_fully_addressable:
+            return []
+        sharding = value.sharding
+        if not (isinstance(sharding, jax.sharding.NamedSharding) and _permute.movable(sharding, own.shape)):
+            return []
+        processes = [frozenset(d.process_index for d in devices)
+                     for devices in _regions.replicas_of(sharding, own.shape).values()]
+        written = {u.region for u in own.writes}
+        plans = []
+        for holder in self._peers.holders:
+            route = _permute.pairs(_permute.mesh_of(sharding), holder)
+            if route is None or all(holder[p] in found for found in processes for p in found):
+                continue  # every holder already holds all its peer holds
+            plan = _planning.plan_peer_array(own, route, options.max_chunk_bytes, process=process,
+                                             min_chunk_bytes=options.min_chunk_bytes, written=written)
+            written |= {u.region for u in plan.writes}
+            plans.append(plan)
+        return plans

@@ -134,7 +134,8 @@ class LocalTier:
         self.last = step  # tried once: a failed local save is not retried for the same step
         after = max(persistent, default=None)
         job = SaveJob.create(self.root.step(step), state, dataclasses.replace(options, overwrite=True),
-                             channel="manager-local", commit=PER_PROCESS, peers=self.peers, plans=self._plans)
+                             channel="manager-local", commit=PER_PROCESS, beside=_peers.PeerPlans(self.peers),
+                             plans=self._plans)
         job.meta[copy_record.KEY] = CopyRecord(
             self.run, step, after, _multihost.process_index(), _multihost.process_count(), job.held(),
             self.peers.holders if self.peers is not None else ()).as_meta()
