@@ -706,7 +706,7 @@ def test_save_checkpoint_unchanged_since_links_the_base_it_saved_and_every_step_
 def test_save_checkpoint_unchanged_since_the_step_restored_links_what_training_left_as_it_was(tmp_path, restore):
     state, optimizer = lora_state()
     zarrckpt.save_checkpoint(str(tmp_path), 1, state)
-    zarrckpt._run.steps._lineages._by_directory.clear()  # a new process: it knows only what it restores
+    zarrckpt._run.checkpoints._lineages._by_directory.clear()  # a new process: it knows only what it restores
     if restore == "load_checkpoint":
         state = zarrckpt.load_checkpoint(str(tmp_path), 1, state)
     else:

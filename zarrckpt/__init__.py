@@ -30,14 +30,14 @@ from ._import import ImportResult, import_checkpoint
 from ._manager import CheckpointManager
 from ._metadata import CheckpointMetadata, LeafMetadata, metadata
 from ._restore import load_pytree
-from ._run.checkpoints import save_pytree
-from ._run.steps import (
+from ._run.checkpoints import (
     all_steps,
     checkpoints_iterator,
     latest_step,
     load_checkpoint,
     load_checkpoint_if_it_exists,
     save_checkpoint,
+    save_pytree,
 )
 from ._verify import Problem, VerifyReport, verify
 from .errors import (

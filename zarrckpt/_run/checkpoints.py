@@ -1,11 +1,16 @@
-"""One checkpoint at one URL: `save_pytree`, which never writes into a step of a run
-that a live manager holds (see `guards.RefuseIfHeld`)."""
+"""Checkpoints without a manager: one at one URL (`save_pytree`), and the steps of a
+directory (`save_checkpoint`, `load_checkpoint`, `latest_step`, ...). A one-off save never
+writes into a step of a run that a live manager holds (`guards.RefuseIfHeld`)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from typing import Any
 
-from .. import _options, _save, _storage
+from .. import _commit, _options, _save, _storage
+from .._format import naming as _naming
+from . import lineage as _lineage, steps as _steps
 from .guards import RefuseIfHeld
 
 
@@ -75,3 +80,239 @@ def save_pytree(
     loc = _storage.resolve(url, storage_options)
     _save.save(loc, tree, options, guard=RefuseIfHeld(loc, "save_pytree", existing_only=not overwrite))
 
+
+# What this process knows of the newest step it saved or restored in each directory of
+# steps without a manager (for `save_checkpoint`'s `unchanged_since`).
+_lineages = _lineage.Lineages()
+
+
+def save_checkpoint(
+    checkpoint_dir: str,
+    step: int,
+    state: Any,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    max_chunk_bytes: int = _options.DEFAULT_MAX_CHUNK_BYTES,
+    min_chunk_bytes: int = _options.DEFAULT_MIN_CHUNK_BYTES,
+    max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
+    max_workers: int | None = None,
+    timeout_s: float = _options.DEFAULT_TIMEOUT_S,
+    progress: bool | None = None,
+    checksums: bool = True,
+    compression: str | None = None,
+    unchanged_since: int | None = None,
+) -> None:
+    """Saves `state` as step `step` under `checkpoint_dir` and commits it.
+
+    Agreement, like `save_pytree`, whose options it takes (see there), and:
+
+    Args:
+      unchanged_since: a committed step of `checkpoint_dir` that this process saved
+        (with `save_checkpoint`), or restored into jax.Arrays (with `load_checkpoint`
+        or `load_checkpoint_if_it_exists`), last there. Each jax.Array leaf that holds
+        exactly what that step holds of it (the very same array, or every shard with
+        the fingerprint it had when saved: see a `CheckpointManager`'s
+        `reuse_unchanged`) has its chunks made from that step's (a hard link, a copy
+        inside S3 or GCS) instead of copied off the devices and written; the new step
+        is complete on its own. A step this process does not know so, or that another
+        save has deleted or replaced since, is not used: every chunk is written (a
+        warning says why). A save that makes chunks from it also fingerprints the
+        leaves it compares, so that leaves rebuilt with the same values are found
+        unchanged by the next such save. This process knows the last 8 directories it
+        saved to or restored from so.
+
+    Raises what `save_pytree` raises; CheckpointExistsError if the step is committed
+    and `overwrite` is False, ValueError for a bad step (or `unchanged_since` equal to
+    `step`); DirectoryInUseError, naming the holder, if a live `CheckpointManager`
+    holds `checkpoint_dir` and `step` is there already, committed (with `overwrite`:
+    the manager would take the replacement for the step it saved, and make unchanged
+    chunks from it) or not (a step it is writing would be taken for a leftover and
+    deleted). A lease found unreleased whose holder may be alive on another machine is
+    watched first, as a manager claiming it would (2.5 heartbeats). CheckpointWriteError, with nothing
+    committed, if step `unchanged_since` is deleted or replaced while chunks are made
+    from it.
+    """
+    step = _naming.step_number(step)
+    options = _options.SaveOptions(overwrite=overwrite, max_chunk_bytes=max_chunk_bytes,
+                                   min_chunk_bytes=min_chunk_bytes, max_inflight_bytes=max_inflight_bytes,
+                                   max_workers=max_workers, timeout_s=timeout_s, progress=progress,
+                                   checksums=checksums, compression=compression)
+    _options.check("unchanged_since", unchanged_since, _options.COUNT_OR_ZERO + "?")
+    if unchanged_since == step:
+        raise ValueError(f"unchanged_since={unchanged_since} is the step being saved: name the step its unchanged "
+                         "chunks are made from")
+    root = _storage.resolve(checkpoint_dir, storage_options)
+    loc = root.step(step)
+    source = None if unchanged_since is None else root.step(unchanged_since)
+    job = _save.SaveJob.create(loc, state, options,
+                               guard=RefuseIfHeld(loc, "save_checkpoint", existing_only=not overwrite),
+                               reuse=_lineage.ReuseSince(_lineages.of(root), source))
+    _save.write(job)
+
+
+def all_steps(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
+    """Every committed step under `checkpoint_dir`, ascending. Not collective.
+
+    Raises:
+      CheckpointLocationError: `checkpoint_dir` is a checkpoint itself or holds another
+        library's checkpoints.
+    """
+    root = _storage.resolve(checkpoint_dir, storage_options)
+    committed = _steps.scan(root)[1]
+    if not committed:
+        _steps.check_directory_of_steps(root)
+    return committed
+
+
+def latest_step(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> int | None:
+    """The newest committed step under `checkpoint_dir`, or None if there is none.
+
+    Not collective. Uncommitted step directories (a save running or crashed) are skipped.
+
+    Raises:
+      CheckpointLocationError: `checkpoint_dir` is a checkpoint itself or holds another
+        library's checkpoints.
+    """
+    return _steps.latest(_storage.resolve(checkpoint_dir, storage_options))
+
+
+def load_checkpoint_if_it_exists(
+    checkpoint_dir: str,
+    target: Any,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    partial: bool = False,
+    allow_dtype_cast: bool = False,
+    donate_target: bool = False,
+    load_and_broadcast: bool = True,
+    max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
+    max_workers: int | None = None,
+    progress: bool | None = None,
+    timeout_s: float = _options.DEFAULT_TIMEOUT_S,
+) -> tuple[Any, int]:
+    """Restores the newest committed step under `checkpoint_dir` onto `target`.
+
+    Collective under jax.distributed: every process calls it; process 0 chooses the
+    step and every process restores that one, even if a save commits another step
+    meanwhile. A restore into jax.Arrays lets a later `save_checkpoint` of this process
+    make unchanged chunks from this step (`unchanged_since`).
+
+    Args:
+      checkpoint_dir: a local path or fsspec URL of a directory of steps.
+      target: as for `load_pytree`.
+      storage_options, partial, allow_dtype_cast, donate_target, load_and_broadcast,
+        max_inflight_bytes, max_workers, progress: as for `load_pytree`.
+      timeout_s: how long a process waits for process 0's choice of step.
+
+    Returns:
+      (state, step); or (target, 0), with a warning naming the URL, when nothing is
+      committed yet, so a training loop can call it unconditionally at start-up.
+
+    Raises:
+      CheckpointLocationError: on every process, if `checkpoint_dir` is a checkpoint
+        itself or holds another library's checkpoints.
+      CoordinationTimeoutError: the step was not chosen within `timeout_s`.
+      Anything `load_pytree` raises.
+    """
+    options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast, donate_target=donate_target,
+                                   load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
+                                   max_workers=max_workers, progress=progress)
+    _options.check("timeout_s", timeout_s, _options.NUMBER)
+    root = _storage.resolve(checkpoint_dir, storage_options)
+    state, step, _ = _steps.restore_latest(root, target, options, timeout_s, _lineages.of(root))
+    return state, step or 0
+
+
+def load_checkpoint(
+    checkpoint_dir: str,
+    step: int,
+    target: Any = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    partial: bool = False,
+    allow_dtype_cast: bool = False,
+    donate_target: bool = False,
+    load_and_broadcast: bool = True,
+    max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
+    max_workers: int | None = None,
+    progress: bool | None = None,
+) -> Any:
+    """Restores committed step `step` under `checkpoint_dir` onto `target`, as an
+    evaluator does for each step `checkpoints_iterator` yields.
+
+    Collective exactly as `load_pytree` is. A restore into jax.Arrays lets a later
+    `save_checkpoint` of this process make unchanged chunks from this step
+    (`unchanged_since`).
+
+    Args:
+      checkpoint_dir: a local path or fsspec URL of a directory of steps.
+      step: the step to restore.
+      target, storage_options, partial, allow_dtype_cast, donate_target,
+        load_and_broadcast, max_inflight_bytes, max_workers, progress: as for
+        `load_pytree`.
+
+    Returns:
+      The restored pytree.
+
+    Raises:
+      CheckpointNotFoundError: `step` is not committed (the message lists the
+        committed steps), or was deleted (by retention, say) while being read.
+      Anything `load_pytree` raises.
+    """
+    step = _naming.step_number(step)
+    options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast, donate_target=donate_target,
+                                   load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
+                                   max_workers=max_workers, progress=progress)
+    root = _storage.resolve(checkpoint_dir, storage_options)
+    return _steps.load_step(root, step, target, options, _lineages.of(root))[0]
+
+
+def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None, poll_interval_s: float = 5.0,
+                         start_after: int | None = None,
+                         storage_options: dict[str, Any] | None = None) -> Iterator[int]:
+    """Yields the steps committed under `checkpoint_dir` as they appear, in increasing
+    order, for an evaluator's loop beside a training job. Not collective.
+
+        for step in zarrckpt.checkpoints_iterator(run_dir, timeout_s=3600):
+            params = zarrckpt.load_checkpoint(run_dir, step, {"params": target}, partial=True)
+
+    Yields first the newest step already committed (or, with `start_after`, every
+    committed step after it), then each step committed later. A step deleted (by
+    retention, say) before it is yielded is skipped. Each poll lists the directory and
+    reads the commit markers of steps newer than the last one yielded.
+
+    Args:
+      checkpoint_dir: a local path or fsspec URL of a directory of steps.
+      timeout_s: stop once this many seconds pass without a new step (None: never).
+      poll_interval_s: seconds between polls.
+      start_after: yield every committed step after this one instead of the newest only.
+      storage_options: passed to fsspec.
+
+    Raises:
+      CheckpointLocationError: at a poll that lists no step directory, if
+        `checkpoint_dir` is a checkpoint itself or holds another library's checkpoints.
+    """
+    _options.check("timeout_s", timeout_s, _options.NUMBER + "?")
+    _options.check("poll_interval_s", poll_interval_s, _options.NUMBER)
+    _options.check("start_after", start_after, _options.COUNT_OR_ZERO + "?")
+    root = _storage.resolve(checkpoint_dir, storage_options)
+    last, first, idle_since = start_after, start_after is None, time.monotonic()
+    while True:
+        if first:  # the newest step committed already, and none older
+            steps, newest, _ = _steps.newest_committed(root, lambda loc: (_commit.head(loc).state, None))
+            new = [] if newest is None else [newest]
+        else:
+            steps, new = _steps.scan(root, after=last)
+        if not steps:  # a step's own directory, say, which would never yield one
+            _steps.check_directory_of_steps(root)
+        first = False
+        for step in new:
+            if _steps.is_committed(root.step(step)):  # not deleted since the listing
+                last = step
+                yield step
+                idle_since = time.monotonic()
+        waited = time.monotonic() - idle_since
+        if timeout_s is not None and waited >= timeout_s:
+            return
+        time.sleep(poll_interval_s if timeout_s is None else min(poll_interval_s, timeout_s - waited))
