@@ -5,7 +5,7 @@ retention deletes older steps only after that.
 The writes and syncs are recorded as they happen (the real calls, wrapped), with the
 file or directory each one wrote or synced, so the order is checked, not assumed: with
 a sync of each file and directory, and with the one `syncfs` that ends a save's writes
-where the file system allows it (`_storage.local.Together`).
+where the file system allows it (`_storage.local.WriteBatch`).
 """
 
 import errno
@@ -138,7 +138,7 @@ def test_a_writer_left_running_past_the_end_of_writes_made_together_keeps_its_di
     if not os.path.exists("/proc/self/fd"):
         pytest.skip("needs /proc to tell where a descriptor leads")
     opened = len(os.listdir("/proc/self/fd"))
-    together = _local.Together(str(tmp_path))
+    together = _local.WriteBatch(str(tmp_path))
     inside, leave, seen = threading.Event(), threading.Event(), {}
 
     def writer():

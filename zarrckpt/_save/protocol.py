@@ -473,7 +473,7 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
     """Writes each array's `metadata` document and every unit of `work` (each chunk's
     version into `made`; of a leaf in `reused`, made from the step named there),
     `workers` at a time, all on stable storage before this
-    returns (written together: see `Location.together`): the commit that follows must
+    returns (written together: see `Location.write_batch`): the commit that follows must
     never find a chunk only in the page cache. Array metadata is only read once
     committed, so it goes out alongside the chunks. Chunks are compressed where
     `compressor` finds it pays. Stops at the first failure (see `_concurrency`)."""
@@ -490,7 +490,7 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
         return 0 if isinstance(what, dict) or reused_of(reused, plan) is not None else what.nbytes
 
     items: Iterable[tuple[ArrayPlan, WriteUnit | dict[str, Any]]] = itertools.chain(metadata, work)
-    with loc.together() as out, _concurrency.Operation(workers, "write") as op:
+    with loc.write_batch() as out, _concurrency.Operation(workers, "write") as op:
         # On a local disk small files (documents, links, small chunks) are written in turn;
         # the bytes of chunks, and writes that wait, add threads.
         op.fan_out(items, functools.partial(write, out), nbytes=written, start=None if loc.requests_wait else 1)

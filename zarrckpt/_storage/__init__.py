@@ -290,15 +290,15 @@ class Location:
                              lambda: b"".join(memoryview(p).cast("B") for p in parts))
 
     @contextlib.contextmanager
-    def together(self) -> Iterator[Location]:
+    def write_batch(self) -> Iterator[Location]:
         """This location, for writes made together (one save's chunks and array
         documents): a `durable` write through it is on stable storage when the block
         ends, not always when its call returns. On a local disk each directory is
         opened from its parent, most kept open, and a file system that can be synced
         whole safely is synced once at the end instead of file by file
-        (`local.Together`); elsewhere it changes nothing. Leaving the block by an
+        (`local.WriteBatch`); elsewhere it changes nothing. Leaving the block by an
         exception leaves what was written unsynced."""
-        with self.store.together() as store:
+        with self.store.write_batch() as store:
             yield dataclasses.replace(self, store=store)
 
     def copy_new(self, key: str, source: Location, *, nbytes: int, expect: str) -> str | None:

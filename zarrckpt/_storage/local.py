@@ -17,11 +17,11 @@ A durable write reaches stable storage before it returns, with every directory e
 leading to it: the file's data is synced (`fdatasync`) before it is closed, its
 directory after it is created or renamed into place (an atomic write: a temporary
 file renamed over the old one), and each directory it had to create, in its parent.
-Writes made together (`LocalDisk.together`: a save's chunks and array documents) open
-each directory from its parent, keep most open, and are synced together when they end:
+Writes made batch (`LocalDisk.write_batch`: a save's chunks and array documents) open
+each directory from its parent, keep most open, and are synced batch when they end:
 each directory they made entries in once (not once per entry), and, where the platform
 offers it safely, everything by one `syncfs` of the file system in place of a sync per
-file and per directory (see `Together`).
+file and per directory (see `WriteBatch`).
 """
 
 from __future__ import annotations
@@ -75,15 +75,15 @@ class LocalDisk(Store):
     can_fill = True
     takes_options = False  # zarrckpt reads and writes the disk itself
 
-    def __init__(self, root: str, together: Together | None = None) -> None:
+    def __init__(self, root: str, batch: WriteBatch | None = None) -> None:
         self.root = root
         self.concurrency = LOCAL_CONCURRENCY
-        self._together = together
+        self._batch = batch
 
     @contextlib.contextmanager
-    def together(self) -> Iterator[LocalDisk]:
-        with Together(self.root) as together:
-            yield LocalDisk(self.root, together)
+    def write_batch(self) -> Iterator[LocalDisk]:
+        with WriteBatch(self.root) as batch:
+            yield LocalDisk(self.root, batch)
 
     def list_dir(self, key: str, *, timeout: float | None) -> list[Entry]:
         return sorted(list_dir(self.root, key), key=lambda e: e.name)
@@ -93,14 +93,14 @@ class LocalDisk(Store):
 
     def write(self, key: str, parts: Sequence[object], *, atomic: bool, durable: bool,
               timeout: float | None) -> str:
-        return write(self.root, key, parts, atomic=atomic, durable=durable, together=self._together)
+        return write(self.root, key, parts, atomic=atomic, durable=durable, batch=self._batch)
 
     def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> None:
         create(self.root, key, parts)
 
     def copy(self, key: str, source: str, *, size: int, exclusive: bool, expect: str,
              timeout: float | None) -> str | None:
-        return copy(self.root, source, key, exclusive=exclusive, expect=expect, together=self._together)
+        return copy(self.root, source, key, exclusive=exclusive, expect=expect, batch=self._batch)
 
     def read(self, key: str, limit: int | None, *, timeout: float | None,
              check: Check | None = None, most: int | None = None) -> bytes:
@@ -285,9 +285,9 @@ def _split(key: str) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def _opened(root: str, key: str, together: Together | None = None) -> Iterator[tuple[int, int]]:
+def _opened(root: str, key: str, batch: WriteBatch | None = None) -> Iterator[tuple[int, int]]:
     """The file `root/key`, opened for reading through no link below `root`, and its size."""
-    f = _open_file(root, key, together)
+    f = _open_file(root, key, batch)
     try:
         info = os.fstat(f)
         if stat.S_ISDIR(info.st_mode):
@@ -299,10 +299,10 @@ def _opened(root: str, key: str, together: Together | None = None) -> Iterator[t
         os.close(f)
 
 
-def _open_file(root: str, key: str, together: Together | None = None) -> int:
-    if together is not None:  # its directory is open already
+def _open_file(root: str, key: str, batch: WriteBatch | None = None) -> int:
+    if batch is not None:  # its directory is open already
         parent, name = _split(key)
-        with _in_directory(root, parent, together) as (fd, _):
+        with _in_directory(root, parent, batch) as (fd, _):
             return _open_below(fd, name, _READ, os.path.join(root, key))
     if _HAS_PROC_FD:  # as `_open_directory`: open, then ask the kernel where it led
         try:
@@ -355,14 +355,14 @@ def read_range(root: str, key: str, start: int, buffer: memoryview) -> int:
 
 
 def write(root: str, key: str, parts: Sequence[object], *, atomic: bool, durable: bool,
-          together: Together | None = None) -> str:
+          batch: WriteBatch | None = None) -> str:
     """Writes `root/key`, the concatenation of `parts`, creating directories as needed;
     returns the version of the file made (`version`). `atomic`: written aside and
     renamed over, so a reader sees the old file or the new one whole. `durable`: on
     stable storage (data, and with `atomic` the rename) before returning, or, in
-    writes made `together`, before they end."""
+    writes of a batch, before it ends."""
     parent, name = _split(key)
-    with _in_directory(root, parent, together, create=True, durable=durable) as (fd, synced):
+    with _in_directory(root, parent, batch, create=True, durable=durable) as (fd, synced):
         target = f"{name}.{uuid.uuid4().hex}.tmp" if atomic else name
         nbytes = sum(memoryview(part).nbytes for part in parts)  # type: ignore[arg-type, misc]
         # An atomic write is renamed over the old file: its bytes must be there first.
@@ -384,28 +384,28 @@ class Synced(enum.Enum):
     """When what a durable write makes in a directory reaches stable storage."""
 
     AS_MADE = "each file and each entry in the directory as it is made"
-    ENTRIES_AT_END = "each file as it is made; the directory's new entries when the writes made together end"
-    AT_END = "by one sync of the file system when the writes made together end (large files as made)"
+    ENTRIES_AT_END = "each file as it is made; the directory's new entries when the writes made batch end"
+    AT_END = "by one sync of the file system when the writes made batch end (large files as made)"
 
 
 @contextlib.contextmanager
-def _in_directory(root: str, key: str, together: Together | None, *, create: bool = False,
+def _in_directory(root: str, key: str, batch: WriteBatch | None, *, create: bool = False,
                   durable: bool = False) -> Iterator[tuple[int, Synced]]:
     """The directory `root/key` (made if missing, with `create`: then synced into its
-    parent with `durable`, or, in writes made `together`, when they end), and when what
+    parent with `durable`, or, in a write batch, when they end), and when what
     a durable write makes there is synced. A directory opened with `create` and
     `durable` is where such a write makes entries."""
-    if together is None:
+    if batch is None:
         with directory(root, key, create=create, durable=durable) as fd:
             yield fd, Synced.AS_MADE
     else:
-        with together.directory(key, create=create, durable=durable) as found:
+        with batch.directory(key, create=create, durable=durable) as found:
             yield found
 
 
 def _synced_as_made(synced: Synced, nbytes: int) -> bool:
     """Whether a file of `nbytes` that a durable write or copy makes is synced as it is
-    made: unless the end of writes made together syncs the whole file system; and a
+    made: unless the end of writes made batch syncs the whole file system; and a
     large one even then, so that its writeback overlaps what follows instead of all
     coming at the end."""
     return synced is not Synced.AT_END or nbytes >= _SYNCED_AS_WRITTEN
@@ -432,8 +432,8 @@ def create(root: str, key: str, parts: Sequence[object]) -> None:
         os.fsync(fd)
 
 
-def copy(root: str, src: str, dst: str, *, exclusive: bool, expect: str, together: Together | None = None) -> str:
-    """Makes `root/dst` durably (in writes made `together`, by their end) the file
+def copy(root: str, src: str, dst: str, *, exclusive: bool, expect: str, batch: WriteBatch | None = None) -> str:
+    """Makes `root/dst` durably (in a write batch, by their end) the file
     `root/src` is, as a hard link (its bytes written nowhere), or, where links cannot
     be made (another file system, a file system without them), a copy made inside the
     kernel; only if `src` is the version `expect` (`version`), else SourceChanged and
@@ -444,8 +444,8 @@ def copy(root: str, src: str, dst: str, *, exclusive: bool, expect: str, togethe
     is replaced."""
     parent, name = _split(dst)
     source_parent, source_name = _split(src)
-    with (_in_directory(root, source_parent, together) as (source_fd, _),
-          _in_directory(root, parent, together, create=True, durable=True) as (fd, synced)):
+    with (_in_directory(root, source_parent, batch) as (source_fd, _),
+          _in_directory(root, parent, batch, create=True, durable=True) as (fd, synced)):
         for _ in range(_LINK_TRIES):
             try:
                 os.link(source_name, name, src_dir_fd=source_fd, dst_dir_fd=fd, follow_symlinks=False)
@@ -457,7 +457,7 @@ def copy(root: str, src: str, dst: str, *, exclusive: bool, expect: str, togethe
             except OSError as e:
                 if e.errno not in _NO_LINKS:
                     raise
-                with _opened(root, src, together) as (f, size):
+                with _opened(root, src, batch) as (f, size):
                     # The open file is the one copied, whatever is renamed over it; one
                     # written into meanwhile is another version once the copy is made.
                     if version(os.fstat(f)) != expect:
@@ -644,9 +644,9 @@ def exists(root: str, key: str) -> bool:
     return True
 
 
-class Together:
-    """Writes made together below `root` (one save's chunks and array documents), for
-    `LocalDisk.together`: each directory is reached from its parent, and up to
+class WriteBatch:
+    """Writes made batch below `root` (one save's chunks and array documents), for
+    `LocalDisk.write_batch`: each directory is reached from its parent, and up to
     `_KEPT_DIRECTORIES` are kept open until the writes end. What they write is on
     stable storage when they end (`__exit__` returns only then): where one sync of the
     whole file system is as safe as a sync per file and per directory, by one `syncfs`
@@ -678,7 +678,7 @@ class Together:
         self._users = 0
         self._ended = False
 
-    def __enter__(self) -> Together:
+    def __enter__(self) -> WriteBatch:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
@@ -710,7 +710,7 @@ class Together:
         directory made here). OSError once the writes have ended."""
         with self._lock:
             if self._ended:
-                raise OSError(errno.EBADF, f"the writes made together below {self.root} have ended")
+                raise OSError(errno.EBADF, f"the writes made batch below {self.root} have ended")
             self._users += 1
             found = self._open.get(key)
         fd = -1  # a descriptor of this call's own, closed when it ends
@@ -761,9 +761,9 @@ class Together:
             os.fsync(fd)
 
 
-# A file at least this large is synced as it is made, even in writes made together.
+# A file at least this large is synced as it is made, even in writes made batch.
 _SYNCED_AS_WRITTEN = 1 << 20
-# Directories a `Together` keeps open: at most a quarter of the descriptors the process
+# Directories a `WriteBatch` keeps open: at most a quarter of the descriptors the process
 # may have.
 _KEPT_DIRECTORIES = max(16, min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4))
 # File systems whose `syncfs` writes out their data and commits their metadata

@@ -127,8 +127,8 @@ class Store(abc.ABC):
         else SourceChanged, and nothing made. With `exclusive`, only if nothing is at
         `key` (FileExistsError), as `create`."""
 
-    def together(self) -> contextlib.AbstractContextManager[Store]:
-        """This store, for writes made together (see `Location.together`)."""
+    def write_batch(self) -> contextlib.AbstractContextManager[Store]:
+        """This store, for writes made together (see `Location.write_batch`)."""
         return contextlib.nullcontext(self)
 
     @property
