@@ -7,15 +7,17 @@ test process on a port the OS picks, and stopped by the fixture that started it:
   token="anon".
 
 Both record every request they answer (the object a GCS upload writes, which its URL
-does not name, appended as `&name=`), and can hold requests until enough of them are
-in flight at once, or until the test lets them go, so the tests can count requests
-and see how many a client keeps in flight, however busy the machine.
+does not name, appended as `&name=`), and which of them the client had given up on
+before the answer reached it, and can hold requests until enough of them are in flight
+at once, or until the test lets them go, so the tests can count requests and see how
+many a client keeps in flight, however busy the machine.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import email
 import functools
 import http.server
@@ -24,6 +26,7 @@ import json
 import logging
 import os
 import re
+import socket
 import threading
 import urllib.parse
 import urllib.request
@@ -40,13 +43,41 @@ import fsspec  # noqa: E402
 # Recognisable, so that tests can assert they never show up anywhere.
 TEST_KEY = "AKIAZARRCKPTTESTKEY7"
 TEST_SECRET = "zarrckpt-test-SECRET-must-never-be-printed-31415"
+# Connections a server's socket queues before it accepts them. A client opens up to its
+# concurrency (100 on GCS, 128 on S3) at once; past the queue (socketserver's 5) the
+# kernel drops them, and a busy machine's accepting thread falls behind: a dropped
+# connection waits out TCP's retransmission backoff (1, 3, 7, 15, 31 s), past the
+# client's deadline (20 s), and the request then sent again.
+_BACKLOG = 1024
+
+
+@dataclasses.dataclass
+class Call:
+    """One request a server received: `abandoned` once its client is found to have
+    closed the connection before the answer reached it (gave up on it at its deadline,
+    or cancelled it: the client sends it again, or took another answer)."""
+
+    method: str
+    target: str
+    abandoned: bool = False
+
+
+def client_gone(connection: socket.socket) -> bool:
+    """Whether the client closed `connection` (whose request has been read whole)."""
+    try:
+        return connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:  # open, nothing sent: waiting for the answer
+        return False
+    except OSError:  # reset
+        return True
 
 
 class Recorder:
-    """The requests a server answered, and how many were in flight at most."""
+    """The requests a server answered, which of them their client gave up on, and how
+    many were in flight at most."""
 
     def __init__(self) -> None:
-        self.requests: list[tuple[str, str]] = []  # (method, path?query)
+        self.calls: list[Call] = []
         self.copies: list[tuple[str, str]] = []  # S3's CopyObject: (source, target path)
         self.bytes_received = 0  # the requests' bodies, in all
         self.peak_in_flight = 0
@@ -58,19 +89,37 @@ class Recorder:
         self._gathering = 0
         self._gathered = threading.Event()
 
+    @property
+    def requests(self) -> list[tuple[str, str]]:
+        """Every request received: (method, path?query)."""
+        return [(call.method, call.target) for call in self.calls]
+
+    @property
+    def answered(self) -> list[tuple[str, str]]:
+        """The requests answered to a client still waiting for the answer."""
+        return [(call.method, call.target) for call in self.calls if not call.abandoned]
+
+    @property
+    def abandoned(self) -> list[tuple[str, str]]:
+        """The requests whose client gave up on them (see `Call`)."""
+        return [(call.method, call.target) for call in self.calls if call.abandoned]
+
     def reset(self) -> None:
         with self._lock:
-            self.requests.clear()
+            self.calls.clear()
             self.copies.clear()
             self.bytes_received = 0
             self.peak_in_flight = 0
 
     @contextlib.contextmanager
-    def request(self, method: str, target: str, nbytes: int = 0) -> Iterator[None]:
+    def request(self, method: str, target: str, nbytes: int = 0) -> Iterator[Call]:
+        """Records a request while the server answers it; the server marks the `Call`
+        yielded abandoned where its client is gone."""
         gather = self._gather
         held = gather is not None and gather[1](method, target)
+        call = Call(method, target)
         with self._lock:
-            self.requests.append((method, target))
+            self.calls.append(call)
             self.bytes_received += nbytes
             self._in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
@@ -83,7 +132,7 @@ class Recorder:
                 self._gathered.set()  # never that many at once: let every one go, the test sees the peak
             if self._stall is not None and self._stall(method, target):
                 self._released.wait(300)  # unanswered until the test lets go (or gives up)
-            yield
+            yield call
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -153,23 +202,34 @@ class S3Server:
             def log_request(self, *args: Any, **kwargs: Any) -> None:
                 pass
 
+            def connection_dropped(self, error: BaseException, environ: dict[str, Any] | None = None) -> None:
+                if environ is not None and "zarrckpt.call" in environ:
+                    environ["zarrckpt.call"].abandoned = True
+
         self.recorder = Recorder()
         app = DomainDispatcherApplication(create_backend_app)
 
         def recorded(environ: dict[str, Any], start_response: Any) -> Any:
             query = environ.get("QUERY_STRING")
             target = environ["PATH_INFO"] + (f"?{query}" if query else "")
-            with self.recorder.request(environ["REQUEST_METHOD"], target, int(environ.get("CONTENT_LENGTH") or 0)):
+            with self.recorder.request(environ["REQUEST_METHOD"], target,
+                                       int(environ.get("CONTENT_LENGTH") or 0)) as call:
+                environ["zarrckpt.call"] = call  # marked abandoned where writing the answer fails
                 if environ["REQUEST_METHOD"] == "PUT" and "HTTP_X_AMZ_COPY_SOURCE" in environ:
                     self.recorder.copies.append((urllib.parse.unquote(environ["HTTP_X_AMZ_COPY_SOURCE"]),
                                                  environ["PATH_INFO"]))
                 if _copy_precondition_fails(environ):
                     start_response("412 Precondition Failed", [("Content-Type", "application/xml")])
-                    return [b"<Error><Code>PreconditionFailed</Code><Message>At least one of the pre-conditions "
-                            b"you specified did not hold</Message></Error>"]
-                return app(environ, start_response)
+                    answer = [b"<Error><Code>PreconditionFailed</Code><Message>At least one of the pre-conditions "
+                              b"you specified did not hold</Message></Error>"]
+                else:
+                    answer = app(environ, start_response)
+                # The body has been read: a connection at its end is one the client closed.
+                call.abandoned = client_gone(environ["werkzeug.socket"])
+                return answer
 
         self._server = make_server("127.0.0.1", 0, recorded, threaded=True, request_handler=QuietHandler)
+        self._server.socket.listen(_BACKLOG)  # werkzeug's 128: below what a client may open at once
         self.endpoint = f"http://127.0.0.1:{self._server.server_port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
@@ -257,17 +317,27 @@ class GCSServer:
         class Handler(RequestHandler):
             def _serve(self, method: str) -> None:
                 target = self._target(method)
-                with recorder.request(method, target, int(self.headers.get("Content-Length") or 0)), storage_lock:
-                    if self._precondition_fails(method, target):
-                        body = json.dumps({"error": {"code": 412, "message": "conditionNotMet",
-                                                     "errors": [{"reason": "conditionNotMet"}]}}).encode()
-                        self.send_response(412)
-                        self.send_header("Content-Type", "application/json")
-                        self.send_header("Content-Length", str(len(body)))
-                        self.end_headers()
-                        self.wfile.write(body)
-                        return
-                    getattr(RequestHandler, f"do_{method}")(self)
+                with recorder.request(method, target, int(self.headers.get("Content-Length") or 0)) as call, \
+                        storage_lock:
+                    # An upload's body has been read (`_target`), a download has none.
+                    call.abandoned = client_gone(self.connection)
+                    try:
+                        self._answer(method, target)
+                    except (BrokenPipeError, ConnectionResetError):
+                        call.abandoned = True
+                        self.close_connection = True
+
+            def _answer(self, method: str, target: str) -> None:
+                if self._precondition_fails(method, target):
+                    body = json.dumps({"error": {"code": 412, "message": "conditionNotMet",
+                                                 "errors": [{"reason": "conditionNotMet"}]}}).encode()
+                    self.send_response(412)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                getattr(RequestHandler, f"do_{method}")(self)
 
             def _precondition_fails(self, method: str, target: str) -> bool:
                 """GCS's preconditions that the emulator ignores: "must not exist" on an
@@ -323,7 +393,8 @@ class GCSServer:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        server_class = type("Server", (http.server.ThreadingHTTPServer,), {"daemon_threads": True})
+        server_class = type("Server", (http.server.ThreadingHTTPServer,),
+                            {"daemon_threads": True, "request_queue_size": _BACKLOG})
         self._server = server_class(("127.0.0.1", 0), functools.partial(Handler, MemoryStorage(use_memory_fs=True)))
         self.endpoint = f"http://127.0.0.1:{self._server.server_port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -390,5 +461,7 @@ def _parse_uploads_exactly(emulator: Any) -> None:
 
 
 def request_kinds(server: S3Server | GCSServer) -> collections.Counter[str]:
-    """How many requests of each kind the server has answered since its last reset."""
-    return collections.Counter(server.kind(method, target) for method, target in server.recorder.requests)
+    """How many requests of each kind the server has answered since its last reset to a
+    client that waited for the answer: one the client gave up on (`Call`) is left out,
+    its resend counts. Those of an earlier call that reach the server late are too."""
+    return collections.Counter(server.kind(method, target) for method, target in server.recorder.answered)

@@ -49,8 +49,10 @@ def test_requests_are_in_flight_together(store):
         peaks.append(recorder.peak_in_flight)
         # Each chunk once; a read the gathering held long enough may be asked for again
         # (a hedged read: see zarrckpt._storage.hedge), counted as such (one given up on
-        # before it went out never reaches the server).
-        chunks = [target for method, target in recorder.requests if is_chunk(store.server, method, target)]
+        # before it went out never reaches the server). A request whose client gave up
+        # on it (at its deadline, on a busy machine) is sent again: only the answer the
+        # client waited for counts (object_store_servers.Call).
+        chunks = [target for method, target in recorder.answered if is_chunk(store.server, method, target)]
         assert len(set(chunks)) == 96, recorder.requests
         assert len(chunks) - 96 <= _stats.snapshot().get("store_hedged_reads", 0) - hedged, recorder.requests
     assert all(np.array_equal(back[k], v) for k, v in tree.items())
@@ -81,14 +83,16 @@ def test_opening_a_checkpoint_costs_one_request_whatever_its_size(store):
 def test_save_requests(store):
     """One write per object (every array's metadata and chunk, and the group's metadata
     once, at the commit: no uncommitted one before it on S3 and GCS, see `_commit`), and
-    a constant number of other requests (finding what is there beforehand)."""
+    a constant number of other requests (finding what is there beforehand). A request
+    the client gave up on and sent again (its deadline passed on a busy machine) counts
+    once: `request_kinds` counts the answers the client waited for."""
     server = store.server
     others = []
     for leaves in (5, 40):
         server.recorder.reset()
         zarrckpt.save_pytree(f"{store.url}/{leaves}", small_tree(leaves), storage_options=store.options)
         kinds = request_kinds(server)
-        assert kinds.pop("write") == leaves + leaves + 1
+        assert kinds.pop("write") == leaves + leaves + 1, (server.recorder.answered, server.recorder.abandoned)
         others.append(kinds)
     assert others[0] == others[1] and sum(others[0].values()) <= 8, others
 
