@@ -184,12 +184,13 @@ def test_verify_on_object_store(s3_server):
     zarrckpt.save_pytree(url, {"a": np.ones((64, 4), np.float32)}, storage_options=options, max_chunk_bytes=64)
     s3_server.recorder.reset()
     assert zarrckpt.verify(url, storage_options=options, checksums=False).chunks_checked == 16
-    kinds = [s3_server.kind(method, target) for method, target in s3_server.recorder.requests]
-    # The group's and the array's zarr.json, and one listing for the array's 16 chunks.
+    kinds = [s3_server.kind(method, target) for method, target in s3_server.recorder.answered]
+    # The group's and the array's zarr.json, and one listing for the array's 16 chunks
+    # (a request sent again after its client gave up on it, on a busy machine, counts once).
     assert sorted(kinds) == ["list", "read", "read"], s3_server.recorder.requests
     s3_server.recorder.reset()
     assert zarrckpt.verify(url, storage_options=options).checksums_checked == 16
-    assert [s3_server.kind(*r) for r in s3_server.recorder.requests].count("read") == 2 + 16
+    assert [s3_server.kind(*r) for r in s3_server.recorder.answered].count("read") == 2 + 16
 
 
 def test_gc_dry_run_then_for_real(tmp_path):

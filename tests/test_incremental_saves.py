@@ -332,7 +332,7 @@ def test_a_large_chunk_is_one_request_whose_answer_names_its_version(new_store, 
     loc = zarrckpt._storage.resolve(store.url, store.options)
     store.server.recorder.reset()
     version = loc.child("1").write_new("c", np.zeros(mib * 2**20, np.uint8))
-    writes = [target for method, target in store.server.recorder.requests if method in ("PUT", "POST")]
+    writes = [target for method, target in store.server.recorder.answered if method in ("PUT", "POST")]
     assert version is not None and len(writes) == 1, (version, writes)
     assert version == {entry.name: entry.version for entry in loc.child("1").walk()}["c"]
 
