@@ -7,6 +7,8 @@
                 budget, and build each leaf on the target's devices
     broadcast   leaves several processes need, read once for all, moved onto their
                 targets over the device network
+    coordination  what the read loop asks of the other processes, in one interface:
+                nothing (`alone`), the local tier's gate (`Gated`), or relief
     relief      a slow process's part of those leaves read by another for it
 
 A jax.Array is read region by region, only the regions this process's devices of the
@@ -31,6 +33,7 @@ from .._util import concurrency as _concurrency, multihost as _multihost, progre
 from .._util.regions import Region, region_shape
 from ..errors import CheckpointError
 from . import broadcast as _broadcast, checkpoint as _reader, relief as _relief
+from .coordination import Coordination, Gate, Gated, alone
 from .match import Request, match, saved_form
 from .plan import Placement
 
@@ -119,11 +122,6 @@ def load_opened(ckpt: _reader.Checkpoint, target: Any, options: LoadOptions) -> 
     return load_requests(ckpt, requests, treedef, options)
 
 
-# Called with what this process's reads raised (None: nothing) before each sharing and
-# once at the end; raises GateClosed on every process if any process's reads failed.
-Gate = Callable[[BaseException | None], None]
-
-
 class GateClosed(CheckpointError):
     """Raised by a `Gate`: some process's reads failed."""
 
@@ -174,9 +172,6 @@ class _Read:
     def nbytes(self) -> int:
         return _dtypes.nbytes(region_shape(self.box), self.request.form.dtype)
 
-    def fetch(self, ckpt: _reader.Checkpoint) -> list[Any]:
-        return self.request.form.fetch(ckpt, self.request.stored, self.box, self.places)
-
 
 def _read_all(ckpt: _reader.Checkpoint, requests: list[Request], options: LoadOptions,
               advance: Callable[[int], None], gate: Gate | None) -> dict[str, Any]:
@@ -195,11 +190,12 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[Request], options: LoadOp
         reads += [_Read(request, box, places, i == len(groups) - 1) for i, (box, places) in enumerate(groups)]
     donated: set[int] = set()
 
-    def donate(read: _Read) -> None:
-        old = read.request.old
-        if options.donate_target and old is not None and id(old) not in donated and not old.is_deleted():
+    def admit(read: _Read) -> None:
+        if options.donate_target and (old := read.request.old) is not None and id(old) not in donated \
+                and not old.is_deleted():
             donated.add(id(old))
             old.delete()
+        others.began(read.request)
 
     budget = _concurrency.ByteBudget(options.max_inflight_bytes)
     pieces: list[Any] = []
@@ -207,32 +203,19 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[Request], options: LoadOp
     # groups of about max_inflight_bytes (that bounds the extra memory), the same
     # groups in the same order on every process, as sharing is collective.
     sharing = _broadcast.groups([r for r in requests if r.share is not None], options.max_inflight_bytes)
-    # A slow process's part of a group may be read by another (see `relief`); not from
-    # the local tier (a gate), whose copies and routes are its own.
-    relief = _relief.start(ckpt, sharing, options, {r.request.stored.name for r in reads}) if gate is None else None
+    others = _coordination(ckpt, sharing, options, {r.request.stored.name for r in reads}, gate)
 
     def share_ready() -> None:
         while sharing and all(r.stored.name in done for r in sharing[0]):
-            if gate is not None:
-                gate(None)  # every process has read its part of these leaves
-            group = sharing.pop(0)
-            _broadcast.share(relief.settle(group, done) if relief is not None else group, done)
-
-    def fetch(read: _Read) -> list[Any]:
-        return read.fetch(ckpt) if relief is None else relief.fetch(read.request, read.box, read.places)
-
-    abandon = None if relief is None else lambda read: relief.covered(read.request)
-
-    def admit(read: _Read) -> None:
-        donate(read)
-        if relief is not None:
-            relief.began(read.request)
+            _broadcast.share(others.settle(sharing.pop(0), done), done)
 
     try:
         share_ready()
         with _concurrency.Operation(options.max_workers or ckpt.loc.concurrency, "read") as op:
-            for read, result, hold in op.window(reads, fetch, budget=budget, nbytes=lambda r: r.nbytes, admit=admit,
-                                                abandon=abandon):
+            given_up = others.abandon
+            for read, result, hold in op.window(reads, lambda r: others.fetch(r.request, r.box, r.places),
+                                                budget=budget, nbytes=lambda r: r.nbytes, admit=admit,
+                                                abandon=given_up and (lambda r: given_up(r.request))):
                 hold.release()  # the pieces are on their devices, or small
                 if result is _concurrency.ABANDONED:
                     _stats.add("reads_given_up")
@@ -240,16 +223,23 @@ def _read_all(ckpt: _reader.Checkpoint, requests: list[Request], options: LoadOp
                 pieces += result
                 if read.last:
                     request = read.request
-                    if relief is not None:
-                        relief.ended(request)
+                    others.ended(request)
                     done[request.stored.name] = request.form.build(request.stored, pieces)
                     advance(request.nbytes)
                     pieces = []
                     share_ready()
     except BaseException as e:
-        if relief is not None:
-            relief.close(e)  # the others learn of it at their next barrier, not waiting for this process
+        others.close(e)  # the others learn of it at their next barrier, not waiting for this process
         raise
-    if relief is not None:
-        relief.close()
+    others.close()
     return done
+
+
+def _coordination(ckpt: _reader.Checkpoint, sharing: list[list[Request]], options: LoadOptions, reading: set[str],
+                  gate: Gate | None) -> Coordination:
+    """How this restore's processes read together: through the local tier's `gate`, with
+    relief where a slow process's shared part can be read by another (not from the local
+    tier, whose copies and routes are its own), else each alone."""
+    if gate is not None:
+        return Gated(ckpt, gate)
+    return _relief.start(ckpt, sharing, options, reading) or alone(ckpt)

@@ -39,7 +39,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
 import jax
@@ -117,6 +117,11 @@ class Relief:
         g = self._group.get(request.stored.name)
         if g is not None:
             self._ended[g] = time.monotonic()
+
+    @property
+    def abandon(self) -> Callable[[Request], bool]:
+        """`covered`: a read of this process's that the buddy made for it is given up."""
+        return self.covered
 
     def covered(self, request: Request) -> bool:
         """Whether the buddy has read this process's part of `request` for it."""
