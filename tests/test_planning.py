@@ -21,7 +21,7 @@ from zarrckpt._format import tree as _tree
 from zarrckpt._options import SaveOptions
 from zarrckpt._restore import plan as read_plan
 from zarrckpt._save import PER_PROCESS, SHARED, PlanCache, SaveJob, plan as write_plan
-from zarrckpt._tier.peers import Peers
+from zarrckpt._tier.peers import PeerPlans, Peers
 from zarrckpt._util import multihost as _multihost
 from zarrckpt._util.regions import region_size, replicas_of
 from zarrckpt.errors import UnsupportedLeafError
@@ -146,7 +146,7 @@ def test_a_tree_of_the_last_saves_signature_is_planned_exactly_as_afresh(tmp_pat
     monkeypatch.setattr(_multihost, "process_index", lambda: processes[0])
     monkeypatch.setattr(_multihost, "process_count", lambda: processes[1])
     loc, options, cache = _storage.resolve(str(tmp_path)), SaveOptions(max_chunk_bytes=2**17), PlanCache()
-    kw = {"commit": commit, "peers": Peers() if commit is PER_PROCESS else None}
+    kw = {"commit": commit, **({"beside": PeerPlans(Peers())} if commit is PER_PROCESS else {})}
     first = SaveJob.create(loc, many_kinds(1.0), options, plans=cache, **kw)
     afresh = planned_afresh(monkeypatch)
     again = SaveJob.create(loc, many_kinds(2.0), options, plans=cache, **kw)
