@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence, Set as AbstractSet
 from typing import Any
 
 from .. import _finite
-from .._format.tree import Leaf
+from .._save.plan import ArrayPlan
 from .._storage import Location
 from .lease import Lease, refuse_if_held
 
@@ -27,7 +27,8 @@ class RefuseIfHeld:
     def __init__(self, step: Location, what: str, *, existing_only: bool) -> None:
         self._step, self._what, self._existing_only = step, what, existing_only
 
-    def planned(self, leaves: Sequence[Leaf], reused: AbstractSet[str]) -> None:
+    def planned(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
+                reused: AbstractSet[str]) -> None:
         pass
 
     def before_prepare(self) -> Mapping[str, Any]:
@@ -53,8 +54,10 @@ class ManagerGuard:
         self._check: Callable[[], _finite.Findings] | None = None
         self.findings: _finite.Findings | None = None
 
-    def planned(self, leaves: Sequence[Leaf], reused: AbstractSet[str]) -> None:
-        self._check = _finite.start(leaves, before=self._before, unchanged=reused)
+    def planned(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
+                reused: AbstractSet[str]) -> None:
+        self._check = _finite.start([plan.leaf for plan in plans if plan.moved is None], before=self._before,
+                                    unchanged=reused)
 
     def before_prepare(self) -> Mapping[str, Any]:
         if self._lease is not None:

@@ -12,7 +12,6 @@ import dataclasses
 from collections.abc import Mapping, Sequence, Set as AbstractSet
 from typing import Any, Protocol
 
-from .._format.tree import Leaf
 from .._options import SaveOptions
 from .._storage import Location
 from .plan import ArrayPlan
@@ -41,10 +40,12 @@ class Guard(Protocol):
     the place is still the caller's to write (a run's lease), and what the state saved
     holds (a check for NaN and infinities)."""
 
-    def planned(self, leaves: Sequence[Leaf], reused: AbstractSet[str]) -> None:
-        """Told, on the caller's thread, once the save is planned: `leaves` are saved,
-        those named in `reused` made from a committed step. A check of the state starts
-        here, while the state is the caller's."""
+    def planned(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
+                reused: AbstractSet[str]) -> None:
+        """Told, on the caller's thread, once the save is planned: its `plans` (each
+        shared array stored as its document in `documents`, by name), the leaves named
+        in `reused` made from a committed step. A check of the state starts here, while
+        the state is the caller's."""
 
     def before_prepare(self) -> Mapping[str, Any]:
         """Run on process 0 (every process, for a per-process save) before anything is
@@ -101,7 +102,8 @@ class Beside(Protocol):
 class _Unguarded:
     """Writes wherever it is aimed, with nothing to record besides."""
 
-    def planned(self, leaves: Sequence[Leaf], reused: AbstractSet[str]) -> None:
+    def planned(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
+                reused: AbstractSet[str]) -> None:
         pass
 
     def before_prepare(self) -> Mapping[str, Any]:

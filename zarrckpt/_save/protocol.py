@@ -30,7 +30,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -218,7 +218,7 @@ class SaveJob:
             plans.keep(note, key, Planned(spec, version, paths, [plan.template() for plan in job_plans], arrays))
         meta = {**_tree_metadata(spec, version), **(extra_metadata or {})}
         reused = reuse.plan(job_plans, arrays, loc)
-        guard.planned([plan.leaf for plan in job_plans if plan.moved is None], reused.keys())
+        guard.planned(job_plans, arrays, reused.keys())
         return cls(loc, job_plans, arrays, own, _zarrjson.group_document({_naming.META_ATTR: meta}), options,
                    _concurrency.ByteBudget(options.max_inflight_bytes), channel, guard=guard, reuse=reuse,
                    reused=reused, discard=discard, commit=commit, compressor=compressor or Compressor())
@@ -227,15 +227,6 @@ class SaveJob:
     def meta(self) -> dict[str, Any]:
         """zarrckpt's attribute of the group, for a caller to add to before the save runs."""
         return self.group["attributes"][_naming.META_ATTR]
-
-    def held(self) -> dict[str, list[tuple[int, ...]]]:
-        """Per shared array, the grid coordinates of the chunks this process writes (of a
-        `PER_PROCESS` save: what its group holds)."""
-        held: dict[str, list[tuple[int, ...]]] = {}
-        for plan in self.plans:
-            if plan.leaf.name in self.arrays:
-                held.setdefault(plan.leaf.name, []).extend(tuple(plan.codec.coords(u.region)) for u in plan.writes)
-        return held
 
     @property
     def nbytes(self) -> int:
@@ -570,3 +561,13 @@ def _as_write_error(plan: ArrayPlan, what: str) -> Iterator[None]:
         raise errors.CheckpointWriteError(
             f"writing leaf {plan.leaf.where} (array {plan.leaf.name!r}) {what}: {type(e).__name__}: {e}"
         ) from e
+
+
+def held(plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]]) -> dict[str, list[tuple[int, ...]]]:
+    """Per shared array (those with a document in `documents`), the grid coordinates of
+    the chunks `plans` write (of a `PER_PROCESS` save: what this process's group holds)."""
+    chunks: dict[str, list[tuple[int, ...]]] = {}
+    for plan in plans:
+        if plan.leaf.name in documents:
+            chunks.setdefault(plan.leaf.name, []).extend(tuple(plan.codec.coords(u.region)) for u in plan.writes)
+    return chunks

@@ -33,7 +33,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence, Set as AbstractSet
 from typing import Any
 
 from .._format import copy_record, naming as _naming
@@ -41,6 +41,8 @@ from .._format.copy_record import CopyRecord
 from .._options import LoadOptions, SaveOptions
 from .._run import lease as _lease, retention as _retention, steps as _steps
 from .._save import PER_PROCESS, BackgroundSave, PlanCache, SaveJob
+from .._save.plan import ArrayPlan
+from .._save.protocol import held
 from .._storage import Location, resolve
 from .._util import multihost as _multihost
 from ..errors import CheckpointError, CheckpointLocationError, DirectoryInUseError
@@ -135,10 +137,7 @@ class LocalTier:
         after = max(persistent, default=None)
         job = SaveJob.create(self.root.step(step), state, dataclasses.replace(options, overwrite=True),
                              channel="manager-local", commit=PER_PROCESS, beside=_peers.PeerPlans(self.peers),
-                             plans=self._plans)
-        job.meta[copy_record.KEY] = CopyRecord(
-            self.run, step, after, _multihost.process_index(), _multihost.process_count(), job.held(),
-            self.peers.holders if self.peers is not None else ()).as_meta()
+                             plans=self._plans, guard=_Recorded(self.run, step, after, self.peers))
         try:
             with _multihost.Agreement("manager-local-room", timeout_s, what=f"the local copy of step {step}",
                                       error=_NoRoom) as op:
@@ -242,6 +241,28 @@ def local_directory(directory: str | None, interval: int | None, peer_copies: in
         raise ValueError(f"local_directory must be a path on this host's own disk (a RAM disk or a local SSD), "
                          f"got {directory!r}; the persistent tier is checkpoint_dir")
     return local
+
+
+class _Recorded:
+    """The guard of a local copy of `step`: it writes where the tier's own lease lets it
+    (the tier's directory is this process's alone), and records what the copy holds
+    (`CopyRecord`: the run, the newest persistent step `after` it, which chunks of each
+    array this process's group holds, who keeps whose peer copy)."""
+
+    def __init__(self, run: str, step: int, after: int | None, peers: _peers.Peers) -> None:
+        self._run, self._step, self._after, self._peers = run, step, after, peers
+        self._held: dict[str, list[tuple[int, ...]]] = {}
+
+    def planned(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
+                reused: AbstractSet[str]) -> None:
+        self._held = held(plans, documents)
+
+    def before_prepare(self) -> Mapping[str, Any]:
+        return {copy_record.KEY: CopyRecord(self._run, self._step, self._after, _multihost.process_index(),
+                                            _multihost.process_count(), self._held, self._peers.holders).as_meta()}
+
+    def fence(self, doing: str) -> None:
+        pass
 
 
 def _run_of_directory(name: str) -> str | None:
