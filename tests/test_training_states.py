@@ -188,3 +188,33 @@ def test_a_state_fresh_from_optax_init_restores_and_trains_on_a_mesh_at_once(tmp
         if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
             got, want = jax.random.key_data(got), jax.random.key_data(want)
         assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("readers_place", [False, True], ids=["main thread", "reader threads"])
+def test_a_state_from_jitted_optax_init_restores_its_large_leaves_uncommitted_and_trains(tmp_path, monkeypatch,
+                                                                                       readers_place):
+    """`jax.jit(tx.init)(params)` makes mu and nu uncommitted arrays on one device, of any
+    size: every one comes back uncommitted (a committed leaf committed where it was), so
+    the jitted step meeting them beside arrays sharded over a mesh runs."""
+    from zarrckpt._restore import match as _match
+
+    if readers_place:  # the reader threads place a leaf of 2 MiB, as large ones on a GPU
+        monkeypatch.setattr(_match, "_CPU_READER_PLACEMENT_BYTES", 2**20)
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    tx = optax.adam(1e-2)
+    params = {"big": jax.device_put(jnp.ones((512, 1024)), NamedSharding(mesh, P("x"))),  # 2 MiB
+              "small": jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh, P("x")))}
+    pinned = jax.device_put(jnp.arange(3.0), jax.devices()[3])
+
+    @jax.jit
+    def step(params, opt_state):
+        updates, opt_state = tx.update(jax.tree.map(jnp.ones_like, params), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    state = {"params": params, "opt_state": jax.jit(tx.init)(params), "pinned": pinned}
+    assert not state["opt_state"][0].mu["big"].committed
+    zarrckpt.save_pytree(str(tmp_path / "c"), state)
+    restored = zarrckpt.load_pytree(str(tmp_path / "c"), state)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(state)):
+        assert got.committed == want.committed and got.sharding == want.sharding, jax.tree_util.keystr(path)
+    assert_same_tree(step(restored["params"], restored["opt_state"]), step(params, state["opt_state"]))

@@ -122,10 +122,29 @@ class DefaultDevice(Form):
     device: Any = None
 
     def convert(self, data: np.ndarray) -> Any:
+        # An array already placed (by `DefaultDeviceByReaders`) is returned as it is.
         if self.device is None:
             return jax.device_put(data)
         with jax.default_device(self.device):
             return jax.device_put(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class DefaultDeviceByReaders(DefaultDevice):
+    """A large array placed as `DefaultDevice` places it, by the reader thread (transfers
+    overlap); the default device is per thread, so `device` is set there."""
+
+    def fetch(self, ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, box: Region,
+              places: Placement) -> list[Any]:
+        return [(region, self.convert(data)) for region, data in super().fetch(ckpt, stored, box, places)]
+
+
+def default_device(dtype: np.dtype, device: jax.Device, stored: _reader.StoredLeaf) -> Form:
+    """How to read a leaf that comes back uncommitted on `device`, as `jax.device_put` of
+    host data places it."""
+    cpu = getattr(device, "platform", None) == "cpu"
+    large = _dtypes.nbytes(stored.shape, dtype) >= (_CPU_READER_PLACEMENT_BYTES if cpu else _READER_PLACEMENT_BYTES)
+    return (DefaultDeviceByReaders if large else DefaultDevice)(dtype, device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,12 +438,13 @@ def _request_for(leaf: Any, stored: _reader.StoredLeaf, where: str,
         old = leaf if isinstance(leaf, jax.Array) else None
         placed = None if old is not None and not old.committed else leaf.sharding
         return Request(stored, PrngKeys(stored.dtype, placed), old=old), data_shape
-    if isinstance(leaf, jax.Array) and not leaf.committed and leaf.nbytes < _READER_PLACEMENT_BYTES:
-        # Made without a placement (optax's `count` from `init`, a step counter): it
-        # comes back the same, so that jit places it beside the arrays it meets, as it
-        # did the original; committed to its device, a step meeting it with arrays on a
-        # mesh would fail on incompatible devices. (Large ones keep the readers' path.)
-        return Request(stored, DefaultDevice(np.dtype(leaf.dtype), next(iter(leaf.devices()))), old=leaf), \
+    if isinstance(leaf, jax.Array) and not leaf.committed:
+        # Made without a placement (optax's `count` from `init`, its `mu` and `nu` from
+        # `jax.jit(init)`, a step counter): it comes back the same, so that jit places it
+        # beside the arrays it meets, as it did the original; committed to its device,
+        # a step meeting it with arrays on a mesh would fail on incompatible devices.
+        dtype = np.dtype(leaf.dtype)
+        return Request(stored, default_device(dtype, next(iter(leaf.devices())), stored), old=leaf), \
             tuple(leaf.shape)
     if isinstance(leaf, jax.Array):
         return Request(stored, *sharded(np.dtype(leaf.dtype), leaf.sharding, stored, broadcast), old=leaf), \
