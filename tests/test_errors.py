@@ -233,6 +233,39 @@ def test_mismatch_lists_every_problem_before_reading(tmp_path, monkeypatch):
     assert not live.is_deleted()
 
 
+
+def test_mismatch_of_a_renamed_subtree_is_one_line_per_side_with_what_helps(tmp_path):
+    """A top-level key renamed over 300 leaves: one line on each side with its leaf count,
+    the two names said to hold the same key paths, and no partial=True (it cannot help)."""
+    url = str(tmp_path / "c")
+    params = {f"layer{i}": {"w": np.ones(2), "b": np.zeros(1), "s": np.ones(1)} for i in range(100)}
+    zarrckpt.save_pytree(url, {"params": params, "step": 3})
+    with pytest.raises(zarrckpt.CheckpointMismatchError) as info:
+        zarrckpt.load_pytree(url, {"model": params, "step": 0})
+    message = str(info.value)
+    assert message.splitlines()[1:] == [
+        "  ['model'] (300 leaves): in the target but not in the checkpoint",
+        "  ['params'] (300 leaves): in the checkpoint but not in the target",
+        "(the target's ['model'] and the checkpoint's ['params'] hold the same 300 key paths below them: a renamed "
+        "subtree? put it at ['params'] in the target to restore it)"], message
+    assert "600 problem(s)" in message and "partial=True" not in message
+    # The target lacks a subtree the checkpoint has: partial=True helps, and is said.
+    with pytest.raises(zarrckpt.CheckpointMismatchError) as info:
+        zarrckpt.load_pytree(url, {"params": {k: v for k, v in params.items() if k != "layer7"}, "step": 0,
+                                   "new": {f"h{i}": np.ones(1) for i in range(30)}}, partial=True)
+    assert str(info.value).splitlines()[1:] == [
+        "  ['new'] (30 leaves): in the target but not in the checkpoint",
+        "(the target's leaves the checkpoint lacks cannot be restored, with partial=True or without: leave them "
+        "out of the target and make them after the restore)"]
+    with pytest.raises(zarrckpt.CheckpointMismatchError) as info:
+        zarrckpt.load_pytree(url, {"params": {k: {**v, "w": np.ones(2, np.float32)} for k, v in params.items()},
+                                   "step": 0})
+    lines = str(info.value).splitlines()
+    assert "100 problem(s)" in lines[0] and len(lines) == 1 + 20 + 1 and lines[-1] == "  ... and 80 more"
+    assert lines[1] == ("  ['params']['layer0']['w']: dtype float64 in the checkpoint, float32 in the target "
+                        "(pass allow_dtype_cast=True to convert)")
+
+
 def test_bad_target_leaf(tmp_path):
     url = str(tmp_path / "c")
     zarrckpt.save_pytree(url, {"a": np.ones(2)})

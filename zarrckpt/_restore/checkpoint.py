@@ -31,7 +31,7 @@ from .._format import (
 )
 from .._format.chunks import ChunkCodec, Damage, DamagedChunk
 from .._storage import Location
-from .._util import concurrency as _concurrency, multihost as _multihost
+from .._util import concurrency as _concurrency
 from .._util.regions import Region, chunks_touching, intersect, region_shape, relative
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 
@@ -116,10 +116,10 @@ class Checkpoint:
         with self._reading(leaf):
             return _read_box(self.loc, leaf, box, self.vouched)
 
-    def read_own(self, leaf: StoredLeaf) -> Any:
-        """This process's value of the per-process `leaf` (see `_tree.PerProcess`)."""
+    def read_own(self, leaf: StoredLeaf, process: int) -> Any:
+        """Process `process`'s value of the per-process `leaf` (see `_tree.PerProcess`)."""
         with self._reading(leaf):
-            own, document = read_own_array(self.loc, leaf, _multihost.process_index())
+            own, document = read_own_array(self.loc, leaf, process)
             data = _read_box(self.loc, own, ((0, own.shape[0]),), self.vouched).tobytes()
             try:
                 return _tree.Encoded.decode(document["attributes"][_naming.META_ATTR]["encoding"], data)

@@ -2,6 +2,7 @@
 
     checkpoint  open the checkpoint: commit check, leaf records (one metadata read)
     match       each target leaf against its saved leaf: every mismatch before any read
+    mismatch    the report of those mismatches: grouped by subtree, capped, what helps
     plan        which boxes each process reads (pure: sharding, chunks, process index)
     load        here: read every box on a pool, leaf by leaf in order, under a byte
                 budget, and build each leaf on the target's devices
@@ -68,7 +69,9 @@ def load_pytree(
         checkpoint), numpy arrays or scalars, Python scalars, str or bytes (the saved
         value comes back), or `PerProcess(None)` (this process's saved value comes
         back). None: the saved tree as nested dicts and lists of numpy arrays and
-        scalars, str, bytes and PerProcess values.
+        scalars, str and bytes; a per-process leaf comes back as this process's own
+        value (a PerProcess) where as many processes saved it as restore it, else as
+        a dict of every saving process's value by process index.
       storage_options: passed to fsspec.
       partial: restore only the leaves the target has (all must be in the checkpoint);
         the others are never read.
@@ -98,7 +101,9 @@ def load_pytree(
       CheckpointNotFoundError: nothing committed at `url`, or it was deleted or
         replaced while being read.
       CheckpointMismatchError: the target does not match; lists every missing and
-        unexpected key path and every shape and dtype difference. Nothing was read.
+        unexpected key path and every shape and dtype difference (beyond 20, a whole
+        subtree with one problem as one line, and the first 20 lines), and says what
+        can help (a subtree under another name, partial=True). Nothing was read.
       CheckpointCorruptError: a chunk or metadata the checkpoint declares is missing
         or damaged.
     """

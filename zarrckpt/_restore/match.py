@@ -20,7 +20,7 @@ from .._format.tree import PerProcess
 from .._util import multihost as _multihost, permute as _permute
 from .._util.regions import Region, region_of, region_shape, relative
 from ..errors import CheckpointMismatchError, UnsupportedLeafError
-from . import checkpoint as _reader, plan as _plan
+from . import checkpoint as _reader, mismatch as _mismatch, plan as _plan
 from .plan import Placement
 
 # Leaves at least this large are put on their devices by the reader threads (transfers
@@ -214,10 +214,26 @@ class OwnValue(Form):
     def fetch(self, ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, box: Region,
               places: Placement) -> list[Any]:
         if (mismatch := self._count_mismatch(stored)) is None:
-            return [((), PerProcess(ckpt.read_own(stored), self.target.strict))]
+            return [((), PerProcess(ckpt.read_own(stored, _multihost.process_index()), self.target.strict))]
         if self.target.strict:
             raise CheckpointMismatchError(f"leaf {stored.where} of {ckpt.url}: {mismatch}")
         return [((), self.target)]
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryValue(Form):
+    """A per-process leaf restored without a target by another number of processes than
+    saved it: every process's value, as a dict by process index."""
+
+    dtype: np.dtype
+    whole_on_host: ClassVar[bool] = False
+
+    def reads(self, stored: _reader.StoredLeaf, process: int) -> list[tuple[Region, Placement]]:
+        return [((), {(): []})]
+
+    def fetch(self, ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, box: Region,
+              places: Placement) -> list[Any]:
+        return [((), {process: ckpt.read_own(stored, process) for process in range(stored.processes or 0)})]
 
 
 def _saved_as(stored: _reader.StoredLeaf) -> str:
@@ -348,7 +364,7 @@ def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial
     Without `values`, saved Python scalars are not read to check that they fit their
     target (a process with no copy of the local tier's step leaves that to others)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-    problems: list[str] = []
+    problems: list[_mismatch.Problem] = []
     requests: list[Request] = []
     seen: set[str] = set()
     for path, leaf in flat:
@@ -356,29 +372,23 @@ def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial
         name = ckpt.name_of(tuple(path))
         stored = ckpt.leaves.get(name)
         if stored is None:
-            problems.append(f"{where}: in the target but not in the checkpoint")
+            problems.append((path, _mismatch.MISSING))
             continue
         seen.add(name)
         request, shape = _request_for(leaf, stored, where, load_and_broadcast)
         requests.append(request)
         if shape != stored.shape:
-            problems.append(f"{where}: shape {stored.shape} in the checkpoint, {shape} in the target")
+            problems.append((path, f"shape {stored.shape} in the checkpoint, {shape} in the target"))
         elif (mismatch := request.form.mismatch(stored, allow_dtype_cast)) is not None:
-            problems.append(f"{where}: {mismatch}")
+            problems.append((path, mismatch))
         elif (values and not allow_dtype_cast and request.form.dtype != stored.dtype
               and _scalar_fits(stored, request.form.dtype)):
             if (inexact := _inexact_scalar(ckpt, stored, request.form.dtype)) is not None:
-                problems.append(f"{where}: {inexact}")
-    extra = [stored.where for name, stored in ckpt.leaves.items() if name not in seen]
-    if not partial:
-        problems += [f"{where}: in the checkpoint but not in the target" for where in extra]
-    if problems:
-        hint = ("\n(pass partial=True to restore only the target's leaves and skip the checkpoint's others)"
-                if extra and not partial else "")
-        raise CheckpointMismatchError(
-            f"checkpoint {ckpt.url} does not match the target ({len(problems)} problem(s)):\n  "
-            + "\n  ".join(problems) + hint
-        )
+                problems.append((path, inexact))
+    extra = [stored.path for name, stored in ckpt.leaves.items() if name not in seen]
+    if problems or (extra and not partial):
+        raise CheckpointMismatchError(_mismatch.report(ckpt.url, problems, [path for path, _ in flat], extra,
+                                                       [stored.path for stored in ckpt.leaves.values()], partial))
     return requests, treedef
 
 
@@ -411,7 +421,9 @@ def _inexact_scalar(ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, dtype:
 
 def saved_form(stored: _reader.StoredLeaf) -> Form:
     """The form a leaf comes back in without a target: numpy arrays and scalars, Python
-    scalars, and typed PRNG keys as keys on the default device."""
+    scalars, typed PRNG keys as keys on the default device, and a per-process leaf as
+    this process's own value (a `PerProcess`) where as many processes saved it, else as
+    a dict of every process's value by process index."""
     if stored.kind in _PY_SCALARS:
         return PythonScalar(stored.dtype, stored.kind)
     if stored.kind == "numpy_scalar":
@@ -421,7 +433,9 @@ def saved_form(stored: _reader.StoredLeaf) -> Form:
     if stored.kind in ("str", "bytes"):
         return Text(stored.dtype, stored.kind)
     if stored.kind == "per_process":
-        return OwnValue(stored.dtype, PerProcess(None))
+        if stored.processes == _multihost.process_count():
+            return OwnValue(stored.dtype, PerProcess(None))
+        return EveryValue(stored.dtype)
     return Numpy(stored.dtype)
 
 
