@@ -1,27 +1,36 @@
-"""Every Python block of README.md runs as written, in order, in one namespace that holds
-only what earlier blocks defined (no stand-ins: the quickstart defines its own tiny
-model), with a temporary directory for its URLs."""
+"""README.md stays short, its first Python block runs alone in an empty directory, and
+the blocks that need no object store run in order in one interpreter (tests/test_docs.py
+runs every block of README.md and docs/; tests/doc_blocks.py says how)."""
 
-import re
 from pathlib import Path
 
-README = Path(__file__).parent.parent / "README.md"
+from doc_blocks import NEEDS_S3, ROOT, blocks, chains, run_chain
+
+README = ROOT / "README.md"
 
 
-def python_blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+def test_the_readme_is_at_most_300_lines() -> None:
+    assert len(README.read_text().splitlines()) <= 300
 
 
-def test_every_python_block_of_the_readme_runs(tmp_path):
-    blocks = python_blocks()
-    assert len(blocks) >= 5, "the README lost its examples"
-    namespace: dict = {}
-    for number, block in enumerate(blocks, 1):
-        code = (block.replace("gs://bucket/", f"{tmp_path}/").replace("/tmp/ckpt", f"{tmp_path}/ckpt")
-                .replace("timeout_s=600", "timeout_s=0.2"))
-        exec(compile(code, f"README.md python block {number}", "exec"), namespace)
-    import zarrckpt
+def test_the_first_python_block_runs_alone_in_an_empty_directory(tmp_path: Path) -> None:
+    first = next(block for block in blocks(README) if block.language == "python")
+    assert "logging.basicConfig(level=logging.INFO)" in first.code  # batch jobs see progress only so
+    directory = tmp_path / "empty"
+    directory.mkdir()
+    output = run_chain([first], directory)
+    assert "[50, 100]" in output
 
-    assert zarrckpt.all_steps(f"{tmp_path}/run1") == [1000, 1001]  # the quickstart saved, then the functions
-    assert namespace["restored"]["data"].value == {"next_index": 0}  # a fresh grain iterator's position
-    assert namespace["evaluated"]["params"]["w"].shape == (4, 1)
+
+def test_the_blocks_without_an_object_store_are_one_chain() -> None:
+    """Every block that needs no bucket continues the Quickstart, so they run in one interpreter."""
+    local = [chain for chain in chains(README) if not any(block.says(NEEDS_S3) for block in chain)]
+    assert len(local) == 2 and local[0][0].language == "bash", [[b.name for b in chain] for chain in local]
+    assert len(local[1]) >= 3 and local[1][0].language == "python"
+
+
+def test_the_commands_ci_and_the_developers_guide_rely_on_are_there() -> None:
+    text = README.read_text()
+    assert ('python3 -m venv .venv && .venv/bin/pip install -q ".[test]" && '
+            '.venv/bin/python -m pytest -q -n 3 --dist worksteal') in text
+    assert "python3 -m venv .venv && .venv/bin/pip install -q . && .venv/bin/python examples/train_minimal.py" in text
