@@ -504,12 +504,15 @@ class CheckpointManager:
                     self._name, successor,
                     f" once {', '.join(save.url for save in pending)} has committed" if pending else "")
         deadline = time.monotonic() + timeout_s
-        for save in pending:
-            if not save.join(max(0.0, deadline - time.monotonic())):
-                _open_managers.register(self)  # still open: at exit, or by a later manager, taken over again
-                raise DirectoryInUseError(
-                    f"{self._root.url} is held by {self._name}, of this process, whose save of {save.url} did not "
-                    f"finish within {timeout_s:g}s: wait for it, or close() that manager")
+        try:
+            for save in pending:
+                if not save.join(max(0.0, deadline - time.monotonic())):
+                    raise DirectoryInUseError(
+                        f"{self._root.url} is held by {self._name}, of this process, whose save of {save.url} did "
+                        f"not finish within {timeout_s:g}s: wait for it, or close() that manager")
+        except BaseException:  # a Ctrl-C too: still open, so closed at exit or taken over by a later manager
+            _open_managers.register(self)
+            raise
         try:
             self._in_flight.wait()
         except Exception as e:  # the earlier manager's, which nobody would raise any more
