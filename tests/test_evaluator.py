@@ -1,6 +1,9 @@
 """An evaluator following a training run: checkpoints_iterator, load_checkpoint, and a
 read that loses the race with retention."""
 
+import os
+import subprocess
+import sys
 import threading
 
 import forked_cli
@@ -121,8 +124,12 @@ def test_an_evaluator_needs_no_manager(tmp_path):
         assert zarrckpt.latest_step(run) == 1
         back, step = zarrckpt.load_checkpoint_if_it_exists(run, train_state())
         assert step == 1 and float(back["params"]["w"][0, 0]) == 4.0
-        with pytest.raises(zarrckpt.DirectoryInUseError):
-            zarrckpt.CheckpointManager(run, heartbeat_s=0.05)
+        # A manager is a writer: an evaluator's, in a process of its own, is refused.
+        evaluator = subprocess.run(
+            [sys.executable, "-c", "import sys, zarrckpt\ntry:\n    zarrckpt.CheckpointManager(sys.argv[1])\n"
+             "except zarrckpt.DirectoryInUseError:\n    print('refused')", run],
+            capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+        assert evaluator.stdout.strip() == "refused", evaluator.stderr
 
 
 def test_verify_of_a_step_retention_deletes_meanwhile_says_it_is_gone_not_damaged(tmp_path, monkeypatch):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import atexit
-import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before ours: see _AtExit)
+import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before ours: see _OpenManagers)
 import dataclasses
 import functools
+import gc
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import weakref
@@ -27,6 +29,7 @@ from ._run import (
 )
 from ._tier import tier as _tiers
 from ._util import concurrency as _concurrency, multihost as _multihost, progress as _progress
+from .errors import DirectoryInUseError
 
 log = logging.getLogger("zarrckpt")
 _NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}  # JSON has no such numbers
@@ -53,8 +56,13 @@ class CheckpointManager:
     Collective under `jax.distributed`: every process makes the same calls (`save`,
     `restore`, `wait`, `delete`, `reached_preemption`, `close`) with the same
     arguments; `all_steps`, `latest_step`, `metrics`, `best_step`, `pin` and `unpin`
-    are not. One manager holds a directory at a time (a lease): a second is refused
-    with DirectoryInUseError. Readers need no manager (`load_checkpoint`,
+    are not. One manager holds a directory at a time (a lease): one of another process
+    or host is refused with DirectoryInUseError. A manager of this process still open on
+    the same directory (a notebook cell run again, whose traceback holds the manager it
+    made; one deleted while its save was in flight) is taken over, with a warning: its
+    saves in flight commit first (waited for at most `timeout_s`), its leases are given
+    back and claimed anew, and it then refuses `save`, `delete` and `restore` with
+    DirectoryInUseError naming this one. Readers need no manager (`load_checkpoint`,
     `checkpoints_iterator`). In a process forked from the one that made it, a manager
     raises RuntimeError and its lease stays the parent's.
 
@@ -99,7 +107,9 @@ class CheckpointManager:
     Raises TypeError or ValueError naming the option on an unknown, ill-typed or
     contradictory setting; CheckpointLocationError if `checkpoint_dir` is a checkpoint
     itself, holds another library's checkpoints, or `local_directory` is not this
-    user's alone; DirectoryInUseError if another live job holds either directory.
+    user's alone; DirectoryInUseError if another live job holds either directory, or
+    if the save in flight of the manager of this process it takes over has not
+    finished within `timeout_s` (that manager is then left as it was).
     """
 
     def __init__(
@@ -152,6 +162,12 @@ class CheckpointManager:
         self._plans = _save.PlanCache()  # the last persistent save's, for the next of the same tree
         root = _storage.resolve(checkpoint_dir, storage_options).keeping_found()  # the lease guards it
         self._pid = os.getpid()
+        self._root = root
+        self._name = f"the CheckpointManager made at {_made_at()}"  # in messages
+        self._successor: str | None = None  # the manager of this process that took this one's directory over
+        if (earlier := _open_managers.take(root.canonical)) is not None:
+            # Before the run is read: the steps its saves in flight commit are committed then.
+            earlier._hand_over(self._name, timeout_s)
         local = _tiers.local_directory(local_directory, local_save_interval_steps, local_peer_copies, local_peer_group)
         self._schedule = _schedule.SaveSchedule(save_interval_steps, save_interval_seconds, timeout_s=timeout_s)
         self._async = async_save
@@ -162,7 +178,6 @@ class CheckpointManager:
         # A checkpoint itself (even one a manager saved steps into), or Orbax's: refused.
         self._run = _run.Run(root, keep, heartbeat_s=heartbeat_s, timeout_s=timeout_s,
                             reuse_unchanged=reuse_unchanged)
-        self._root = root
         self._restored_step: int | None = None
         self._restored_tier: str | None = None
         self._in_flight = _inflight.InFlight()
@@ -181,7 +196,7 @@ class CheckpointManager:
             _release(self._run.lease, self._tier)
             raise
         self._closed = False
-        _close_at_exit.register(self)
+        _open_managers.register(self)
 
     # -- saving ----------------------------------------------------------------
 
@@ -477,8 +492,41 @@ class CheckpointManager:
                             "exit then waits for it)", ", ".join(pending))
         self.close()
 
+    def _hand_over(self, successor: str, timeout_s: float) -> None:
+        """Ends this manager for `successor`, a new manager of this process on its
+        directory: waits for its saves in flight to commit (at most `timeout_s`; their
+        errors are logged, none raised), gives its leases back, and from then on refuses
+        `save`, `delete` and `restore` naming `successor`. Raises DirectoryInUseError,
+        handing nothing over, if a save is still in flight after `timeout_s`."""
+        pending = self._in_flight.unfinished()
+        log.warning("%s is held by %s, of this process and never closed (a notebook cell run again, or a manager "
+                    "deleted while saving): %s takes it over%s, and the earlier one saves no more", self._root.url,
+                    self._name, successor,
+                    f" once {', '.join(save.url for save in pending)} has committed" if pending else "")
+        deadline = time.monotonic() + timeout_s
+        try:
+            for save in pending:
+                if not save.join(max(0.0, deadline - time.monotonic())):
+                    raise DirectoryInUseError(
+                        f"{self._root.url} is held by {self._name}, of this process, whose save of {save.url} did "
+                        f"not finish within {timeout_s:g}s: wait for it, or close() that manager")
+        except BaseException:  # a Ctrl-C too: still open, so closed at exit or taken over by a later manager
+            _open_managers.register(self)
+            raise
+        try:
+            self._in_flight.wait()
+        except Exception as e:  # the earlier manager's, which nobody would raise any more
+            log.warning("the earlier CheckpointManager of %s, taken over, had a save or deletion that failed: %s",
+                        self._root.url, e)
+        self._successor = successor
+        self._end()
+
     def _check_open(self) -> None:
         self._check_process()
+        if self._successor is not None:
+            raise DirectoryInUseError(
+                f"{self._root.url} was taken over by {self._successor}, a newer manager of this process on the same "
+                f"directory: this one ({self._name}) saves, deletes and restores no more; use the newer one")
         if self._closed:
             raise RuntimeError(f"CheckpointManager for {self._root.url} is closed")
 
@@ -534,6 +582,16 @@ def _metric_values(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return values
 
 
+def _made_at() -> str:
+    """Where the caller outside zarrckpt made a manager ("file:line"), to name the
+    manager in another one's messages."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
 def _close_left_open(manager: CheckpointManager) -> None:
     """`close`, at this program's exit, for a manager nobody closed: its save in flight
     commits (or, after `timeout_s` or another Ctrl-C, is left uncommitted, said by a
@@ -553,23 +611,49 @@ def _close_left_open(manager: CheckpointManager) -> None:
     manager.close()  # its error is logged by the exit hook
 
 
-class _AtExit:
-    """Closes, at this program's exit, every manager still open (see `_close_left_open`).
+class _OpenManagers:
+    """The managers of this process still open: each closed at this program's exit (see
+    `_close_left_open`), and one found by a new manager on its directory (`take`).
 
     It runs where the interpreter's shutdown begins, with threading's own exit hooks
     (Python's `atexit` where those are missing), registered after `concurrent.futures`
     registered its own, so before it (they run last registered first): after it thread
     pools take no more work, and a save still writing could not finish. `atexit` comes
     later still, after `jax.distributed`'s shutdown. A forked child leaves its parent's
-    managers alone (their threads are the parent's), and closes its own."""
+    managers alone (their threads are the parent's), and closes its own, and a new
+    manager in it never takes one of the parent's over.
+
+    Held weakly: a manager nobody holds gives its leases back (its finalizer). A manager
+    with a save in flight is never such, the save's thread holding it until it ends.
+    Thread-safe."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._managers: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
         getattr(threading, "_register_atexit", atexit.register)(self._close_all)
         os.register_at_fork(after_in_child=self._forget)
 
     def register(self, manager: CheckpointManager) -> None:
-        self._managers.add(manager)
+        with self._lock:
+            self._managers.add(manager)
+
+    def take(self, canonical: str) -> CheckpointManager | None:
+        """The manager of this process still open on the directory `canonical`
+        (`Location.canonical`), no longer kept here (one new manager takes it over);
+        None if there is none, once the garbage is collected (a manager only garbage
+        holds gives its leases back as it is collected: nothing to take over)."""
+        if self._find(canonical) is None:
+            return None
+        gc.collect()
+        with self._lock:
+            if (found := self._find(canonical)) is not None:
+                self._managers.discard(found)
+            return found
+
+    def _find(self, canonical: str) -> CheckpointManager | None:
+        pid = os.getpid()
+        return next((m for m in list(self._managers)
+                     if not m._closed and m._pid == pid and m._root.canonical == canonical), None)
 
     def _forget(self) -> None:
         self._managers = weakref.WeakSet()
@@ -582,4 +666,4 @@ class _AtExit:
                 log.error("closing the CheckpointManager of %s at exit: %s", manager._root.url, e)
 
 
-_close_at_exit = _AtExit()
+_open_managers = _OpenManagers()

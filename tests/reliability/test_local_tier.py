@@ -239,15 +239,21 @@ def test_a_local_save_that_fills_the_disk_is_removed_and_the_tier_resumes(
 
 
 @pytest.mark.parametrize("tiers", [False, True])
-def test_a_manager_nobody_holds_gives_its_directories_back(tmp_path: Path, tiers: bool) -> None:
+def test_a_manager_nobody_holds_gives_its_directories_back(tmp_path: Path, tiers: bool, caplog) -> None:
     options = {"local_directory": str(tmp_path / "local"), "local_save_interval_steps": 1} if tiers else {}
     run = str(tmp_path / "run")
     mgr = zarrckpt.CheckpointManager(run, heartbeat_s=60, **options)  # a notebook cell
+    held = [mgr]  # as the failed cell's traceback holds it
     started = time.monotonic()
-    with pytest.raises(zarrckpt.DirectoryInUseError, match=r"another CheckpointManager in this process .* close\(\)"):
-        zarrckpt.CheckpointManager(run, heartbeat_s=60, **options)  # the cell run again, the first still held
-    assert time.monotonic() - started < 30  # refused at once, not after watching the lease for 150 s
-    mgr = None  # the variable rebound: nobody holds the first manager
-    mgr = zarrckpt.CheckpointManager(run, heartbeat_s=60, **options)
+    mgr = zarrckpt.CheckpointManager(run, heartbeat_s=60, **options)  # the cell run again: takes over
+    assert time.monotonic() - started < 30  # at once, not after watching the lease for 150 s
+    with pytest.raises(zarrckpt.DirectoryInUseError, match="was taken over by the CheckpointManager made at"):
+        held[0].save(1, one_state(1, 1), force=True)
+    held.clear()
+    mgr = None  # the variable rebound: nobody holds the second manager
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zarrckpt"):
+        mgr = zarrckpt.CheckpointManager(run, heartbeat_s=60, **options)
+    assert not [r for r in caplog.records if "takes it over" in r.getMessage()]  # it had given its leases back
     assert mgr.save(1, one_state(1, 1))
     mgr.close()

@@ -42,15 +42,18 @@ def holding_elsewhere(directory) -> subprocess.Popen:
     return holder
 
 
-def test_second_live_manager_is_refused(tmp_path):
+def test_a_second_live_manager_of_this_process_takes_over_and_the_first_saves_no_more(tmp_path):
+    """Another process's manager is refused (below); this process's earlier one is taken
+    over (a notebook cell run again): its lease given back, the next one claimed."""
     with zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=BEAT) as first:
         first.save(1, {"a": np.ones(2)}, force=True)
-        in_use = f"in this process \\(pid {os.getpid()}\\) that is still open"
-        with pytest.raises(zarrckpt.DirectoryInUseError, match=in_use):
-            zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=BEAT)
-        first.save(2, {"a": np.ones(2)}, force=True)
+        with zarrckpt.CheckpointManager(str(tmp_path), heartbeat_s=BEAT) as second:
+            with pytest.raises(zarrckpt.DirectoryInUseError, match="was taken over by the CheckpointManager made at"):
+                first.save(2, {"a": np.ones(2)}, force=True)
+            second.save(2, {"a": np.ones(2)}, force=True)
     assert zarrckpt.all_steps(str(tmp_path)) == [1, 2]
-    assert json.loads(lease_file(tmp_path).read_text())["released"]  # released on close
+    assert not lease_file(tmp_path).exists()
+    assert json.loads(lease_file(tmp_path, 2).read_text())["released"]  # released on close
 
 
 def test_a_live_manager_of_another_process_here_is_refused_without_watching_it(tmp_path, caplog):

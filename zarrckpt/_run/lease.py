@@ -40,12 +40,14 @@ time); one whose writer is provably alive there is refused at once. A process in
 (another PID namespace, perhaps with the same host name) cannot be seen from here, so
 its lease is watched like any other. A lease of this very process is another manager's
 here that was never closed: refused at once, saying so, unless that manager is garbage
-(its finalizer gives the lease back). Only the process that took a lease gives it
-back: a forked child (an `os.fork`, a multiprocessing worker) never does. A holder that
-finds a newer number (it was taken over while it looked dead) stops saving: `check`
-runs before each save, again immediately before its commit, and before retention
-deletes anything, so that a holder stopped past its lease (SIGSTOP, a paused VM) and
-resumed mid-save neither commits nor deletes in a run another job holds now.
+(its finalizer gives the lease back); a new CheckpointManager on its directory has it
+given back first (the earlier one is taken over), then claims as any claimant does.
+Only the process that took a lease gives it back: a forked child (an `os.fork`, a
+multiprocessing worker) never does. A holder that finds a newer number (it was taken
+over while it looked dead) stops saving: `check` runs before each save, again
+immediately before its commit, and before retention deletes anything, so that a
+holder stopped past its lease (SIGSTOP, a paused VM) and resumed mid-save neither
+commits nor deletes in a run another job holds now.
 """
 
 from __future__ import annotations
