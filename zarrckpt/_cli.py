@@ -38,12 +38,18 @@ from ._run import lease as _lease, retention as _retention, steps as _steps
 from ._tier import tier as _tiers
 from ._tier.from_copies import peers_of
 from ._util import concurrency as _concurrency, progress as _progress
-from .errors import CheckpointError, DirectoryInUseError
+from .errors import CheckpointError, CheckpointNotFoundError, DirectoryInUseError
 
 EXIT_ERROR = 1  # the command could not do its job (message on stderr)
 EXIT_USAGE = 2  # the command line is wrong (argparse's status)
 EXIT_DAMAGED = 3  # verify: the checkpoint was read and is not whole
 _SHOWN_PROBLEMS = 100  # verify lists at most this many; --json lists all
+_SHOWN_STEPS = 10  # a missing checkpoint's message names at most this many of the run's steps
+_SHOWN_RUNS = 20  # `ls` of a directory of runs lists at most this many
+# What `info` says of each format version (docs/pytree-zarr-checkpoint.md): a save writes
+# the lowest version that holds its leaves, so that an older zarrckpt reads what it can.
+_FORMAT_VERSIONS = {1: "chunks without CRC-32C", 2: "arrays only: no str, bytes or per-process leaves",
+                    3: "with str, bytes or per-process leaves"}
 
 _EPILOG = """\
 storage options:
@@ -86,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointError, OSError, ValueError, ImportError) as e:
         if args.debug:
             raise
-        print(f"zarrckpt: error: {_describe(e)}", file=sys.stderr)
+        print(f"zarrckpt: error: {_describe(e)}{_elsewhere(args, e)}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
@@ -107,6 +113,39 @@ def _describe(e: BaseException) -> str:
     for keyword, flag in _FLAGS:  # whole words: storage_options is not src_storage_options
         text = re.sub(rf"(?<![\w-]){re.escape(keyword)}(?!\w)", flag, text)
     return text
+
+
+def _elsewhere(args: argparse.Namespace, e: BaseException) -> str:
+    """What to add to the error `e` of a command that found no checkpoint where its
+    argument named one: the committed steps of the run it would be a step of, and, for
+    `cp`, that a live job's retention deletes them. "" where there is nothing to add,
+    or asking fails (the error itself is what matters)."""
+    if args.checkpoint is None or not isinstance(e, (CheckpointNotFoundError, FileNotFoundError)):
+        return ""
+    try:
+        url = getattr(args, args.checkpoint)
+        loc = _storage.resolve(url, _options(args.storage_option) if args.checkpoint != "src" else
+                               _side(url, args.storage_option, args.src_storage_option))
+        run = loc.parent()
+        committed = [] if run is None else _steps.scan(run)[1]
+        if run is None or not committed or _commit.head(loc).state is _commit.State.COMMITTED:
+            return ""
+        shown = ", ".join(map(str, committed[-_SHOWN_STEPS:]))
+        older = f"{len(committed) - _SHOWN_STEPS} older and " if len(committed) > _SHOWN_STEPS else ""
+        name = url.rstrip("/").rpartition("/")[2]
+        meant = run.step(int(name)).url if name.isascii() and name.isdigit() and int(name) in committed else None
+        text = (f" ({run.url} holds {_many(len(committed), 'committed step')}: {older}{shown}; "
+                + (f"did you mean {meant}?)" if meant and meant != loc.url and meant not in str(e) else
+                   f"the newest is {run.step(committed[-1]).url})"))
+        if args.run is _cp and not args.pin and _naming.step_of_url(loc.url) is not None:
+            try:
+                _lease.live_holder(run, "zarrckpt cp")
+            except DirectoryInUseError:
+                text += (f"; a live job holds {run.url}, and its retention deletes older steps: "
+                         "--pin holds a step while it is copied")
+        return text
+    except Exception:
+        return ""
 
 
 # -- the command line ----------------------------------------------------------
@@ -168,26 +207,30 @@ def _parser() -> _Parser:
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
     parser.commands = commands.choices
 
-    def command(name: str, run: Callable[[argparse.Namespace], int], help: str, *parents: _Parser) -> _Parser:
+    def command(name: str, run: Callable[[argparse.Namespace], int], help: str, *parents: _Parser,
+                checkpoint: str | None = None) -> _Parser:
+        """A subcommand; `checkpoint`: the argument naming the checkpoint (or directory of
+        steps) it reads, whose run's steps an error that finds none there lists."""
         sub = commands.add_parser(name, help=help, description=help, parents=[common, *parents],
-                                  epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-        sub.set_defaults(run=run)
+                                  epilog="storage options, environment variables and exit statuses: zarrckpt --help")
+        sub.set_defaults(run=run, checkpoint=checkpoint)
         return sub
 
     sub = command("ls", _ls, "list the step directories under a checkpoint directory (or, in a local tier's "
                   "directory, under each process's), newest last; a step's state is committed (whole: it restores), "
                   "uncommitted (a save in flight or cut short: never restored) or absent (a directory without group "
-                  "metadata: a save that has not reached its commit on S3 or GCS, or one cut short)", as_json)
+                  "metadata: a save that has not reached its commit on S3 or GCS, or one cut short)", as_json,
+                  checkpoint="dir")
     sub.add_argument("dir", metavar="DIR", help="checkpoint directory: one subdirectory per step")
     sub = command("info", _info, "show one checkpoint's leaves: shape, dtype, chunk shape, size (the totals "
-                  "first)", as_json)
+                  "first)", as_json, checkpoint="url")
     sub.add_argument("url", metavar="URL", help="one checkpoint, e.g. DIR/0000001000")
     sub.add_argument("--select", metavar="SUBTREE", help="only this subtree's leaves (params, params.encoder)")
     sub.add_argument("--summary", action="store_true", help="one line per subtree with its leaves and size, as "
                      "du -d1 (below --select's subtree, if given)")
     sub = command("verify", _verify_command, "check that a checkpoint is committed and whole: metadata, "
                   "every chunk present with its exact size, every checksum matching; exit 0 only if so",
-                  as_json, progress)
+                  as_json, progress, checkpoint="url")
     sub.add_argument("url", metavar="URL", help="one checkpoint, e.g. DIR/0000001000")
     sub.add_argument("--quick", action="store_true",
                      help="skip the checksums: read metadata and listings only (two requests per array), no "
@@ -205,7 +248,7 @@ def _parser() -> _Parser:
                      help="whether the lowest (default) or the highest value is best")
     sub.add_argument("--dry-run", action="store_true", help="say what would be deleted; delete nothing")
     sub = command("cp", _cp, "copy one checkpoint to another URL; the commit marker is written last",
-                  progress)
+                  progress, checkpoint="src")
     sub.add_argument("src", metavar="SRC", help="one checkpoint, e.g. DIR/0000001000")
     sub.add_argument("dst", metavar="DST", help="where the copy goes: nothing there yet, or a checkpoint; an "
                      "existing directory that holds none gets the copy inside it, under SRC's name (as cp -r)")
@@ -217,17 +260,22 @@ def _parser() -> _Parser:
     sub.add_argument("--allow-uncommitted", action="store_true",
                      help="copy an uncommitted SRC (the copy is uncommitted too)")
     sub.add_argument("--workers", metavar="N", type=_positive, help="objects copied at once")
+    sub.add_argument("--pin", action="store_true",
+                     help="pin SRC, a step of a run, while it is copied (its PINNED file, which retention and gc "
+                     "honour), so that a live job's retention cannot delete it meanwhile; unpinned after, unless "
+                     "it was pinned before")
     sub = command("export", _export_command, "write every leaf to one .npz or .safetensors file (or set), arrays "
-                  "named as `info` lists them", progress)
+                  "named as `info` lists them", progress,
+                  checkpoint="url")
     sub.add_argument("url", metavar="URL", help="one checkpoint, e.g. DIR/0000001000")
     sub.add_argument("out", metavar="OUT", help="local file, *.npz or *.safetensors")
     sub.add_argument("--format", choices=_export.FORMATS, help="default: from OUT's extension")
     sub.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     sub.add_argument("--select", metavar="SUBTREE", help="only this subtree, named as `info` lists it (params, "
                      "params.encoder); arrays are named inside it")
-    sub.add_argument("--max-shard-bytes", metavar="N", type=_positive,
-                     help="a .safetensors export larger than N bytes is a set as transformers writes one: "
-                     "OUT's name -00001-of-0000K.safetensors files and OUT.index.json")
+    sub.add_argument("--max-shard-bytes", metavar="SIZE", type=_bytes,
+                     help="a .safetensors export larger than SIZE is a set as transformers writes one: "
+                     "OUT's name -00001-of-0000K.safetensors files and OUT.index.json. " + _SIZES)
     sub = command("import", _import_command, "write a Hugging Face .safetensors file or set, or an Orbax "
                   "checkpoint, as a committed zarrckpt checkpoint", progress)
     sub.add_argument("src", metavar="SRC", help="a .safetensors file, a directory holding a sharded set and its "
@@ -245,9 +293,9 @@ def _parser() -> _Parser:
     sub.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint where it lands")
     sub.add_argument("--prefix", metavar="KEY", help="nest the imported tree under this dotted key path, where a "
                      "training state keeps its weights (params)")
-    sub.add_argument("--max-inflight-bytes", metavar="N", type=_positive,
+    sub.add_argument("--max-inflight-bytes", metavar="SIZE", type=_bytes,
                      default=_concurrency.DEFAULT_MAX_INFLIGHT_BYTES,
-                     help="source bytes held at once (default: 2 GiB); a source chunk is read whole")
+                     help="source bytes held at once (default: 2GiB); a source chunk is read whole. " + _SIZES)
     return parser
 
 
@@ -276,6 +324,21 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+_SIZES = "SIZE: bytes, or with a unit: KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"
+_UNITS = {"": 1, "b": 1, **{prefix + "b": 1000 ** power for power, prefix in enumerate("kmgt", 1)},
+          **{prefix + "ib": 1024 ** power for power, prefix in enumerate("kmgt", 1)}}
+
+
+def _bytes(text: str) -> int:
+    """A positive byte count: digits, or a number with a unit of _UNITS (100KB, 1.5GiB)."""
+    found = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", text)
+    unit = found and _UNITS.get(found[2].lower())
+    value = int(float(found[1]) * unit) if found and unit else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive size (100000, 100KB, 2GiB), got {text!r}")
     return value
 
 
@@ -310,9 +373,13 @@ def _ls(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(rows)
     elif not rows:
+        runs = [] if itself else _runs_below(root)
         print(f"no step directories under {root.url}"
               + (" (it is a zarr group that zarrckpt did not write)" if zarr_group else
-                 f" (it is a checkpoint itself: see `zarrckpt info {root.url}`)" if itself else ""))
+                 f" (it is a checkpoint itself: see `zarrckpt info {root.url}`)" if itself else
+                 "; directories of steps below it (`zarrckpt ls` one of them):" if runs else ""))
+        if runs:
+            _print_table(["directory", "steps", "newest"], runs, right={1, 2})
     else:
         first = ["run", "process", "peers"] if tier else []  # whose copy (and peer copies), in a local tier
         table = [([r["run"][:8] or "-", r["process"], ",".join(map(str, r["peers_of"])) or "-"] if tier else [])
@@ -323,6 +390,16 @@ def _ls(args: argparse.Namespace) -> int:
                      right={*(i for i, name in enumerate(first) if name == "process"),
                             *(i + len(first) for i in (0, 3, 4))})
     return 0
+
+
+def _runs_below(root: _storage.Location) -> list[list[Any]]:
+    """The directories of steps just below `root` (at most _SHOWN_RUNS, by name): `ls`
+    of a directory of runs points at them. Each row: its URL, its step directories, the
+    newest of them."""
+    below = [root.child(entry.name.rstrip("/")) for entry in root.list_dir() if entry.type == "dir"]
+    found = _concurrency.run_all(_steps.candidate_steps, below, root.concurrency)
+    runs = sorted((loc.url, len(steps), steps[-1]) for loc, steps in zip(below, found) if steps)
+    return [list(run) for run in runs[:_SHOWN_RUNS]]
 
 
 def _describe_step(root: _storage.Location, step: int, owner: tuple[str, int] | None) -> dict[str, Any]:
@@ -352,10 +429,12 @@ def _info(args: argparse.Namespace) -> int:
         })
         return 0
     state = "committed" if described.committed else "NOT COMMITTED"
-    layout = (f"zarrckpt format {described.format_version}" if described.layout == "zarrckpt"
-              else f"{described.layout} layout")
+    version = described.format_version
+    layout = (f"zarrckpt format {version}" + (f" ({_FORMAT_VERSIONS[version]})" if version in _FORMAT_VERSIONS else "")
+              if described.layout == "zarrckpt" else f"{described.layout} layout")
     written = f", written {described.created_at}" if described.created_at else ""
-    print(f"{described.url}: {state}, {layout}{written}, {len(described.leaves)} leaves, {_size(described.nbytes)}")
+    print(f"{described.url}: {state}, {layout}{written}, {_many(len(described.leaves), 'leaf')}, "
+          f"{_size(described.nbytes)}")
     leaves = list(described.leaves)
     if args.select is not None:
         inside = _naming.subtree((leaf.name for leaf in leaves), args.select, described.url)
@@ -373,7 +452,7 @@ def _info(args: argparse.Namespace) -> int:
                      [[leaf.name, _shape(leaf.shape), _type_of(leaf), _shape(leaf.chunks), _size(leaf.nbytes)]
                       for leaf in leaves], right={4})
     if args.select is not None:
-        print(f"{args.select}: {len(leaves)} leaves, {_size(sum(leaf.nbytes or 0 for leaf in leaves))}")
+        print(f"{args.select}: {_many(len(leaves), 'leaf')}, {_size(sum(leaf.nbytes or 0 for leaf in leaves))}")
     return 0
 
 
@@ -386,28 +465,34 @@ def _verify_command(args: argparse.Namespace) -> int:
                      "checksums_checked": report.checksums_checked,
                      "problems": [{"key": p.key, "leaf": p.leaf, "message": p.message} for p in report.problems]})
     elif report.ok:
-        print(f"OK: {report.url}: committed, {report.leaves} leaves, metadata consistent, "
+        print(f"OK: {report.url}: committed, {_many(report.leaves, 'leaf')}, metadata consistent, "
               f"{_chunks_checked(report, args.quick)}")
     else:
         for problem in report.problems[:_SHOWN_PROBLEMS]:
             print(f"  {problem}")
         if len(report.problems) > _SHOWN_PROBLEMS:
             print(f"  ... and {len(report.problems) - _SHOWN_PROBLEMS} more (--json lists all)")
-        print(f"DAMAGED: {report.url}: {len(report.problems)} problem(s)")
+        print(f"DAMAGED: {report.url}: {_many(len(report.problems), 'problem')}")
     return 0 if report.ok else EXIT_DAMAGED
 
 
 def _chunks_checked(report: _verify.VerifyReport, quick: bool) -> str:
     if report.layout == _seqax.LAYOUT:
         return "chunks not checked in seqax's layout"
-    present = f"{report.chunks_checked} chunks present with their exact sizes"
+    one = report.chunks_checked == 1
+    present = f"{_many(report.chunks_checked, 'chunk')} present with {'its exact size' if one else 'their exact sizes'}"
     unsummed = report.chunks_checked - report.checksums_checked
     if quick:
         return f"{present}; checksums not read (--quick)"
     if unsummed:
-        return (f"{present}, {report.checksums_checked} checksums match ({unsummed} chunks have no checksum: "
+        return (f"{present}, {_matching(report.checksums_checked)} ({_many(unsummed, 'chunk')} "
+                f"{'has' if unsummed == 1 else 'have'} no checksum: "
                 "saved by zarrckpt before format version 2, or with checksums=False)")
-    return f"{present}, {report.checksums_checked} checksums match"
+    return f"{present}, {_matching(report.checksums_checked)}"
+
+
+def _matching(checksums: int) -> str:
+    return f"{_many(checksums, 'checksum')} match{'es' if checksums == 1 else ''}"
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -454,30 +539,52 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _cp(args: argparse.Namespace) -> int:
+    src_options = _side(args.src, args.storage_option, args.src_storage_option)
     dst_options = _side(args.dst, args.storage_option, args.dst_storage_option)
     dst = args.dst
     into = _storage.resolve(dst, dst_options, option="dst_storage_options")
-    if _commit.head(into).state is _commit.State.ABSENT and into.exists():
-        # An existing directory that holds no checkpoint: as `cp -r`, the copy goes inside it.
+    if _commit.head(into).state is _commit.State.ABSENT and (dst.endswith("/") or into.exists()):
+        # A directory that holds no checkpoint (an object store's exists only once something is
+        # in it: the slash says it): as `cp -r`, the copy goes inside it.
         dst = f"{dst.rstrip('/')}/{args.src.rstrip('/').rpartition('/')[2]}"
-    result = _copy.copy_checkpoint(
-        args.src, dst, src_storage_options=_side(args.src, args.storage_option, args.src_storage_option),
-        dst_storage_options=dst_options, overwrite=args.overwrite,
-        allow_uncommitted=args.allow_uncommitted, max_workers=args.workers, progress=args.progress)
-    print(f"copied {result.objects} objects ({_size(result.nbytes)}) from {result.source} to "
+    pinned = _pin(_storage.resolve(args.src, src_options, option="src_storage_options")) if args.pin else None
+    try:
+        result = _copy.copy_checkpoint(
+            args.src, dst, src_storage_options=src_options, dst_storage_options=dst_options, overwrite=args.overwrite,
+            allow_uncommitted=args.allow_uncommitted, max_workers=args.workers, progress=args.progress)
+    finally:
+        if pinned is not None:
+            _retention.unpin(pinned)
+    print(f"copied {_many(result.objects, 'object')} ({_size(result.nbytes)}) from {result.source} to "
           f"{result.url} in {result.seconds:.1f}s")
     return 0
+
+
+def _pin(step: _storage.Location) -> _storage.Location | None:
+    """Pins `step`, a committed step of a run, for `cp --pin`; returns it if this pinned
+    it (None where it was pinned already, or is not committed: the copy says so)."""
+    if _naming.step_of_url(step.url) is None:
+        raise ValueError(f"--pin holds a step of a run while it is copied: {step.url} is not a step directory "
+                         "(DIR/<step, 10 digits>)")
+    if _commit.head(step).state is not _commit.State.COMMITTED or _retention.is_pinned(step):
+        return None
+    if not _retention.pin(step):
+        raise ValueError(f"{step.url} cannot be pinned: a leaf of it is named {_retention.PIN_FILE!r}")
+    return step
 
 
 def _export_command(args: argparse.Namespace) -> int:
     result = _export.export_checkpoint(args.url, args.out, select=args.select, format=args.format,
                                        overwrite=args.overwrite, max_shard_bytes=args.max_shard_bytes,
                                        storage_options=_options(args.storage_option), progress=args.progress)
-    print(f"exported {result.leaves} leaves ({_size(result.nbytes)}) to {result.url}")
+    print(f"exported {_many(result.leaves, 'leaf')} ({_size(result.nbytes)}) to {result.url}")
     for name, (stored, exported) in sorted(result.widened.items()):
         print(f"  {name}: {stored} widened to {exported} ({result.format} has no {stored})")
     for name, why in sorted(result.skipped.items()):
         print(f"  {name}: left out ({why})")
+    for name, impl in sorted(result.key_data.items()):
+        print(f"  {name}: a typed PRNG key ({impl}), written as its raw key data (jax.random.wrap_key_data makes "
+              "a key of it again)")
     return 0
 
 
@@ -488,7 +595,7 @@ def _import_command(args: argparse.Namespace) -> int:
         src_storage_options=_side(args.src, args.storage_option, args.src_storage_option),
         max_inflight_bytes=args.max_inflight_bytes, progress=args.progress)
     pinned = " (pinned: retention and gc leave it; mgr.unpin(step), or deleting its PINNED file, lets them)"
-    print(f"imported {result.leaves} leaves ({_size(result.nbytes)}) from {result.format} "
+    print(f"imported {_many(result.leaves, 'leaf')} ({_size(result.nbytes)}) from {result.format} "
           f"{'step ' + str(result.step) + ' ' if result.step is not None else ''}to {result.url}"
           f"{pinned if result.pinned else ''}")
     for name, why in sorted(result.skipped.items()):
@@ -510,6 +617,14 @@ def _print_table(headers: list[str], rows: list[list[Any]], right: set[int]) -> 
     for row in cells:
         print("  ".join(c.rjust(w) if i in right else c.ljust(w)
                         for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+
+
+def _many(count: int, noun: str) -> str:
+    """`count` and `noun`, plural unless one: 1 leaf, 2 leaves, 0 chunks."""
+    return f"{count} {noun if count == 1 else _PLURALS.get(noun, noun + 's')}"
+
+
+_PLURALS = {"leaf": "leaves"}
 
 
 def _size(nbytes: int | None) -> str:

@@ -4,7 +4,9 @@ Each leaf becomes one array named by its array name in the checkpoint, as `zarrc
 info` lists it: `params.dense.kernel`, `opt_state.0.mu` (the dotted style of PyTorch
 state dicts; `%XX` escapes only for characters outside `[A-Za-z0-9_-]` in keys), or,
 with `select`, by its name inside the subtree selected (`dense.kernel` of `params`).
-A typed PRNG key is exported as its key data (uint32). Leaves that are no array of
+A typed PRNG key is exported as its raw key data (uint32), with a warning naming it;
+`ExportResult.key_data` names those arrays and their implementations, as does the
+`zarrckpt.key_data` entry of a `.safetensors` file's `__metadata__`. Leaves that are no array of
 numbers are left out, never converted, and `skipped` says why: a str or bytes leaf (a
 config, a tokenizer's text) and a per-process value (a data loader's position).
 
@@ -20,9 +22,11 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging
 import math
 import os
 import secrets
+import stat
 import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeGuard
@@ -34,7 +38,10 @@ from .._format import dtypes as _dtypes, naming as _naming, safetensors as _safe
 from .._restore import checkpoint as _reader
 from .._util import concurrency as _concurrency, progress as _progress
 
+log = logging.getLogger("zarrckpt")
+
 FORMATS = ("npz", "safetensors")
+KEY_DATA_METADATA = "zarrckpt.key_data"  # safetensors __metadata__: JSON {array name: PRNG implementation}
 # What every safetensors release since 0.4 writes from NumPy arrays (later ones add a few).
 _SAFETENSORS_DTYPES = frozenset({
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -48,8 +55,9 @@ class ExportResult:
     """What `export_checkpoint` wrote: the file (a sharded set's index) at `url`, its
     format, the leaves written and their bytes. `widened` maps each array name whose
     dtype the format lacks to (stored dtype, exported dtype); `skipped` maps each leaf
-    left out (no array of numbers) to why. `path` and `arrays` are deprecated aliases
-    of `url` and `leaves` (DeprecationWarning)."""
+    left out (no array of numbers) to why; `key_data` maps each typed PRNG key's array
+    name to its implementation (`threefry2x32`): the array holds the key's raw data.
+    `path` and `arrays` are deprecated aliases of `url` and `leaves` (DeprecationWarning)."""
 
     url: str
     format: str
@@ -57,6 +65,7 @@ class ExportResult:
     nbytes: int
     widened: dict[str, tuple[str, str]]
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    key_data: dict[str, str] = dataclasses.field(default_factory=dict)
 
     path = _deprecated.renamed("url", "path", "ExportResult")
     arrays = _deprecated.renamed("leaves", "arrays", "ExportResult")
@@ -79,9 +88,10 @@ def export_checkpoint(url: str, path: str, *, select: str | None = None, format:
     """Writes the array leaves of the committed checkpoint at `url` to the local file `path`.
 
     Each leaf becomes one array named as `zarrckpt info` lists it (`params.dense.kernel`),
-    a typed PRNG key as its key data. A dtype the format lacks is widened to one that
-    holds every value exactly (`ExportResult.widened`); str, bytes and per-process
-    leaves are left out (`ExportResult.skipped`).
+    a typed PRNG key as its raw key data (logged as a warning naming it; `key_data`).
+    A dtype the format lacks is widened to one that holds every value exactly
+    (`ExportResult.widened`); str, bytes and per-process leaves are left out
+    (`ExportResult.skipped`).
 
     Not collective. Each file appears whole or not at all: it is written to a new file
     of a random name in the same folder, then renamed over its name (a link there is
@@ -107,7 +117,8 @@ def export_checkpoint(url: str, path: str, *, select: str | None = None, format:
     Returns:
       An `ExportResult`; its `url` is the index of a set. A `.safetensors` file carries
       the `__metadata__` of the safetensors the checkpoint was imported from, with
-      `"format": "pt"` unless that says otherwise.
+      `"format": "pt"` unless that says otherwise, and `zarrckpt.key_data` (JSON) where
+      it holds typed PRNG keys' data.
 
     Raises:
       CheckpointNotFoundError: no committed checkpoint at `url`.
@@ -156,8 +167,15 @@ def export_checkpoint(url: str, path: str, *, select: str | None = None, format:
                                     f"{os.path.join(target, 'model.' + format)})")
         if os.path.lexists(target) and not overwrite:
             raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
+    key_data = {named[leaf.name]: leaf.prng_impl for leaf in leaves if leaf.prng_impl is not None}
+    if key_data:
+        log.warning("exporting %s: typed PRNG keys are written as their raw key data (uint32), which loads as a "
+                    "plain array (jax.random.wrap_key_data makes a key of it again): %s", ckpt.loc.url,
+                    ", ".join(f"{name} ({impl})" for name, impl in sorted(key_data.items())))
     found = ckpt.meta.get(_safetensors_format.METADATA_KEY)
     metadata: dict[str, str] = {"format": "pt", **(found if _strings(found) else {})}
+    if key_data:
+        metadata[KEY_DATA_METADATA] = json.dumps(key_data, sort_keys=True)
     weight_map: dict[str, str] = {}
     with _progress.bar(f"exporting {ckpt.loc.url}", total, progress) as advance:
         arrays = ((named[leaf.name], array.astype(dtypes[leaf.name], copy=False))
@@ -184,7 +202,7 @@ def export_checkpoint(url: str, path: str, *, select: str | None = None, format:
                 for name in written:
                     os.remove(name)
             raise
-    return ExportResult(index or path, format, len(leaves), total, widened, skipped)
+    return ExportResult(index or path, format, len(leaves), total, widened, skipped, key_data)
 
 
 def _files(path: str, sizes: list[int], max_bytes: int | None) -> list[tuple[str, int]]:
@@ -218,7 +236,10 @@ def _write_aside(path: str, write: Callable[[int, str], object]) -> None:
                            f".{os.path.basename(path)}.{secrets.token_hex(8)}.partial")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
         write(fd, partial)
+        # A writer that makes the file anew at `partial` (safetensors: 0600) gets the umask's mode back.
+        os.chmod(partial, mode)
         os.replace(partial, path)
     finally:
         os.close(fd)

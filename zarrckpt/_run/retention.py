@@ -14,6 +14,7 @@ crashed saves and are deleted; a newer one may be a save in progress and is kept
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -122,6 +123,12 @@ def pin(step_loc: Location) -> bool:
     except IsADirectoryError:
         return False
     return True
+
+
+def unpin(step_loc: Location) -> None:
+    """Removes the pin of `step_loc`, if it has one: retention may delete the step again."""
+    with contextlib.suppress(IsADirectoryError):  # the array of a leaf named so: no pin to remove
+        step_loc.remove_file(PIN_FILE)
 
 
 def is_pinned(step_loc: Location) -> bool:

@@ -39,6 +39,7 @@ def bar(what: str, total_bytes: int, enabled: bool | None) -> Iterator[Callable[
         return
     from tqdm.auto import tqdm
 
-    with tqdm(total=total_bytes, desc=what, unit="B", unit_scale=True, delay=_SHOW_AFTER_S,
+    # Binary units, as `size` writes them ("iB" after tqdm's k/M/G prefix: 2.00GiB).
+    with tqdm(total=total_bytes, desc=what, unit="iB", unit_scale=True, unit_divisor=1024, delay=_SHOW_AFTER_S,
               leave=False, file=sys.stderr) as progress:
         yield progress.update
