@@ -101,8 +101,8 @@ class CheckpointManager:
         so that a lost host is rebuilt from its peers (needs more processes than that).
       local_peer_group: this process's failure domain; peers are chosen in others
         (default: its slice where the devices say, else its host).
-      storage_options, timeout_s, max_chunk_bytes, min_chunk_bytes, max_workers,
-        checksums, compression: as for `save_pytree`, for the persistent tier.
+      storage_options, timeout_s, max_chunk_bytes, min_chunk_bytes: as for `save_pytree`, for the persistent tier.
+      max_workers, checksums, compression: as for `save_pytree`, for the persistent tier.
 
     Raises TypeError or ValueError naming the option on an unknown, ill-typed or
     contradictory setting; CheckpointLocationError if `checkpoint_dir` is a checkpoint

@@ -71,8 +71,8 @@ def load_safetensors(
       target: a pytree whose key paths, joined by '.', are the tensor names, with leaves
         as for `load_pytree`; each tensor lands on its target's sharding, each process
         reading only the rows its devices hold. None: nested dicts of numpy arrays.
-      storage_options, partial, allow_dtype_cast, donate_target, load_and_broadcast,
-        max_inflight_bytes, max_workers, progress: as for `load_pytree`.
+      storage_options, partial, allow_dtype_cast, donate_target: as for `load_pytree`.
+      load_and_broadcast, max_inflight_bytes, max_workers, progress: as for `load_pytree`.
 
     Returns:
       The restored pytree.

@@ -201,8 +201,8 @@ def load_checkpoint_if_it_exists(
     Args:
       checkpoint_dir: a local path or fsspec URL of a directory of steps.
       target: as for `load_pytree`.
-      storage_options, partial, allow_dtype_cast, donate_target, load_and_broadcast,
-        max_inflight_bytes, max_workers, progress: as for `load_pytree`.
+      storage_options, partial, allow_dtype_cast, donate_target: as for `load_pytree`.
+      load_and_broadcast, max_inflight_bytes, max_workers, progress: as for `load_pytree`.
       timeout_s: how long a process waits for process 0's choice of step.
 
     Returns:
@@ -213,7 +213,7 @@ def load_checkpoint_if_it_exists(
       CheckpointLocationError: on every process, if `checkpoint_dir` is a checkpoint
         itself or holds another library's checkpoints.
       CoordinationTimeoutError: the step was not chosen within `timeout_s`.
-      Anything `load_pytree` raises.
+      Exception: anything `load_pytree` raises.
     """
     options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast, donate_target=donate_target,
                                    load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
@@ -248,9 +248,8 @@ def load_checkpoint(
     Args:
       checkpoint_dir: a local path or fsspec URL of a directory of steps.
       step: the step to restore.
-      target, storage_options, partial, allow_dtype_cast, donate_target,
-        load_and_broadcast, max_inflight_bytes, max_workers, progress: as for
-        `load_pytree`.
+      target, storage_options, partial, allow_dtype_cast, donate_target: as for `load_pytree`.
+      load_and_broadcast, max_inflight_bytes, max_workers, progress: as for `load_pytree`.
 
     Returns:
       The restored pytree.
@@ -258,7 +257,7 @@ def load_checkpoint(
     Raises:
       CheckpointNotFoundError: `step` is not committed (the message lists the
         committed steps), or was deleted (by retention, say) while being read.
-      Anything `load_pytree` raises.
+      Exception: anything `load_pytree` raises.
     """
     step = _naming.step_number(step)
     options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast, donate_target=donate_target,

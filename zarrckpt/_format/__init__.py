@@ -1,0 +1,1 @@
+"""The on-disk format, pure: names, the tree record, the chunk codec, zarr.json documents, data types, records."""
