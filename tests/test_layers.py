@@ -71,3 +71,11 @@ def test_imports_point_down():
             if other != own and layer[other] <= layer[own]:
                 upward.append(f"{path.relative_to(PACKAGE.parent)} imports {module}")
     assert not upward, upward
+
+
+def test_no_class_is_over_450_lines():
+    """A class that grows past this has taken on a second job: give it a collaborator."""
+    long = [f"{path.relative_to(PACKAGE.parent)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in sorted(PACKAGE.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 450]
+    assert not long, long

@@ -167,7 +167,7 @@ class CheckpointManager:
         self._successor: str | None = None  # the manager of this process that took this one's directory over
         if (earlier := _open_managers.take(root.canonical)) is not None:
             # Before the run is read: the steps its saves in flight commit are committed then.
-            earlier._hand_over(self._name, timeout_s)
+            _open_managers.hand_over(earlier, self._name, timeout_s)
         local = _tiers.local_directory(local_directory, local_save_interval_steps, local_peer_copies, local_peer_group)
         self._schedule = _schedule.SaveSchedule(save_interval_steps, save_interval_seconds, timeout_s=timeout_s)
         self._async = async_save
@@ -289,17 +289,9 @@ class CheckpointManager:
         return save
 
     def _failed(self, step: int, url: str, error: BaseException) -> None:
-        """A persistent save failed (what it wrote is gone already, see
-        `SaveJob.discard`), or what its commit triggered (retention): raised by
-        the next call on the training thread. The next save makes its unchanged chunks
-        from the step it would have (the save told its `ReuseUnchanged`), or, after a
-        failed retention, which may have deleted steps unknown, writes every chunk."""
+        """A persistent save failed: its error is raised by the next call."""
         self._in_flight.failed(error)
-        committed = step in self._run.committed_steps()
-        self._run.save_failed(step)
-        if not isinstance(error, Exception) and not committed:  # a Ctrl-C in a save run on this thread
-            log.warning("%s was not saved: %s while it was being written; nothing was committed unless its commit "
-                        "had been written (zarrckpt.all_steps says)", url, type(error).__name__)
+        self._run.save_failed(step, url, error)
 
     def _should_save(self, step: int, force: bool) -> bool:
         # Committed read first: a save in flight stays in `_in_flight` until `wait`, so a
@@ -408,9 +400,8 @@ class CheckpointManager:
         return self._run.latest_step()
 
     def pin(self, step: int) -> None:
-        """Exempts committed `step` from retention, by a PINNED file in its directory.
-        ValueError, on a local disk, if a top-level leaf of the step is named so (its
-        array's directory is there)."""
+        """Exempts committed `step` from retention, by a PINNED file in its directory;
+        ValueError, on a local disk, if a top-level leaf of the step is named so."""
         self._run.pin(_naming.step_number(step))
 
     def unpin(self, step: int) -> None:
@@ -419,14 +410,11 @@ class CheckpointManager:
         self._run.unpin(_naming.step_number(step))
 
     def delete(self, step: int) -> None:
-        """Deletes committed `step` now, pinned or not, its commit marker first (an
-        interruption leaves an uncommitted leftover, never a damaged step), after the
-        save in flight; with a local tier, each process's copy of it too. Collective
-        under `jax.distributed`: process 0 deletes, every process returns once it has
-        (process 0 does not wait for the others to reach the call: one that reads the
-        step's files first needs a barrier of its own before it). Raises
+        """Deletes committed `step` now, pinned or not, its commit marker first, after the
+        save in flight; with a local tier, each process's copy of it too. Collective:
+        process 0 deletes, every process returns once it has. Raises
         CheckpointNotFoundError if `step` is not committed, CheckpointWriteError if its
-        directory holds files that are not the checkpoint's (nothing is then deleted),
+        directory holds files that are not the checkpoint's (nothing is deleted),
         DirectoryInUseError if another job took the directory over."""
         step = _naming.step_number(step)
         self._check_open()
@@ -458,11 +446,9 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Waits for the save in flight and pending deletions; raises their errors.
-
-        Interrupted (Ctrl-C), it leaves the manager open with the save going on: the
-        next `close`, or this program's exit, waits for it again. A manager never
-        closed is closed at exit, its save in flight waited for (at most `timeout_s`).
-        In a process forked from the manager's, does nothing (all of it is the parent's)."""
+        Interrupted (Ctrl-C), it leaves the manager open with the save going on. A manager
+        never closed is closed at exit (its save waited for at most `timeout_s`). In a
+        process forked from the manager's, does nothing."""
         if self._closed or os.getpid() != self._pid:
             return
         try:
@@ -491,35 +477,6 @@ class CheckpointManager:
                 log.warning("waiting for %s to commit before leaving (Ctrl-C again stops waiting here; the program's "
                             "exit then waits for it)", ", ".join(pending))
         self.close()
-
-    def _hand_over(self, successor: str, timeout_s: float) -> None:
-        """Ends this manager for `successor`, a new manager of this process on its
-        directory: waits for its saves in flight to commit (at most `timeout_s`; their
-        errors are logged, none raised), gives its leases back, and from then on refuses
-        `save`, `delete` and `restore` naming `successor`. Raises DirectoryInUseError,
-        handing nothing over, if a save is still in flight after `timeout_s`."""
-        pending = self._in_flight.unfinished()
-        log.warning("%s is held by %s, of this process and never closed (a notebook cell run again, or a manager "
-                    "deleted while saving): %s takes it over%s, and the earlier one saves no more", self._root.url,
-                    self._name, successor,
-                    f" once {', '.join(save.url for save in pending)} has committed" if pending else "")
-        deadline = time.monotonic() + timeout_s
-        try:
-            for save in pending:
-                if not save.join(max(0.0, deadline - time.monotonic())):
-                    raise DirectoryInUseError(
-                        f"{self._root.url} is held by {self._name}, of this process, whose save of {save.url} did "
-                        f"not finish within {timeout_s:g}s: wait for it, or close() that manager")
-        except BaseException:  # a Ctrl-C too: still open, so closed at exit or taken over by a later manager
-            _open_managers.register(self)
-            raise
-        try:
-            self._in_flight.wait()
-        except Exception as e:  # the earlier manager's, which nobody would raise any more
-            log.warning("the earlier CheckpointManager of %s, taken over, had a save or deletion that failed: %s",
-                        self._root.url, e)
-        self._successor = successor
-        self._end()
 
     def _check_open(self) -> None:
         self._check_process()
@@ -649,6 +606,35 @@ class _OpenManagers:
             if (found := self._find(canonical)) is not None:
                 self._managers.discard(found)
             return found
+
+    def hand_over(self, earlier: CheckpointManager, successor: str, timeout_s: float) -> None:
+        """Ends `earlier` for `successor`, a new manager of this process on its
+        directory: waits for its saves in flight to commit (at most `timeout_s`; their
+        errors are logged, none raised), gives its leases back, and from then on refuses
+        `save`, `delete` and `restore` naming `successor`. Raises DirectoryInUseError,
+        handing nothing over, if a save is still in flight after `timeout_s`."""
+        pending = earlier._in_flight.unfinished()
+        log.warning("%s is held by %s, of this process and never closed (a notebook cell run again, or a manager "
+                    "deleted while saving): %s takes it over%s, and the earlier one saves no more", earlier._root.url,
+                    earlier._name, successor,
+                    f" once {', '.join(save.url for save in pending)} has committed" if pending else "")
+        deadline = time.monotonic() + timeout_s
+        try:
+            for save in pending:
+                if not save.join(max(0.0, deadline - time.monotonic())):
+                    raise DirectoryInUseError(
+                        f"{earlier._root.url} is held by {earlier._name}, of this process, whose save of "
+                        f"{save.url} did not finish within {timeout_s:g}s: wait for it, or close() that manager")
+        except BaseException:  # a Ctrl-C too: still open, so closed at exit or taken over by a later manager
+            self.register(earlier)
+            raise
+        try:
+            earlier._in_flight.wait()
+        except Exception as e:  # the earlier manager's, which nobody would raise any more
+            log.warning("the earlier CheckpointManager of %s, taken over, had a save or deletion that failed: %s",
+                        earlier._root.url, e)
+        earlier._successor = successor
+        earlier._end()
 
     def _find(self, canonical: str) -> CheckpointManager | None:
         pid = os.getpid()

@@ -128,12 +128,17 @@ class Run:
 
         return job, committed
 
-    def save_failed(self, step: int) -> None:
-        """A save of `step` failed (told to its reuse collaborator already), or what its
-        commit triggered: after a failed retention, which may have deleted steps unknown,
-        the next save writes every chunk."""
-        if self.lineage is not None and step in self.committed_steps():
+    def save_failed(self, step: int, url: str, error: BaseException) -> None:
+        """The save of `step` into `url` failed with `error` (what it wrote is gone
+        already, and its reuse collaborator was told), or what its commit triggered: after
+        a failed retention, which may have deleted steps unknown, the next save writes
+        every chunk. A Ctrl-C in a save run on the caller's thread is said by a warning."""
+        committed = step in self.committed_steps()
+        if self.lineage is not None and committed:
             self.lineage.forget()
+        if not isinstance(error, Exception) and not committed:
+            log.warning("%s was not saved: %s while it was being written; nothing was committed unless its commit "
+                        "had been written (zarrckpt.all_steps says)", url, type(error).__name__)
 
     def restore(self, target: Any, options: _options.LoadOptions, step: int | None) -> tuple[Any, int | None]:
         """Restores `step`, or the newest committed step (None when there is none, and
