@@ -125,3 +125,15 @@ def test_a_save_in_flight_that_outlasts_the_new_managers_timeout_leaves_the_earl
     assert held[0].save(2, state(2.0))  # still the holder
     held[0].close()
     assert zarrckpt.all_steps(run) == [1, 2]
+
+
+def test_a_new_manager_with_a_bad_option_leaves_the_earlier_one_as_it_was(tmp_path):
+    """Its options are checked before anything is taken over: the earlier manager, still
+    held, saves on."""
+    held = [zarrckpt.CheckpointManager(str(tmp_path), async_save=False, heartbeat_s=BEAT)]
+    held[0].save(1, state(1.0))
+    with pytest.raises(ValueError, match="local_directory and local_save_interval_steps"):
+        zarrckpt.CheckpointManager(str(tmp_path), local_directory=str(tmp_path / "local"), heartbeat_s=BEAT)
+    held[0].save(2, state(2.0))
+    assert held[0].all_steps() == [1, 2]
+    held[0].close()

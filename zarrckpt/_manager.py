@@ -165,10 +165,10 @@ class CheckpointManager:
         self._root = root
         self._name = f"the CheckpointManager made at {_made_at()}"  # in messages
         self._successor: str | None = None  # the manager of this process that took this one's directory over
-        if (earlier := _open_managers.take(root.canonical)) is not None:
+        local = _tiers.local_directory(local_directory, local_save_interval_steps, local_peer_copies, local_peer_group)
+        if (earlier := _open_managers.take(root.place())) is not None:  # checked first: what a new one refuses
             # Before the run is read: the steps its saves in flight commit are committed then.
             _open_managers.hand_over(earlier, self._name, timeout_s)
-        local = _tiers.local_directory(local_directory, local_save_interval_steps, local_peer_copies, local_peer_group)
         self._schedule = _schedule.SaveSchedule(save_interval_steps, save_interval_seconds, timeout_s=timeout_s)
         self._async = async_save
         self._preemption = _preemption.Notice(listen=save_on_preemption)
@@ -482,8 +482,8 @@ class CheckpointManager:
         self._check_process()
         if self._successor is not None:
             raise DirectoryInUseError(
-                f"{self._root.url} was taken over by {self._successor}, a newer manager of this process on the same "
-                f"directory: this one ({self._name}) saves, deletes and restores no more; use the newer one")
+                f"{self._root.url} was taken over by {self._successor} of this process: this one ({self._name}) "
+                "saves, deletes and restores no more; use the newer one (or, if it failed to open, make a new one)")
         if self._closed:
             raise RuntimeError(f"CheckpointManager for {self._root.url} is closed")
 
@@ -594,16 +594,17 @@ class _OpenManagers:
         with self._lock:
             self._managers.add(manager)
 
-    def take(self, canonical: str) -> CheckpointManager | None:
-        """The manager of this process still open on the directory `canonical`
-        (`Location.canonical`), no longer kept here (one new manager takes it over);
-        None if there is none, once the garbage is collected (a manager only garbage
-        holds gives its leases back as it is collected: nothing to take over)."""
-        if self._find(canonical) is None:
+    def take(self, place: tuple[str, str]) -> CheckpointManager | None:
+        """The manager of this process still open on the directory at `place`
+        (`Location.place`: the store, its endpoint included, and the path), no longer
+        kept here (one new manager takes it over); None if there is none, once the
+        garbage is collected (a manager only garbage holds gives its leases back as it
+        is collected: nothing to take over)."""
+        if self._find(place) is None:
             return None
         gc.collect()
         with self._lock:
-            if (found := self._find(canonical)) is not None:
+            if (found := self._find(place)) is not None:
                 self._managers.discard(found)
             return found
 
@@ -612,7 +613,9 @@ class _OpenManagers:
         directory: waits for its saves in flight to commit (at most `timeout_s`; their
         errors are logged, none raised), gives its leases back, and from then on refuses
         `save`, `delete` and `restore` naming `successor`. Raises DirectoryInUseError,
-        handing nothing over, if a save is still in flight after `timeout_s`."""
+        handing nothing over, if a save is still in flight after `timeout_s`. Not
+        collective: under `jax.distributed` each process hands its own earlier manager
+        over, so a handover that fails on one process leaves the others' ended."""
         pending = earlier._in_flight.unfinished()
         log.warning("%s is held by %s, of this process and never closed (a notebook cell run again, or a manager "
                     "deleted while saving): %s takes it over%s, and the earlier one saves no more", earlier._root.url,
@@ -636,10 +639,10 @@ class _OpenManagers:
         earlier._successor = successor
         earlier._end()
 
-    def _find(self, canonical: str) -> CheckpointManager | None:
+    def _find(self, place: tuple[str, str]) -> CheckpointManager | None:
         pid = os.getpid()
         return next((m for m in list(self._managers)
-                     if not m._closed and m._pid == pid and m._root.canonical == canonical), None)
+                     if not m._closed and m._pid == pid and m._root.place() == place), None)
 
     def _forget(self) -> None:
         self._managers = weakref.WeakSet()
