@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence, Set as AbstractSet
 from typing import Any
 
 from .. import _finite
+from .._save.collaborators import Unguarded
 from .._save.plan import ArrayPlan
 from .._storage import Location
 from .lease import Lease, refuse_if_held
@@ -16,7 +17,7 @@ from .lease import Lease, refuse_if_held
 log = logging.getLogger("zarrckpt")
 
 
-class RefuseIfHeld:
+class RefuseIfHeld(Unguarded):
     """The guard of a one-off save (named `what`) into `step`: raises DirectoryInUseError
     before anything is written if `step` is a step of a run a live manager holds (with
     `existing_only`: only where `step` holds something already; see `refuse_if_held`).
@@ -27,16 +28,9 @@ class RefuseIfHeld:
     def __init__(self, step: Location, what: str, *, existing_only: bool) -> None:
         self._step, self._what, self._existing_only = step, what, existing_only
 
-    def planned(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
-                reused: AbstractSet[str]) -> None:
-        pass
-
     def before_prepare(self) -> Mapping[str, Any]:
         refuse_if_held(self._step, self._what, existing_only=self._existing_only)
         return {}
-
-    def fence(self, doing: str) -> None:
-        pass
 
 
 class ManagerGuard:

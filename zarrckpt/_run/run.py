@@ -3,14 +3,13 @@
 A `Run` owns the directory's location, its lease (process 0's), the committed steps and
 their metrics as this job knows them, what to keep (`retention.Policy`) and deleting
 the rest, and its lineage: what the newest step saved or restored holds, which a save
-makes its unchanged chunks from. `CheckpointManager` is a run plus the policies of when to save and a local
-tier; the calls marked collective below must be made by every process of a
-`jax.distributed` job, with the same arguments.
+makes its unchanged chunks from. `CheckpointManager` is a run plus the policies of
+when to save and a local tier; the calls marked collective below must be made by every
+process of a `jax.distributed` job, with the same arguments.
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import logging
 import threading
@@ -249,5 +248,4 @@ class Run:
     def unpin(self, step: int) -> None:
         """Lets retention delete committed `step` again (removes its PINNED file, if
         any). CheckpointNotFoundError if `step` is not committed."""
-        with contextlib.suppress(IsADirectoryError):  # a leaf named so: no pin to remove
-            self.step(step).remove_file(_retention.PIN_FILE)
+        _retention.unpin(self.step(step))

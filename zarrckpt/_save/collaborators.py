@@ -99,8 +99,9 @@ class Beside(Protocol):
         collective)."""
 
 
-class _Unguarded:
-    """Writes wherever it is aimed, with nothing to record besides."""
+class Unguarded:
+    """Writes wherever it is aimed, with nothing to record besides; a guard that asks
+    only some of a `Guard`'s questions answers the others as this does."""
 
     def planned(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
                 reused: AbstractSet[str]) -> None:
@@ -140,6 +141,6 @@ class _NothingBeside:
         return []
 
 
-UNGUARDED: Guard = _Unguarded()
+UNGUARDED: Guard = Unguarded()
 NO_REUSE: Reuse = _NoReuse()
 NOTHING_BESIDE: Beside = _NothingBeside()

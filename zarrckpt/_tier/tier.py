@@ -40,7 +40,7 @@ from .._format import copy_record, naming as _naming
 from .._format.copy_record import CopyRecord
 from .._options import LoadOptions, SaveOptions
 from .._run import lease as _lease, retention as _retention, steps as _steps
-from .._save import PER_PROCESS, BackgroundSave, PlanCache, SaveJob
+from .._save import PER_PROCESS, BackgroundSave, PlanCache, SaveJob, Unguarded
 from .._save.plan import ArrayPlan
 from .._save.protocol import held
 from .._storage import Location, resolve
@@ -243,7 +243,7 @@ def local_directory(directory: str | None, interval: int | None, peer_copies: in
     return local
 
 
-class _Recorded:
+class _Recorded(Unguarded):
     """The guard of a local copy of `step`: it writes where the tier's own lease lets it
     (the tier's directory is this process's alone), and records what the copy holds
     (`CopyRecord`: the run, the newest persistent step `after` it, which chunks of each
@@ -260,9 +260,6 @@ class _Recorded:
     def before_prepare(self) -> Mapping[str, Any]:
         return {copy_record.KEY: CopyRecord(self._run, self._step, self._after, _multihost.process_index(),
                                             _multihost.process_count(), self._held, self._peers.holders).as_meta()}
-
-    def fence(self, doing: str) -> None:
-        pass
 
 
 def _run_of_directory(name: str) -> str | None:
