@@ -15,12 +15,14 @@ import jax
 import multiprocess
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 from test_cli import run
 from test_kill import Watched
 from workers.common import distinct_values
 
 import zarrckpt
 from zarrckpt import _storage
+from zarrckpt._util import stats as _stats
 
 
 def files_of(step: Path) -> dict[str, bytes]:
@@ -225,6 +227,32 @@ def test_a_chunk_rewritten_after_its_step_was_saved_or_restored_is_never_made_fr
         restored = zarrckpt.load_checkpoint(store.url, step, storage_options=options)
         np.testing.assert_array_equal(restored["w"], w)
         assert restored["step"] == step
+
+
+@pytest.mark.parametrize("kind", ["local", "memory", "s3", "gcs"])
+def test_save_checkpoint_never_makes_a_chunk_from_one_rewritten_since_its_step_was_committed(new_store, kind):
+    """Another program rewrites a chunk of step 1 after its commit with a valid chunk of
+    other values (a new object at its key, the commit untouched). The next
+    `save_checkpoint(unchanged_since=1)` of the values step 1 was saved with holds that
+    chunk's bytes as step 1's commit records them, but the object is not the version
+    recorded: the bytes in hand are written, every other chunk is made from step 1, and
+    step 2 restores and verifies exactly what was saved."""
+    store, other = new_store(kind), new_store(kind)
+    options = store.options
+    w = np.arange(2**20, dtype=np.float32)
+    state = {"w": jax.device_put(w, NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))), "step": 1}
+    zarrckpt.save_checkpoint(other.url, 1, {**state, "w": w + 1}, storage_options=other.options)
+    zarrckpt.save_checkpoint(store.url, 1, state, storage_options=options)
+    fs, root = fsspec.core.url_to_fs(store.url, **(options or {}))
+    other_fs, other_root = fsspec.core.url_to_fs(other.url, **(other.options or {}))
+    fs.pipe_file(f"{root}/{1:010d}/w/c.0", other_fs.cat_file(f"{other_root}/{1:010d}/w/c.0"))
+    written = _stats.snapshot().get("store_bytes_written", 0)
+    zarrckpt.save_checkpoint(store.url, 2, {**state, "step": 2}, storage_options=options, unchanged_since=1)
+    chunk = fs.size(f"{root}/{1:010d}/w/c.1")
+    assert chunk <= _stats.snapshot()["store_bytes_written"] - written < 2 * chunk  # the rewritten chunk alone
+    restored = zarrckpt.load_checkpoint(store.url, 2, storage_options=options)
+    np.testing.assert_array_equal(restored["w"], w)
+    assert zarrckpt.verify(f"{store.url}/{2:010d}", storage_options=options).ok
 
 
 def test_where_links_cannot_be_made_unchanged_chunks_are_copied_and_still_checked(tmp_path, monkeypatch):

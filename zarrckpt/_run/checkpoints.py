@@ -10,8 +10,9 @@ from typing import Any
 
 from .. import _commit, _options, _save, _storage
 from .._format import naming as _naming
-from . import lineage as _lineage, steps as _steps
+from . import steps as _steps
 from .guards import RefuseIfHeld
+from .unchanged_since import SameChunksSince
 
 
 def save_pytree(
@@ -81,11 +82,6 @@ def save_pytree(
     _save.save(loc, tree, options, guard=RefuseIfHeld(loc, "save_pytree", existing_only=not overwrite))
 
 
-# What this process knows of the newest step it saved or restored in each directory of
-# steps without a manager (for `save_checkpoint`'s `unchanged_since`).
-_lineages = _lineage.Lineages()
-
-
 def save_checkpoint(
     checkpoint_dir: str,
     step: int,
@@ -108,19 +104,19 @@ def save_checkpoint(
     Agreement, like `save_pytree`, whose options it takes (see there), and:
 
     Args:
-      unchanged_since: a committed step of `checkpoint_dir` that this process saved
-        (with `save_checkpoint`), or restored into jax.Arrays (with `load_checkpoint`
-        or `load_checkpoint_if_it_exists`), last there. Each jax.Array leaf that holds
-        exactly what that step holds of it (the very same array, or every shard with
-        the fingerprint it had when saved: see a `CheckpointManager`'s
-        `reuse_unchanged`) has its chunks made from that step's (a hard link, a copy
-        inside S3 or GCS) instead of copied off the devices and written; the new step
-        is complete on its own. A step this process does not know so, or that another
-        save has deleted or replaced since, is not used: every chunk is written (a
-        warning says why). A save that makes chunks from it also fingerprints the
-        leaves it compares, so that leaves rebuilt with the same values are found
-        unchanged by the next such save. This process knows the last 8 directories it
-        saved to or restored from so.
+      unchanged_since: a committed step of `checkpoint_dir`. Each chunk this save
+        writes whose bytes are the very chunk that step's commit records under the same
+        name (its CRC-32C and size) is made from that step's (a hard link on a local
+        disk, a copy inside S3 or GCS) instead of written, and only from the version of
+        it the commit records: a chunk rewritten or deleted since is never made from, its
+        bytes are written instead. What the commit records is all it takes: the step may
+        have been saved by another process or before a restart. Every leaf is still
+        copied off its devices and checksummed; what is saved is the bytes written (a
+        disk's space, an object store's uploads). A `CheckpointManager` also skips the
+        copy off the devices for leaves it finds unchanged (`reuse_unchanged`). A step
+        that is not committed, cannot be read, or records no checksums (saved with
+        `checksums=False`) makes nothing: every chunk is written, with a warning. The new
+        step is complete on its own.
 
     Raises what `save_pytree` raises; CheckpointExistsError if the step is committed
     and `overwrite` is False, ValueError for a bad step (or `unchanged_since` equal to
@@ -129,9 +125,7 @@ def save_checkpoint(
     the manager would take the replacement for the step it saved, and make unchanged
     chunks from it) or not (a step it is writing would be taken for a leftover and
     deleted). A lease found unreleased whose holder may be alive on another machine is
-    watched first, as a manager claiming it would (2.5 heartbeats). CheckpointWriteError, with nothing
-    committed, if step `unchanged_since` is deleted or replaced while chunks are made
-    from it.
+    watched first, as a manager claiming it would (2.5 heartbeats).
     """
     step = _naming.step_number(step)
     options = _options.SaveOptions(overwrite=overwrite, max_chunk_bytes=max_chunk_bytes,
@@ -147,7 +141,7 @@ def save_checkpoint(
     source = None if unchanged_since is None else root.step(unchanged_since)
     job = _save.SaveJob.create(loc, state, options,
                                guard=RefuseIfHeld(loc, "save_checkpoint", existing_only=not overwrite),
-                               reuse=_lineage.ReuseSince(_lineages.of(root), source))
+                               reuse=_save.NO_REUSE if source is None else SameChunksSince(source))
     _save.write(job)
 
 
@@ -195,8 +189,7 @@ def load_checkpoint_if_it_exists(
 
     Collective under jax.distributed: every process calls it; process 0 chooses the
     step and every process restores that one, even if a save commits another step
-    meanwhile. A restore into jax.Arrays lets a later `save_checkpoint` of this process
-    make unchanged chunks from this step (`unchanged_since`).
+    meanwhile.
 
     Args:
       checkpoint_dir: a local path or fsspec URL of a directory of steps.
@@ -220,7 +213,7 @@ def load_checkpoint_if_it_exists(
                                    max_workers=max_workers, progress=progress)
     _options.check("timeout_s", timeout_s, _options.NUMBER)
     root = _storage.resolve(checkpoint_dir, storage_options)
-    state, step, _ = _steps.restore_latest(root, target, options, timeout_s, _lineages.of(root))
+    state, step, _ = _steps.restore_latest(root, target, options, timeout_s, None)
     return state, step or 0
 
 
@@ -241,9 +234,7 @@ def load_checkpoint(
     """Restores committed step `step` under `checkpoint_dir` onto `target`, as an
     evaluator does for each step `checkpoints_iterator` yields.
 
-    Collective exactly as `load_pytree` is. A restore into jax.Arrays lets a later
-    `save_checkpoint` of this process make unchanged chunks from this step
-    (`unchanged_since`).
+    Collective exactly as `load_pytree` is.
 
     Args:
       checkpoint_dir: a local path or fsspec URL of a directory of steps.
@@ -264,7 +255,7 @@ def load_checkpoint(
                                    load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
                                    max_workers=max_workers, progress=progress)
     root = _storage.resolve(checkpoint_dir, storage_options)
-    return _steps.load_step(root, step, target, options, _lineages.of(root))[0]
+    return _steps.load_step(root, step, target, options, None)[0]
 
 
 def checkpoints_iterator(checkpoint_dir: str, *, timeout_s: float | None = None, poll_interval_s: float = 5.0,

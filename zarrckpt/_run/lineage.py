@@ -27,7 +27,6 @@ is the same array.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import logging
@@ -45,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .. import _commit, _storage
 from .._format import tree as _tree, vouched as _vouched, zarrjson as _zarrjson
 from .._format.chunks import ChunkCodec
-from .._save.collaborators import Reused, reused_of
+from .._save.collaborators import NoReuse, Reused, reused_of
 from .._save.host_copies import shard_source
 from .._save.plan import ArrayPlan
 from .._save.protocol import missing
@@ -88,7 +87,7 @@ class Known:
 class Lineage:
     """What this process knows of the newest committed step's leaves (`Known`) of one
     directory of steps, and which leaves of a new save it holds as they are (`mark`).
-    A save is handed it through a `Reuse` (`ReuseUnchanged`, `ReuseSince`). Thread-safe:
+    A save is handed it through `ReuseUnchanged`. Thread-safe:
     a save is marked on the training thread and committed on a background one."""
 
     def __init__(self) -> None:
@@ -100,28 +99,17 @@ class Lineage:
         self._lock = threading.Lock()
 
     def mark(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
-             step: _storage.Location, *, source: _storage.Location | None = None,
-             save_id: str | None = None) -> Marked:
+             step: _storage.Location) -> Marked:
         """Which leaves of `plans`, a save into `step`, are unchanged since the newest
-        committed step this process knows (with `source`: only if that step is `source`,
-        as save `save_id`, whose chunks it then names as the caller reaches them): their
-        chunks are made from that step's. Computes the fingerprints it needs on the
-        devices, and waits for them. Never raises an Exception: every process of a save
-        must go into it, so a failure here leaves every leaf to be written."""
+        committed step this process knows: their chunks are made from that step's.
+        Computes the fingerprints it needs on the devices, and waits for them. Never
+        raises an Exception: every process of a save must go into it, so a failure here
+        leaves every leaf to be written."""
         try:
-            return self._mark(plans, documents, step, source, save_id)
+            return self._mark(plans, documents, step)
         except Exception:
             log.warning("could not tell which leaves are unchanged: this save writes them all", exc_info=True)
             return Marked({}, {}, None)
-
-    def known_without_reuse(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
-                            step: _storage.Location) -> dict[str, Known]:
-        """What `step` will hold once committed (for `committed`), learnt without looking
-        for unchanged leaves (no fingerprint, nothing reused): a later save finds the
-        very same arrays unchanged."""
-        return {plan.leaf.name: Known(step, documents[plan.leaf.name], weakref.ref(plan.leaf.value))
-                for plan in plans if plan.moved is None and plan.leaf.name in documents
-                and isinstance(plan.leaf.value, jax.Array)}
 
     def step(self) -> tuple[_storage.Location, str | None] | None:
         """The step whose leaves this process knows, and that step's identity where it
@@ -131,7 +119,7 @@ class Lineage:
             return None if known is None else (known.step, self._save_id)
 
     def _mark(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
-              step: _storage.Location, source: _storage.Location | None, save_id: str | None) -> Marked:
+              step: _storage.Location) -> Marked:
         with self._lock:
             known, known_id, versions, crcs = dict(self._known), self._save_id, self._versions, self._crcs
         if known_id is None:  # a step of unknown identity: nothing can tell that it is still the one known
@@ -147,9 +135,6 @@ class Lineage:
                     made_from = by_step[source.url] = Reused(source, versions, crcs)
                 reused[plan.leaf.name] = made_from
 
-        if source is not None:  # that step, as known, reached through the caller's store
-            known = {name: dataclasses.replace(k, step=source) for name, k in known.items()
-                     if known_id == save_id and directory_key(k.step) == directory_key(source)}
         seen: dict[str, Known] = {}
         # Looked at by a sample first: a leaf that keeps changing is never read whole.
         sampled: list[tuple[ArrayPlan, dict[Region, jax.Array], Known | None]] = []
@@ -234,7 +219,7 @@ class Lineage:
 
     def committed(self, seen: dict[str, Known], save_id: str | None = None,
                   made: Mapping[str, Version] | None = None, crcs: Mapping[str, int] | None = None) -> None:
-        """The save that `mark` (or `known_without_reuse`) returned `seen` for committed, with identity
+        """The save that `mark` returned `seen` for committed, with identity
         `save_id`: its step is now what this process knows (of leaves not in it,
         nothing: an older step may be deleted), with the versions of the chunks it
         `made` (`SaveJob.made`: what the store answered each write and copy) and their
@@ -344,19 +329,25 @@ class Marked(NamedTuple):
     save_id: str | None
 
 
-class _Reuse:
-    """A save's `Reuse` (see `_save.collaborators`) through a `Lineage`; `option` is the
-    caller's keyword, named in errors. Told the commit, the lineage learns what the step
-    saved holds."""
+class ReuseUnchanged(NoReuse):
+    """A manager's `Reuse` (see `_save.collaborators`; `reuse_unchanged`): each leaf
+    unchanged since the newest step its `lineage` knows has its chunks made from that
+    step's. Told the commit, the lineage learns what the step saved holds; a failed save
+    leaves that step known unless the failure comes of it (`Lineage.failed`)."""
 
-    def __init__(self, lineage: Lineage, option: str) -> None:
-        self._lineage, self._option = lineage, option
+    def __init__(self, lineage: Lineage) -> None:
+        self._lineage = lineage
         self._seen: dict[str, Known] = {}  # what the step saved will hold once committed
         self._source_id: str | None = None  # the identity of the step chunks are made from
 
+    def plan(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
+             step: _storage.Location) -> dict[str, Reused]:
+        self._seen, reused, self._source_id = self._lineage.mark(plans, documents, step)
+        return reused
+
     def check_after_writes(self, plans: Sequence[ArrayPlan], reused: Mapping[str, Reused],
                            made: Mapping[str, Version]) -> None:
-        """Raises CheckpointWriteError (naming the caller's keyword) if the step that
+        """Raises CheckpointWriteError (naming `reuse_unchanged`) if the step that
         `plans` made chunks from (`reused`) is no longer committed as the save they were
         made from: another writer deleted or replaced it meanwhile. A replacement
         uncommits a step before it changes a chunk, and each chunk was made only from
@@ -368,88 +359,21 @@ class _Reuse:
         if not sources or self._source_id is None:  # `mark` makes nothing from a step of unknown identity
             return
         (source,) = sources  # one step known at a time
-        _check_source_still_committed(source, self._source_id, self._option, plans, reused, made)
+        _check_source_still_committed(source, self._source_id, plans, reused, made)
 
     def committed(self, save_id: str | None, made: Mapping[str, Version], crcs: Mapping[str, int]) -> None:
         self._lineage.committed(self._seen, save_id, made, crcs)
-
-
-class ReuseUnchanged(_Reuse):
-    """A manager's `Reuse` (`reuse_unchanged`): each leaf unchanged since the newest step
-    its `lineage` knows has its chunks made from that step's. A failed save leaves that
-    step known unless the failure comes of it (`Lineage.failed`)."""
-
-    def __init__(self, lineage: Lineage) -> None:
-        super().__init__(lineage, "reuse_unchanged")
-
-    def plan(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
-             step: _storage.Location) -> dict[str, Reused]:
-        self._seen, reused, self._source_id = self._lineage.mark(plans, documents, step)
-        return reused
 
     def failed(self, error: BaseException, *, prepared: bool) -> None:
         self._lineage.failed(error)
 
 
-class ReuseSince(_Reuse):
-    """`save_checkpoint`'s `Reuse` (`unchanged_since`): each leaf unchanged since the
-    committed step `source` has its chunks made from that step's, where `lineage` knows
-    that step as it is now (it saved or restored that very save: else, with a warning,
-    every chunk is written). With no `source`, nothing is reused, and what the step saved
-    holds is learnt. A failed save that got past its preparation forgets all."""
-
-    def __init__(self, lineage: Lineage, source: _storage.Location | None) -> None:
-        super().__init__(lineage, "unchanged_since")
-        self._source = source
-
-    def plan(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
-             step: _storage.Location) -> dict[str, Reused]:
-        trusted = None if self._source is None else _trusted(self._lineage, self._source)
-        if trusted is None:
-            self._seen = self._lineage.known_without_reuse(plans, documents, step)
-            return {}
-        self._seen, reused, self._source_id = self._lineage.mark(plans, documents, step, source=self._source,
-                                                                 save_id=trusted)
-        return reused
-
-    def failed(self, error: BaseException, *, prepared: bool) -> None:
-        if prepared:  # past the refusals: the step its chunks would come from may be gone
-            self._lineage.forget()
-
-
-def _trusted(known: Lineage, source: _storage.Location) -> str | None:
-    """The identity of committed step `source` if this process knows its leaves as they
-    are now (it saved or restored that very save); else None, saying why."""
-    step = known.step()
-    if step is None or directory_key(step[0]) != directory_key(source):
-        log.warning("%s is not the step this process saved, or restored into jax.Arrays, last in that directory: "
-                    "every chunk of this save is written (unchanged_since)", source.url)
-        return None
-    if step[1] is None:
-        log.warning("%s was saved before checkpoints had an identity (or by seqax): nothing tells that it is still "
-                    "the step this process knows, and every chunk of this save is written (unchanged_since)",
-                    source.url)
-        return None
-    try:
-        head = _commit.head(source)
-    except Exception as e:  # written whole, as every other process may go on to do: never left waiting
-        log.warning("could not read %s's commit (%s): every chunk of this save is written (unchanged_since)",
-                    source.url, e)
-        return None
-    if head.state is not _commit.State.COMMITTED or head.save_id != step[1]:
-        log.warning("%s was deleted or replaced by another save since this process saved or restored it: every "
-                    "chunk of this save is written (unchanged_since)", source.url)
-        known.forget()
-        return None
-    return step[1]
-
-
-def _check_source_still_committed(source: _storage.Location, save_id: str, option: str, plans: Sequence[ArrayPlan],
+def _check_source_still_committed(source: _storage.Location, save_id: str, plans: Sequence[ArrayPlan],
                                   reused: Mapping[str, Reused], made: Mapping[str, Version]) -> None:
     now = _commit.head(source)
     if now.state is not _commit.State.COMMITTED or now.save_id != save_id:
-        raise CheckpointWriteError(f"{source.url}, the step this save made unchanged chunks from ({option}), was "
-                                   "deleted or replaced by another writer meanwhile: save again")
+        raise CheckpointWriteError(f"{source.url}, the step this save made unchanged chunks from (reuse_unchanged), "
+                                   "was deleted or replaced by another writer meanwhile: save again")
     unmade = [(found, key) for plan in plans if (found := reused_of(reused, plan)) is not None
               for key in map(plan.key, plan.writes) if key not in made]
     if not unmade:
@@ -463,30 +387,7 @@ def _check_source_still_committed(source: _storage.Location, save_id: str, optio
                     "is not the object it was when that step was saved or restored here (rewritten by another "
                     "program, or the step copied over)")
             raise CheckpointWriteError(f"{source.url}/{key}, a chunk this save made an unchanged chunk from "
-                                       f"({option}), {what}; the next save writes every chunk")
-
-
-class Lineages:
-    """What this process knows of the newest step it saved or restored without a manager
-    (`save_checkpoint`, `load_checkpoint`), per directory of steps (by `directory_key`):
-    a `Lineage` each, with keys of its own, of the last `size` directories (the least
-    recently asked forgotten first). Thread-safe."""
-
-    def __init__(self, size: int = 8) -> None:
-        self._size = size
-        self._by_directory: collections.OrderedDict[str, Lineage] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def of(self, root: _storage.Location) -> Lineage:
-        """The lineage of the directory of steps `root` (a local path made absolute,
-        links resolved), made the most recently asked."""
-        key = directory_key(root)
-        with self._lock:
-            found = self._by_directory.pop(key, None) or Lineage()
-            self._by_directory[key] = found
-            while len(self._by_directory) > self._size:
-                self._by_directory.popitem(last=False)
-            return found
+                                       f"(reuse_unchanged), {what}; the next save writes every chunk")
 
 
 def _shards_written(plan: ArrayPlan) -> dict[Region, jax.Array]:

@@ -76,6 +76,12 @@ class Reuse(Protocol):
         chunks were made from (`reused`) is no longer what they were made from, or a chunk
         of it that could not be made (not in `made`) was not what it was."""
 
+    def write_chunk(self, loc: Location, key: str, parts: Sequence[Any], crc: int | None) -> tuple[str | None, bool]:
+        """Makes the chunk `key` of the save at `loc` hold the bytes `parts` (whose
+        CRC-32C is `crc`, where it has one; called from the save's writer threads);
+        returns the version made and whether the bytes were written (not made from a
+        committed step that holds the very same chunk)."""
+
     def committed(self, save_id: str | None, made: Mapping[str, str | None], crcs: Mapping[str, int]) -> None:
         """The save committed as `save_id`, having made the chunks `made` (their versions,
         as the store said them) with the CRC-32C `crcs`."""
@@ -114,8 +120,9 @@ class Unguarded:
         pass
 
 
-class _NoReuse:
-    """Every chunk written; nothing learnt."""
+class NoReuse:
+    """Every chunk written; nothing learnt. A reuse that answers only some of a
+    `Reuse`'s questions answers the others as this does."""
 
     def plan(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
              step: Location) -> dict[str, Reused]:
@@ -124,6 +131,9 @@ class _NoReuse:
     def check_after_writes(self, plans: Sequence[ArrayPlan], reused: Mapping[str, Reused],
                            made: Mapping[str, str | None]) -> None:
         pass
+
+    def write_chunk(self, loc: Location, key: str, parts: Sequence[Any], crc: int | None) -> tuple[str | None, bool]:
+        return loc.write_new(key, *parts), True
 
     def committed(self, save_id: str | None, made: Mapping[str, str | None], crcs: Mapping[str, int]) -> None:
         pass
@@ -142,5 +152,5 @@ class _NothingBeside:
 
 
 UNGUARDED: Guard = Unguarded()
-NO_REUSE: Reuse = _NoReuse()
+NO_REUSE: Reuse = NoReuse()
 NOTHING_BESIDE: Beside = _NothingBeside()

@@ -101,10 +101,10 @@ class Commit:
         op.check("prepare", lambda: prepare(save_id))
         return save_id
 
-    def write(self, op: _multihost.Agreement, write: Callable[[], _vouched.Record]) -> list[_vouched.Record]:
-        """Runs every process's writes (`write`, which returns the record of the CRC-32C
-        of each chunk it made, see `_format.vouched`); returns what the commit records:
-        every process's, on process 0, for one group. A process's own group (a local
+    def write(self, op: _multihost.Agreement, write: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:
+        """Runs every process's writes (`write`, which returns its report of the CRC-32C
+        and version of each chunk it made, see `_format.vouched`); returns what the
+        commit records: every process's, on process 0, for one group. A process's own group (a local
         copy on its own disk, whose chunks each process frames, compressed or not, as
         its own writes go) records none: it is read back only by that process."""
         if not self.per_process:
@@ -350,10 +350,10 @@ class SaveJob:
                     self._discard()
                 raise
 
-    def _write(self, work: Work, advance: Callable[[int], None]) -> _vouched.Record:
+    def _write(self, work: Work, advance: Callable[[int], None]) -> dict[str, Any]:
         try:
             _write_all(self.loc, work, self._array_metadata(), self.options.max_workers or self.loc.concurrency,
-                       advance, self.compressor, self.reused, self.made, self.crcs)
+                       advance, self.compressor, self.reuse, self.reused, self.made, self.crcs)
         except Exception as e:
             # Say why where it can be known: the run taken over by another job (whose
             # objects refused this save's), or a chunk made from one not what it was.
@@ -370,7 +370,7 @@ class SaveJob:
                     pass
             raise
         self._check_after_writes()
-        return _vouched.grouped(self.crcs)
+        return _vouched.report(self.crcs, self.made)
 
     def _check_after_writes(self) -> None:
         self.reuse.check_after_writes(self.plans, self.reused, self.made)
@@ -380,12 +380,12 @@ class SaveJob:
         step = _naming.step_of_url(self.loc.url)
         return self.loc.url if step is None else f"step {step}"
 
-    def _commit(self, records: list[_vouched.Record]) -> None:
-        """Writes the commit, recording the CRC-32C of every chunk made (`records`, each
-        process's), once the lease, where there is one, is found still this job's."""
+    def _commit(self, reports: list[dict[str, Any]]) -> None:
+        """Writes the commit, recording the CRC-32C and version of every chunk made
+        (`reports`, each process's), once the lease, where there is one, is found still
+        this job's."""
         self.guard.fence(f"{self._named()} not committed")
-        if recorded := _vouched.merged(records):
-            self.group["attributes"][_naming.META_ATTR][_vouched.KEY] = recorded
+        self.group["attributes"][_naming.META_ATTR].update(_vouched.attributes(reports))
         _commit.commit(self.loc, _zarrjson.group_document(self.group["attributes"], self.arrays))
 
     def _discard(self) -> None:
@@ -459,10 +459,11 @@ def _tree_metadata(spec: dict[str, Any], version: int) -> dict[str, Any]:
 
 
 def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPlan, dict[str, Any]]],
-               workers: int, advance: Callable[[int], None], compressor: Compressor, reused: Mapping[str, Reused],
-               made: dict[str, str | None], crcs: dict[str, int]) -> None:
+               workers: int, advance: Callable[[int], None], compressor: Compressor, reuse: Reuse,
+               reused: Mapping[str, Reused], made: dict[str, str | None], crcs: dict[str, int]) -> None:
     """Writes each array's `metadata` document and every unit of `work` (each chunk's
-    version into `made`; of a leaf in `reused`, made from the step named there),
+    version into `made`; of a leaf in `reused`, made from the step named there; each
+    chunk written, as `reuse.write_chunk` makes it),
     `workers` at a time, all on stable storage before this
     returns (written together: see `Location.write_batch`): the commit that follows must
     never find a chunk only in the page cache. Array metadata is only read once
@@ -473,7 +474,7 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
         if isinstance(what, dict):
             _write_metadata(out, plan, what)
         else:
-            _write_one(out, plan, what, compressor, reused_of(reused, plan), made, crcs)
+            _write_one(out, plan, what, compressor, reuse, reused_of(reused, plan), made, crcs)
             advance(what.nbytes)
 
     def written(item: tuple[ArrayPlan, WriteUnit | dict[str, Any]]) -> int:  # bytes passing through this process
@@ -492,7 +493,7 @@ def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str,
         loc.write_new(_naming.object_key(plan.codec.array, "zarr.json"), _zarrjson.encode_document(document))
 
 
-def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, compressor: Compressor,
+def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, compressor: Compressor, reuse: Reuse,
                made_from: Reused | None, made: dict[str, str | None], crcs: dict[str, int]) -> None:
     where, key = f"chunk {plan.codec.coords(unit.region)}", plan.key(unit)
     try:
@@ -515,10 +516,12 @@ def _write_one(loc: _storage.Location, plan: ArrayPlan, unit: WriteUnit, compres
             values = unit.host_array()
         with _as_write_error(plan, where):
             parts = compressor.frame(plan.leaf.name, plan.codec, values)
+            crc = plan.codec.crc_of(parts)
             started = time.perf_counter()
-            made[key] = loc.write_new(key, *parts)
-            compressor.wrote(sum(memoryview(p).nbytes for p in parts), time.perf_counter() - started)
-        if (crc := plan.codec.crc_of(parts)) is not None:
+            made[key], written = reuse.write_chunk(loc, key, parts, crc)
+            if written:
+                compressor.wrote(sum(memoryview(p).nbytes for p in parts), time.perf_counter() - started)
+        if crc is not None:
             crcs[key] = crc
     finally:
         unit.release()

@@ -32,6 +32,13 @@ class Entry:
     version: str | None = None
 
 
+def size_of(version: str) -> int | None:
+    """The size in bytes that `version` (an `Entry.version`; every store ends one with
+    ":<size>") says its object has, or None where it says none."""
+    size = version.rpartition(":")[2]
+    return int(size) if size.isdigit() else None
+
+
 class NotAFile(OSError):
     """A symbolic link, or what is neither a regular file nor a directory (a FIFO, a
     socket, a device), where zarrckpt expected a file or directory of a checkpoint (a
