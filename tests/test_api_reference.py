@@ -2,7 +2,12 @@
 every public name, and the docstrings say what the site's renderer can read: each entry
 of an Args section names parameters the call has, each entry of a Raises section names
 an exception. `mkdocs build --strict` (CI) renders the pages; these checks need no docs
-dependencies, so a new public name without a page fails with the rest of the tests."""
+dependencies, so a new public name without a page fails with the rest of the tests.
+
+An Args entry may name several parameters that share a description ("src, dst: ..."):
+the site's griffe extension (mkdocs_hooks.SharedParameters) renders each name in a row of
+its own, with the type of its annotation, so each name an entry lists must be annotated.
+The build warns, failing `--strict`, about a rendered parameter without a type."""
 
 import inspect
 import re
@@ -91,18 +96,28 @@ def test_docstring_sections_are_readable(name: str) -> None:
     documented_object, function = RENDERED[name]
     docstring = inspect.getdoc(documented_object) or ""
     try:
-        parameters = set(inspect.signature(function).parameters)
+        signature = inspect.signature(function).parameters
     except (TypeError, ValueError):  # a builtin's __init__
-        parameters = set()
-    unreadable, unknown = [], []
+        signature = {}
+    unreadable, unknown, untyped = [], [], []
     for entry in section(docstring, "Args"):
         match = ARGS_ENTRY.match(entry)
         if not match:
             unreadable.append(entry)
             continue
-        names = match.group(0).split(" (")[0].rstrip(": ").split(", ")
-        unknown += [arg for arg in names if arg.lstrip("*") not in parameters]
+        names = [arg.lstrip("*") for arg in match.group(0).split(" (")[0].rstrip(": ").split(", ")]
+        unknown += [arg for arg in names if arg not in signature]
+        typed_in_entry = " (" in match.group(0) and len(names) == 1
+        untyped += [arg for arg in names if arg in signature and not typed_in_entry
+                    and signature[arg].annotation is inspect.Parameter.empty]
     unreadable += [entry for entry in section(docstring, "Raises") if not RAISES_ENTRY.match(entry)]
     assert not unreadable, f"{name}: entries the API reference cannot read (write `name: description`, the names " \
                            f"on the entry's first line): {unreadable}"
     assert not unknown, f"{name}: Args names that are not parameters of {name}: {unknown}"
+    assert not untyped, f"{name}: parameters the API reference would show without a type (annotate them): {untyped}"
+
+
+def test_the_site_gives_each_name_of_a_shared_args_entry_its_own_row() -> None:
+    config = (Path(__file__).parent.parent / "mkdocs.yml").read_text()
+    assert "- mkdocs_hooks.py:SharedParameters" in config
+    assert "class SharedParameters(" in (Path(__file__).parent.parent / "mkdocs_hooks.py").read_text()
