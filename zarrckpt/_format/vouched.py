@@ -77,8 +77,8 @@ def parse(meta: Mapping[str, Any]) -> Record:
 def parse_versions(meta: Mapping[str, Any]) -> Versions:
     """The record of versions in zarrckpt's attribute `meta` of a group ({} where it has
     none: a checkpoint saved before it); ValueError saying what is wrong with it."""
-    return _parsed(meta, VERSIONS_KEY, lambda v: isinstance(v, str) and 0 < len(v) <= _MAX_VERSION_CHARS,
-                   "versions")
+    return _parsed(meta, VERSIONS_KEY, lambda v: isinstance(v, str) and 0 < len(v) <= _MAX_VERSION_CHARS
+                   and v.isascii() and v.isprintable(), "versions")
 
 
 def _parsed(meta: Mapping[str, Any], key: str, valid: Any, what: str) -> Any:
