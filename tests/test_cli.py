@@ -24,6 +24,7 @@ from object_store_servers import TEST_KEY, TEST_SECRET
 
 import zarrckpt
 from zarrckpt import _cli, _commit, _storage
+from zarrckpt._cli import commands as _commands
 from zarrckpt._run import retention as _retention
 
 
@@ -522,7 +523,8 @@ def test_storage_option_values():
     assert _cli._option('client_kwargs={"region_name": "eu-west-1"}') == ("client_kwargs",
                                                                           {"region_name": "eu-west-1"})
     assert _cli._option("token=") == ("token", "")
-    assert _cli._size(512) == "512 B" and _cli._size(1536) == "1.5 KiB" and _cli._size(3 * 2**30) == "3.0 GiB"
+    size = _commands._size
+    assert size(512) == "512 B" and size(1536) == "1.5 KiB" and size(3 * 2**30) == "3.0 GiB"
 
 
 def installed_command() -> str | None:

@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import re
+import traceback
 from pathlib import Path
 
 import jax
@@ -341,3 +342,26 @@ def test_an_object_store_url_without_its_client_names_the_extra_to_install(url, 
                                "PYTHONPATH": str(Path(__file__).parent.parent)})
     assert done.returncode == 0, done.stderr
     assert url in done.stdout and f"pip install 'zarrckpt[{extra}]'" in done.stdout, done.stdout
+
+
+def test_a_damaged_chunk_reaches_the_caller_as_a_public_error(tmp_path):
+    """What a load or a copy of a checkpoint with a damaged chunk raises is named, in the
+    traceback's last line too, as a class the user can import and find in the docs."""
+    url = tmp_path / "c"
+    zarrckpt.save_pytree(str(url), {"w": np.arange(16, dtype=np.float32)})
+    chunk = next(p for p in (url / "w").rglob("c*") if p.is_file())
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 1
+    chunk.write_bytes(bytes(data))
+    key = chunk.relative_to(url).as_posix()
+    for call in (lambda: zarrckpt.load_pytree(str(url)),
+                 lambda: zarrckpt.copy_checkpoint(str(url), str(tmp_path / "copy"))):
+        with pytest.raises(zarrckpt.CheckpointCorruptError) as info:
+            call()
+        kind = type(info.value)
+        name = f"{kind.__module__}.{kind.__qualname__}"
+        assert name == "zarrckpt.errors.CheckpointCorruptError", name
+        assert f"chunk {key!r}" in str(info.value) and "fails its CRC-32C" in str(info.value)
+        last = traceback.format_exception_only(info.value)[0]  # the line naming it; the notes follow
+        assert last.startswith(f"{name}: chunk {key!r}"), last
+        assert "DamagedChunk" not in "".join(traceback.format_exception(info.value))

@@ -15,6 +15,8 @@ import pytest
 from fault_proxy import Delay, FaultProxy, Garbled, Late
 
 import zarrckpt
+import zarrckpt._storage
+import zarrckpt._util.concurrency
 from zarrckpt._storage import hedge
 from zarrckpt._util import stats as _stats
 

@@ -23,6 +23,9 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zarrckpt
+import zarrckpt._commit
+import zarrckpt._run.checkpoints
+import zarrckpt._storage.local
 from zarrckpt._run import lineage as _unchanged
 from zarrckpt._util import stats as _stats
 

@@ -13,6 +13,8 @@ from builders import mesh, train_state
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zarrckpt
+import zarrckpt._util.concurrency
+import zarrckpt._util.progress
 from zarrckpt import _commit, _manager, _storage
 from zarrckpt._run import retention as _retention
 from zarrckpt._save import plan as _planning, transfer as _transfer

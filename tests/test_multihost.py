@@ -166,3 +166,17 @@ def test_an_operations_waits_share_one_timeout(tmp_path):
     assert waited >= hold_s and not any(w["timed_out"] for w in earlier), late["waits"]
     # zarrckpt times each wait around the call timed here: it counts at least as much.
     assert commit["timeout_ms"] <= (timeout_s - waited) * 1000, late["waits"]
+
+
+def test_a_resume_with_a_target_from_jitted_optax_init_trains_on_two_processes(tmp_path):
+    """`jax.jit(tx.init)(params)`, params sharded over both processes' devices, makes mu
+    and nu uncommitted: a new job that restores into such a target gets every leaf back
+    as committed (or not) and placed as the target's, and its jitted step runs (a leaf
+    come back committed to one device raised "Received incompatible devices")."""
+    run = str(tmp_path / "run")
+    multiprocess.run("mp_manager", "optax_save", run)
+    results = multiprocess.run("mp_manager", "optax_resume", run)
+    for r in results:
+        assert not all(r["target_committed"]), r  # the case at stake: uncommitted leaves in the target
+        assert r["step"] == 1 and all(r["same"]) and r["error"] is None, r
+        assert r["count"] == 2, r  # the saved step's count, and the resumed step's

@@ -57,7 +57,7 @@ def restore():
     os.dup2(errors_fd, 2)
 
 try:
-    import zarrckpt._cli  # noqa: F401  (JAX, numpy, zarr, fsspec and zarrckpt, once)
+    import zarrckpt._cli.commands  # noqa: F401  (JAX, numpy, zarr, fsspec and zarrckpt, once)
 except BaseException:  # says why on the zygote's own stderr
     restore()
     for f in printed:

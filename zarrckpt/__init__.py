@@ -18,41 +18,45 @@ draws the modules: the write path in `_save/`, the read path in `_restore/`, the
 format's pure pieces in `_format/`, storage at the bottom.
 """
 
+import importlib as _importlib
 import importlib.metadata as _importlib_metadata
+import typing as _typing
 
-from ._copy import CopyResult, copy_checkpoint
-from ._foreign.export import ExportResult, export_checkpoint
-from ._foreign.safetensors import load_safetensors
 from ._format import dtypes as _dtypes
-from ._format.naming import FORMAT_VERSION
-from ._format.tree import PerProcess
-from ._import import ImportResult, import_checkpoint
-from ._manager import CheckpointManager
-from ._metadata import CheckpointMetadata, LeafMetadata, metadata
-from ._restore import load_pytree
-from ._run.checkpoints import (
-    all_steps,
-    checkpoints_iterator,
-    latest_step,
-    load_checkpoint,
-    load_checkpoint_if_it_exists,
-    save_checkpoint,
-    save_pytree,
-)
-from ._verify import Problem, VerifyReport, verify
-from .errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointLocationError,
-    CheckpointMismatchError,
-    CheckpointNotFoundError,
-    CheckpointWriteError,
-    CoordinationTimeoutError,
-    DirectoryInUseError,
-    SourceReadError,
-    UnsupportedLeafError,
-)
+
+if _typing.TYPE_CHECKING:  # what type checkers and the API reference see; at run time, __getattr__ below
+    from ._copy import CopyResult, copy_checkpoint
+    from ._foreign.export import ExportResult, export_checkpoint
+    from ._foreign.safetensors import load_safetensors
+    from ._format.naming import FORMAT_VERSION
+    from ._format.tree import PerProcess
+    from ._import import ImportResult, import_checkpoint
+    from ._manager import CheckpointManager
+    from ._metadata import CheckpointMetadata, LeafMetadata, metadata
+    from ._restore import load_pytree
+    from ._run.checkpoints import (
+        all_steps,
+        checkpoints_iterator,
+        latest_step,
+        load_checkpoint,
+        load_checkpoint_if_it_exists,
+        save_checkpoint,
+        save_pytree,
+    )
+    from ._verify import Problem, VerifyReport, verify
+    from .errors import (
+        CheckpointCorruptError,
+        CheckpointError,
+        CheckpointExistsError,
+        CheckpointLocationError,
+        CheckpointMismatchError,
+        CheckpointNotFoundError,
+        CheckpointWriteError,
+        CoordinationTimeoutError,
+        DirectoryInUseError,
+        SourceReadError,
+        UnsupportedLeafError,
+    )
 
 _dtypes.register()  # bfloat16 and float8 must be known to zarr before any array is opened
 
@@ -60,6 +64,41 @@ try:
     __version__ = _importlib_metadata.version("zarrckpt")
 except _importlib_metadata.PackageNotFoundError:  # a source tree on the path, never installed
     __version__ = "0+unknown"
+
+# The module that defines each public name, imported at the name's first use (PEP 562):
+# `import zarrckpt` and `zarrckpt --version` import no JAX.
+_DEFINED_IN = {
+    "._copy": ("CopyResult", "copy_checkpoint"),
+    "._foreign.export": ("ExportResult", "export_checkpoint"),
+    "._foreign.safetensors": ("load_safetensors",),
+    "._format.naming": ("FORMAT_VERSION",),
+    "._format.tree": ("PerProcess",),
+    "._import": ("ImportResult", "import_checkpoint"),
+    "._manager": ("CheckpointManager",),
+    "._metadata": ("CheckpointMetadata", "LeafMetadata", "metadata"),
+    "._restore": ("load_pytree",),
+    "._run.checkpoints": ("all_steps", "checkpoints_iterator", "latest_step", "load_checkpoint",
+                          "load_checkpoint_if_it_exists", "save_checkpoint", "save_pytree"),
+    "._verify": ("Problem", "VerifyReport", "verify"),
+    ".errors": ("CheckpointCorruptError", "CheckpointError", "CheckpointExistsError", "CheckpointLocationError",
+                "CheckpointMismatchError", "CheckpointNotFoundError", "CheckpointWriteError",
+                "CoordinationTimeoutError", "DirectoryInUseError", "SourceReadError", "UnsupportedLeafError"),
+}
+_MODULE_OF = {name: module for module, names in _DEFINED_IN.items() for name in names}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later uses find it without calling here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "FORMAT_VERSION",

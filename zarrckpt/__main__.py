@@ -1,4 +1,4 @@
-"""`python -m zarrckpt`: the zarrckpt command (see zarrckpt/_cli.py)."""
+"""`python -m zarrckpt`: the zarrckpt command (see zarrckpt/_cli/)."""
 
 import sys
 

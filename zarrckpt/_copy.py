@@ -125,9 +125,9 @@ def copy_checkpoint(
                           _concurrency.ByteBudget(max_inflight_bytes), advance)
             if target.late_safe and first_key != marker_key:  # seqax's `.zgroup`, not written first there
                 target.write_new(first_key, first)
-        except CheckpointCorruptError as e:  # the source's damage, named
+        except CheckpointCorruptError as e:  # the source's damage, named as the public class, not the reader's own
             _check_unchanged(ckpt, marker_key, marker, target)
-            raise CheckpointCorruptError(f"{e}; not copied: {target.url} holds an uncommitted partial copy") from e
+            raise CheckpointCorruptError(f"{e}; not copied: {target.url} holds an uncommitted partial copy") from None
         except Exception as e:
             raise CheckpointWriteError(f"copying {source.url} to {target.url} failed; {target.url} holds an "
                                        f"uncommitted partial copy: {e}") from e

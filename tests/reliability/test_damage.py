@@ -11,6 +11,7 @@ import pytest
 import zarr
 
 import zarrckpt
+import zarrckpt._storage
 
 
 def saved(tmp_path) -> Path:

@@ -21,6 +21,7 @@ from test_cli import run_together
 from test_special_files import within_seconds
 
 import zarrckpt
+import zarrckpt._storage.guard
 
 LAYOUTS = {"ocdbt": {"use_ocdbt": True}, "per-array": {"use_ocdbt": False},
            "per-array-zarr3": {"use_ocdbt": False, "use_zarr3": True}}

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import zarrckpt
+import zarrckpt._commit
 from zarrckpt import _cli, _storage
 from zarrckpt._restore import checkpoint as _reader
 from zarrckpt._run import lease as _lease

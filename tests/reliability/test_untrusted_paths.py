@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 import zarrckpt
+import zarrckpt._foreign.export
+import zarrckpt._format.tree
 from zarrckpt import _cli
 from zarrckpt._run import retention as _retention
 from zarrckpt._util import stats as _stats

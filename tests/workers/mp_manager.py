@@ -1,5 +1,6 @@
 """Multi-process CheckpointManager worker: `train DIR`, `timeout DIR`, `late DIR TIMEOUT_S HOLD_S`,
-`preempted DIR`, `preempted_sometimes DIR`, `frozen DIR` and `staging_fails DIR`."""
+`preempted DIR`, `preempted_sometimes DIR`, `frozen DIR`, `staging_fails DIR`, and `optax_save DIR`
+then `optax_resume DIR` (a job of its own each)."""
 
 from __future__ import annotations
 
@@ -247,6 +248,57 @@ def staging_fails(directory: str) -> None:
     report(said=said, step=step, values=values, steps=zarrckpt.all_steps(directory))
 
 
+def _optax_training():
+    """Params sharded over the global mesh, the optimizer state `jax.jit(tx.init)` makes of
+    them (mu and nu uncommitted), and a jitted optax.adam step."""
+    import jax.numpy as jnp
+    import optax
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
+
+    def full(shape, spec):
+        host = np.ones(shape, np.float32)
+        return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), lambda index: host[index])
+
+    tx = optax.adam(1e-2)
+    params = {"big": full((512, 1024), P("data", "model")),  # 2 MiB: read as a large leaf
+              "small": full((16, 4), P("data"))}
+
+    @jax.jit
+    def step(params, opt_state):
+        updates, opt_state = tx.update(jax.tree.map(jnp.ones_like, params), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return params, jax.jit(tx.init)(params), step
+
+
+def optax_save(directory: str) -> None:
+    params, opt_state, step = _optax_training()
+    params, opt_state = step(params, opt_state)
+    with zarrckpt.CheckpointManager(directory) as mgr:
+        mgr.save(1, {"params": params, "opt_state": opt_state})
+    report(committed=[leaf.committed for leaf in jax.tree.leaves(opt_state)])
+
+
+def optax_resume(directory: str) -> None:
+    """A new job resumes with a target built as the one that saved, then trains a step."""
+    params, opt_state, step = _optax_training()
+    target = {"params": params, "opt_state": opt_state}
+    with zarrckpt.CheckpointManager(directory) as mgr:
+        restored, at = mgr.restore(target)
+    same = [got.committed == want.committed and got.sharding == want.sharding
+            for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(target))]
+    try:
+        params, opt_state = step(restored["params"], restored["opt_state"])
+        error = None
+    except Exception as e:  # "Received incompatible devices for jitted computation"
+        error = f"{type(e).__name__}: {e}"
+    count = int(np.asarray(multihost_utils.process_allgather(opt_state[0].count, tiled=True)))
+    report(step=at, same=same, error=error, count=count,
+           target_committed=[leaf.committed for leaf in jax.tree.leaves(target["opt_state"])])
+
+
 {"train": train, "timeout": timeout, "late": late, "preempted": preempted,
  "preempted_sometimes": lambda directory: preempted(directory, save_every=5, notice_after=17), "frozen": frozen,
- "grown": grown, "staging_fails": staging_fails}[args[0]](*args[1:])
+ "grown": grown, "staging_fails": staging_fails, "optax_save": optax_save,
+ "optax_resume": optax_resume}[args[0]](*args[1:])

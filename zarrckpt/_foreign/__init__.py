@@ -1,1 +1,3 @@
 """Other libraries' checkpoints and files: Orbax, safetensors; import and export."""
+
+EXPORT_FORMATS = ("npz", "safetensors")  # export's, here for the command line, which imports no JAX

@@ -37,10 +37,10 @@ from .. import _deprecated, _options, _storage
 from .._format import dtypes as _dtypes, naming as _naming, safetensors as _safetensors_format
 from .._restore import checkpoint as _reader
 from .._util import concurrency as _concurrency, progress as _progress
+from . import EXPORT_FORMATS
 
 log = logging.getLogger("zarrckpt")
 
-FORMATS = ("npz", "safetensors")
 KEY_DATA_METADATA = "zarrckpt.key_data"  # safetensors __metadata__: JSON {array name: PRNG implementation}
 # What every safetensors release since 0.4 writes from NumPy arrays (later ones add a few).
 _SAFETENSORS_DTYPES = frozenset({
@@ -74,7 +74,7 @@ class ExportResult:
 def format_of(path: str) -> str:
     """The export format a file name asks for by its extension; ValueError if none."""
     extension = os.path.splitext(path)[1].lstrip(".").lower()
-    if extension not in FORMATS:
+    if extension not in EXPORT_FORMATS:
         raise ValueError(f"cannot tell the export format of {path!r} from its extension: "
                          f"name it *.npz or *.safetensors, or pass format='npz' or format='safetensors'")
     return extension
@@ -134,8 +134,8 @@ def export_checkpoint(url: str, path: str, *, select: str | None = None, format:
       OSError: a file cannot be written.
     """
     format = format or format_of(path)
-    if format not in FORMATS:
-        raise ValueError(f"export format must be one of {', '.join(FORMATS)}, got {format!r}")
+    if format not in EXPORT_FORMATS:
+        raise ValueError(f"export format must be one of {', '.join(EXPORT_FORMATS)}, got {format!r}")
     if max_shard_bytes is not None:
         _options.check("max_shard_bytes", max_shard_bytes, _options.COUNT)
         if format != "safetensors":

@@ -152,16 +152,19 @@ class Checkpoint:
     def _reading(self, leaf: StoredLeaf) -> Iterator[None]:
         """Names the leaf in any failure. Damage (a missing, short or corrupt chunk)
         in a checkpoint that has meanwhile been deleted or replaced is that, not damage;
-        a symbolic link where a chunk should be is damage."""
+        a symbolic link where a chunk should be is damage. Damage leaves as
+        CheckpointCorruptError itself: its private subclasses are for the readers' own
+        `except` clauses (verify's), not names a user can import or look up."""
         note = f"while reading leaf {leaf.where} (array {leaf.name!r}) of {self.loc.url}"
         try:
             yield
         except (MissingObject, DamagedChunk, _storage.NotAFileInCheckpoint) as e:
             self.check_unchanged()
-            e.add_note(note)
-            e.add_note(f"the checkpoint is damaged: `zarrckpt verify {self.loc.url}` lists every damaged object; "
-                       "restore an earlier step")
-            raise
+            damaged = CheckpointCorruptError(str(e))
+            damaged.add_note(note)
+            damaged.add_note(f"the checkpoint is damaged: `zarrckpt verify {self.loc.url}` lists every damaged "
+                             "object; restore an earlier step")
+            raise damaged from None
         except Exception as e:
             e.add_note(note)
             raise

@@ -9,9 +9,10 @@ import itertools
 import math
 import operator
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import jax
+if TYPE_CHECKING:  # for annotations only: the on-disk format's modules import this one, and no JAX
+    import jax
 
 _T = TypeVar("_T")
 Region = tuple[tuple[int, int], ...]  # (start, stop) per axis
@@ -19,7 +20,7 @@ Slices = tuple[slice, ...]
 # Which process holds a device. Planners take it as an argument (the device's own
 # `process_index` by default), so that a layout of many hosts can be planned, and
 # tested, in one process.
-HostOf = Callable[[jax.Device], int]
+HostOf = Callable[["jax.Device"], int]
 process_of: HostOf = operator.attrgetter("process_index")
 
 
