@@ -66,8 +66,13 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
       src: a `.safetensors` file; a directory holding a sharded set and its
         `model.safetensors.index.json` (tensor names nest on '.'); or an Orbax run
         directory, one step of it, or one item. An Orbax step's `default` item is its
-        tree; named items become a dict by name, items that are no pytree of arrays
-        (`JsonSave`) are left out and listed in `ImportResult.skipped`.
+        tree; named items (`ocp.args.Composite`) become a dict by name: a pytree
+        item as its tree, a `JsonSave` item as a str leaf (its JSON text), a grain
+        iterator's position written by one process as `PerProcess(<its JSON value>)`.
+        The step's metrics (what `best_fn` ranks) are kept as a manager keeps a
+        step's metrics, so that `keep_best` ranks the step. What is left out (other
+        items, the grain positions of several processes, metrics that are no
+        numbers) is listed in `ImportResult.skipped`.
       dst: where it lands: an Orbax run's step as `dst/<step, zero-padded>` (so
         `CheckpointManager(dst)` and `load_checkpoint_if_it_exists(dst, ...)` resume
         from it); any other source at `dst` itself, or as `dst/<step>` given `step`.
@@ -91,7 +96,9 @@ def import_checkpoint(src: str, dst: str, *, step: int | None = None, prefix: st
     Raises:
       CheckpointNotFoundError: nothing at `src` is a safetensors file or set or an Orbax
         checkpoint, or an Orbax run has no finished step `step`.
-      CheckpointCorruptError: the source's metadata is not what its format writes, an
+      CheckpointCorruptError: the source's metadata is not what its format writes (an
+        Orbax JSON file that is not JSON, larger than 64 MiB, or grain files that are
+        not one per process of one job: named), an
         array is missing or damaged or claims chunks the source does not hold, a
         safetensors header does not tile its file, or the source holds a symbolic
         link or a special file. Nothing was committed; an uncommitted group may be

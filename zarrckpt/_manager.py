@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from . import _deprecated, _inflight, _options, _preemption, _save, _schedule, _storage
-from ._format import naming as _naming
+from ._format import naming as _naming, zarrjson as _zarrjson
 from ._run import (
     lease as _lease,
     retention as _retention,
@@ -32,7 +32,6 @@ from ._util import concurrency as _concurrency, multihost as _multihost, progres
 from .errors import DirectoryInUseError
 
 log = logging.getLogger("zarrckpt")
-_NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}  # JSON has no such numbers
 
 
 def default_inflight_bytes() -> int:
@@ -535,7 +534,7 @@ def _metric_values(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"metric {name!r} must be a real number (a Python or numpy number, or a 0-d numpy or "
                             f"jax array), got {type(value).__name__} {value!r}")
-        values[name] = value if math.isfinite(value) else _NON_FINITE[str(value)]
+        values[name] = value if math.isfinite(value) else _zarrjson.NON_FINITE[str(value)]
     return values
 
 

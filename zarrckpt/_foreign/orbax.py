@@ -9,8 +9,9 @@ themselves, zarr (v2 or v3) in an OCDBT database or one directory per array, whi
 TensorStore reads. Only TensorStore is needed, not orbax-checkpoint.
 
 Everything read is untrusted: metadata that is not what Orbax writes is a
-CheckpointCorruptError naming the file, no file is read past `_MAX_JSON`, and a key
-never names a path outside the item.
+CheckpointCorruptError naming the file, no file is read past `orbax_items.MAX_JSON`, and a key
+never names a path outside the item. The step's other items (JSON, grain positions,
+metrics) are `orbax_items`' business.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from .._format import chunks as _chunks, tree as _tree, zarrjson as _zarrjson
+from .._format import chunks as _chunks, tree as _tree
 from .._restore import checkpoint as _reader
 from .._storage import Location
 from .._util import progress as _progress
 from .._util.regions import Region, region_shape, region_slices
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError, UnsupportedLeafError
+from . import orbax_items as _items
 
 log = logging.getLogger("zarrckpt")
 
@@ -42,9 +44,6 @@ _SEQUENCE, _DICT = 1, 2
 # EmptyState, as None: what Orbax's metadata says of it unless rich types are on).
 _EMPTY: dict[str, Callable[[], Any]] = {"None": lambda: None, "NamedTuple": lambda: None, "Dict": dict,
                                         "List": list, "Tuple": tuple}
-# Larger metadata than any tree Orbax saves has (10,000 leaves: about 3 MB); parsing
-# takes about 8 times the file's size.
-_MAX_JSON = 64 * 2**20
 _LEAF = ("", 0)  # a key no entry has (kinds are 1 and 2): marks a leaf's value in `_put`'s dicts
 # TensorStore's error codes that say the data is not what it should be; others (denied,
 # unavailable...) are failures to read it.
@@ -55,11 +54,13 @@ _TENSORSTORE_DRIVERS = {"gs": "gcs", "gcs": "gcs", "s3": "s3", "s3a": "s3"}  # b
 @dataclasses.dataclass
 class Step:
     """One step of an Orbax run (or one item): its number, if it has one, and its tree,
-    each array a `_tree.Deferred` leaf; `skipped` says what was left out, and why."""
+    each array a `_tree.Deferred` leaf; `skipped` says what was left out, and why;
+    `metrics` are the step's metrics (see `orbax_items`), or None."""
 
     step: int | None
     tree: Any
     skipped: dict[str, str]
+    metrics: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,19 +94,19 @@ def open_step(loc: Location, found: Found, step: int | None) -> Step:
         step = _number(loc.url.rstrip("/").rsplit("/", 1)[-1])
     if kind == "item":
         return Step(step, _item_tree(loc, ""), {})
-    skipped, items = {}, []
+    items: list[str] = []
+    others: list[str] = []
     for entry in loc.list_dir():
         if entry.type != "dir" or entry.name.startswith("."):
             continue
-        if "_METADATA" in {e.name for e in loc.list_dir(entry.name)}:
-            items.append(entry.name)
-        else:
-            skipped[entry.name] = "an item that is no pytree of arrays (no _METADATA)"
-    if not items:
-        raise CheckpointNotFoundError(f"the Orbax step {loc.url} holds no pytree item")
-    if items == ["default"]:  # CheckpointManager's single item: the tree itself, as Orbax restores it
-        return Step(step, _item_tree(loc.child("default"), ""), skipped)
-    return Step(step, {name: _item_tree(loc.child(name), f"{name}.") for name in sorted(items)}, skipped)
+        (items if "_METADATA" in {e.name for e in loc.list_dir(entry.name)} else others).append(entry.name)
+    read = _items.read_items(loc, others)
+    if not items and not read.tree:
+        raise CheckpointNotFoundError(f"the Orbax step {loc.url} holds no item to import")
+    if items == ["default"] and not read.tree:  # CheckpointManager's single item: the tree itself, as Orbax restores it
+        return Step(step, _item_tree(loc.child("default"), ""), read.skipped, read.metrics)
+    tree = {name: _item_tree(loc.child(name), f"{name}.") for name in items} | read.tree
+    return Step(step, {name: tree[name] for name in sorted(tree)}, read.skipped, read.metrics)
 
 
 def find(loc: Location) -> Found | None:
@@ -395,16 +396,7 @@ def _prng_impls(item: Location) -> dict[str, str]:
 
 
 def _json(item: Location, key: str) -> Any:
-    try:
-        raw = item.read(key, limit=_MAX_JSON + 1)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(f"{item.child(key).url} is missing") from None
-    if len(raw) > _MAX_JSON:
-        raise CheckpointCorruptError(f"{item.child(key).url} is larger than any Orbax checkpoint's metadata")
-    try:
-        return _zarrjson.decode(raw)
-    except ValueError as e:
-        raise CheckpointCorruptError(f"{item.child(key).url} is not JSON: {e}") from None
+    return _items.read_json(item, key)[1]
 
 
 def _tensorstore() -> Any:

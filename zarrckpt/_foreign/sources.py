@@ -46,7 +46,9 @@ def open_source(src: str, storage_options: dict[str, Any] | None, *, option: str
                              "arrays, with the credentials and endpoint of its environment (AWS_*, "
                              "GOOGLE_APPLICATION_CREDENTIALS)")
         opened = _orbax.open_step(loc, found, step)
-        return Source(loc.url, "orbax", opened.tree, opened.step, opened.skipped, None)
+        # Where a manager keeps a step's metrics, so that keep_best ranks the step.
+        kept = {"metrics": opened.metrics} if opened.metrics is not None else None
+        return Source(loc.url, "orbax", opened.tree, opened.step, opened.skipped, kept)
     try:
         ckpt = _safetensors.open_safetensors(folder, file)
     except CheckpointNotFoundError as e:

@@ -24,6 +24,8 @@ from zarr.dtype import parse_data_type
 from . import chunks as _chunks, dtypes as _dtypes
 from .chunks import ChunkCodec
 
+NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}  # how JSON keeps what it has no number for
+
 
 def array_document(shape: Sequence[int], codec: ChunkCodec,
                    attributes: dict[str, Any] | None = None) -> dict[str, Any]:
