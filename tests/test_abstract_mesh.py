@@ -123,3 +123,18 @@ def test_abstract_mesh_no_device_layout_matches_is_an_error_naming_leaf_axes_and
     with jax.set_mesh(jax.make_mesh((8,), ("batch",))), pytest.raises(zarrckpt.UnsupportedLeafError) as raised:
         zarrckpt.load_pytree(str(tmp_path / "ckpt"), target)
     assert "the current mesh (jax.set_mesh) has axes 'batch': 8" in str(raised.value)
+
+
+def test_abstract_target_restores_from_the_local_tier_onto_the_devices(tmp_path):
+    mesh = mesh_2x4()
+    persistent, local = str(tmp_path / "run"), str(tmp_path / "local")
+    state = {"w": jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("data", "model")))}
+    with zarrckpt.CheckpointManager(persistent, save_interval_steps=4, local_directory=local,
+                                    local_save_interval_steps=3) as mgr:
+        assert mgr.save(3, state)  # the local tier's alone
+    target = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32,
+                                        sharding=NamedSharding(mesh.abstract_mesh, P("data", "model")))}
+    with zarrckpt.CheckpointManager(persistent, local_directory=local, local_save_interval_steps=3) as mgr:
+        restored, step = mgr.restore(target)
+        assert (step, mgr.restored_tier) == (3, "local")
+    assert_exact_on(restored, state, mesh)
