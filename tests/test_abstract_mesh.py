@@ -125,7 +125,7 @@ def test_abstract_mesh_no_device_layout_matches_is_an_error_naming_leaf_axes_and
     assert "the current mesh (jax.set_mesh) has axes 'batch': 8" in str(raised.value)
 
 
-def test_abstract_target_restores_from_the_local_tier_onto_the_devices(tmp_path):
+def test_abstract_target_restores_from_the_local_tier_and_an_unplaceable_one_keeps_the_copy(tmp_path):
     mesh = mesh_2x4()
     persistent, local = str(tmp_path / "run"), str(tmp_path / "local")
     state = {"w": jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("data", "model")))}
@@ -134,7 +134,11 @@ def test_abstract_target_restores_from_the_local_tier_onto_the_devices(tmp_path)
         assert mgr.save(3, state)  # the local tier's alone
     target = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32,
                                         sharding=NamedSharding(mesh.abstract_mesh, P("data", "model")))}
+    unplaceable = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32,
+                                             sharding=NamedSharding(AbstractMesh((4, 4), ("data", "model")), P()))}
     with zarrckpt.CheckpointManager(persistent, local_directory=local, local_save_interval_steps=3) as mgr:
+        with pytest.raises(zarrckpt.UnsupportedLeafError, match=r"target leaf \['w'\]"):
+            mgr.restore(unplaceable)  # the target's fault: the copy is kept, not set aside as damaged
         restored, step = mgr.restore(target)
         assert (step, mgr.restored_tier) == (3, "local")
     assert_exact_on(restored, state, mesh)
