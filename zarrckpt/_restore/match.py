@@ -20,7 +20,7 @@ from .._format.tree import PerProcess
 from .._util import multihost as _multihost, permute as _permute
 from .._util.regions import Region, region_of, region_shape, relative
 from ..errors import CheckpointMismatchError, UnsupportedLeafError
-from . import checkpoint as _reader, mismatch as _mismatch, plan as _plan
+from . import abstract_mesh as _abstract_mesh, checkpoint as _reader, mismatch as _mismatch, plan as _plan
 from .plan import Placement
 
 # Leaves at least this large are put on their devices by the reader threads (transfers
@@ -442,6 +442,7 @@ def saved_form(stored: _reader.StoredLeaf) -> Form:
 def _request_for(leaf: Any, stored: _reader.StoredLeaf, where: str,
                  broadcast: bool) -> tuple[Request, tuple[int, ...]]:
     """How a target leaf asks to be restored, and the shape it expects."""
+    leaf = _abstract_mesh.concrete_leaf(leaf, where)
     if stored.kind == "prng_key" and isinstance(leaf, jax.sharding.Sharding):
         # The saved kind decides: typed keys come back typed on a target that only
         # says where they go.

@@ -34,7 +34,7 @@ from .._restore.load import GateClosed, load_requests
 from .._storage import Location
 from .._util import multihost as _multihost, progress as _progress
 from .._util.regions import Region, region_shape, region_slices
-from ..errors import CheckpointError, CheckpointMismatchError
+from ..errors import CheckpointError, CheckpointMismatchError, UnsupportedLeafError
 from . import copies as _copies, peers as _peers
 
 log = logging.getLogger("zarrckpt")
@@ -122,7 +122,7 @@ class CopyReader:
                                             True, values=mine)
                                if self.target is not None else
                                ([_match.Request(s, _match.saved_form(s)) for s in ckpt.leaves.values()], None))
-            except CheckpointMismatchError:
+            except (CheckpointMismatchError, UnsupportedLeafError):  # the target's fault, never the copy's
                 raise
             except Exception as e:  # a scalar that does not read right: the copy's damage
                 damage.append(e)
