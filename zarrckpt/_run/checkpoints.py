@@ -12,7 +12,7 @@ from .. import _commit, _options, _save, _storage
 from .._format import naming as _naming
 from . import steps as _steps
 from .guards import RefuseIfHeld
-from .unchanged_since import SameChunksSince
+from .same_chunks import SameChunksSince
 
 
 def save_pytree(

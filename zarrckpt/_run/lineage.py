@@ -51,6 +51,7 @@ from .._save.protocol import missing
 from .._util import devices as _devices
 from .._util.regions import Region, region_size, replicas_of
 from ..errors import CheckpointError, CheckpointWriteError
+from .same_chunks import NOTHING_SAME, SameChunks
 
 log = logging.getLogger("zarrckpt")
 
@@ -96,6 +97,7 @@ class Lineage:
         self._save_id: str | None = None  # the identity of the step known, where told
         self._versions: Mapping[str, Version] = {}  # of the step known's objects, as it became known
         self._crcs: Mapping[str, int] = {}  # of its chunks, as its commit records them (see `_format.vouched`)
+        self._step: _storage.Location | None = None  # the step known
         self._lock = threading.Lock()
 
     def mark(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
@@ -112,11 +114,17 @@ class Lineage:
             return Marked({}, {}, None)
 
     def step(self) -> tuple[_storage.Location, str | None] | None:
-        """The step whose leaves this process knows, and that step's identity where it
-        was told; None when it knows none."""
+        """The step this process knows, and that step's identity where it was told;
+        None when it knows none."""
         with self._lock:
-            known = next(iter(self._known.values()), None)
-            return None if known is None else (known.step, self._save_id)
+            return None if self._step is None else (self._step, self._save_id)
+
+    def same_chunks(self) -> SameChunks:
+        """The chunks of the step known, as a save writing a chunk makes it from one that
+        holds the very same bytes (`SameChunks`): each known by the CRC-32C its commit
+        records and the version this process knows."""
+        with self._lock:
+            return NOTHING_SAME if self._step is None else SameChunks(self._step, self._crcs, self._versions)
 
     def _mark(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
               step: _storage.Location) -> Marked:
@@ -217,25 +225,26 @@ class Lineage:
             judged(plan, before, sample, whole)
         return Marked(seen, reused, known_id)
 
-    def committed(self, seen: dict[str, Known], save_id: str | None = None,
+    def committed(self, step: _storage.Location, seen: dict[str, Known], save_id: str | None = None,
                   made: Mapping[str, Version] | None = None, crcs: Mapping[str, int] | None = None) -> None:
-        """The save that `mark` returned `seen` for committed, with identity
-        `save_id`: its step is now what this process knows (of leaves not in it,
+        """The save into `step` that `mark` returned `seen` for committed, with identity
+        `save_id`: `step` is now what this process knows (of leaves not in it,
         nothing: an older step may be deleted), with the versions of the chunks it
         `made` (`SaveJob.made`: what the store answered each write and copy) and their
         CRC-32C as its commit records them (`SaveJob.crcs`). Never from a listing made
         now: that would take another program's write since for this save's. A chunk
         whose version the store did not say is written again."""
-        self._learnt(seen, save_id, dict(made or {}), dict(crcs or {}))
+        self._learnt(step, seen, save_id, dict(made or {}), dict(crcs or {}))
 
-    def _learnt(self, known: dict[str, Known], save_id: str | None, versions: Mapping[str, Version],
-                crcs: Mapping[str, int]) -> None:
-        """`known` is what this process knows, of the step of identity `save_id` whose
+    def _learnt(self, step: _storage.Location, known: dict[str, Known], save_id: str | None,
+                versions: Mapping[str, Version], crcs: Mapping[str, int]) -> None:
+        """`known` is what this process knows, of the step `step` of identity `save_id` whose
         objects had the `versions` (`mark` makes nothing from a chunk without one: no
         later save could check that it holds what it did) and whose commit records the
         `crcs` of its chunks."""
         with self._lock:
             self._known, self._save_id, self._versions, self._crcs = known, save_id, versions, crcs
+            self._step = step
 
     def restored(self, step: _storage.Location, stored: Mapping[str, Any], state: Any,
                  save_id: str | None, versions: Mapping[str, Version], crcs: Mapping[str, int]) -> None:
@@ -256,13 +265,14 @@ class Lineage:
             if leaf is not None and isinstance(leaf.codec, ChunkCodec):
                 known[leaf.name] = Known(step, _zarrjson.array_document(leaf.shape, leaf.codec), weakref.ref(value))
         if known:
-            self._learnt(known, save_id, versions, crcs)
+            self._learnt(step, known, save_id, versions, crcs)
             return
         with self._lock:
-            if (any(directory_key(k.step) == directory_key(step) for k in self._known.values())
-                    and save_id != self._save_id):
-                self._known, self._save_id, self._versions, self._crcs = {}, None, {}, {}  # the step known was replaced
-            # else restored as numpy values, say: what the arrays hold is as known before
+            replaced = (self._step is not None and directory_key(self._step) == directory_key(step)
+                        and save_id != self._save_id)
+        if replaced:
+            self.forget()
+        # else restored as numpy values, say: what the arrays hold is as known before
 
     def read(self, ckpt: Any, read: Callable[[], Any], *, arrays: bool) -> Any:
         """`read()`, the restore of the opened checkpoint `ckpt` (a `_restore.checkpoint.
@@ -278,6 +288,8 @@ class Lineage:
         """The steps at `urls` were deleted: nothing is made from them any more."""
         with self._lock:
             self._known = {name: known for name, known in self._known.items() if known.step.url not in urls}
+            if self._step is not None and self._step.url in urls:
+                self._step = None
 
     def failed(self, error: BaseException) -> None:
         """A save that `mark`ed its plans failed with `error`, uncommitted. The step known
@@ -301,7 +313,7 @@ class Lineage:
         """Nothing known: after a deletion, or a failed save that found the step known
         changed, the next save writes all."""
         with self._lock:
-            self._known, self._save_id, self._versions, self._crcs = {}, None, {}, {}
+            self._known, self._save_id, self._versions, self._crcs, self._step = {}, None, {}, {}, None
 
 
 def directory_key(loc: _storage.Location) -> str:
@@ -332,18 +344,28 @@ class Marked(NamedTuple):
 class ReuseUnchanged(NoReuse):
     """A manager's `Reuse` (see `_save.collaborators`; `reuse_unchanged`): each leaf
     unchanged since the newest step its `lineage` knows has its chunks made from that
-    step's. Told the commit, the lineage learns what the step saved holds; a failed save
-    leaves that step known unless the failure comes of it (`Lineage.failed`)."""
+    step's, without a copy off its devices; each chunk of the others that the step
+    holds byte for byte is made from it too (`SameChunks`: a leaf too small to
+    fingerprint, a rebuilt one, a process's small share of a leaf). Told the commit, the
+    lineage learns what the step saved holds; a failed save leaves that step known
+    unless the failure comes of it (`Lineage.failed`)."""
 
     def __init__(self, lineage: Lineage) -> None:
         self._lineage = lineage
         self._seen: dict[str, Known] = {}  # what the step saved will hold once committed
         self._source_id: str | None = None  # the identity of the step chunks are made from
+        self._same = NOTHING_SAME
+        self._step: _storage.Location | None = None  # the step saved
 
     def plan(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
              step: _storage.Location) -> dict[str, Reused]:
+        self._step, self._same = step, self._lineage.same_chunks()
         self._seen, reused, self._source_id = self._lineage.mark(plans, documents, step)
         return reused
+
+    def write_chunk(self, loc: _storage.Location, key: str, parts: Sequence[Any], crc: int | None
+                    ) -> tuple[str | None, bool]:
+        return self._same.write_chunk(loc, key, parts, crc)
 
     def check_after_writes(self, plans: Sequence[ArrayPlan], reused: Mapping[str, Reused],
                            made: Mapping[str, Version]) -> None:
@@ -362,7 +384,9 @@ class ReuseUnchanged(NoReuse):
         _check_source_still_committed(source, self._source_id, plans, reused, made)
 
     def committed(self, save_id: str | None, made: Mapping[str, Version], crcs: Mapping[str, int]) -> None:
-        self._lineage.committed(self._seen, save_id, made, crcs)
+        assert self._step is not None, "a save commits only once planned"
+        self._same.say("reuse_unchanged")
+        self._lineage.committed(self._step, self._seen, save_id, made, crcs)
 
     def failed(self, error: BaseException, *, prepared: bool) -> None:
         self._lineage.failed(error)
