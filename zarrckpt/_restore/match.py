@@ -449,7 +449,7 @@ def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial
     requests: list[Request] = []
     sources: list[Read | Tied | Kept] = []
     renamed: dict[str, str] = {}  # of the target's leaves the checkpoint lacks: own name -> name looked up
-    looked_up: dict[str, str] = {}  # the names looked up of the target's leaves the checkpoint lacks
+    looked_up: dict[str, _mismatch.Shaped] = {}  # the names looked up of the target's leaves the checkpoint lacks
     concrete = True  # whether each of those is a value fallback=True can keep
     seen: set[str] = set()
     for path, leaf in flat:
@@ -467,7 +467,7 @@ def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial
                 text += (", and fallback=True keeps only a concrete target value (a jax.Array, numpy array or "
                          f"scalar, a Python scalar, str or bytes), not a {type(leaf).__qualname__}")
             if name is not None:
-                looked_up[where] = name
+                looked_up[where] = (name, _shape_of(leaf))
                 if name != own:
                     renamed[where] = f"{own} (renamed to {name})"
             problems.append((path, text))
@@ -492,12 +492,18 @@ def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial
         raise CheckpointMismatchError(_mismatch.report(
             ckpt.url, problems, [path for path, _ in flat], [stored.path for stored in extra],
             [stored.path for stored in ckpt.leaves.values()], partial, labels=renamed,
-            names=_mismatch.Names(looked_up, {stored.where: stored.name for stored in extra}),
+            names=_mismatch.Names(looked_up, {stored.where: (stored.name, stored.shape) for stored in extra}),
             fallback_helps=concrete and not fallback))
     return requests, Assembly(treedef, sources)
 
 
 _CONCRETE = (jax.Array, np.ndarray, np.generic, bool, int, float, complex, str, bytes)
+
+
+def _shape_of(leaf: Any) -> tuple[int, ...] | None:
+    """A target leaf's shape where it has one of its own (a Sharding takes the saved one)."""
+    shape = getattr(leaf, "shape", None)
+    return tuple(shape) if shape is not None and not isinstance(leaf, jax.sharding.Sharding) else None
 
 
 def _concrete(leaf: Any) -> bool:

@@ -27,14 +27,17 @@ Problem = tuple[_tree.KeyPath, str]  # a leaf's key path, and what is wrong with
 _SUGGESTED_ROUNDS = 3
 
 
+Shaped = tuple[str, "tuple[int, ...] | None"]  # a leaf's name, and its shape where known
+
+
 @dataclasses.dataclass(frozen=True)
 class Names:
-    """The names (as `zarrckpt info` shows them) of the target's leaves the checkpoint
-    lacks, as looked up, and of the checkpoint's leaves the target lacks, by key path
-    as `_tree.describe_path` writes it."""
+    """The names (as `zarrckpt info` shows them) and shapes of the target's leaves the
+    checkpoint lacks, as looked up, and of the checkpoint's leaves the target lacks, by
+    key path as `_tree.describe_path` writes it."""
 
-    missing: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    extra: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    missing: Mapping[str, Shaped] = dataclasses.field(default_factory=dict)
+    extra: Mapping[str, Shaped] = dataclasses.field(default_factory=dict)
 
 
 def _is_missing(text: str) -> bool:
@@ -135,15 +138,15 @@ def _renamed(missing: list[tuple[_tree.KeyPath, str, int]], extra: list[tuple[_t
 _FALLBACK = ", or pass fallback=True to keep the target's own values for them"
 
 
-def _rename_hint(missing: Sequence[str], extra: Sequence[str]) -> list[str]:
+def _rename_hint(missing: Sequence[Shaped], extra: Sequence[Shaped]) -> list[str]:
     """The hint of the `rename=` that maps `missing` (the target's names the checkpoint
     lacks) onto `extra` (the checkpoint's names the target lacks), where their names
     differ by renamed path components; none where no such rename restores any."""
     rules = suggest_rename(missing, extra)
     if not rules:
         return []
-    saved = set(extra)
-    found = sum(_apply(rules, name) in saved for name in missing)
+    saved = {name for name, _ in extra}
+    found = sum(_apply(rules, name) in saved for name, _ in missing)
     shown = ", ".join(f'(r"{pattern}", {"r" if chr(92) in replacement else ""}"{replacement}")'
                       for pattern, replacement in rules)
     return [f"the target's names and the checkpoint's differ by renamed path components: rename=[{shown}] "
@@ -156,29 +159,33 @@ def _apply(rules: Sequence[tuple[str, str]], name: str) -> str:
     return name
 
 
-def suggest_rename(missing: Sequence[str], extra: Sequence[str]) -> list[tuple[str, str]]:
+def suggest_rename(missing: Sequence[Shaped], extra: Sequence[Shaped]) -> list[tuple[str, str]]:
     """`(regex, replacement)` pairs, target name to checkpoint name, that map names of
     `missing` onto names of `extra` where the two differ in one path component (a
-    renamed module, layer or prefix), in up to `_SUGGESTED_ROUNDS` rounds (a name with
+    renamed module, layer or prefix) and the shapes agree (where both are known; they
+    tell renamed siblings apart), in up to `_SUGGESTED_ROUNDS` rounds (a name with
     two renamed components takes two). A component renamed under one prefix is replaced
     under it (`^params\\.encoder\\.`); one renamed under several, wherever it is."""
-    saved = set(extra)
+    saved = dict(extra)
     rules: list[tuple[str, str]] = []
     for _ in range(_SUGGESTED_ROUNDS):
-        pending = [n for n in (_apply(rules, name) for name in missing) if n not in saved]
+        pending = [(n, shape) for name, shape in missing if (n := _apply(rules, name)) not in saved]
         if not pending:
             break
-        left = saved - {_apply(rules, name) for name in missing}
-        options: dict[tuple[int, tuple[str, ...], tuple[str, ...]], set[str]] = collections.defaultdict(set)
-        for name in left:
-            parts = tuple(name.split("."))
-            for i in range(len(parts)):
-                options[(i, parts[:i], parts[i + 1:])].add(parts[i])
+        taken = {_apply(rules, name) for name, _ in missing}
+        options: dict[tuple[int, tuple[str, ...], tuple[str, ...]], dict[str, tuple[int, ...] | None]] = \
+            collections.defaultdict(dict)
+        for name, shape in saved.items():
+            if name not in taken:
+                parts = tuple(name.split("."))
+                for i in range(len(parts)):
+                    options[(i, parts[:i], parts[i + 1:])][parts[i]] = shape
         renames: dict[tuple[str, str, bool], set[tuple[str, ...]]] = collections.defaultdict(set)
-        for name in pending:
+        for name, shape in pending:
             parts = tuple(name.split("."))
             found = [(i, new) for i in range(len(parts))
-                     for new in options.get((i, parts[:i], parts[i + 1:]), ()) if new != parts[i]]
+                     for new, theirs in options.get((i, parts[:i], parts[i + 1:]), {}).items()
+                     if new != parts[i] and (shape is None or theirs is None or shape == theirs)]
             if len(found) == 1:
                 i, new = found[0]
                 renames[(parts[i], new, i == len(parts) - 1)].add(parts[:i])
