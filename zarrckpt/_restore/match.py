@@ -448,7 +448,7 @@ def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial
     problems: list[_mismatch.Problem] = []
     requests: list[Request] = []
     sources: list[Read | Tied | Kept] = []
-    renamed: dict[str, str] = {}  # of the target's leaves the checkpoint lacks: own name -> name looked up
+    renamed: dict[str, tuple[str, str]] = {}  # of the target's leaves the checkpoint lacks: own name, name looked up
     looked_up: dict[str, _mismatch.Shaped] = {}  # the names looked up of the target's leaves the checkpoint lacks
     concrete = True  # whether each of those is a value fallback=True can keep
     seen: set[str] = set()
@@ -469,7 +469,7 @@ def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial
             if name is not None:
                 looked_up[where] = (name, _shape_of(leaf))
                 if name != own:
-                    renamed[where] = f"{own} (renamed to {name})"
+                    renamed[where] = (own, name)
             problems.append((path, text))
             continue
         request, shape = _request_for(leaf, stored, where, load_and_broadcast)

@@ -46,11 +46,13 @@ def _is_missing(text: str) -> bool:
 
 def report(url: str, problems: Sequence[Problem], target: Sequence[_tree.KeyPath],
            extra: Sequence[_tree.KeyPath], saved: Sequence[_tree.KeyPath], partial: bool, *,
-           labels: Mapping[str, str] | None = None, names: Names | None = None, fallback_helps: bool = False) -> str:
+           labels: Mapping[str, tuple[str, str]] | None = None, names: Names | None = None,
+           fallback_helps: bool = False) -> str:
     """The message of a CheckpointMismatchError: `problems` of target leaves (of key
     paths `target`), and the checkpoint's leaves the target lacks (`extra`, of key
-    paths `saved`), problems themselves unless `partial`. `labels` names the renamed
-    target leaves the checkpoint lacks (by key path as written); `names` gives the names
+    paths `saved`), problems themselves unless `partial`. `labels` gives the renamed
+    target leaves the checkpoint lacks (by key path as written) their own names and the
+    names they were renamed to; `names` gives the names
     a suggested `rename=` maps; `fallback_helps`: every target leaf the checkpoint lacks
     is a value `fallback=True` would keep."""
     labels = labels or {}
@@ -60,12 +62,13 @@ def report(url: str, problems: Sequence[Problem], target: Sequence[_tree.KeyPath
     renamed = _renamed(_grouped([(p, MISSING) for p in missing], target), _grouped([(p, EXTRA) for p in extra], saved),
                        target, saved)
     if len(listed) <= LISTED:
-        lines = [f"{labels.get(where, where)}: {text}" for path, text in listed
+        lines = [f"{f'{labels[where][0]} (renamed to {labels[where][1]})' if where in labels else where}: {text}"
+                 for path, text in listed
                  for where in [_tree.describe_path(path)]]
     else:
         groups = _grouped(problems, target) + ([] if partial else _grouped([(p, EXTRA) for p in extra], saved))
         lines = [f"{_tree.describe_path(path)}{f' ({count} leaves)' if count > 1 else ''}: {text}"
-                 for path, text, count in groups]
+                 + _renamed_example(path, text, problems, labels) for path, text, count in groups]
         if len(lines) > LISTED:
             lines = lines[:LISTED] + [f"... and {len(lines) - LISTED} more"]
     hints = [f"the target's {_tree.describe_path(t)} and the checkpoint's {_tree.describe_path(c)} hold the same "
@@ -87,6 +90,16 @@ def report(url: str, problems: Sequence[Problem], target: Sequence[_tree.KeyPath
             [names.extra[w] for p in unexplained_extra if (w := _tree.describe_path(p)) in names.extra])
     return (f"checkpoint {url} does not match the target ({len(listed)} problem(s)):\n  " + "\n  ".join(lines)
             + "".join(f"\n({hint})" for hint in hints))
+
+
+def _renamed_example(subtree: _tree.KeyPath, text: str, problems: Sequence[Problem],
+                     labels: Mapping[str, tuple[str, str]]) -> str:
+    """For a group of renamed leaves the checkpoint lacks: the first one's names."""
+    if not text.startswith(RENAMED_MISSING):
+        return ""
+    first = next(where for path, t in problems if t == text and _under(path, subtree)
+                 for where in [_tree.describe_path(path)] if where in labels)
+    return f" ({labels[first][0]} renamed to {labels[first][1]}, and the others alike)"
 
 
 def _keys(path: _tree.KeyPath) -> tuple[str, ...]:
