@@ -297,3 +297,19 @@ def test_the_manager_and_load_checkpoint_take_rename_and_fallback(tmp_path):
     state, step = zarrckpt.load_checkpoint_if_it_exists(str(tmp_path / "run"), target, rename=RENAME_V2,
                                                         fallback=True)
     assert step == 0
+
+
+def test_a_restore_from_the_local_tier_takes_rename_and_fallback(tmp_path):
+    persistent, local = str(tmp_path / "run"), str(tmp_path / "local")
+    params = V1.init(jax.random.key(0), X)["params"]
+    with zarrckpt.CheckpointManager(persistent, save_interval_steps=4, local_directory=local,
+                                    local_save_interval_steps=3) as mgr:
+        assert mgr.save(3, {"params": params})  # the local tier's only
+    v2_params = V2.init(jax.random.key(1), X)["params"]
+    head = jnp.arange(4.0)
+    with zarrckpt.CheckpointManager(persistent, local_directory=local, local_save_interval_steps=3) as mgr:
+        state, step = mgr.restore({"params": v2_params, "head": head}, rename=RENAME_V2, fallback=True)
+        assert (step, mgr.restored_tier) == (3, "local")
+    assert state["head"] is head
+    np.testing.assert_array_equal(np.asarray(state["params"]["mlp"]["fc_out"]["kernel"]),
+                                  np.asarray(params["mlp"]["Dense_1"]["kernel"]))
