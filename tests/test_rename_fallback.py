@@ -313,3 +313,18 @@ def test_a_restore_from_the_local_tier_takes_rename_and_fallback(tmp_path):
     assert state["head"] is head
     np.testing.assert_array_equal(np.asarray(state["params"]["mlp"]["fc_out"]["kernel"]),
                                   np.asarray(params["mlp"]["Dense_1"]["kernel"]))
+
+
+def test_a_save_after_a_renamed_restore_writes_the_values_restored_not_the_saved_leaf_of_that_name(tmp_path):
+    run = str(tmp_path / "run")
+    m = mesh((2, 4))
+    a = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(m, P("x", "y")))
+    b = jax.device_put(-jnp.arange(64.0).reshape(8, 8), NamedSharding(m, P("x", "y")))
+    with zarrckpt.CheckpointManager(run) as mgr:
+        mgr.save(1, {"a": a, "b": b})
+    with zarrckpt.CheckpointManager(run) as mgr:
+        swapped, _ = mgr.restore({"a": a, "b": b}, rename=lambda name: {"a": "b", "b": "a"}[name])
+        mgr.save(2, swapped)
+    again = zarrckpt.load_checkpoint(run, 2)
+    np.testing.assert_array_equal(again["a"], np.asarray(b))
+    np.testing.assert_array_equal(again["b"], np.asarray(a))
