@@ -257,7 +257,8 @@ def test_mismatch_of_a_renamed_subtree_is_one_line_per_side_with_what_helps(tmp_
     assert str(info.value).splitlines()[1:] == [
         "  ['new'] (30 leaves): in the target but not in the checkpoint",
         "(the target's leaves the checkpoint lacks cannot be restored, with partial=True or without: leave them "
-        "out of the target and make them after the restore)"]
+        "out of the target and make them after the restore, or pass fallback=True to keep the target's own values "
+        "for them)"]
     with pytest.raises(zarrckpt.CheckpointMismatchError) as info:
         zarrckpt.load_pytree(url, {"params": {k: {**v, "w": np.ones(2, np.float32)} for k, v in params.items()},
                                    "step": 0})

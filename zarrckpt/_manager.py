@@ -22,6 +22,7 @@ import numpy as np
 
 from . import _deprecated, _inflight, _options, _preemption, _save, _schedule, _storage
 from ._format import naming as _naming, zarrjson as _zarrjson
+from ._restore import renames as _renames
 from ._run import (
     lease as _lease,
     retention as _retention,
@@ -324,17 +325,17 @@ class CheckpointManager:
 
     def restore(self, target: Any, *, step: int | None = None, partial: bool = False, allow_dtype_cast: bool = False,
                 donate_target: bool = False, load_and_broadcast: bool = True,
-                max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
-                max_workers: int | None = None, progress: bool | None = None) -> tuple[Any, int]:
+                max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES, max_workers: int | None = None,
+                progress: bool | None = None, rename: _renames.Given = None, fallback: bool = False) -> tuple[Any, int]:
         """Restores the newest committed step (or `step`) onto `target`. Agreement.
 
         Returns (state, step); (target, 0), with a warning, when nothing is committed
         and no `step` was asked for. With a local tier and no `step`, the newest step
         the local copies rebuild is taken when newer than the newest persistent one
         (`restored_tier` says which). Waits for a save in flight first. Takes
-        `load_pytree`'s options (the manager's `max_workers` and `progress` unless
-        given). Raises CheckpointNotFoundError if `step` is not a committed step, and
-        what `load_pytree` raises.
+        `load_pytree`'s options, `rename` and `fallback` among them (the manager's
+        `max_workers` and `progress` unless given). Raises CheckpointNotFoundError if
+        `step` is not a committed step, and what `load_pytree` raises.
         """
         step = None if step is None else _naming.step_number(step)
         if isinstance(target, (int, np.integer)) and not isinstance(target, bool):
@@ -343,9 +344,9 @@ class CheckpointManager:
                             f"mgr.restore(state, step={target})")
         options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast,
                                        donate_target=donate_target, load_and_broadcast=load_and_broadcast,
-                                       max_inflight_bytes=max_inflight_bytes,
+                                       max_inflight_bytes=max_inflight_bytes, rename=_renames.parse(rename),
                                        max_workers=max_workers or self._save_options.max_workers,
-                                       progress=self._progress if progress is None else progress)
+                                       progress=self._progress if progress is None else progress, fallback=fallback)
         self._check_open()
         self.wait()
         started = time.perf_counter()

@@ -9,6 +9,7 @@ it, naming the option, never later on a background thread. `check` is the one ch
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ._format.chunks import COMPRESSIONS
@@ -26,16 +27,21 @@ COUNT = "count"  # a positive int
 COUNT_OR_ZERO = "count or zero"  # an int, 0 or more
 NUMBER = "number"  # a positive int or float (seconds, bytes per second...)
 COMPRESSION = "compression"  # one of `COMPRESSIONS` (a str)
+CALLABLE = "callable"  # a function (checked further where it is made)
 
 
 def check(name: str, value: Any, kind: str) -> None:
     """The one check of an option: raises TypeError (a value of the wrong type) or
     ValueError (of the right type, out of range), naming the option as the caller
-    spelled it. `kind` is FLAG, COUNT, COUNT_OR_ZERO, NUMBER or COMPRESSION, with `?` if
+    spelled it. `kind` is FLAG, COUNT, COUNT_OR_ZERO, NUMBER, COMPRESSION or CALLABLE, with `?` if
     None is allowed."""
     if value is None and kind.endswith("?"):
         return
     kind = kind.rstrip("?")
+    if kind == CALLABLE:
+        if not callable(value):
+            raise TypeError(f"option {name} must be None or a function, got {value!r}")
+        return
     if kind == COMPRESSION:
         if not isinstance(value, str):
             raise TypeError(f"option {name} must be None or a str, got {value!r}")
@@ -98,3 +104,6 @@ class LoadOptions(_Checked):
     max_inflight_bytes: int = _option(DEFAULT_MAX_INFLIGHT_BYTES, COUNT)
     max_workers: int | None = _option(None, COUNT + "?")
     progress: bool | None = _option(None, FLAG + "?")
+    # The checkpoint's name of each target leaf's, or None (see `_restore.renames`).
+    rename: Callable[[str], str | None] | None = _option(None, CALLABLE + "?")
+    fallback: bool = _option(False, FLAG)

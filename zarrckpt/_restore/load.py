@@ -25,17 +25,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
 from .. import _options, _storage
 from .._format import dtypes as _dtypes, tree as _tree
 from .._options import LoadOptions
 from .._util import concurrency as _concurrency, multihost as _multihost, progress as _progress, stats as _stats
 from .._util.regions import Region, region_shape
 from ..errors import CheckpointError
-from . import broadcast as _broadcast, checkpoint as _reader, relief as _relief
+from . import broadcast as _broadcast, checkpoint as _reader, relief as _relief, renames as _renames
 from .coordination import Coordination, Gate, Gated, alone
-from .match import Request, match, saved_form
+from .match import Assembly, Request, match, saved_form
 from .plan import Placement
 
 log = logging.getLogger("zarrckpt")
@@ -53,6 +51,8 @@ def load_pytree(
     max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
     max_workers: int | None = None,
     progress: bool | None = None,
+    rename: _renames.Given = None,
+    fallback: bool = False,
 ) -> Any:
     """Restores the committed checkpoint at `url` onto `target`.
 
@@ -92,24 +92,41 @@ def load_pytree(
       max_workers: concurrent reads (default: one per core, 8 to 32, on a local disk;
         128 on an object store; 100 on GCS).
       progress: show a progress bar on process 0 (default: when stderr is a terminal).
+      rename: which checkpoint leaf each target leaf restores from, by name (the dotted
+        names `zarrckpt info` shows, `params.backbone.fc_in.kernel`): a sequence of
+        `(regex, replacement)` pairs applied in order with `re.sub` to each target
+        leaf's name, or a function from a target leaf's name to the checkpoint's name,
+        or to None (not from the checkpoint: the leaf counts as one the checkpoint
+        lacks). Target leaves renamed onto one saved leaf (tied weights) each get its
+        values, on their own shardings, read once. Default: each leaf's own name.
+      fallback: target leaves the checkpoint lacks come back as they are (the target's
+        own objects, not copies); each must be a value (a jax.Array, numpy array or
+        scalar, Python scalar, str or bytes), not a ShapeDtypeStruct or Sharding. The
+        log line says how many leaves and bytes fell back. Without it they are a
+        mismatch.
 
     Returns:
       The restored pytree: the target's structure, or the saved one when `target` is None.
 
     Raises:
-      TypeError, ValueError: an option of the wrong type or value (named).
+      TypeError, ValueError: an option of the wrong type or value (named), a `rename`
+        pair that is not a pair of str, a regex that does not compile (named), or a
+        `rename` function that returns other than a str or None.
       CheckpointNotFoundError: nothing committed at `url`, or it was deleted or
         replaced while being read.
       CheckpointMismatchError: the target does not match; lists every missing and
         unexpected key path and every shape and dtype difference (beyond 20, a whole
         subtree with one problem as one line, and the first 20 lines), and says what
-        can help (a subtree under another name, partial=True). Nothing was read.
+        can help (a subtree under another name, the `rename=` that maps the target's
+        names onto the checkpoint's, partial=True, fallback=True); a renamed leaf the
+        checkpoint lacks is named with its renamed name beside it. Nothing was read.
       CheckpointCorruptError: a chunk or metadata the checkpoint declares is missing
         or damaged.
     """
     options = LoadOptions(allow_dtype_cast=allow_dtype_cast, donate_target=donate_target, partial=partial,
                           load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
-                          max_workers=max_workers, progress=progress)
+                          max_workers=max_workers, progress=progress, rename=_renames.parse(rename),
+                          fallback=fallback)
     return load(_storage.resolve(url, storage_options), target, options)
 
 
@@ -123,18 +140,20 @@ def load_opened(ckpt: _reader.Checkpoint, target: Any, options: LoadOptions) -> 
     it was deleted or replaced before its last read was checked (see `_commit`)."""
     if target is None:
         return load_requests(ckpt, [Request(s, saved_form(s)) for s in ckpt.leaves.values()], None, options)
-    requests, treedef = match(ckpt, target, options.allow_dtype_cast, options.partial, options.load_and_broadcast)
-    return load_requests(ckpt, requests, treedef, options)
+    requests, assembly = match(ckpt, target, options.allow_dtype_cast, options.partial, options.load_and_broadcast,
+                               rename=options.rename, fallback=options.fallback)
+    return load_requests(ckpt, requests, assembly, options)
 
 
 class GateClosed(CheckpointError):
     """Raised by a `Gate`: some process's reads failed."""
 
 
-def load_requests(ckpt: _reader.Checkpoint, requests: list[Request], treedef: Any, options: LoadOptions,
-                  gate: Gate | None = None) -> Any:
-    """Reads `requests` (matched to a target of structure `treedef`, or None for the
-    saved tree) from `ckpt` and builds the result. Collective when a request is shared.
+def load_requests(ckpt: _reader.Checkpoint, requests: list[Request], assembly: Assembly | None,
+                  options: LoadOptions, gate: Gate | None = None) -> Any:
+    """Reads `requests` (matched to a target, whose leaves `assembly` makes of them, or
+    None for the saved tree) from `ckpt` and builds the result. Collective when a
+    request is shared.
 
     With a `gate`, a read that fails on one process never leaves the others waiting in
     a collective: every process passes the gate before each sharing and at the end,
@@ -153,14 +172,16 @@ def load_requests(ckpt: _reader.Checkpoint, requests: list[Request], treedef: An
             raise
         if gate is not None:
             gate(None)
-    if treedef is None:
+    kept = (0, 0)
+    if assembly is None:
         result = _tree.rebuild(ckpt.spec, lambda rec: values[rec["name"]])
     else:
-        result = jax.tree_util.tree_unflatten(treedef, [values[r.stored.name] for r in requests])
+        result, kept = assembly.build(values), assembly.kept()
     seconds = time.perf_counter() - started
     # From the local tier's copies, the tier says how much came from where instead.
-    log.log(logging.INFO if gate is None else logging.DEBUG, "restored %s: %d leaves, %s", ckpt.url,
-            len(requests), _progress.rate(total, seconds))
+    log.log(logging.INFO if gate is None else logging.DEBUG, "restored %s: %d leaves, %s%s", ckpt.url,
+            len(requests), _progress.rate(total, seconds),
+            f"; {kept[0]} leaves ({_progress.size(kept[1])}) fell back to the target's own values" if kept[0] else "")
     return result
 
 

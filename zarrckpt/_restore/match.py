@@ -9,6 +9,7 @@ before any array is read.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -20,7 +21,13 @@ from .._format.tree import PerProcess
 from .._util import multihost as _multihost, permute as _permute
 from .._util.regions import Region, region_of, region_shape, relative
 from ..errors import CheckpointMismatchError, UnsupportedLeafError
-from . import abstract_mesh as _abstract_mesh, checkpoint as _reader, mismatch as _mismatch, plan as _plan
+from . import (
+    abstract_mesh as _abstract_mesh,
+    checkpoint as _reader,
+    mismatch as _mismatch,
+    plan as _plan,
+    renames as _renames,
+)
 from .plan import Placement
 
 # Leaves at least this large are put on their devices by the reader threads (transfers
@@ -72,6 +79,12 @@ class Form:
 
     def convert(self, data: np.ndarray) -> Any:
         return data
+
+    def tie(self, value: Any) -> Any:
+        """The value of a target leaf restored from the same saved leaf as another (tied
+        weights), made of that one's restored `value`: nothing more is read."""
+        host = jax.device_get(value) if isinstance(value, jax.Array) else value
+        return self.convert(np.asarray(host).astype(self.dtype))
 
 
 def cut(data: np.ndarray, dtype: np.dtype, box: Region, places: Placement) -> list[tuple[Region, np.ndarray]]:
@@ -170,6 +183,9 @@ class PrngKeys(Form):
         spread = jax.make_array_from_callback(data.shape, self.sharding, lambda index: data[index])
         return jax.random.wrap_key_data(spread, impl=stored.prng_impl)
 
+    def tie(self, value: Any) -> Any:
+        return value if self.sharding is None else jax.device_put(value, self.sharding)
+
 
 @dataclasses.dataclass(frozen=True)
 class Text(Form):
@@ -186,6 +202,9 @@ class Text(Form):
     def convert(self, data: np.ndarray) -> Any:
         raw = data.tobytes()
         return raw.decode("utf-8") if self.type_name == "str" else raw
+
+    def tie(self, value: Any) -> Any:
+        return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +238,9 @@ class OwnValue(Form):
             raise CheckpointMismatchError(f"leaf {stored.where} of {ckpt.url}: {mismatch}")
         return [((), self.target)]
 
+    def tie(self, value: Any) -> Any:
+        return value
+
 
 @dataclasses.dataclass(frozen=True)
 class EveryValue(Form):
@@ -234,6 +256,9 @@ class EveryValue(Form):
     def fetch(self, ckpt: _reader.Checkpoint, stored: _reader.StoredLeaf, box: Region,
               places: Placement) -> list[Any]:
         return [((), {process: ckpt.read_own(stored, process) for process in range(stored.processes or 0)})]
+
+    def tie(self, value: Any) -> Any:
+        return value
 
 
 def _saved_as(stored: _reader.StoredLeaf) -> str:
@@ -261,6 +286,12 @@ class Sharded(Form):
             return by_region[region_of(index, stored.shape)]
 
         return jax.make_array_from_callback(stored.shape, self.sharding, piece)
+
+    def tie(self, value: Any) -> Any:
+        if isinstance(value, jax.Array):
+            return jax.device_put(value, self.sharding).astype(self.dtype)
+        data = np.asarray(value).astype(self.dtype)
+        return jax.make_array_from_callback(data.shape, self.sharding, lambda index: data[index])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,26 +388,103 @@ class Request:
         return _dtypes.nbytes(self.stored.shape, self.form.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """A target leaf restored from the saved leaf `name`, read for it."""
+
+    name: str
+
+    def value(self, values: Mapping[str, Any]) -> Any:
+        return values[self.name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tied:
+    """A target leaf renamed onto a saved leaf another target leaf restores from: made
+    of that one's value, in its own `form`."""
+
+    name: str
+    form: Form
+
+    def value(self, values: Mapping[str, Any]) -> Any:
+        return self.form.tie(values[self.name])
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """A target leaf the checkpoint lacks, restored as itself (`fallback=True`)."""
+
+    leaf: Any
+
+    def value(self, values: Mapping[str, Any]) -> Any:
+        return self.leaf
+
+
+@dataclasses.dataclass(frozen=True)
+class Assembly:
+    """How the restored tree is made of the values read (by saved name): one source per
+    target leaf, in the order of `treedef`'s leaves."""
+
+    treedef: Any
+    sources: list[Read | Tied | Kept]
+
+    def build(self, values: Mapping[str, Any]) -> Any:
+        return jax.tree_util.tree_unflatten(self.treedef, [source.value(values) for source in self.sources])
+
+    def kept(self) -> tuple[int, int]:
+        """How many target leaves fell back to their own values, and their bytes."""
+        kept = [source.leaf for source in self.sources if isinstance(source, Kept)]
+        return len(kept), sum(int(np.asarray(leaf).nbytes) if not isinstance(leaf, jax.Array) else leaf.nbytes
+                              for leaf in kept if not isinstance(leaf, (str, bytes)))
+
+
 def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial: bool,
-           load_and_broadcast: bool, *, values: bool = True) -> tuple[list[Request], Any]:
-    """One request per target leaf; raises listing every mismatch before any read. With
-    `partial`, the checkpoint's leaves that the target lacks are skipped, never read.
-    Without `values`, saved Python scalars are not read to check that they fit their
-    target (a process with no copy of the local tier's step leaves that to others)."""
+          load_and_broadcast: bool, *, values: bool = True, rename: _renames.Rename | None = None,
+          fallback: bool = False) -> tuple[list[Request], Assembly]:
+    """One request per saved leaf to read, and how the target's leaves are made of them;
+    raises listing every mismatch before any read. With `partial`, the checkpoint's
+    leaves that the target lacks are skipped, never read. Without `values`, saved Python
+    scalars are not read to check that they fit their target (a process with no copy of
+    the local tier's step leaves that to others). `rename` gives the checkpoint's name of
+    each target leaf's (None: not from the checkpoint); target leaves renamed onto one
+    saved leaf read it once. With `fallback`, target leaves the checkpoint lacks are
+    kept as they are (each must be a concrete value)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    to_saved = rename or _renames.unchanged
     problems: list[_mismatch.Problem] = []
     requests: list[Request] = []
+    sources: list[Read | Tied | Kept] = []
+    renamed: dict[str, tuple[str, str]] = {}  # of the target's leaves the checkpoint lacks: own name, name looked up
+    looked_up: dict[str, _mismatch.Shaped] = {}  # the names looked up of the target's leaves the checkpoint lacks
+    concrete = True  # whether each of those is a value fallback=True can keep
     seen: set[str] = set()
     for path, leaf in flat:
         where = _tree.describe_path(path)
-        name = ckpt.name_of(tuple(path))
-        stored = ckpt.leaves.get(name)
-        if stored is None:
-            problems.append((path, _mismatch.MISSING))
+        own = ckpt.name_of(tuple(path))
+        name = to_saved(own)
+        if name is None or (stored := ckpt.leaves.get(name)) is None:
+            if fallback and _concrete(leaf):
+                sources.append(Kept(leaf))
+                continue
+            concrete = concrete and _concrete(leaf)
+            text = (_mismatch.MISSING if name == own else
+                    _mismatch.RENAMED_AWAY if name is None else _mismatch.RENAMED_MISSING)
+            if fallback:
+                text += (", and fallback=True keeps only a concrete target value (a jax.Array, numpy array or "
+                         f"scalar, a Python scalar, str or bytes), not a {type(leaf).__qualname__}")
+            if name is not None:
+                looked_up[where] = (name, _shape_of(leaf))
+                if name != own:
+                    renamed[where] = (own, name)
+            problems.append((path, text))
             continue
-        seen.add(name)
         request, shape = _request_for(leaf, stored, where, load_and_broadcast)
-        requests.append(request)
+        if name in seen:
+            sources.append(Tied(name, request.form))
+        else:
+            seen.add(name)
+            requests.append(request)
+            sources.append(Read(name))
         if shape != stored.shape:
             problems.append((path, f"shape {stored.shape} in the checkpoint, {shape} in the target"))
         elif (mismatch := request.form.mismatch(stored, allow_dtype_cast)) is not None:
@@ -385,11 +493,28 @@ def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial
               and _scalar_fits(stored, request.form.dtype)):
             if (inexact := _inexact_scalar(ckpt, stored, request.form.dtype)) is not None:
                 problems.append((path, inexact))
-    extra = [stored.path for name, stored in ckpt.leaves.items() if name not in seen]
+    extra = [stored for name, stored in ckpt.leaves.items() if name not in seen]
     if problems or (extra and not partial):
-        raise CheckpointMismatchError(_mismatch.report(ckpt.url, problems, [path for path, _ in flat], extra,
-                                                       [stored.path for stored in ckpt.leaves.values()], partial))
-    return requests, treedef
+        raise CheckpointMismatchError(_mismatch.report(
+            ckpt.url, problems, [path for path, _ in flat], [stored.path for stored in extra],
+            [stored.path for stored in ckpt.leaves.values()], partial, labels=renamed,
+            names=_mismatch.Names(looked_up, {stored.where: (stored.name, stored.shape) for stored in extra}),
+            fallback_helps=concrete and not fallback))
+    return requests, Assembly(treedef, sources)
+
+
+_CONCRETE = (jax.Array, np.ndarray, np.generic, bool, int, float, complex, str, bytes)
+
+
+def _shape_of(leaf: Any) -> tuple[int, ...] | None:
+    """A target leaf's shape where it has one of its own (a Sharding takes the saved one)."""
+    shape = getattr(leaf, "shape", None)
+    return tuple(shape) if shape is not None and not isinstance(leaf, jax.sharding.Sharding) else None
+
+
+def _concrete(leaf: Any) -> bool:
+    """Whether `fallback=True` can keep a target leaf as it is: a value, not a description of one."""
+    return isinstance(leaf, _CONCRETE)
 
 
 def _scalar_fits(stored: _reader.StoredLeaf, dtype: np.dtype) -> bool:

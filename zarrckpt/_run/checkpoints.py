@@ -10,6 +10,7 @@ from typing import Any
 
 from .. import _commit, _options, _save, _storage
 from .._format import naming as _naming
+from .._restore import renames as _renames
 from . import steps as _steps
 from .guards import RefuseIfHeld
 from .same_chunks import SameChunksSince
@@ -184,6 +185,8 @@ def load_checkpoint_if_it_exists(
     max_workers: int | None = None,
     progress: bool | None = None,
     timeout_s: float = _options.DEFAULT_TIMEOUT_S,
+    rename: _renames.Given = None,
+    fallback: bool = False,
 ) -> tuple[Any, int]:
     """Restores the newest committed step under `checkpoint_dir` onto `target`.
 
@@ -196,6 +199,8 @@ def load_checkpoint_if_it_exists(
       target: as for `load_pytree`.
       storage_options, partial, allow_dtype_cast, donate_target: as for `load_pytree`.
       load_and_broadcast, max_inflight_bytes, max_workers, progress: as for `load_pytree`.
+      rename, fallback: as for `load_pytree` (with fallback=True, step 0 of a run
+        imported from weights alone restores a whole training state).
       timeout_s: how long a process waits for process 0's choice of step.
 
     Returns:
@@ -210,7 +215,8 @@ def load_checkpoint_if_it_exists(
     """
     options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast, donate_target=donate_target,
                                    load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
-                                   max_workers=max_workers, progress=progress)
+                                   max_workers=max_workers, progress=progress, rename=_renames.parse(rename),
+                                   fallback=fallback)
     _options.check("timeout_s", timeout_s, _options.NUMBER)
     root = _storage.resolve(checkpoint_dir, storage_options)
     state, step, _ = _steps.restore_latest(root, target, options, timeout_s, None)
@@ -230,6 +236,8 @@ def load_checkpoint(
     max_inflight_bytes: int = _options.DEFAULT_MAX_INFLIGHT_BYTES,
     max_workers: int | None = None,
     progress: bool | None = None,
+    rename: _renames.Given = None,
+    fallback: bool = False,
 ) -> Any:
     """Restores committed step `step` under `checkpoint_dir` onto `target`, as an
     evaluator does for each step `checkpoints_iterator` yields.
@@ -241,6 +249,7 @@ def load_checkpoint(
       step: the step to restore.
       target, storage_options, partial, allow_dtype_cast, donate_target: as for `load_pytree`.
       load_and_broadcast, max_inflight_bytes, max_workers, progress: as for `load_pytree`.
+      rename, fallback: as for `load_pytree`.
 
     Returns:
       The restored pytree.
@@ -253,7 +262,8 @@ def load_checkpoint(
     step = _naming.step_number(step)
     options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast, donate_target=donate_target,
                                    load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
-                                   max_workers=max_workers, progress=progress)
+                                   max_workers=max_workers, progress=progress, rename=_renames.parse(rename),
+                                   fallback=fallback)
     root = _storage.resolve(checkpoint_dir, storage_options)
     return _steps.load_step(root, step, target, options, None)[0]
 

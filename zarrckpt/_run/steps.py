@@ -154,6 +154,11 @@ def _read(ckpt: _reader.Checkpoint, target: Any, options: _options.LoadOptions,
 
     if known is None:
         return read()
+    if options.rename is not None:
+        # The state's leaves are named as the target's, not as the step's leaves they
+        # hold: a later save takes none of its chunks for unchanged.
+        known.forget()
+        return read()
     arrays = any(isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, jax.sharding.Sharding))
                  for leaf in jax.tree_util.tree_leaves(target))  # else numpy values: nothing a save reuses
     return known.read(ckpt, read, arrays=arrays)

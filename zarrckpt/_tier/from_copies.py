@@ -119,7 +119,8 @@ class CopyReader:
         def matching() -> None:  # reads the saved scalars that decide whether they fit
             try:
                 matched.extend(_match.match(ckpt, self.target, self.options.allow_dtype_cast, self.options.partial,
-                                            True, values=mine)
+                                            True, values=mine, rename=self.options.rename,
+                                            fallback=self.options.fallback)
                                if self.target is not None else
                                ([_match.Request(s, _match.saved_form(s)) for s in ckpt.leaves.values()], None))
             except (CheckpointMismatchError, UnsupportedLeafError):  # the target's fault, never the copy's
