@@ -8,8 +8,10 @@ from __future__ import annotations
 import os
 import shutil
 import urllib.parse
+from collections.abc import Sequence
 from pathlib import Path
 
+import crc32c
 import fsspec
 import jax
 import jax.numpy as jnp
@@ -933,3 +935,50 @@ def test_a_donated_leaf_is_refused_with_reuse_on_as_with_it_off(tmp_path, reuse)
         mgr.save(3, {"w": fsdp(jnp.arange(4096.0) + 3)})
     assert zarrckpt.all_steps(str(tmp_path)) == [1, 3]
     np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), 3)["w"]), np.arange(4096.0) + 3)
+
+
+def same_crc32c(data: bytes, positions: Sequence[int]) -> bytes:
+    """`data` with some bits of the bytes at `positions` flipped so that its CRC-32C is
+    unchanged (CRC is linear over GF(2): 64 bits of freedom against 32 of checksum leave
+    a combination of flips whose checksum difference is zero)."""
+    zero = crc32c.crc32c(bytes(len(data)))
+    basis: dict[int, tuple[int, int]] = {}  # the top bit of a difference -> (difference, flips making it)
+    for i in range(8 * len(positions)):
+        flip = bytearray(len(data))
+        flip[positions[i // 8]] = 1 << (i % 8)
+        difference, flips = crc32c.crc32c(bytes(flip)) ^ zero, 1 << i
+        while difference:
+            top = difference.bit_length() - 1
+            if top not in basis:
+                basis[top] = (difference, flips)
+                break
+            difference, flips = difference ^ basis[top][0], flips ^ basis[top][1]
+        else:
+            out = bytearray(data)
+            for j in range(8 * len(positions)):
+                if flips >> j & 1:
+                    out[positions[j // 8]] ^= 1 << (j % 8)
+            return bytes(out)
+    raise AssertionError("no combination found")
+
+
+@pytest.mark.parametrize("saver", ["manager", "unchanged_since"])
+def test_a_changed_chunk_of_the_same_crc32c_and_size_is_written_never_made_from_the_step(tmp_path, saver):
+    """A chunk's CRC-32C and size are only a first look: a chunk of other bytes with the
+    same checksum (one in 2**32 changed chunks, by chance) is read from the step and
+    compared byte for byte, and written."""
+    values = np.arange(1024, dtype=np.int32)
+    forged = np.frombuffer(same_crc32c(values.tobytes(), [100, 101, 102, 103, 2000, 2001, 2002, 2003]), np.int32)
+    assert crc32c.crc32c(forged.tobytes()) == crc32c.crc32c(values.tobytes())
+    assert not np.array_equal(forged, values)
+    states = [{"x": jnp.asarray(values)}, {"x": jnp.asarray(forged)}]
+    if saver == "manager":
+        with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+            for step, state in enumerate(states, 1):
+                mgr.save(step, state)
+    else:
+        zarrckpt.save_checkpoint(str(tmp_path), 1, states[0])
+        zarrckpt.save_checkpoint(str(tmp_path), 2, states[1], unchanged_since=1)
+    assert inodes(tmp_path / "0000000002", "x") != inodes(tmp_path / "0000000001", "x")
+    np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), 2)["x"]), forged)
+    assert zarrckpt.verify(str(tmp_path / "0000000002")).ok

@@ -1,10 +1,13 @@
 """A chunk a save writes that a committed step holds byte for byte is made from that
 step's chunk (`Location.copy_new`: a hard link on a local disk, a copy inside S3 or
-GCS) instead of written: its CRC-32C and size are the ones the step's commit records
-for the chunk of the same name (see `_format.vouched`), and it is made only from the
-version of that chunk the step became known with, which the store checks (in the
-copy's own request on S3 and GCS, on the link made on a local disk). A chunk rewritten
-or deleted since is another version, or none: its bytes, in hand, are written instead.
+GCS) instead of written. Its CRC-32C and size are the ones the step's commit records
+for the chunk of the same name (see `_format.vouched`), which most changed chunks fail
+at no cost; one that passes is read from the step and compared byte for byte, since a
+32-bit checksum alone would take one changed chunk in 2**32 for unchanged. It is made
+only from the version of that chunk the step became known with, which the store
+checks (in the copy's own request on S3 and GCS, on the link made on a local disk): a
+chunk rewritten or deleted since, even between the read and the copy, is another
+version, or none, and its bytes, in hand, are written instead.
 
 `SameChunks` is the decision; `SameChunksSince` is `save_checkpoint`'s `unchanged_since`,
 which knows the step from its commit's record alone. A manager's `ReuseUnchanged`
@@ -19,14 +22,19 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from .. import _commit, _storage
 from .._format import vouched as _vouched
 from .._save.collaborators import NoReuse, Reused
 from .._save.plan import ArrayPlan
 from .._storage.store import SourceChanged, size_of
 from .._util import multihost as _multihost, progress as _progress
+from ..errors import CheckpointError
 
 log = logging.getLogger("zarrckpt")
+# Bytes compared in one numpy comparison: its array of booleans stays this small.
+_COMPARED_AT_ONCE = 4 * 2**20
 
 
 @dataclasses.dataclass
@@ -49,7 +57,7 @@ class SameChunks:
         nbytes = sum(memoryview(part).nbytes for part in parts)
         version = self.versions.get(key)
         if (self.source is None or crc is None or version is None or self.crcs.get(key) != crc
-                or size_of(version) != nbytes):
+                or size_of(version) != nbytes or not self._holds(key, parts, nbytes)):
             return loc.write_new(key, *parts), True
         try:
             made = loc.copy_new(key, self.source, nbytes=nbytes, expect=version)
@@ -58,6 +66,24 @@ class SameChunks:
         with self._lock:
             self.made_bytes += nbytes
         return made, False
+
+    def _holds(self, key: str, parts: Sequence[Any], nbytes: int) -> bool:
+        """Whether the chunk `key` of `source` is, as read now, the bytes `parts`; False
+        where it cannot be read (gone, not a file, the store failing: then it is written)."""
+        assert self.source is not None
+        try:
+            held = np.frombuffer(self.source.read(key, limit=nbytes + 1), np.uint8)
+        except (OSError, CheckpointError):
+            return False
+        offset = 0
+        for part in parts:
+            mine = np.frombuffer(memoryview(part).cast("B"), np.uint8)
+            for start in range(0, mine.size, _COMPARED_AT_ONCE):
+                end = min(start + _COMPARED_AT_ONCE, mine.size)
+                if held.size < offset + end or not np.array_equal(held[offset + start:offset + end], mine[start:end]):
+                    return False
+            offset += mine.size
+        return offset == held.size
 
     def say(self, option: str) -> None:
         """Logs, on process 0, what was made from `source` (nothing where nothing was)."""
