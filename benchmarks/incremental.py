@@ -30,6 +30,23 @@ medians and step by step (the median of each step's ratio):
 Targets (issue 36): bytes <= 0.06x a full save; async blocking <= 0.1x and a sync save
 <= 0.15x reuse turned off; a full fine-tune within 5% of reuse turned off; a restore as
 fast as a whole step's.
+
+Users' fine-tunes (issue 68; --targets nnx,processes,small), each with reuse on and off
+side by side, per save (saves 2 on), best / median: the bytes written against the bytes
+of the leaves that changed and a full save's, a sync save's time and an async `save`'s
+blocking time:
+  nnx        a flax NNX LoRA fine-tune (tests/nnx_lora.py): --nnx-blocks GPT-width decoder
+             blocks (d=768), the bf16 base sharded by rows over every device,
+             `nnx.LoRALinear` on q and v, an `nnx.Optimizer` over the LoRA parameters
+             alone, an `nnx.jit` train step (which rebuilds every parameter), saved every
+             step; target: bytes written <= 2x the bytes that changed;
+  processes  the same fine-tune saved by --processes processes (jax.distributed on
+             localhost, gloo, the devices split among them) and by one process; target:
+             bytes within 1.1x of one process's;
+  small      a frozen base of 64 leaves of 256 KiB rebuilt every step (`+ 0`) and a
+             changing adapter; target: bytes <= 0.15x a full save.
+The full fine-tune's row of the local disk (--targets local) is the fourth case: save
+time with reuse on within 5% of reuse off.
 """
 
 from __future__ import annotations
@@ -60,7 +77,12 @@ def parse_args(argv=None):
     parser.add_argument("--loop-steps", type=int, default=8, help="steps of a round of the training loop (default 8)")
     parser.add_argument("--batch", type=int, default=64,
                         help="tokens of a step of the training loop (default 64)")
-    parser.add_argument("--targets", default="local,s3", help="local, s3 or both (default local,s3)")
+    parser.add_argument("--targets", default="local,s3,nnx,processes,small",
+                        help="any of local, s3, nnx, processes, small (default all)")
+    parser.add_argument("--nnx-blocks", type=int, default=4,
+                        help="decoder blocks of the NNX fine-tune, d=768 (default 4)")
+    parser.add_argument("--processes", type=int, default=4,
+                        help="processes of the multi-process case (default 4; they share the devices)")
     parser.add_argument("--dir", default="/dev/shm",
                         help="where local runs write: in a new directory made there and removed at the end, "
                              "nothing else in it touched (default /dev/shm; a real disk for the disk's figures)")
@@ -310,6 +332,13 @@ def main(argv=None) -> None:
                               steps=args.loop_steps)
         if "s3" in args.targets:
             s3(root, (base, adapters, opt_state), optimizer, args.saves, full_save)
+        if "nnx" in args.targets:
+            users_case("nnx: flax NNX LoRA, d=768", root / "nnx", nnx_lora_steps(args.nnx_blocks), args.saves)
+        if "small" in args.targets:
+            users_case("small: 64 frozen leaves of 256 KiB rebuilt, an adapter", root / "small", small_leaves_steps(),
+                       args.saves)
+        if "processes" in args.targets:
+            processes(root / "processes", args.processes, args.nnx_blocks, args.saves)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -348,5 +377,189 @@ def s3(root: Path, state, optimizer, saves: int, full_save: int) -> None:
         server.stop()
 
 
+# -- users' fine-tunes (issue 68) ------------------------------------------------------------
+
+def nnx_lora_steps(blocks: int):
+    """A function making a fresh NNX LoRA fine-tune's steps: each call of what it returns
+    trains a step and gives the state to save (`nnx.state((model, optimizer))`)."""
+    import jax
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from jax.sharding import Mesh
+    from nnx_lora import lora_fine_tune, state_of
+
+    def fresh():
+        model, optimizer, train = lora_fine_tune(Mesh(jax.devices(), ("fsdp",)), blocks=blocks)
+
+        def advance(step: int):
+            train(model, optimizer, step)
+            return state_of(model, optimizer)
+
+        return advance
+
+    return fresh
+
+
+def small_leaves_steps():
+    """A function making fresh steps of a frozen base of 64 leaves of 256 KiB (sharded over
+    every device), rebuilt as new arrays by each step, beside an adapter that changes."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    rows = NamedSharding(Mesh(jax.devices(), ("fsdp",)), P("fsdp"))
+
+    @jax.jit
+    def step_fn(state, seed):
+        return {"base": jax.tree.map(lambda w: w + 0, state["base"]),
+                "adapter": jax.random.normal(jax.random.key(seed), state["adapter"].shape)}
+
+    def fresh():
+        state = {"base": {f"w{i:02d}": jax.device_put(jax.random.normal(jax.random.key(i), (256, 256)), rows)
+                          for i in range(64)}, "adapter": jnp.zeros((256, 8))}
+
+        def advance(step: int):
+            nonlocal state
+            state = step_fn(state, step)
+            return state
+
+        return advance
+
+    return fresh
+
+
+def changed_bytes(before, after) -> int:
+    """The bytes of the leaves of host copies `after` that differ from `before`'s."""
+    return sum(b.nbytes for a, b in zip(before, after) if a.tobytes() != b.tobytes())
+
+
+def save_side_by_side(urls: dict[bool, str], advance, saves: int, asynchronous: bool
+                      ) -> tuple[dict[bool, dict[str, list[float]]], list[int], int]:
+    """Trains `saves` steps (`advance`); each step's state is saved by two managers side by
+    side, reuse on and off (`urls` by `reuse_unchanged`), taking turns to go first.
+    Returns, per manager, how long each `save` blocked and the bytes its step's new files
+    hold (saves 2 on), the bytes of the leaves each step changed, and a full save's bytes."""
+    import jax
+    import numpy as np
+
+    import zarrckpt
+
+    out: dict[bool, dict[str, list[float]]] = {reuse: {"blocked": [], "bytes": []} for reuse in urls}
+    changed: list[int] = []
+    before = None
+    with contextlib.ExitStack() as stack:
+        managers = {reuse: stack.enter_context(zarrckpt.CheckpointManager(
+            url, reuse_unchanged=reuse, async_save=asynchronous, keep_last=2)) for reuse, url in urls.items()}
+        for step in range(1, saves + 1):
+            state = advance(step)
+            jax.block_until_ready(state)
+            now = [np.asarray(leaf) for leaf in jax.tree.leaves(state)]
+            for reuse in sorted(urls, reverse=step % 2 == 1):
+                started = time.perf_counter()
+                managers[reuse].save(step, state)
+                blocked = time.perf_counter() - started
+                managers[reuse].wait()  # never two saves at once
+                if step > 1:
+                    out[reuse]["blocked"].append(blocked)
+                    out[reuse]["bytes"].append(new_bytes(Path(urls[reuse]) / f"{step:010d}"))
+            if before is not None:
+                changed.append(changed_bytes(before, now))
+            before = now
+    return out, changed, sum(leaf.nbytes for leaf in before or [])
+
+
+def users_case(title: str, root: Path, fresh, saves: int) -> None:
+    """One of issue 68's cases on the local disk: bytes and sync save time (sync saves),
+    then the async `save`'s blocking time, with reuse on and off."""
+    sync, changed, full = save_side_by_side({reuse: str(root / f"sync-{reuse}") for reuse in (True, False)},
+                                            fresh(), saves, asynchronous=False)
+    asynchronous, _, _ = save_side_by_side({reuse: str(root / f"async-{reuse}") for reuse in (True, False)},
+                                           fresh(), saves, asynchronous=True)
+    on, off = sync[True]["bytes"], sync[False]["bytes"]
+    print(f"\n{title}: a full save {full / 2**20:.2f} MiB, changed per save {best_median([c / 2**20 for c in changed])}"
+          " MiB (per save, best / median; ratio of medians, and the median of each step's ratio):")
+    print("| | reuse on | reuse off | ratio | step by step |")
+    print("|---|---|---|---|---|")
+    print(f"| bytes written, MiB | {best_median([v / 2**20 for v in on])} | {best_median([v / 2**20 for v in off])} | "
+          f"{ratios(on, off)} |")
+    print(f"| bytes written (x the bytes changed) | {best_median([v / c for v, c in zip(on, changed)])} | "
+          f"{best_median([v / c for v, c in zip(off, changed)])} | | |")
+    print(f"| bytes written (x a full save) | {best_median([v / full for v in on])} | "
+          f"{best_median([v / full for v in off])} | | |")
+    print(f"| sync save, s | {best_median(sync[True]['blocked'])} | {best_median(sync[False]['blocked'])} | "
+          f"{ratios(sync[True]['blocked'], sync[False]['blocked'])} |")
+    print(f"| async save blocks, s | {best_median(asynchronous[True]['blocked'])} | "
+          f"{best_median(asynchronous[False]['blocked'])} | "
+          f"{ratios(asynchronous[True]['blocked'], asynchronous[False]['blocked'])} |")
+
+
+def processes(root: Path, count: int, blocks: int, saves: int) -> None:
+    """The NNX fine-tune saved with reuse on by `count` processes sharing the devices
+    (jax.distributed on localhost, gloo) and by one process holding them all: bytes
+    written per save and a sync save's time (process 0's), side by side."""
+    import json
+    import socket
+    import subprocess
+
+    import jax
+
+    devices = jax.device_count()
+    results = {}
+    for n in (1, count):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        directory = root / f"{n}-processes"
+        env = dict(os.environ, JAX_PLATFORMS="cpu",
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices // n}")
+        procs = [subprocess.Popen([sys.executable, __file__, "--process-of", f"127.0.0.1:{port}", str(n), str(pid),
+                                   str(directory), str(blocks), str(saves)], env=env) for pid in range(n)]
+        if any(proc.wait() for proc in procs):
+            raise RuntimeError(f"the {n}-process job failed: exit codes {[proc.returncode for proc in procs]}")
+        results[n] = json.loads((directory / "result.json").read_text())
+    one, many = results[1], results[count]
+    print(f"\nprocesses: the NNX fine-tune ({blocks} blocks) saved with reuse on by {count} processes of "
+          f"{devices // count} devices and by 1 of {devices} (per save, best / median; ratio of medians, and "
+          "the median of each step's ratio):")
+    print(f"| | {count} processes | 1 process | ratio | step by step |")
+    print("|---|---|---|---|---|")
+    print(f"| bytes written, MiB | {best_median([v / 2**20 for v in many['bytes']])} | "
+          f"{best_median([v / 2**20 for v in one['bytes']])} | {ratios(many['bytes'], one['bytes'])} |")
+    print(f"| sync save, s | {best_median(many['blocked'])} | {best_median(one['blocked'])} | "
+          f"{ratios(many['blocked'], one['blocked'])} |")
+
+
+def process_of(coordinator: str, count: str, pid: str, directory: str, blocks: str, saves: str) -> None:
+    """One process of `processes`' job: trains and saves the NNX fine-tune with reuse on;
+    process 0 writes the bytes of each step's new files and how long each `save` took
+    (saves 2 on) to DIRECTORY/result.json."""
+    import json
+
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if int(count) > 1:
+        jax.distributed.initialize(coordinator, num_processes=int(count), process_id=int(pid))
+
+    import zarrckpt
+
+    advance = nnx_lora_steps(int(blocks))()
+    out: dict[str, list[float]] = {"bytes": [], "blocked": []}
+    with zarrckpt.CheckpointManager(directory, async_save=False, keep_last=2) as mgr:
+        for step in range(1, int(saves) + 1):
+            state = advance(step)
+            jax.block_until_ready(state)
+            started = time.perf_counter()
+            mgr.save(step, state)
+            if step > 1:
+                out["blocked"].append(time.perf_counter() - started)
+                out["bytes"].append(new_bytes(Path(directory) / f"{step:010d}"))
+    if jax.process_index() == 0:
+        Path(directory, "result.json").write_text(json.dumps(out))
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--process-of"]:
+        process_of(*sys.argv[2:])
+    else:
+        main()

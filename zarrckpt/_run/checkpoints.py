@@ -106,18 +106,18 @@ def save_checkpoint(
 
     Args:
       unchanged_since: a committed step of `checkpoint_dir`. Each chunk this save
-        writes whose bytes are the very chunk that step's commit records under the same
-        name (its CRC-32C and size) is made from that step's (a hard link on a local
-        disk, a copy inside S3 or GCS) instead of written, and only from the version of
-        it the commit records: a chunk rewritten or deleted since is never made from, its
-        bytes are written instead. What the commit records is all it takes: the step may
-        have been saved by another process or before a restart. Every leaf is still
-        copied off its devices and checksummed; what is saved is the bytes written (a
-        disk's space, an object store's uploads). A `CheckpointManager` also skips the
-        copy off the devices for leaves it finds unchanged (`reuse_unchanged`). A step
-        that is not committed, cannot be read, or records no checksums (saved with
-        `checksums=False`) makes nothing: every chunk is written, with a warning. The new
-        step is complete on its own.
+        writes that step holds byte for byte under the same name (its CRC-32C and size
+        as the step's commit records them, then its bytes as read) is made from that
+        step's (a hard link on a local disk, a copy inside S3 or GCS) instead of
+        written, and only from the version of it the commit records: a chunk rewritten
+        or deleted since is never made from, its bytes are written instead. What the
+        step holds is all it takes: it may have been saved by another process or before
+        a restart. Every leaf is still copied off its devices and checksummed; what is
+        saved is the bytes written (a disk's space, an object store's uploads). A
+        `CheckpointManager` also skips the copy off the devices for leaves it finds
+        unchanged (`reuse_unchanged`). A step that is not committed, cannot be read, or
+        records no checksums (saved with `checksums=False`) makes nothing: every chunk
+        is written, with a warning. The new step is complete on its own.
 
     Raises what `save_pytree` raises; CheckpointExistsError if the step is committed
     and `overwrite` is False, ValueError for a bad step (or `unchanged_since` equal to
