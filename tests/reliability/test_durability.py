@@ -49,7 +49,7 @@ def events(request, monkeypatch):
         return write(fd, data)
 
     def linking(src, dst, *, src_dir_fd=None, dst_dir_fd=None, follow_symlinks=True):
-        seen.append(("write", os.path.join(path_of(dst_dir_fd), dst) if dst_dir_fd is not None else str(dst)))
+        seen.append(("link", os.path.join(path_of(dst_dir_fd), dst) if dst_dir_fd is not None else str(dst)))
         return link(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, follow_symlinks=follow_symlinks)
 
     def syncing_all(fd):
@@ -81,12 +81,17 @@ def events(request, monkeypatch):
 
 
 def synced_before(events: list[tuple[str, str]], end: int, path: str) -> bool:
-    """Whether `path` (a file, or a directory: what was written inside it) was on stable
-    storage at event `end`: synced itself, or its whole file system, after the last
-    write to it."""
+    """Whether `path` (a file, or a directory: what was written or linked inside it) was
+    on stable storage at event `end`: synced itself, or its whole file system, after the
+    last write to it. A file made only by a hard link is the file it links, which the
+    save that wrote it synced before its own commit: what the link adds is an entry of
+    its directory, which is looked at as the directory's."""
     written = [i for i, (what, where) in enumerate(events[:end])  # not the commit's own file, written aside
-               if what in ("write", "rename") and (where == path or os.path.dirname(where) == path)
-               and not where.endswith(".tmp")]
+               if not where.endswith(".tmp") and (what in ("write", "rename") and where == path
+                                                  or what in ("write", "rename", "link")
+                                                  and os.path.dirname(where) == path)]
+    if not written and ("link", path) in events[:end]:
+        return True
     last = written[-1] if written else -1
     return any(what == "syncfs" or what in ("fsync", "fdatasync") and where == path  # one file system here
                for what, where in events[last + 1:end])
@@ -100,10 +105,11 @@ def test_a_commit_is_on_stable_storage_before_its_marker(tmp_path, events, kept,
     state = {"w": np.arange(2**16, dtype=np.float32), "b": np.ones(8), "step": 1}
     with zarrckpt.CheckpointManager(str(run), keep_last=1) as mgr:
         mgr.save(1, state)
-        mgr.save(2, state)  # its retention deletes step 1
+        mgr.save(2, state)  # its retention deletes step 1; its chunks are step 1's, linked
     step = run / "0000000002"
     marker = str(step / "zarr.json")
     commit = events.index(("rename", marker), events.index(("rename", marker)) + 1)  # the second: the commit
+    assert any(what == "link" and where.startswith(str(step)) for what, where in events[:commit])
     files = [str(p) for p in step.rglob("*") if p.is_file() and p != step / "zarr.json"]
     assert len(files) == 6 and [f for f in files if not synced_before(events, commit, f)] == []  # chunks, metadata
     directories = [str(p) for p in step.rglob("*") if p.is_dir()]
