@@ -195,6 +195,40 @@ def test_tied_weights_renamed_onto_one_saved_leaf_each_get_its_values_on_their_o
     assert ": 1 leaves, " in line, line  # read once
 
 
+def _buffers(array: jax.Array) -> set[int]:
+    return {shard.data.unsafe_buffer_pointer() for shard in array.addressable_shards}
+
+
+def test_tied_weights_on_one_sharding_get_buffers_of_their_own_so_a_donating_step_runs(tmp_path):
+    saved = save_v1(str(tmp_path / "v1"))
+    kernel = saved["params"]["encoder"]["proj"]["kernel"]
+    sharding = NamedSharding(mesh((2, 4)), P("x", "y"))
+    target = {"embed": jax.ShapeDtypeStruct(kernel.shape, jnp.float32, sharding=sharding),
+              "unembed": jax.ShapeDtypeStruct(kernel.shape, jnp.float32, sharding=sharding)}
+    restored = zarrckpt.load_pytree(str(tmp_path / "v1"), target, rename=[(r"^\w+$", "params.encoder.proj.kernel")],
+                                    partial=True)
+    assert not _buffers(restored["embed"]) & _buffers(restored["unembed"])
+    step = jax.jit(lambda s: jax.tree_util.tree_map(lambda a: a + 1, s), donate_argnums=0)
+    stepped = step(restored)
+    np.testing.assert_array_equal(np.asarray(stepped["unembed"]), np.asarray(kernel) + 1)
+
+
+def test_a_fallback_leaf_that_is_a_donated_target_array_comes_back_alive(tmp_path):
+    saved = save_v1(str(tmp_path / "v1"))
+    m = mesh((2, 4))
+    params = V1.init(jax.random.key(1), X)["params"]
+    params = jax.device_put(params, shardings(params, m))
+    own = jax.tree_util.tree_map(np.asarray, params)
+    # v2 adds an EMA of the params, started as the params themselves (the same arrays)
+    restored = zarrckpt.load_pytree(str(tmp_path / "v1"), {"params": params, "ema": params}, partial=True,
+                                    fallback=True, donate_target=True)
+    for kept, value in zip(jax.tree_util.tree_leaves(restored["ema"]), jax.tree_util.tree_leaves(own), strict=True):
+        assert not kept.is_deleted()
+        np.testing.assert_array_equal(np.asarray(kept), value)
+    np.testing.assert_array_equal(np.asarray(restored["params"]["mlp"]["Dense_0"]["kernel"]),
+                                  np.asarray(saved["params"]["mlp"]["Dense_0"]["kernel"]))
+
+
 def test_a_rename_to_a_name_the_checkpoint_lacks_is_reported_in_the_targets_names(tmp_path):
     save_v1(str(tmp_path / "v1"))
     target = jax.eval_shape(lambda: {"params": V1.init(jax.random.key(0), X)["params"]})

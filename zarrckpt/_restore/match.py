@@ -82,7 +82,9 @@ class Form:
 
     def tie(self, value: Any) -> Any:
         """The value of a target leaf restored from the same saved leaf as another (tied
-        weights), made of that one's restored `value`: nothing more is read."""
+        weights), made of that one's restored `value`: nothing more is read. Its buffers
+        are its own, never `value`'s (a step donating both leaves would donate one buffer
+        twice)."""
         host = jax.device_get(value) if isinstance(value, jax.Array) else value
         return self.convert(np.asarray(host).astype(self.dtype))
 
@@ -184,7 +186,7 @@ class PrngKeys(Form):
         return jax.random.wrap_key_data(spread, impl=stored.prng_impl)
 
     def tie(self, value: Any) -> Any:
-        return value if self.sharding is None else jax.device_put(value, self.sharding)
+        return jax.device_put(value, self.sharding, may_alias=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +291,7 @@ class Sharded(Form):
 
     def tie(self, value: Any) -> Any:
         if isinstance(value, jax.Array):
-            return jax.device_put(value, self.sharding).astype(self.dtype)
+            return jax.device_put(value, self.sharding, may_alias=False).astype(self.dtype)
         data = np.asarray(value).astype(self.dtype)
         return jax.make_array_from_callback(data.shape, self.sharding, lambda index: data[index])
 
@@ -493,6 +495,11 @@ def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial
               and _scalar_fits(stored, request.form.dtype)):
             if (inexact := _inexact_scalar(ckpt, stored, request.form.dtype)) is not None:
                 problems.append((path, inexact))
+    if kept := {id(source.leaf) for source in sources if isinstance(source, Kept)}:
+        # A leaf kept as it is may be the same array as one read (an EMA started as the
+        # params): that array is not deleted (donate_target) before its replacement is read.
+        requests = [dataclasses.replace(r, old=None) if r.old is not None and id(r.old) in kept else r
+                    for r in requests]
     extra = [stored for name, stored in ckpt.leaves.items() if name not in seen]
     if problems or (extra and not partial):
         raise CheckpointMismatchError(_mismatch.report(
