@@ -258,6 +258,22 @@ def test_the_mismatch_report_shows_the_rename_that_maps_a_renamed_prefix_and_lay
     assert_v2_holds_v1(restored, saved, target)
 
 
+def test_the_rename_suggested_past_a_rename_given_is_said_to_apply_after_it(tmp_path):
+    saved = save_v1(str(tmp_path / "v1"))
+    target = v2_target()
+    given = [(r"(^|\.)backbone\.", r"\1encoder."), (r"\.fc_in\.", ".Dense0."), (r"\.fc_out\.", ".Dense_1.")]
+    with pytest.raises(zarrckpt.CheckpointMismatchError) as info:
+        zarrckpt.load_pytree(str(tmp_path / "v1"), target, rename=given, allow_dtype_cast=True)
+    message = str(info.value)
+    assert "rename=[" not in message  # alone, the pairs suggested would undo the given ones
+    suggested = re.search(r"the pairs (\[.*\]) applied after it find (\d+) of the (\d+) target leaves", message)
+    assert suggested is not None, message
+    assert suggested.group(2) == suggested.group(3)
+    restored = zarrckpt.load_pytree(str(tmp_path / "v1"), target, rename=given + eval(suggested.group(1)),
+                                    allow_dtype_cast=True)
+    assert_v2_holds_v1(restored, saved, target)
+
+
 def test_rename_is_checked_at_the_call_naming_the_bad_pair(tmp_path):
     save_v1(str(tmp_path / "v1"))
     url = str(tmp_path / "v1")

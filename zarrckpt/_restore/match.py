@@ -505,7 +505,8 @@ def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial
         raise CheckpointMismatchError(_mismatch.report(
             ckpt.url, problems, [path for path, _ in flat], [stored.path for stored in extra],
             [stored.path for stored in ckpt.leaves.values()], partial, labels=renamed,
-            names=_mismatch.Names(looked_up, {stored.where: (stored.name, stored.shape) for stored in extra}),
+            names=_mismatch.Names(looked_up, {stored.where: (stored.name, stored.shape) for stored in extra},
+                                  renamed=rename is not None),
             fallback_helps=concrete and not fallback))
     return requests, Assembly(treedef, sources)
 
