@@ -213,6 +213,22 @@ def test_tied_weights_on_one_sharding_get_buffers_of_their_own_so_a_donating_ste
     np.testing.assert_array_equal(np.asarray(stepped["unembed"]), np.asarray(kernel) + 1)
 
 
+def test_a_tied_leaf_comes_back_on_its_own_sharding_when_the_leaf_read_is_shared_by_processes(tmp_path, monkeypatch):
+    from zarrckpt._restore import plan
+    # As on several processes: the leaf read is staged on a sharding cut at chunk
+    # boundaries, then shared onto its target's; a leaf tied to it takes its target's.
+    monkeypatch.setattr(plan, "held_by_several_processes", lambda sharding, shape: True)
+    saved = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    zarrckpt.save_pytree(str(tmp_path / "c"), {"w": saved}, max_chunk_bytes=256, min_chunk_bytes=64)
+    m = mesh((2, 4))
+    replicated, rows = NamedSharding(m, P()), NamedSharding(m, P("x"))
+    target = {"a": jax.ShapeDtypeStruct(saved.shape, jnp.float32, sharding=replicated),
+              "b": jax.ShapeDtypeStruct(saved.shape, jnp.float32, sharding=rows)}
+    restored = zarrckpt.load_pytree(str(tmp_path / "c"), target, rename=lambda name: "w")
+    assert restored["a"].sharding == replicated and restored["b"].sharding == rows
+    np.testing.assert_array_equal(np.asarray(restored["b"]), saved)
+
+
 def test_a_fallback_leaf_that_is_a_donated_target_array_comes_back_alive(tmp_path):
     saved = save_v1(str(tmp_path / "v1"))
     m = mesh((2, 4))

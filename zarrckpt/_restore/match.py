@@ -480,7 +480,8 @@ def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial
                     renamed[where] = (own, name)
             problems.append((path, text))
             continue
-        request, shape = _request_for(leaf, stored, where, load_and_broadcast)
+        # A leaf tied to one read is made of its value, on the devices: never staged to share.
+        request, shape = _request_for(leaf, stored, where, load_and_broadcast and name not in seen)
         if name in seen:
             sources.append(Tied(name, request.form))
         else:
