@@ -195,6 +195,18 @@ def test_tied_weights_renamed_onto_one_saved_leaf_each_get_its_values_on_their_o
     assert ": 1 leaves, " in line, line  # read once
 
 
+def test_a_tied_leaf_in_the_saved_dtype_gets_the_saved_values_after_one_cast_to_bf16(tmp_path):
+    saved = save_v1(str(tmp_path / "v1"))
+    kernel = np.asarray(saved["params"]["encoder"]["proj"]["kernel"])
+    target = {"a_bf16": jax.ShapeDtypeStruct(kernel.shape, jnp.bfloat16),
+              "b_f32": jax.ShapeDtypeStruct(kernel.shape, jnp.float32), "c_host": np.zeros_like(kernel)}
+    restored = zarrckpt.load_pytree(str(tmp_path / "v1"), target, rename=[(r"^\w+$", "params.encoder.proj.kernel")],
+                                    partial=True, allow_dtype_cast=True)
+    np.testing.assert_array_equal(np.asarray(restored["b_f32"]), kernel)
+    np.testing.assert_array_equal(restored["c_host"], kernel)
+    np.testing.assert_array_equal(np.asarray(restored["a_bf16"]), kernel.astype(jnp.bfloat16))
+
+
 def _buffers(array: jax.Array) -> set[int]:
     return {shard.data.unsafe_buffer_pointer() for shard in array.addressable_shards}
 
