@@ -195,6 +195,68 @@ def test_tied_weights_renamed_onto_one_saved_leaf_each_get_its_values_on_their_o
     assert ": 1 leaves, " in line, line  # read once
 
 
+def test_a_tied_leaf_in_the_saved_dtype_gets_the_saved_values_after_one_cast_to_bf16(tmp_path):
+    saved = save_v1(str(tmp_path / "v1"))
+    kernel = np.asarray(saved["params"]["encoder"]["proj"]["kernel"])
+    target = {"a_bf16": jax.ShapeDtypeStruct(kernel.shape, jnp.bfloat16),
+              "b_f32": jax.ShapeDtypeStruct(kernel.shape, jnp.float32), "c_host": np.zeros_like(kernel)}
+    restored = zarrckpt.load_pytree(str(tmp_path / "v1"), target, rename=[(r"^\w+$", "params.encoder.proj.kernel")],
+                                    partial=True, allow_dtype_cast=True)
+    np.testing.assert_array_equal(np.asarray(restored["b_f32"]), kernel)
+    np.testing.assert_array_equal(restored["c_host"], kernel)
+    np.testing.assert_array_equal(np.asarray(restored["a_bf16"]), kernel.astype(jnp.bfloat16))
+
+
+def _buffers(array: jax.Array) -> set[int]:
+    return {shard.data.unsafe_buffer_pointer() for shard in array.addressable_shards}
+
+
+def test_tied_weights_on_one_sharding_get_buffers_of_their_own_so_a_donating_step_runs(tmp_path):
+    saved = save_v1(str(tmp_path / "v1"))
+    kernel = saved["params"]["encoder"]["proj"]["kernel"]
+    sharding = NamedSharding(mesh((2, 4)), P("x", "y"))
+    target = {"embed": jax.ShapeDtypeStruct(kernel.shape, jnp.float32, sharding=sharding),
+              "unembed": jax.ShapeDtypeStruct(kernel.shape, jnp.float32, sharding=sharding)}
+    restored = zarrckpt.load_pytree(str(tmp_path / "v1"), target, rename=[(r"^\w+$", "params.encoder.proj.kernel")],
+                                    partial=True)
+    assert not _buffers(restored["embed"]) & _buffers(restored["unembed"])
+    step = jax.jit(lambda s: jax.tree_util.tree_map(lambda a: a + 1, s), donate_argnums=0)
+    stepped = step(restored)
+    np.testing.assert_array_equal(np.asarray(stepped["unembed"]), np.asarray(kernel) + 1)
+
+
+def test_a_tied_leaf_comes_back_on_its_own_sharding_when_the_leaf_read_is_shared_by_processes(tmp_path, monkeypatch):
+    from zarrckpt._restore import plan
+    # As on several processes: the leaf read is staged on a sharding cut at chunk
+    # boundaries, then shared onto its target's; a leaf tied to it takes its target's.
+    monkeypatch.setattr(plan, "held_by_several_processes", lambda sharding, shape: True)
+    saved = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    zarrckpt.save_pytree(str(tmp_path / "c"), {"w": saved}, max_chunk_bytes=256, min_chunk_bytes=64)
+    m = mesh((2, 4))
+    replicated, rows = NamedSharding(m, P()), NamedSharding(m, P("x"))
+    target = {"a": jax.ShapeDtypeStruct(saved.shape, jnp.float32, sharding=replicated),
+              "b": jax.ShapeDtypeStruct(saved.shape, jnp.float32, sharding=rows)}
+    restored = zarrckpt.load_pytree(str(tmp_path / "c"), target, rename=lambda name: "w")
+    assert restored["a"].sharding == replicated and restored["b"].sharding == rows
+    np.testing.assert_array_equal(np.asarray(restored["b"]), saved)
+
+
+def test_a_fallback_leaf_that_is_a_donated_target_array_comes_back_alive(tmp_path):
+    saved = save_v1(str(tmp_path / "v1"))
+    m = mesh((2, 4))
+    params = V1.init(jax.random.key(1), X)["params"]
+    params = jax.device_put(params, shardings(params, m))
+    own = jax.tree_util.tree_map(np.asarray, params)
+    # v2 adds an EMA of the params, started as the params themselves (the same arrays)
+    restored = zarrckpt.load_pytree(str(tmp_path / "v1"), {"params": params, "ema": params}, partial=True,
+                                    fallback=True, donate_target=True)
+    for kept, value in zip(jax.tree_util.tree_leaves(restored["ema"]), jax.tree_util.tree_leaves(own), strict=True):
+        assert not kept.is_deleted()
+        np.testing.assert_array_equal(np.asarray(kept), value)
+    np.testing.assert_array_equal(np.asarray(restored["params"]["mlp"]["Dense_0"]["kernel"]),
+                                  np.asarray(saved["params"]["mlp"]["Dense_0"]["kernel"]))
+
+
 def test_a_rename_to_a_name_the_checkpoint_lacks_is_reported_in_the_targets_names(tmp_path):
     save_v1(str(tmp_path / "v1"))
     target = jax.eval_shape(lambda: {"params": V1.init(jax.random.key(0), X)["params"]})
@@ -220,6 +282,22 @@ def test_the_mismatch_report_shows_the_rename_that_maps_a_renamed_prefix_and_lay
     suggested = re.search(r"rename=(\[.*\]) finds (\d+) of the (\d+) target leaves", message)
     assert suggested.group(2) == suggested.group(3)
     restored = zarrckpt.load_pytree(str(tmp_path / "v1"), target, rename=eval(suggested.group(1)),
+                                    allow_dtype_cast=True)
+    assert_v2_holds_v1(restored, saved, target)
+
+
+def test_the_rename_suggested_past_a_rename_given_is_said_to_apply_after_it(tmp_path):
+    saved = save_v1(str(tmp_path / "v1"))
+    target = v2_target()
+    given = [(r"(^|\.)backbone\.", r"\1encoder."), (r"\.fc_in\.", ".Dense0."), (r"\.fc_out\.", ".Dense_1.")]
+    with pytest.raises(zarrckpt.CheckpointMismatchError) as info:
+        zarrckpt.load_pytree(str(tmp_path / "v1"), target, rename=given, allow_dtype_cast=True)
+    message = str(info.value)
+    assert "rename=[" not in message  # alone, the pairs suggested would undo the given ones
+    suggested = re.search(r"the pairs (\[.*\]) applied after it find (\d+) of the (\d+) target leaves", message)
+    assert suggested is not None, message
+    assert suggested.group(2) == suggested.group(3)
+    restored = zarrckpt.load_pytree(str(tmp_path / "v1"), target, rename=given + eval(suggested.group(1)),
                                     allow_dtype_cast=True)
     assert_v2_holds_v1(restored, saved, target)
 

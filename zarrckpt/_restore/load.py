@@ -98,7 +98,8 @@ def load_pytree(
         leaf's name, or a function from a target leaf's name to the checkpoint's name,
         or to None (not from the checkpoint: the leaf counts as one the checkpoint
         lacks). Target leaves renamed onto one saved leaf (tied weights) each get its
-        values, on their own shardings, read once. Default: each leaf's own name.
+        values, on their own shardings and buffers, read once: in the saved dtype where
+        one of them has it, each other leaf cast from those. Default: each leaf's own name.
       fallback: target leaves the checkpoint lacks come back as they are (the target's
         own objects, not copies); each must be a value (a jax.Array, numpy array or
         scalar, Python scalar, str or bytes), not a ShapeDtypeStruct or Sharding. The

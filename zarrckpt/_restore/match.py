@@ -82,7 +82,9 @@ class Form:
 
     def tie(self, value: Any) -> Any:
         """The value of a target leaf restored from the same saved leaf as another (tied
-        weights), made of that one's restored `value`: nothing more is read."""
+        weights), made of that one's restored `value`: nothing more is read. Its buffers
+        are its own, never `value`'s (a step donating both leaves would donate one buffer
+        twice)."""
         host = jax.device_get(value) if isinstance(value, jax.Array) else value
         return self.convert(np.asarray(host).astype(self.dtype))
 
@@ -184,7 +186,7 @@ class PrngKeys(Form):
         return jax.random.wrap_key_data(spread, impl=stored.prng_impl)
 
     def tie(self, value: Any) -> Any:
-        return value if self.sharding is None else jax.device_put(value, self.sharding)
+        return jax.device_put(value, self.sharding, may_alias=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +291,7 @@ class Sharded(Form):
 
     def tie(self, value: Any) -> Any:
         if isinstance(value, jax.Array):
-            return jax.device_put(value, self.sharding).astype(self.dtype)
+            return jax.device_put(value, self.sharding, may_alias=False).astype(self.dtype)
         data = np.asarray(value).astype(self.dtype)
         return jax.make_array_from_callback(data.shape, self.sharding, lambda index: data[index])
 
@@ -447,7 +449,8 @@ def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial
     scalars are not read to check that they fit their target (a process with no copy of
     the local tier's step leaves that to others). `rename` gives the checkpoint's name of
     each target leaf's (None: not from the checkpoint); target leaves renamed onto one
-    saved leaf read it once. With `fallback`, target leaves the checkpoint lacks are
+    saved leaf read it once, in the saved dtype where one of them has it, and the
+    others are made of that one's value. With `fallback`, target leaves the checkpoint lacks are
     kept as they are (each must be a concrete value)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     to_saved = rename or _renames.unchanged
@@ -457,7 +460,7 @@ def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial
     renamed: dict[str, tuple[str, str]] = {}  # of the target's leaves the checkpoint lacks: own name, name looked up
     looked_up: dict[str, _mismatch.Shaped] = {}  # the names looked up of the target's leaves the checkpoint lacks
     concrete = True  # whether each of those is a value fallback=True can keep
-    seen: set[str] = set()
+    readers: dict[str, tuple[int, int, Any, str]] = {}  # by saved name: its request's index, its Read's, its leaf
     for path, leaf in flat:
         where = _tree.describe_path(path)
         own = ckpt.name_of(tuple(path))
@@ -478,13 +481,25 @@ def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial
                     renamed[where] = (own, name)
             problems.append((path, text))
             continue
-        request, shape = _request_for(leaf, stored, where, load_and_broadcast)
-        if name in seen:
-            sources.append(Tied(name, request.form))
-        else:
-            seen.add(name)
+        if name not in readers:
+            request, shape = _request_for(leaf, stored, where, load_and_broadcast)
+            readers[name] = (len(requests), len(sources), leaf, where)
             requests.append(request)
             sources.append(Read(name))
+        else:
+            # A leaf tied to one read is made of its value, on the devices: never staged to share.
+            request, shape = _request_for(leaf, stored, where, False)
+            at, read_at, first, first_where = readers[name]
+            if requests[at].form.dtype != stored.dtype and request.form.dtype == stored.dtype:
+                # Read in the saved dtype: no tied leaf is made of values cast once already.
+                sources[read_at] = Tied(name, _request_for(first, stored, first_where, False)[0].form)
+                if load_and_broadcast:
+                    request = _request_for(leaf, stored, where, True)[0]
+                requests[at] = request
+                readers[name] = (at, len(sources), leaf, where)
+                sources.append(Read(name))
+            else:
+                sources.append(Tied(name, request.form))
         if shape != stored.shape:
             problems.append((path, f"shape {stored.shape} in the checkpoint, {shape} in the target"))
         elif (mismatch := request.form.mismatch(stored, allow_dtype_cast)) is not None:
@@ -493,12 +508,18 @@ def match(ckpt: _reader.Checkpoint, target: Any, allow_dtype_cast: bool, partial
               and _scalar_fits(stored, request.form.dtype)):
             if (inexact := _inexact_scalar(ckpt, stored, request.form.dtype)) is not None:
                 problems.append((path, inexact))
-    extra = [stored for name, stored in ckpt.leaves.items() if name not in seen]
+    if kept := {id(source.leaf) for source in sources if isinstance(source, Kept)}:
+        # A leaf kept as it is may be the same array as one read (an EMA started as the
+        # params): that array is not deleted (donate_target) before its replacement is read.
+        requests = [dataclasses.replace(r, old=None) if r.old is not None and id(r.old) in kept else r
+                    for r in requests]
+    extra = [stored for name, stored in ckpt.leaves.items() if name not in readers]
     if problems or (extra and not partial):
         raise CheckpointMismatchError(_mismatch.report(
             ckpt.url, problems, [path for path, _ in flat], [stored.path for stored in extra],
             [stored.path for stored in ckpt.leaves.values()], partial, labels=renamed,
-            names=_mismatch.Names(looked_up, {stored.where: (stored.name, stored.shape) for stored in extra}),
+            names=_mismatch.Names(looked_up, {stored.where: (stored.name, stored.shape) for stored in extra},
+                                  renamed=rename is not None),
             fallback_helps=concrete and not fallback))
     return requests, Assembly(treedef, sources)
 

@@ -34,10 +34,12 @@ Shaped = tuple[str, "tuple[int, ...] | None"]  # a leaf's name, and its shape wh
 class Names:
     """The names (as `zarrckpt info` shows them) and shapes of the target's leaves the
     checkpoint lacks, as looked up, and of the checkpoint's leaves the target lacks, by
-    key path as `_tree.describe_path` writes it."""
+    key path as `_tree.describe_path` writes it; `renamed`: the names looked up are
+    those a `rename=` gave, so a suggested rename applies after it."""
 
     missing: Mapping[str, Shaped] = dataclasses.field(default_factory=dict)
     extra: Mapping[str, Shaped] = dataclasses.field(default_factory=dict)
+    renamed: bool = False
 
 
 def _is_missing(text: str) -> bool:
@@ -87,7 +89,8 @@ def report(url: str, problems: Sequence[Problem], target: Sequence[_tree.KeyPath
     if unexplained_missing and unexplained_extra:
         hints += _rename_hint(
             [names.missing[w] for p in unexplained_missing if (w := _tree.describe_path(p)) in names.missing],
-            [names.extra[w] for p in unexplained_extra if (w := _tree.describe_path(p)) in names.extra])
+            [names.extra[w] for p in unexplained_extra if (w := _tree.describe_path(p)) in names.extra],
+            names.renamed)
     return (f"checkpoint {url} does not match the target ({len(listed)} problem(s)):\n  " + "\n  ".join(lines)
             + "".join(f"\n({hint})" for hint in hints))
 
@@ -151,10 +154,12 @@ def _renamed(missing: list[tuple[_tree.KeyPath, str, int]], extra: list[tuple[_t
 _FALLBACK = ", or pass fallback=True to keep the target's own values for them"
 
 
-def _rename_hint(missing: Sequence[Shaped], extra: Sequence[Shaped]) -> list[str]:
+def _rename_hint(missing: Sequence[Shaped], extra: Sequence[Shaped], renamed: bool) -> list[str]:
     """The hint of the `rename=` that maps `missing` (the target's names the checkpoint
     lacks) onto `extra` (the checkpoint's names the target lacks), where their names
-    differ by renamed path components; none where no such rename restores any."""
+    differ by renamed path components; none where no such rename restores any. With
+    `renamed`, `missing` are the names a given `rename=` looked up, and the pairs go
+    after its own."""
     rules = suggest_rename(missing, extra)
     if not rules:
         return []
@@ -162,6 +167,9 @@ def _rename_hint(missing: Sequence[Shaped], extra: Sequence[Shaped]) -> list[str
     found = sum(_apply(rules, name) in saved for name, _ in missing)
     shown = ", ".join(f'(r"{pattern}", {"r" if chr(92) in replacement else ""}"{replacement}")'
                       for pattern, replacement in rules)
+    if renamed:
+        return [f"the names rename= gave and the checkpoint's differ by renamed path components: the pairs [{shown}] "
+                f"applied after it find {found} of the {len(missing)} target leaves the checkpoint lacks"]
     return [f"the target's names and the checkpoint's differ by renamed path components: rename=[{shown}] "
             f"finds {found} of the {len(missing)} target leaves the checkpoint lacks"]
 
