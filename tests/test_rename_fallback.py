@@ -406,3 +406,20 @@ def test_a_save_after_a_renamed_restore_writes_the_values_restored_not_the_saved
     again = zarrckpt.load_checkpoint(run, 2)
     np.testing.assert_array_equal(again["a"], np.asarray(b))
     np.testing.assert_array_equal(again["b"], np.asarray(a))
+
+
+@pytest.mark.parametrize("asked", [{"rename": [(r"^a$", "b")]}, {"fallback": True}], ids=["rename", "fallback"])
+def test_rename_and_fallback_without_a_target_are_refused_at_the_call_by_every_restore(tmp_path, asked):
+    """Without a target every leaf is read as saved, under its own name: a rename or a
+    fallback there would be silently ignored, so each restore refuses it, reading nothing."""
+    zarrckpt.save_pytree(str(tmp_path / "one"), {"a": np.arange(3)})
+    zarrckpt.save_checkpoint(str(tmp_path / "run"), 1, {"a": np.arange(3)})
+    calls = [lambda: zarrckpt.load_pytree(str(tmp_path / "one"), None, **asked),
+             lambda: zarrckpt.load_checkpoint(str(tmp_path / "run"), 1, None, **asked),
+             lambda: zarrckpt.load_checkpoint_if_it_exists(str(tmp_path / "run"), None, **asked)]
+    for call in calls:
+        with pytest.raises(ValueError, match="rename= and fallback=True apply to a target's leaves"):
+            call()
+    with zarrckpt.CheckpointManager(str(tmp_path / "run")) as mgr:
+        with pytest.raises(ValueError, match="pass a target"):
+            mgr.restore(None, **asked)

@@ -107,3 +107,11 @@ class LoadOptions(_Checked):
     # The checkpoint's name of each target leaf's, or None (see `_restore.renames`).
     rename: Callable[[str], str | None] | None = _option(None, CALLABLE + "?")
     fallback: bool = _option(False, FLAG)
+
+    def onto(self, target: Any) -> LoadOptions:
+        """These options, for a restore onto `target`; ValueError where they ask what
+        only a target's leaves take (`rename`, `fallback`) and `target` is None."""
+        if target is None and (self.rename is not None or self.fallback):
+            raise ValueError("rename= and fallback=True apply to a target's leaves: with target None every leaf is "
+                             "read as saved, under its own name; pass a target")
+        return self

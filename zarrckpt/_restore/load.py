@@ -111,8 +111,9 @@ def load_pytree(
 
     Raises:
       TypeError, ValueError: an option of the wrong type or value (named), a `rename`
-        pair that is not a pair of str, a regex that does not compile (named), or a
-        `rename` function that returns other than a str or None.
+        pair that is not a pair of str, a regex that does not compile (named), a
+        `rename` function that returns other than a str or None, or `rename` or
+        `fallback` with `target` None.
       CheckpointNotFoundError: nothing committed at `url`, or it was deleted or
         replaced while being read.
       CheckpointMismatchError: the target does not match; lists every missing and
@@ -127,7 +128,7 @@ def load_pytree(
     options = LoadOptions(allow_dtype_cast=allow_dtype_cast, donate_target=donate_target, partial=partial,
                           load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
                           max_workers=max_workers, progress=progress, rename=_renames.parse(rename),
-                          fallback=fallback)
+                          fallback=fallback).onto(target)
     return load(_storage.resolve(url, storage_options), target, options)
 
 

@@ -216,7 +216,7 @@ def load_checkpoint_if_it_exists(
     options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast, donate_target=donate_target,
                                    load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
                                    max_workers=max_workers, progress=progress, rename=_renames.parse(rename),
-                                   fallback=fallback)
+                                   fallback=fallback).onto(target)
     _options.check("timeout_s", timeout_s, _options.NUMBER)
     root = _storage.resolve(checkpoint_dir, storage_options)
     state, step, _ = _steps.restore_latest(root, target, options, timeout_s, None)
@@ -263,7 +263,7 @@ def load_checkpoint(
     options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast, donate_target=donate_target,
                                    load_and_broadcast=load_and_broadcast, max_inflight_bytes=max_inflight_bytes,
                                    max_workers=max_workers, progress=progress, rename=_renames.parse(rename),
-                                   fallback=fallback)
+                                   fallback=fallback).onto(target)
     root = _storage.resolve(checkpoint_dir, storage_options)
     return _steps.load_step(root, step, target, options, None)[0]
 
