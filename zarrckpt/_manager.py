@@ -345,9 +345,8 @@ class CheckpointManager:
         options = _options.LoadOptions(partial=partial, allow_dtype_cast=allow_dtype_cast,
                                        donate_target=donate_target, load_and_broadcast=load_and_broadcast,
                                        max_inflight_bytes=max_inflight_bytes, rename=_renames.parse(rename),
-                                       max_workers=max_workers or self._save_options.max_workers,
-                                       progress=self._progress if progress is None else progress, fallback=fallback
-                                       ).onto(target)
+                                       max_workers=max_workers or self._save_options.max_workers, fallback=fallback,
+                                       progress=self._progress if progress is None else progress).onto(target)
         self._check_open()
         self.wait()
         started = time.perf_counter()

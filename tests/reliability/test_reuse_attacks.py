@@ -188,7 +188,7 @@ def test_unchanged_since_on_a_copy_made_by_zarrckpt_cp_restores_alone(tmp_path):
     np.testing.assert_array_equal(np.asarray(restored["v"]), VALUES[::-1])
 
 
-def test_a_farm_of_steps_linking_steps_that_link_restores_each_step_alone(tmp_path):
+def test_a_farm_of_steps_linking_steps_that_link_restores_each_step_alone(tmp_path, tmp_path_factory):
     steps = {s: {**state(s), "w": jnp.asarray(VALUES + (s // 2))} for s in range(1, 7)}
     with zarrckpt.CheckpointManager(str(tmp_path), async_save=False) as mgr:
         for s, given in steps.items():
@@ -196,7 +196,7 @@ def test_a_farm_of_steps_linking_steps_that_link_restores_each_step_alone(tmp_pa
     chunk = tmp_path / "0000000006" / "v" / "c.0"
     assert chunk.stat().st_nlink == 6  # one file, six steps
     for keep in steps:
-        scratch = tmp_path.parent / f"alone{keep}"
+        scratch = tmp_path_factory.mktemp(f"alone{keep}")
         shutil.copytree(tmp_path / f"{keep:010d}", scratch / f"{keep:010d}")
         restored = zarrckpt.load_checkpoint(str(scratch), keep)
         for name, value in steps[keep].items():
@@ -206,7 +206,7 @@ def test_a_farm_of_steps_linking_steps_that_link_restores_each_step_alone(tmp_pa
     assert_restores(type("S", (), {"url": str(tmp_path), "options": None})(), 6, steps[6])
 
 
-def test_a_rollback_then_saves_keep_every_step_as_saved(tmp_path):
+def test_a_rollback_then_saves_keep_every_step_as_saved(tmp_path, tmp_path_factory):
     given = {s: {**state(s), "w": jnp.asarray(VALUES * s)} for s in (1, 2, 3)}
     with zarrckpt.CheckpointManager(str(tmp_path), async_save=False) as mgr:
         for s in (1, 2, 3):
@@ -217,7 +217,7 @@ def test_a_rollback_then_saves_keep_every_step_as_saved(tmp_path):
         given[5] = {**given[4], "w": jnp.asarray(VALUES * 3), "step": jnp.array(5)}  # step 3's bytes, not step 4's
         mgr.save(5, given[5])
     for s in (1, 2, 3, 4, 5):
-        scratch = tmp_path.parent / f"alone{s}"
+        scratch = tmp_path_factory.mktemp(f"alone{s}")
         shutil.copytree(tmp_path / f"{s:010d}", scratch / f"{s:010d}")
         assert_restores(type("S", (), {"url": str(scratch), "options": None})(), s, given[s])
 
