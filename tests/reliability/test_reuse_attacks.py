@@ -19,7 +19,6 @@ import pytest
 import zarrckpt
 import zarrckpt._commit
 import zarrckpt._storage
-from zarrckpt._run import same_chunks as _same_chunks
 
 # Small leaves (below the fingerprinted size): every chunk goes through the byte path.
 VALUES = np.arange(4096, dtype=np.int32)
@@ -78,33 +77,36 @@ HOWS = ["deleted", "truncated", "rewritten", "replaced by another step's chunk",
 @pytest.mark.parametrize("kind", ["local", "memory", "s3", "gcs"])
 @pytest.mark.parametrize("how", HOWS + ["rewritten in place"])
 @pytest.mark.parametrize("saver", ["manager", "unchanged_since"])
-def test_a_chunk_changed_between_the_compare_and_the_copy_is_written_never_made_from_the_change(
+def test_a_chunk_changed_as_it_is_copied_is_written_never_made_from_the_change(
         new_store, monkeypatch, kind, how, saver):
+    """The chunk of the step made from changes once its bytes matched (on S3 and GCS,
+    after the step's chunk was read and compared) and before the copy or link: the copy
+    is refused by its version, or (on a local disk and memory://) the chunk made is
+    compared and found other; either way the bytes in hand are written."""
     if how == "rewritten in place" and kind != "local":
         pytest.skip("in place: a local file only")
     store = new_store(kind)
-    holds, changed = _same_chunks.SameChunks._holds, []
+    copy_new, changed = zarrckpt._storage.Location.copy_new, []
 
-    def holds_then_change(self, key, parts, nbytes):
-        found = holds(self, key, parts, nbytes)
-        if found and key.startswith("w/") and not changed:
-            path = f"{self.source.url.rstrip('/')}/{key}"
+    def change_then_copy(self, key, source, **kwargs):
+        if key.startswith("w/") and not changed:
+            path = f"{source.url.rstrip('/')}/{key}"
             if store.kind == "local":
                 path = path.removeprefix("file://")
             change(store, path, how, chunk_paths(store, 0)[0] if how.startswith("replaced") else "")
             changed.append(key)
-        return found
+        return copy_new(self, key, source, **kwargs)
 
     zarrckpt.save_checkpoint(store.url, 0, {"w": jnp.asarray(VALUES + 1)}, storage_options=store.options)
     if saver == "manager":
         with zarrckpt.CheckpointManager(store.url, storage_options=store.options, async_save=False) as mgr:
             mgr.save(1, state(1))
-            monkeypatch.setattr(_same_chunks.SameChunks, "_holds", holds_then_change)
+            monkeypatch.setattr(zarrckpt._storage.Location, "copy_new", change_then_copy)
             mgr.save(2, state(2))
             monkeypatch.undo()
     else:
         zarrckpt.save_checkpoint(store.url, 1, state(1), storage_options=store.options)
-        monkeypatch.setattr(_same_chunks.SameChunks, "_holds", holds_then_change)
+        monkeypatch.setattr(zarrckpt._storage.Location, "copy_new", change_then_copy)
         zarrckpt.save_checkpoint(store.url, 2, state(2), unchanged_since=1, storage_options=store.options)
         monkeypatch.undo()
     assert changed
@@ -254,30 +256,30 @@ def test_a_restore_with_rename_then_save_keeps_what_the_renamed_leaves_hold(tmp_
     assert_restores(type("S", (), {"url": str(tmp_path), "options": None})(), 3, expected)
 
 
-@pytest.mark.xfail(strict=True, raises=zarrckpt.CheckpointError,
-                   reason="a local file's version is its mtime and size: a file of other bytes renamed over the "
-                          "chunk between the compare and the link, with the recorded mtime set on it (os.utime, "
-                          "rsync -t, cp -p), passes the link's check; the step made holds damage, found on restore")
-def test_a_chunk_replaced_between_the_compare_and_the_link_by_one_of_the_same_mtime_and_size_is_not_linked(
-        tmp_path, monkeypatch):
+def test_a_chunk_replaced_before_the_link_by_one_of_the_same_mtime_and_size_is_never_linked(tmp_path, monkeypatch):
+    """On a local disk a chunk's version is its modification time and size, which any
+    program may set: a file of other bytes renamed over step 1's chunk just before the
+    link, its modification time set to the recorded one (`os.utime`, `rsync -t`, `cp -p`),
+    passes the link's check; the chunk linked is then read and compared, and written
+    over with the bytes in hand. Step 2 restores what was saved."""
     zarrckpt.save_checkpoint(str(tmp_path), 1, state(1))
-    holds, changed = _same_chunks.SameChunks._holds, []
+    copy, changed = zarrckpt._storage.local.LocalDisk.copy, []
 
-    def holds_then_replace(self, key, parts, nbytes):
-        found = holds(self, key, parts, nbytes)
-        if found and key == "w/c.0":
-            path = tmp_path / "0000000001" / key
+    def replace_then_copy(self, key, source, **kwargs):
+        if key.endswith("w/c.0") and not changed:
+            path = tmp_path / "0000000001" / "w" / "c.0"
             info, data = path.stat(), path.read_bytes()
             aside = path.with_name("aside")
             aside.write_bytes(bytes(b ^ 0xFF for b in data[:-4]) + data[-4:])
             os.utime(aside, ns=(info.st_atime_ns, info.st_mtime_ns))
             aside.rename(path)
             changed.append(key)
-        return found
+        return copy(self, key, source, **kwargs)
 
-    monkeypatch.setattr(_same_chunks.SameChunks, "_holds", holds_then_replace)
+    monkeypatch.setattr(zarrckpt._storage.local.LocalDisk, "copy", replace_then_copy)
     zarrckpt.save_checkpoint(str(tmp_path), 2, state(2), unchanged_since=1)
     monkeypatch.undo()
     assert changed
     restored = zarrckpt.load_checkpoint(str(tmp_path), 2)
     np.testing.assert_array_equal(np.asarray(restored["w"]), VALUES)
+    assert zarrckpt.verify(str(tmp_path / "0000000002")).ok

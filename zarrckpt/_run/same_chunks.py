@@ -2,12 +2,15 @@
 step's chunk (`Location.copy_new`: a hard link on a local disk, a copy inside S3 or
 GCS) instead of written. Its CRC-32C and size are the ones the step's commit records
 for the chunk of the same name (see `_format.vouched`), which most changed chunks fail
-at no cost; one that passes is read from the step and compared byte for byte, since a
-32-bit checksum alone would take one changed chunk in 2**32 for unchanged. It is made
-only from the version of that chunk the step became known with, which the store
-checks (in the copy's own request on S3 and GCS, on the link made on a local disk): a
-chunk rewritten or deleted since, even between the read and the copy, is another
-version, or none, and its bytes, in hand, are written instead.
+at no cost; one that passes is compared byte for byte, since a 32-bit checksum alone
+would take one changed chunk in 2**32 for unchanged. It is made only from the version
+of that chunk the step became known with. On S3 and GCS that version is the store's
+own (an ETag, a generation), checked in the copy's own request, so the step's chunk is
+read and compared before it is copied: a chunk rewritten or deleted since, even
+between the read and the copy, is another version, or none, and its bytes, in hand,
+are written instead. Elsewhere a version (a file's modification time and size) is what
+any program may set, so the chunk made (a link) is the one read and compared, and
+written over with the bytes in hand where it is not them.
 
 `SameChunks` is the decision; `SameChunksSince` is `save_checkpoint`'s `unchanged_since`,
 which knows the step from its commit's record alone. A manager's `ReuseUnchanged`
@@ -56,34 +59,25 @@ class SameChunks:
         chunk, else written."""
         nbytes = sum(memoryview(part).nbytes for part in parts)
         version = self.versions.get(key)
-        if (self.source is None or crc is None or version is None or self.crcs.get(key) != crc
-                or size_of(version) != nbytes or not self._holds(key, parts, nbytes)):
+        source = self.source
+        if (source is None or crc is None or version is None or self.crcs.get(key) != crc
+                or size_of(version) != nbytes):
+            return loc.write_new(key, *parts), True
+        # On S3 and GCS a version (an ETag, a generation) is the store's own, checked in the
+        # copy's request: the source compared is the one copied. Elsewhere a version (a
+        # file's modification time) is what any program may set, so the chunk made is the
+        # one compared, and written over where it is not these bytes.
+        if loc.late_safe and not _holds(source, key, parts, nbytes):
             return loc.write_new(key, *parts), True
         try:
-            made = loc.copy_new(key, self.source, nbytes=nbytes, expect=version)
+            made = loc.copy_new(key, source, nbytes=nbytes, expect=version)
         except (SourceChanged, FileNotFoundError):  # changed or deleted since: the bytes are in hand
+            return loc.write_new(key, *parts), True
+        if not loc.late_safe and not _holds(loc, key, parts, nbytes):
             return loc.write_new(key, *parts), True
         with self._lock:
             self.made_bytes += nbytes
         return made, False
-
-    def _holds(self, key: str, parts: Sequence[Any], nbytes: int) -> bool:
-        """Whether the chunk `key` of `source` is, as read now, the bytes `parts`; False
-        where it cannot be read (gone, not a file, the store failing: then it is written)."""
-        assert self.source is not None
-        try:
-            held = np.frombuffer(self.source.read(key, limit=nbytes + 1), np.uint8)
-        except (OSError, CheckpointError):
-            return False
-        offset = 0
-        for part in parts:
-            mine = np.frombuffer(memoryview(part).cast("B"), np.uint8)
-            for start in range(0, mine.size, _COMPARED_AT_ONCE):
-                end = min(start + _COMPARED_AT_ONCE, mine.size)
-                if held.size < offset + end or not np.array_equal(held[offset + start:offset + end], mine[start:end]):
-                    return False
-            offset += mine.size
-        return offset == held.size
 
     def say(self, option: str) -> None:
         """Logs, on process 0, what was made from `source` (nothing where nothing was)."""
@@ -93,6 +87,24 @@ class SameChunks:
 
 
 NOTHING_SAME = SameChunks(None, {}, {})
+
+
+def _holds(loc: _storage.Location, key: str, parts: Sequence[Any], nbytes: int) -> bool:
+    """Whether the object `key` at `loc` is, as read now, the bytes `parts` (`nbytes`);
+    False where it cannot be read (gone, not a file, the store failing)."""
+    try:
+        held = np.frombuffer(loc.read(key, limit=nbytes + 1), np.uint8)
+    except (OSError, CheckpointError):
+        return False
+    offset = 0
+    for part in parts:
+        mine = np.frombuffer(memoryview(part).cast("B"), np.uint8)
+        for start in range(0, mine.size, _COMPARED_AT_ONCE):
+            end = min(start + _COMPARED_AT_ONCE, mine.size)
+            if held.size < offset + end or not np.array_equal(held[offset + start:offset + end], mine[start:end]):
+                return False
+        offset += mine.size
+    return offset == held.size
 
 
 class SameChunksSince(NoReuse):
