@@ -21,8 +21,9 @@ pay at every save: a sample of its words is fingerprinted first (`_SAMPLE` of th
 evenly spaced); a leaf is fingerprinted whole only once every shard's sample is found
 unchanged, and from then on whole at once (one wait for the devices, not two), sampled
 again only when that finds it changed; a leaf found changed by its sample is sampled
-ever more rarely. A leaf smaller than `_MIN_BYTES` on this process is written unless it
-is the same array.
+ever more rarely. A leaf smaller than `_MIN_BYTES` on this process is copied off its
+devices unless it is the same array; its chunks are then compared by their bytes
+(`same_chunks`), as every chunk a save writes is.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ log = logging.getLogger("zarrckpt")
 _SAMPLE = 4096
 # The most saves in a row a leaf that keeps changing is written without a fingerprint.
 _MAX_QUIET = 63
-# A leaf of which this process writes less than this is written unless it is the very
-# same array: fingerprinting it (a program compiled for its shape, a call, a wait) costs
-# more than writing it, and the leaves a fine-tune freezes are large.
+# A leaf of which this process writes less than this is copied off its devices unless it
+# is the very same array (and its chunks compared by their bytes): fingerprinting it (a
+# program compiled for its shape, a call, a wait) costs more than that copy.
 _MIN_BYTES = 4 * 2**20
 Fingerprint = tuple[int, int]
 Version = str | None  # what tells one version of an object from another (`_storage.Entry.version`)
