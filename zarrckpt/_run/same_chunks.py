@@ -25,8 +25,6 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from .. import _commit, _storage
 from .._format import vouched as _vouched
 from .._save.collaborators import NoReuse, Reused
@@ -36,8 +34,6 @@ from .._util import multihost as _multihost, progress as _progress
 from ..errors import CheckpointError
 
 log = logging.getLogger("zarrckpt")
-# Bytes compared in one numpy comparison: its array of booleans stays this small.
-_COMPARED_AT_ONCE = 4 * 2**20
 
 
 @dataclasses.dataclass
@@ -67,13 +63,13 @@ class SameChunks:
         # copy's request: the source compared is the one copied. Elsewhere a version (a
         # file's modification time) is what any program may set, so the chunk made is the
         # one compared, and written over where it is not these bytes.
-        if loc.late_safe and not _holds(source, key, parts, nbytes):
+        if loc.late_safe and not _holds(source, key, parts):
             return loc.write_new(key, *parts), True
         try:
             made = loc.copy_new(key, source, nbytes=nbytes, expect=version)
         except (SourceChanged, FileNotFoundError):  # changed or deleted since: the bytes are in hand
             return loc.write_new(key, *parts), True
-        if not loc.late_safe and not _holds(loc, key, parts, nbytes):
+        if not loc.late_safe and not _holds(loc, key, parts):
             return loc.write_new(key, *parts), True
         with self._lock:
             self.made_bytes += nbytes
@@ -89,22 +85,13 @@ class SameChunks:
 NOTHING_SAME = SameChunks(None, {}, {})
 
 
-def _holds(loc: _storage.Location, key: str, parts: Sequence[Any], nbytes: int) -> bool:
-    """Whether the object `key` at `loc` is, as read now, the bytes `parts` (`nbytes`);
-    False where it cannot be read (gone, not a file, the store failing)."""
+def _holds(loc: _storage.Location, key: str, parts: Sequence[Any]) -> bool:
+    """`Location.holds`, False too where the object cannot be read (not a file, the store
+    failing): the chunk is then written, never made from it."""
     try:
-        held = np.frombuffer(loc.read(key, limit=nbytes + 1), np.uint8)
+        return loc.holds(key, *parts)
     except (OSError, CheckpointError):
         return False
-    offset = 0
-    for part in parts:
-        mine = np.frombuffer(memoryview(part).cast("B"), np.uint8)
-        for start in range(0, mine.size, _COMPARED_AT_ONCE):
-            end = min(start + _COMPARED_AT_ONCE, mine.size)
-            if held.size < offset + end or not np.array_equal(held[offset + start:offset + end], mine[start:end]):
-                return False
-        offset += mine.size
-    return offset == held.size
 
 
 class SameChunksSince(NoReuse):

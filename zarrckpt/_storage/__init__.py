@@ -367,13 +367,21 @@ class Location:
         _stats.add("store_bytes_read", len(data))
         return data
 
-    def holds(self, key: str, data: bytes) -> bool:
-        """Whether the object `key` is there and is exactly `data` (reading no more than
-        one byte past it)."""
+    def holds(self, key: str, *parts: Any) -> bool:
+        """Whether the object `key` is there and is exactly the bytes of `parts`, one
+        after the other (reading no more than one byte past them; compared in place,
+        never joined)."""
+        views = [memoryview(part).cast("B") for part in parts]
         try:
-            return self.read(key, limit=len(data) + 1) == data
+            held = self.read(key, limit=sum(view.nbytes for view in views) + 1)
         except FileNotFoundError:
             return False
+        offset = 0
+        for view in views:
+            if not held.startswith(view, offset):
+                return False
+            offset += view.nbytes
+        return offset == len(held)
 
     def read_if_present(self, keys: Sequence[str], *, cap: int = SMALL_BYTES) -> list[bytes | None]:
         """Several small objects, None for each that is absent: one round trip, as the
