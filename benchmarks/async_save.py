@@ -25,6 +25,19 @@ that does not; the loss is the difference in wall time of the steps (the save's 
 background work after the last step is not counted). "pinned + thread" is the
 ceiling: a batched pinned copy dispatched at the save step and written out from a
 thread.
+
+Part 3, a training loop's speed during a save: a loop of small jitted steps that blocks
+on each step's loss (a Python-bound loop, as a GPU training loop's dispatch thread is)
+runs alone for --loop-seconds, then beside one async save of the big state (a new state
+each round) until the save has committed; its steps per second beside the save over its
+steps per second alone, per contender (the time `save` blocks counts as the loop's).
+The loop's first save of the big state in each contender comes first, untimed.
+
+Part 4, an unchanged state: one manager saves the big state's same values, as new
+arrays each time (a frozen state a train step rebuilds), --repeats + 3 times; the time
+each `save` blocks from the fourth on (by then its fingerprints are known, and the
+save makes every chunk from the step before), against a bare host copy of the same
+state in the same rounds.
 """
 
 from __future__ import annotations
@@ -51,6 +64,10 @@ def parse_args(argv=None):
     parser.add_argument("--train-steps", type=int, default=30, help="steps per run of part 2 (0: skip it)")
     parser.add_argument("--save-at", type=int, default=10, help="the step that saves in part 2 (default 10)")
     parser.add_argument("--train-rounds", type=int, default=3, help="rounds of part 2 (default 3)")
+    parser.add_argument("--loop-rounds", type=int, default=5, help="rounds of part 3 (0: skip it; default 5)")
+    parser.add_argument("--loop-seconds", type=float, default=1.5,
+                        help="how long part 3's loop runs alone each round (default 1.5)")
+    parser.add_argument("--parts", default="1,2,3,4", help="which parts to run (default 1,2,3,4)")
     parser.add_argument("--only", default="zarrckpt,orbax", help="contenders (default zarrckpt,orbax)")
     parser.add_argument("--no-bare-copy", action="store_true",
                         help="skip the bare copy to numpy (on a GPU, 8 GiB of it took 8-13 s a round)")
@@ -262,6 +279,105 @@ def part2(tree, contenders, steps: int, save_at: int, rounds: int) -> dict:
     return results
 
 
+# -- part 3 ----------------------------------------------------------------------------------
+
+
+def _small_step():
+    """A small model's jitted train step on one device: a Python-bound loop of these is
+    what a save's threads compete with."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss_fn(params, x):
+        h = x
+        for w in params:
+            h = jnp.tanh(h @ w)
+        return jnp.mean(h * h)
+
+    @jax.jit
+    def step(params, x):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x)
+        return [w - 1e-3 * g for w, g in zip(params, grads)], loss
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    params = [jax.random.normal(k, (128, 128)) * 0.05 for k in keys[:4]]
+    x = jax.random.normal(keys[4], (16, 128))
+    return step, params, x
+
+
+def _loop(step, params, x, until) -> tuple[int, float, object]:
+    """Steps (each waiting for its loss) until `until()`; returns (steps, seconds, params)."""
+    started, n = time.perf_counter(), 0
+    while not until():
+        params, loss = step(params, x)
+        loss.block_until_ready()
+        n += 1
+    return n, time.perf_counter() - started, params
+
+
+def part3(tree, contenders, rounds: int, seconds: float) -> dict:
+    step, params, x = _small_step()
+    _, _, params = _loop(step, params, x, _after(0.2))  # compiled, warm
+    print(f"\ntraining loop beside a save: small jitted steps, {seconds:.1f} s alone, then beside one async save "
+          f"of {_common.tree_nbytes(tree) / 2**30:.2f} GiB until it commits", flush=True)
+    for contender in contenders:  # each contender's first save of this state, untimed
+        contender.save(_common.fresh(tree, 100))
+        contender.wait()
+    ratios: dict[str, list[float]] = {}
+    for r in range(rounds):
+        line = []
+        for contender in contenders:
+            state = _common.fresh(tree, 200 + r)
+            alone, alone_s, params = _loop(step, params, x, _after(seconds))
+            done = threading.Event()
+            started = time.perf_counter()
+            contender.save(state)
+            waiter = threading.Thread(target=lambda c=contender, d=done: (c.wait(), d.set()))
+            waiter.start()
+            beside, _, params = _loop(step, params, x, done.is_set)
+            waiter.join()
+            took = time.perf_counter() - started
+            ratio = (beside / took) / (alone / alone_s)
+            ratios.setdefault(contender.name, []).append(ratio)
+            line.append(f"{contender.name} {ratio:.2f}x ({alone / alone_s:.0f} steps/s alone, "
+                        f"{beside / took:.0f} beside a save of {took:.2f}s)")
+            del state
+        print(f"  round {r + 1}: " + "; ".join(line), flush=True)
+    for name, values in ratios.items():
+        best, median = max(values), statistics.median(values)
+        print(f"  {name}: speed beside a save / alone, best {best:.2f}x, median {median:.2f}x")
+    return ratios
+
+
+# -- part 4 ----------------------------------------------------------------------------------
+
+
+def part4(tree, base: str, repeats: int) -> dict:
+    import zarrckpt
+
+    print(f"\nunchanged state: the same values as new arrays, {_common.tree_nbytes(tree) / 2**30:.2f} GiB", flush=True)
+    blocked, bare = [], []
+    with zarrckpt.CheckpointManager(os.path.join(base, "unchanged"), keep_last=1) as mgr:
+        for i in range(repeats + 3):
+            state = _common.fresh(tree, 300)
+            started = time.perf_counter()
+            mgr.save(i, state, force=True)
+            seconds = time.perf_counter() - started
+            mgr.wait()
+            if i >= 3:
+                blocked.append(seconds)
+                bare.append(_common.bare_copy(_common.fresh(tree, 300)))
+            del state
+    print(f"  zarrckpt save blocked {_common.fmt(blocked)}; bare host copy {_common.fmt(bare)}; "
+          f"blocked / bare copy {statistics.median(blocked) / statistics.median(bare):.2f} (medians)")
+    return {"blocked": blocked, "bare copy": bare}
+
+
+def _after(seconds: float):
+    deadline = time.perf_counter() + seconds
+    return lambda: time.perf_counter() >= deadline
+
+
 def main() -> None:
     args = parse_args()
     _common.setup_platform(args.platform, args.devices)
@@ -273,13 +389,19 @@ def main() -> None:
     print(f"jax {jax.__version__} on {_common.describe_platform()}; writing to {base}", flush=True)
     contenders = [CONTENDERS[n](base) for n in names]
     try:
+        parts = {p.strip() for p in args.parts.split(",")}
         big = _common.build_tree(args.size_gib, mesh)
-        part1("big state", big, contenders, args.repeats, not args.no_bare_copy)
-        many = _common.many_leaf_tree(args.leaves, args.leaves_mib, mesh)
-        part1("many-leaf state", many, contenders, args.repeats, not args.no_bare_copy)
-        del many
-        if args.train_steps:
+        if "1" in parts:
+            part1("big state", big, contenders, args.repeats, not args.no_bare_copy)
+            many = _common.many_leaf_tree(args.leaves, args.leaves_mib, mesh)
+            part1("many-leaf state", many, contenders, args.repeats, not args.no_bare_copy)
+            del many
+        if "2" in parts and args.train_steps:
             part2(big, contenders + [PinnedAndThread(base)], args.train_steps, args.save_at, args.train_rounds)
+        if "3" in parts and args.loop_rounds:
+            part3(big, contenders, args.loop_rounds, args.loop_seconds)
+        if "4" in parts and "zarrckpt" in names:
+            part4(big, base, args.repeats)
     finally:
         for contender in contenders:
             contender.close()

@@ -30,6 +30,7 @@ import zarrckpt._run.checkpoints
 import zarrckpt._storage.local
 from zarrckpt._run import lineage as _unchanged
 from zarrckpt._util import stats as _stats
+from zarrckpt._util.programs import Programs
 
 
 def fsdp(array: jax.Array) -> jax.Array:
@@ -70,6 +71,14 @@ def chunk_files(step_dir: Path, leaf: str) -> dict[str, os.stat_result]:
             and p.name != "zarr.json"}
 
 
+def fingerprints_now(leaves, *, sample, keys):
+    """`_fingerprints` with its programs compiled first (a save compiles them after it)."""
+    programs = Programs()
+    _unchanged._fingerprints(leaves, sample=sample, keys=keys, programs=programs)
+    programs.compile_pending()
+    return _unchanged._fingerprints(leaves, sample=sample, keys=keys, programs=programs)
+
+
 def as_numpy(tree):
     return jax.tree.map(np.asarray, tree)
 
@@ -87,7 +96,8 @@ def test_a_frozen_base_is_linked_not_written_and_every_step_restores_alone(tmp_p
             written[step] = _stats.snapshot().get("store_bytes_written", 0)
             saved[step] = as_numpy(state)
     base_bytes = 1024 * 2048 * 2 + 512 * 2048 * 4
-    # Rebuilt arrays are fingerprinted first at step 1 (samples) and 2 (whole): linked from step 3.
+    # Rebuilt arrays are fingerprinted at step 2 (samples) and 3 (whole), once the first
+    # save's programs are compiled; their chunks are linked by their bytes from step 2.
     first_linked = 2 if frozen_as_given else 3
     for leaf in ("params.base.w", "params.base.embed"):
         newest = chunk_files(tmp_path / "0000000004", leaf)
@@ -137,7 +147,7 @@ def test_a_leaf_changed_anywhere_is_written_again(tmp_path, change, dtype):
         changed = CHANGES[change](values)
     assert not np.array_equal(np.asarray(changed), np.asarray(values))
     with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
-        for step in (1, 2, 3):  # the same values as new arrays: both fingerprints known after step 2
+        for step in (1, 2, 3):  # the same values as new arrays: both fingerprints known after step 3
             mgr.save(step, {"x": fsdp(jnp.array(values, copy=True))})
         mgr.save(4, {"x": fsdp(changed)})
     np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), 4)["x"]), np.asarray(changed))
@@ -152,10 +162,10 @@ def test_a_rebuilt_frozen_leaf_costs_one_wait_a_save_and_is_linked_again_after_i
     waits = []
     fingerprints = _unchanged._fingerprints
 
-    def counted(leaves, *, sample, keys):
+    def counted(leaves, *, sample, keys, programs):
         if leaves:
             waits[-1].append(sample)
-        return fingerprints(leaves, sample=sample, keys=keys)
+        return fingerprints(leaves, sample=sample, keys=keys, programs=programs)
 
     monkeypatch.setattr(_unchanged, "_fingerprints", counted)
     first = jax.random.normal(jax.random.key(5), (2**21,))
@@ -171,12 +181,15 @@ def test_a_rebuilt_frozen_leaf_costs_one_wait_a_save_and_is_linked_again_after_i
     assert all(len(inodes[step]) == 8 for step in values)
     linked = {step: sum(inodes[step][k] == inodes[step - 1][k] for k in inodes[step]) for step in values if step > 1}
     # Every chunk that holds still is linked: by the fingerprints, without a copy off the
-    # devices (3, 4, 6, 10), else by its bytes once copied (2, 8, 9, and 5's unchanged ones).
+    # devices (4, 6, 10), else by its bytes once copied (2, 3, 8, 9, and 5's unchanged ones).
     assert linked == {2: 8, 3: 8, 4: 8, 5: 7, 6: 8, 7: 0, 8: 8, 9: 8, 10: 8}, linked
-    # Per save, each wait for the devices: a sample (True) or all of it (False). Held
-    # still (3, 4, 6, 10): all of it at once. Changed (5, 7): all of it, then the sample,
-    # unchanged here and there, changed all over (8 is written without a look, 9 samples).
-    assert waits == [[[True]], [[True], [False]], [[False]], [[False]], [[False], [True]], [[False]],
+    # Per save, each wait for the devices: a sample (True) or all of it (False). The
+    # first save's programs are compiled after it (its call computes nothing), the
+    # second's sample is the first seen, the third's is seen again and all of it
+    # fingerprinted. Held still (4, 6, 10): all of it at once. Changed (5, 7): all of
+    # it, then the sample, unchanged here and there, changed all over (8 is written
+    # without a look, 9 samples).
+    assert waits == [[[True]], [[True]], [[True], [False]], [[False]], [[False], [True]], [[False]],
                      [[False], [True]], [], [[True], [False]], [[False]]]
     for step, value in values.items():
         np.testing.assert_array_equal(np.asarray(zarrckpt.load_checkpoint(str(tmp_path), step)["x"]),
@@ -420,7 +433,7 @@ def test_fingerprints_tell_a_single_flipped_bit_apart(dtype, place, bit, sample)
     keys = np.array([12345, 67890], np.uint32)
     a, b = (jnp.asarray(np.frombuffer(x.tobytes(), jnp.dtype(dtype))) for x in (raw, flipped))
     stride = max(1, 5000 // _unchanged._SAMPLE)
-    fa, fb = (_unchanged._fingerprints([{((0, 5000),): x}], sample=[sample], keys=keys)[0] for x in (a, b))
+    fa, fb = (fingerprints_now([{((0, 5000),): x}], sample=[sample], keys=keys)[0] for x in (a, b))
     if not sample or place % stride == 0:
         assert fa != fb
 
@@ -459,7 +472,7 @@ def test_the_fingerprint_is_the_function_the_format_states(dtype, size, sample):
     array = (np.frombuffer(values.tobytes(), np.dtype(jnp.dtype(dtype))) if dtype != "bool" else values % 2 == 1)[:size]
     keys = np.array([0x9E3779B9, 7], np.uint32)
     with jax.enable_x64(np.dtype(jnp.dtype(dtype)).itemsize >= 8):  # 8-byte elements, two words each
-        (found,) = _unchanged._fingerprints([{((0, size),): jnp.asarray(array)}], sample=[sample], keys=keys)
+        (found,) = fingerprints_now([{((0, size),): jnp.asarray(array)}], sample=[sample], keys=keys)
     stride = max(1, size // _unchanged._SAMPLE) if sample else 1
     assert found == {((0, size),): _documented_fingerprint(array, keys, stride)}
 
@@ -478,7 +491,7 @@ def test_leaves_fingerprinted_in_one_call_each_get_their_own_shards_fingerprints
     arrays.append(jax.device_put(values[3], NamedSharding(four, P("d"))))
     uneven = {((0, 3),): jnp.arange(3.0), ((3, 10),): jax.device_put(jnp.arange(3.0, 10.0), jax.devices()[1])}
     leaves = [{(i, j): shard.data for j, shard in enumerate(a.addressable_shards)} for i, a in enumerate(arrays)]
-    found = _unchanged._fingerprints([*leaves, uneven], sample=[sample] * (len(leaves) + 1), keys=keys)
+    found = fingerprints_now([*leaves, uneven], sample=[sample] * (len(leaves) + 1), keys=keys)
     for leaf, fingerprints in zip([*leaves, uneven], found):
         assert fingerprints is not None and list(fingerprints) == list(leaf)
         for region, shard in leaf.items():
@@ -496,7 +509,7 @@ def test_saves_inside_jax_set_mesh_link_a_rebuilt_frozen_leaf(tmp_path):
     frozen = np.random.default_rng(4).standard_normal((1024, 1024)).astype(np.float32)
     uneven = {((0, 3),): jnp.arange(3.0), ((3, 10),): jax.device_put(jnp.arange(3.0, 10.0), jax.devices()[1])}
     with jax.set_mesh(data):
-        assert _unchanged._fingerprints([uneven], sample=[False], keys=np.array([1, 2], np.uint32))[0] is not None
+        assert fingerprints_now([uneven], sample=[False], keys=np.array([1, 2], np.uint32))[0] is not None
         with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
             for step in (1, 2, 3):
                 mgr.save(step, {"frozen": jax.device_put(frozen, NamedSharding(data, P("data"))) + 0,

@@ -7,7 +7,9 @@ process's devices over the state's largest floating-point jax.Array leaves
 but those unchanged since the step it checked last (what it found there holds),
 when `save` is called (the runtime orders a later donation of their buffers after it,
 as it does the copies), and the save waits for its few bytes of answer in the
-background, before it commits; process 0's answer is recorded. A step holding
+background, before it writes; process 0's answer is recorded. A reduction not yet
+compiled (a run's first save) is compiled on the save's own thread and run there, on
+the leaves the caller has not donated meanwhile. A step holding
 non-finite values records their leaves in its metadata (`NON_FINITE`), and retention
 keeps the newest step that records none (see `_retention`).
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence, Set as AbstractSet
+from collections.abc import Callable, Hashable, Sequence, Set as AbstractSet
 from typing import Any, NamedTuple
 
 import jax
@@ -28,6 +30,7 @@ import numpy as np
 
 from ._format.tree import Leaf, describe_path
 from ._util import devices as _devices
+from ._util.programs import Programs
 
 log = logging.getLogger("zarrckpt")
 
@@ -52,12 +55,16 @@ class Findings(NamedTuple):
     bad: dict[str, str]
 
 
-def start(leaves: Sequence[Leaf], *, before: Findings | None = None,
+def start(leaves: Sequence[Leaf], programs: Programs, *, before: Findings | None = None,
           unchanged: AbstractSet[str] = frozenset()) -> Callable[[], Findings]:
     """Dispatches the check of the largest `MAX_CHECKED` of `leaves`' floating-point
     jax.Arrays in device memory; returns a call that waits for it and says what it
     found (process 0's answer is the one recorded: a diverged run's NaN is in every
     shard). Not collective.
+
+    Each set of devices is checked by a program of `programs`: where it is not compiled
+    yet (a run's first save), the call compiles it and checks those leaves then, on
+    its own thread, where they are still there (a leaf donated since is not looked at).
 
     The leaves `unchanged` (by name) since the step `before` says what was found in are
     not looked at again where `before` looked at them: what was found then holds. A
@@ -84,23 +91,34 @@ def start(leaves: Sequence[Leaf], *, before: Findings | None = None,
             parts = [(shard.data.sharding, shard.data) for shard in x.addressable_shards]
         for sharding, part in parts:
             groups.setdefault(sharding, []).append((i, part))
-    # The answer holds no array: the state may go.
     named = [(leaf.name, leaf.path) for leaf in floats]
-    pending = []
+    pending: list[tuple[list[int], Any]] = []  # the flags of each group dispatched
+    # The groups whose program is not compiled yet: their key, program, leaves and shards.
+    later: list[tuple[Hashable, Callable[[], Any], list[int], tuple[jax.Array, ...]]] = []
     for group in groups.values():
-        try:
-            sample = CPU_SAMPLE if _on_cpu(group[0][1]) else None
-            with _devices.outside_callers_mesh():
-                flags = _finite_flags(tuple(part for _, part in group), sample)
-            pending.append(([i for i, _ in group], flags))
-        except Exception as e:  # a check that only annotates a step never fails its save
-            log.debug("could not check %d leaves for NaN: %s", len(group), e)
+        xs = tuple(part for _, part in group)
+        sample = CPU_SAMPLE if _on_cpu(xs[0]) else None
+        key = ("finite", tuple((x.shape, x.dtype, x.sharding) for x in xs), sample)
+        program = programs.get(key, compile := functools.partial(_compile, xs, sample))
+        if program is None:
+            later.append((key, compile, [i for i, _ in group], xs))
+        else:
+            pending.append(([i for i, _ in group], _dispatch(program, xs)))
     del groups
 
     def result() -> Findings:
+        nonlocal later
+        programs.compile_pending([key for key, _, _, _ in later])
+        for key, compile, indices, xs in later:
+            program = programs.get(key, compile)
+            if program is not None and not any(x.is_deleted() for x in xs):
+                pending.append((indices, _dispatch(program, xs)))
+        later = []  # the answer holds no array: the state may go
         bad: set[int] = set()
         checked: set[int] = set()
         for indices, flags in pending:
+            if flags is None:
+                continue
             try:
                 bad.update(i for i, ok in zip(indices, np.asarray(flags)) if not ok)
                 checked.update(indices)
@@ -113,6 +131,24 @@ def start(leaves: Sequence[Leaf], *, before: Findings | None = None,
                         {name: found[name] for name in order if name in found})
 
     return result
+
+
+def _compile(xs: tuple[jax.Array, ...], sample: int | None) -> Callable[..., Any]:
+    """`_finite_flags` compiled for arrays laid out as `xs` are (their values unread)."""
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in xs)
+    with _devices.outside_callers_mesh():
+        return _finite_flags.lower(shapes, sample).compile()
+
+
+def _dispatch(program: Callable[..., Any], xs: tuple[jax.Array, ...]) -> Any:
+    """Starts `program` on `xs`; None where it cannot run (a leaf donated meanwhile, the
+    device out of memory): a check that only annotates a step never fails its save."""
+    try:
+        with _devices.outside_callers_mesh():
+            return program(xs)
+    except Exception as e:
+        log.debug("could not check %d leaves for NaN: %s", len(xs), e)
+        return None
 
 
 @functools.lru_cache(maxsize=64)

@@ -12,6 +12,7 @@ from .. import _finite
 from .._save.collaborators import Unguarded
 from .._save.plan import ArrayPlan
 from .._storage import Location
+from .._util.programs import Programs
 from .lease import Lease, refuse_if_held
 
 log = logging.getLogger("zarrckpt")
@@ -41,17 +42,18 @@ class ManagerGuard:
     found holding them are recorded in the step's metadata (`NON_FINITE`), with a
     warning. `before`: what the check found in the step the reused leaves are made
     from, where it is the very save this manager checked (those leaves are not looked
-    at again). `findings` holds what process 0's check found, once known."""
+    at again). The check's programs are `programs`' (see `_finite.start`). `findings`
+    holds what process 0's check found, once known."""
 
-    def __init__(self, lease: Lease | None, step: int, before: _finite.Findings | None) -> None:
-        self._lease, self._step, self._before = lease, step, before
+    def __init__(self, lease: Lease | None, step: int, before: _finite.Findings | None, programs: Programs) -> None:
+        self._lease, self._step, self._before, self._programs = lease, step, before, programs
         self._check: Callable[[], _finite.Findings] | None = None
         self.findings: _finite.Findings | None = None
 
     def planned(self, plans: Sequence[ArrayPlan], documents: Mapping[str, dict[str, Any]],
                 reused: AbstractSet[str]) -> None:
-        self._check = _finite.start([plan.leaf for plan in plans if plan.moved is None], before=self._before,
-                                    unchanged=reused)
+        self._check = _finite.start([plan.leaf for plan in plans if plan.moved is None], self._programs,
+                                    before=self._before, unchanged=reused)
 
     def before_prepare(self) -> Mapping[str, Any]:
         if self._lease is not None:

@@ -50,6 +50,7 @@ from .._save.host_copies import shard_source
 from .._save.plan import ArrayPlan
 from .._save.protocol import missing
 from .._util import devices as _devices
+from .._util.programs import Programs
 from .._util.regions import Region, region_size, replicas_of
 from ..errors import CheckpointError, CheckpointWriteError
 from .same_chunks import NOTHING_SAME, SameChunks
@@ -90,9 +91,13 @@ class Lineage:
     """What this process knows of the newest committed step's leaves (`Known`) of one
     directory of steps, and which leaves of a new save it holds as they are (`mark`).
     A save is handed it through `ReuseUnchanged`. Thread-safe:
-    a save is marked on the training thread and committed on a background one."""
+    a save is marked on the training thread and committed on a background one.
+    Its fingerprints are computed by programs of `programs`: those a save could not
+    run, not compiled yet, are compiled once it has committed or failed
+    (`compile_programs`), on the save's thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, programs: Programs) -> None:
+        self._programs = programs
         self._keys = np.frombuffer(secrets.token_bytes(8), np.uint32).copy()
         self._known: dict[str, Known] = {}
         self._save_id: str | None = None  # the identity of the step known, where told
@@ -198,7 +203,8 @@ class Lineage:
             return same
 
         first = _fingerprints([shards for _, shards, _ in sampled + direct],
-                              sample=[True] * len(sampled) + [False] * len(direct), keys=self._keys)
+                              sample=[True] * len(sampled) + [False] * len(direct), keys=self._keys,
+                              programs=self._programs)
         same_sample = []  # is all of it the same, too?
         for (plan, shards, before), sample in zip(sampled, first):
             if judged(plan, before, sample, None):
@@ -215,7 +221,8 @@ class Lineage:
             else:
                 changed.append((plan, shards, before, whole))
         second = _fingerprints([shards for _, shards, _ in same_sample] + [shards for _, shards, _, _ in changed],
-                               sample=[False] * len(same_sample) + [True] * len(changed), keys=self._keys)
+                               sample=[False] * len(same_sample) + [True] * len(changed), keys=self._keys,
+                               programs=self._programs)
         for (plan, _, before), whole in zip(same_sample, second):
             if whole is None:
                 continue
@@ -310,6 +317,11 @@ class Lineage:
         if now is None or now.state is not _commit.State.COMMITTED or now.save_id != known[1]:
             self.forget()
 
+    def compile_programs(self) -> None:
+        """Compiles the fingerprints' programs that saves asked for and could not run
+        (see `_util.programs`), on the calling thread."""
+        self._programs.compile_pending()
+
     def forget(self) -> None:
         """Nothing known: after a deletion, or a failed save that found the step known
         changed, the next save writes all."""
@@ -388,9 +400,11 @@ class ReuseUnchanged(NoReuse):
         assert self._step is not None, "a save commits only once planned"
         self._same.say("reuse_unchanged")
         self._lineage.committed(self._step, self._seen, save_id, made, crcs)
+        self._lineage.compile_programs()
 
     def failed(self, error: BaseException, *, prepared: bool) -> None:
         self._lineage.failed(error)
+        self._lineage.compile_programs()
 
 
 def _check_source_still_committed(source: _storage.Location, save_id: str, plans: Sequence[ArrayPlan],
@@ -454,19 +468,20 @@ def _matches(then: Mapping[Region, Fingerprint], now: dict[Region, Fingerprint])
     return bool(now) and all(then.get(region) == f for region, f in now.items())
 
 
-def _fingerprints(leaves: list[dict[Region, jax.Array]], *, sample: Sequence[bool], keys: np.ndarray
-                  ) -> list[dict[Region, Fingerprint] | None]:
+def _fingerprints(leaves: list[dict[Region, jax.Array]], *, sample: Sequence[bool], keys: np.ndarray,
+                  programs: Programs) -> list[dict[Region, Fingerprint] | None]:
     """Each leaf's shards' fingerprints (of their samples, where its `sample` is True),
-    each computed on the shard's own device; waits for them all. One call per leaf where
-    its shards have one shape (one program for all of them: one per device was compiled
-    once per device), else one per shard. A leaf whose fingerprints cannot be computed
-    (the device out of memory, an error of the runtime) has None: it is written, and the
-    save goes on, as it does on every other process (no process may leave a save that
-    the others are in)."""
+    each computed on the shard's own device by a program of `programs`; waits for them
+    all. One call per leaf where its shards have one shape (one program for all of
+    them: one per device was compiled once per device), else one per shard. A leaf
+    whose fingerprints cannot be computed (its program not compiled yet, the device out
+    of memory, an error of the runtime) has None: it is written, and the save goes on,
+    as it does on every other process (no process may leave a save that the others
+    are in)."""
     pending: list[list[jax.Array] | None] = []
     for shards, sampled in zip(leaves, sample, strict=True):
         try:
-            pending.append(_dispatch(list(shards.values()), sampled, keys))
+            pending.append(_dispatch(list(shards.values()), sampled, keys, programs))
         except Exception as e:  # the leaf is written; the reason is for the curious
             log.debug("no fingerprint of a leaf's shards %s: %s", list(shards), e)
             pending.append(None)
@@ -475,22 +490,46 @@ def _fingerprints(leaves: list[dict[Region, jax.Array]], *, sample: Sequence[boo
     except Exception as e:
         log.debug("no fingerprints this save: %s", e)
         return [None] * len(leaves)
-    return [None if out is None else dict(zip(shards, ((int(a), int(b)) for rows in out for a, b in rows)))
+    return [None if out is None else dict(zip(shards, ((int(a), int(b)) for rows in out
+                                                        for a, b in np.reshape(rows, (-1, 2)))))
             for shards, out in zip(leaves, fetched)]
 
 
-def _dispatch(arrays: list[jax.Array], sample: bool, keys: np.ndarray) -> list[jax.Array]:
-    """Starts the fingerprints of one leaf's shards: rows of two sums, in order."""
+def _dispatch(arrays: list[jax.Array], sample: bool, keys: np.ndarray, programs: Programs) -> list[jax.Array] | None:
+    """Starts the fingerprints of one leaf's shards: two sums a shard, in order; None
+    where a program they need is not compiled yet (see `Programs.get`)."""
     with _devices.outside_callers_mesh():
         if arrays and arrays[0].ndim and all(a.shape == arrays[0].shape for a in arrays):
-            devices = [next(iter(a.devices())) for a in arrays]
-            mesh = Mesh(np.array(devices), ("shards",))
-            side_by_side = jax.make_array_from_single_device_arrays(
-                (len(arrays) * arrays[0].shape[0], *arrays[0].shape[1:]),
-                NamedSharding(mesh, PartitionSpec("shards")), arrays)
-            return [_on_each(mesh, sample)(side_by_side, _keys_on(mesh, keys.tobytes()))]
-        return [_fingerprint(a, _keys_on(Mesh(np.array(list(a.devices())), ("shards",)), keys.tobytes()), sample)[None]
-                for a in arrays]
+            mesh = Mesh(np.array([next(iter(a.devices())) for a in arrays]), ("shards",))
+            shape, dtype = (len(arrays) * arrays[0].shape[0], *arrays[0].shape[1:]), arrays[0].dtype
+            sharding = NamedSharding(mesh, PartitionSpec("shards"))
+            # Of its sample and of all of it, asked for at once: a leaf whose sample holds
+            # still is fingerprinted whole at its next save.
+            program = [programs.get(("fingerprints", mesh, shape, dtype, sampled),
+                                    functools.partial(_compile, _on_each(mesh, sampled), sharding, shape, dtype, mesh))
+                       for sampled in (sample, not sample)][0]
+            if program is None:
+                return None
+            side_by_side = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+            return [program(side_by_side, _keys_on(mesh, keys.tobytes()))]
+        meshes = [Mesh(np.array(list(a.devices())), ("shards",)) for a in arrays]
+        programs_of = [[programs.get(("fingerprint", a.sharding, a.shape, a.dtype, sampled),
+                                     functools.partial(_compile, functools.partial(_fingerprint, sample=sampled),
+                                                       a.sharding, a.shape, a.dtype, mesh))
+                        for sampled in (sample, not sample)][0] for a, mesh in zip(arrays, meshes)]
+        ready = [program for program in programs_of if program is not None]
+        if len(ready) < len(arrays):
+            return None
+        return [program(a, _keys_on(mesh, keys.tobytes())) for program, a, mesh in zip(ready, arrays, meshes)]
+
+
+def _compile(fingerprint: Any, sharding: jax.sharding.Sharding, shape: tuple[int, ...], dtype: np.dtype,
+             mesh: Mesh) -> Any:
+    """`fingerprint` (a jitted function of an array and the keys) compiled for an array
+    of `shape` and `dtype` laid out by `sharding`, with the keys on every device of `mesh`."""
+    keys = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, PartitionSpec()))
+    with _devices.outside_callers_mesh():
+        return jax.jit(fingerprint).lower(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), keys).compile()
 
 
 @functools.lru_cache(maxsize=64)

@@ -19,6 +19,7 @@ from typing import Any
 from .. import _finite, _options, _save, errors
 from .._storage import Location
 from .._util import multihost as _multihost
+from .._util.programs import Programs
 from . import guards as _guards, lease as _lease, lineage as _lineage, retention as _retention, steps as _steps
 
 log = logging.getLogger("zarrckpt")
@@ -39,7 +40,9 @@ class Run:
         library's checkpoints. Takes no lease: see `claim`."""
         self.root = root
         self.keep = keep
-        self.lineage = _lineage.Lineage() if reuse_unchanged else None
+        # The device programs of this run's saves, compiled off the training thread.
+        self.programs = Programs()
+        self.lineage = _lineage.Lineage(self.programs) if reuse_unchanged else None
         # What the NaN check found in the newest step this job committed (process 0's),
         # with that save's identity: a leaf made from that very save holds what it held then.
         self._findings: tuple[str, str | None, _finite.Findings] | None = None
@@ -113,7 +116,7 @@ class Run:
             then = self._findings
         source = self.lineage.step() if self.lineage is not None else None
         same = then is not None and source is not None and (source[0].url, source[1]) == then[:2]
-        guard = _guards.ManagerGuard(self.lease, step, then[2] if then is not None and same else None)
+        guard = _guards.ManagerGuard(self.lease, step, then[2] if then is not None and same else None, self.programs)
         reuse = _lineage.ReuseUnchanged(self.lineage) if self.lineage is not None else _save.NO_REUSE
         job = _save.SaveJob.create(location, state, options, channel="manager-save",
                                    extra_metadata={"metrics": metrics} if metrics is not None else None,

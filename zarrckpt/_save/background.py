@@ -12,6 +12,7 @@ save's own error, or one raised by `on_commit`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -31,7 +32,11 @@ _STOPPED = object()  # staging stopped part-way: the writer fails the save
 
 class BackgroundSave:
     """`job`, staged by `start` on the calling thread and written on a thread of its own.
-    Once it has ended it holds nothing of the state saved (the caller may free it)."""
+    Once it has ended it holds nothing of the state saved (the caller may free it).
+
+    Started (`start`), its thread and those it writes with run at the lowest
+    scheduling priority, and write with fewer threads unless the job's options say how
+    many (see `_concurrency.beside_training`): the caller's thread goes on training."""
 
     def __init__(self, job: SaveJob, name: str, *, on_commit: Callable[[], None],
                  on_failure: Callable[[BaseException], None]) -> None:
@@ -61,6 +66,9 @@ class BackgroundSave:
         reporting it again); a failure of the writer is its own (`on_failure`)."""
         job, self._job = self._job, None
         assert job is not None, "a save starts once"
+        if job.options.max_workers is None:
+            job.options = dataclasses.replace(job.options, max_workers=_concurrency.beside_training(
+                job.loc.concurrency, job.loc.requests_wait))
         self._writing = job
         thread = threading.Thread(target=self._write, name=self._name, daemon=True)
         self._thread = thread
@@ -120,6 +128,7 @@ class BackgroundSave:
 
     def _write(self) -> None:
         """The save's thread: writes what `start` stages, then says the save is done."""
+        _concurrency.yield_to_training()
         self._go.wait()
         job, self._writing = self._writing, None
         if job is None:  # `start` was interrupted as this thread started, and ended the save

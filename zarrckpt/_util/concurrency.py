@@ -31,6 +31,7 @@ import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -58,6 +59,36 @@ _ABANDON_POLL_S = 0.02
 # contend for the interpreter, such files cost 2-3 times as much as written in turn.
 _RAMP_S = 0.001
 _RAMP_BYTES = 2**20
+
+
+def beside_training(workers: int, requests_wait: bool) -> int:
+    """How many of `workers` a save in the background writes with: all of them where
+    each request waits on a store (such threads wait, they do not compute); else one
+    for every 4 cores this process may run on, at least one. Each of those copies
+    memory and computes checksums, and more of them took the cores and the
+    interpreter's lock from the training loop they ran beside."""
+    if requests_wait:
+        return workers
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(workers, cores // 4))
+
+
+def yield_to_training() -> None:
+    """Lowers the calling thread's scheduling priority to the lowest (nice 19) on Linux,
+    where it is the thread's own and the threads it starts inherit it, so that the
+    training loop beside a save in the background gets a core first whenever it can
+    run (an idle core still runs the save at full speed). Nothing elsewhere: there it
+    would be the whole process's. A thread's priority cannot be raised again without
+    privileges: only threads that end with their save lower theirs."""
+    if sys.platform != "linux":
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError as e:  # a sandbox that refuses it: the save runs as it is
+        log.debug("a save's thread kept its priority: %s", e)
 
 
 class Aborted(Exception):
