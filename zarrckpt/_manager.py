@@ -77,12 +77,12 @@ class CheckpointManager:
         "max"). The newest step, pinned steps and the newest step without NaN or
         infinities are always kept; without keep_last or keep_best nothing is deleted.
       async_save: `save` returns once the copies off the devices are dispatched;
-        writing and committing go on in the background (one save in flight).
-      reuse_unchanged: a jax.Array leaf that holds exactly what it held in the newest
-        step this manager saved or restored (the very same array, or every shard with
-        the same fingerprint, computed on its device) has its chunks made from that
-        step's (a hard link, a copy inside S3 or GCS) instead of written. Every step
-        stays complete on its own.
+        writing and committing go on in the background (one save in flight), on threads
+        at the lowest priority (Linux), on a local disk one per 4 cores unless `max_workers`.
+      reuse_unchanged: a jax.Array leaf that holds exactly what it held in the newest step
+        this manager saved or restored (the very same array, or every shard with the same
+        fingerprint, computed on its device) has its chunks made from that step's (a hard
+        link, a copy inside S3 or GCS) instead of written. Each step is complete on its own.
       max_inflight_bytes: host memory a save may hold in copies not yet written
         (default: a quarter of this process's memory limit, at least 8 GiB); past it,
         `save` waits for writes. `max_staged_bytes` is a deprecated alias.
