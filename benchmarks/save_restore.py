@@ -6,7 +6,9 @@ times, each round into a fresh directory that is deleted afterwards, and each sa
 of a new state (computed on the devices, never copied to the host: a state copied
 once is cached there and flatters everyone). Throughput is the tree's logical bytes
 (each global array counted once, however many replicas it has) / 1e9 / seconds.
-Peak host memory is the resident set above the baseline during the save.
+Peak host memory is the resident set above the baseline during the save, and during
+the restore (the restored state included: on the CPU platform its arrays are host
+memory, so a restore holding nothing else reads 1.0x the state's bytes).
 
 The raw ceiling writes each shard's bytes to a file with as many threads as zarrckpt
 writes with, no format and no metadata: on an accelerator after one batched copy
@@ -252,7 +254,8 @@ def verify(restored, original):
 def run_round(name, save, restore, tree, base_dir, label, check=False):
     """One save of a new state + restore into a fresh directory; returns the wall
     seconds of the save and the restore, the CPU seconds (this process, all threads)
-    of each, and the peak host memory above the baseline during the save."""
+    of each, and the peak host memory above the baseline during each (the restore's
+    with the restored state in it, the source tree being in both baselines)."""
     path = os.path.join(base_dir, f"{name}-{label}")
     state = _common.fresh(tree)
     with _common.PeakMemory() as memory:
@@ -260,17 +263,20 @@ def run_round(name, save, restore, tree, base_dir, label, check=False):
         save(path, state)
         saved, saved_cpu = time.perf_counter(), time.process_time()
     del state
-    restored = jax.block_until_ready(restore(path, tree))
-    restored_at, restored_cpu = time.perf_counter(), time.process_time()
+    with _common.PeakMemory() as restore_memory:
+        restoring, restoring_cpu = time.perf_counter(), time.process_time()
+        restored = jax.block_until_ready(restore(path, tree))
+        restored_at, restored_cpu = time.perf_counter(), time.process_time()
     if check:
         verify(restored, tree)
     del restored
     shutil.rmtree(path)
     gc.collect()
     print(f"  {name} {label}: save {saved - start:.3f}s ({saved_cpu - start_cpu:.3f}s CPU, "
-          f"+{memory.above / 2**20:.0f} MiB), restore {restored_at - saved:.3f}s "
-          f"({restored_cpu - saved_cpu:.3f}s CPU)", flush=True)
-    return saved - start, restored_at - saved, saved_cpu - start_cpu, restored_cpu - saved_cpu, memory.above
+          f"+{memory.above / 2**20:.0f} MiB), restore {restored_at - restoring:.3f}s "
+          f"({restored_cpu - restoring_cpu:.3f}s CPU, +{restore_memory.above / 2**20:.0f} MiB)", flush=True)
+    return (saved - start, restored_at - restoring, saved_cpu - start_cpu, restored_cpu - restoring_cpu,
+            memory.above, restore_memory.above)
 
 
 def run_all(names, tree, base_dir, repeats):
@@ -287,7 +293,7 @@ def run_all(names, tree, base_dir, repeats):
                 save, restore = stack.enter_context(CONTENDER_FACTORIES[name](tree))
                 run_round(name, save, restore, tree, base_dir, "warm-up", check=True)
                 active[name] = (save, restore)
-                results[name] = ([], [], [], [], [])
+                results[name] = ([], [], [], [], [], [])
             except Unavailable as exc:
                 results[name] = {"error": str(exc)}
                 print(f"  {name}: {exc}", flush=True)
@@ -302,14 +308,14 @@ def run_all(names, tree, base_dir, repeats):
     return results
 
 
-def summarize(seconds, cpu_seconds, nbytes, peak=None):
+def summarize(seconds, cpu_seconds, nbytes, peak):
+    """Rates and CPU seconds of a phase's rounds, and its peak host memory above the
+    baseline: each round's, and the median's ratio to the state's bytes."""
     rates = [nbytes / 1e9 / s for s in seconds]
-    out = {"seconds": seconds, "best_gbps": max(rates),
-           "median_gbps": statistics.median(rates),
-           "cpu_seconds": cpu_seconds, "median_cpu_seconds": statistics.median(cpu_seconds)}
-    if peak is not None:
-        out["peak_host_bytes"] = peak
-    return out
+    return {"seconds": seconds, "best_gbps": max(rates),
+            "median_gbps": statistics.median(rates),
+            "cpu_seconds": cpu_seconds, "median_cpu_seconds": statistics.median(cpu_seconds),
+            "peak_host_bytes": peak, "peak_ratio": statistics.median(peak) / nbytes}
 
 
 def package_version(name):
@@ -349,18 +355,21 @@ def ratios(results):
 
 
 def print_table(results):
-    print(f"\n{'contender':<14} | {'save GB/s best':>14} {'median':>7} {'CPU s':>6} {'peak MiB':>9} | "
-          f"{'restore GB/s best':>17} {'median':>7} {'CPU s':>6}")
-    print("-" * 94)
+    """One row per contender; peak is the median round's host memory above the baseline,
+    in MiB and as a multiple of the state's bytes."""
+    print(f"\n{'contender':<14} | {'save GB/s best':>14} {'median':>7} {'CPU s':>6} {'peak MiB':>9} {'x':>5} | "
+          f"{'restore GB/s best':>17} {'median':>7} {'CPU s':>6} {'peak MiB':>9} {'x':>5}")
+    print("-" * 122)
     for name, result in results.items():
         if "error" in result:
             print(f"{name:<14} | {result['error']}")
             continue
-        save, restore = result["save"], result["restore"]
-        print(f"{name:<14} | {save['best_gbps']:>14.3f} {save['median_gbps']:>7.3f} "
-              f"{save['median_cpu_seconds']:>6.3f} {statistics.median(save['peak_host_bytes']) / 2**20:>9.0f} | "
-              f"{restore['best_gbps']:>17.3f} "
-              f"{restore['median_gbps']:>7.3f} {restore['median_cpu_seconds']:>6.3f}")
+        cells = []
+        for phase, width in (("save", 14), ("restore", 17)):
+            p = result[phase]
+            cells.append(f"{p['best_gbps']:>{width}.3f} {p['median_gbps']:>7.3f} {p['median_cpu_seconds']:>6.3f} "
+                         f"{statistics.median(p['peak_host_bytes']) / 2**20:>9.0f} {p['peak_ratio']:>5.2f}")
+        print(f"{name:<14} | {cells[0]} | {cells[1]}")
 
 
 def checksum_cost(results):
@@ -464,7 +473,7 @@ def main(args):
     finally:
         shutil.rmtree(base_dir, ignore_errors=True)
     results = {name: r if isinstance(r, dict) else {"save": summarize(r[0], r[2], nbytes, r[4]),
-                                                     "restore": summarize(r[1], r[3], nbytes)}
+                                                     "restore": summarize(r[1], r[3], nbytes, r[5])}
                for name, r in raw_results.items()}
 
     print_table(results)

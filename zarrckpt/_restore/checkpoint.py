@@ -40,6 +40,8 @@ _MEMORY_BYTES = _concurrency.memory_bytes() or sys.maxsize
 # for that (a pool's threads cost about a millisecond to start).
 _BOX_READERS = 8
 _BOX_TOGETHER_BYTES = 16 * 2**20
+# Where XLA's CPU client aliases host memory given to it rather than copying it.
+_DEVICE_ALIGNMENT = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +179,7 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region, vouched: _vouched.Re
         raise CheckpointCorruptError(
             f"leaf {leaf.where} of {loc.url} needs {nbytes:,} bytes for {box}, more than this machine's "
             f"{_MEMORY_BYTES:,} bytes of memory")
-    out = np.empty([b - a for a, b in box], leaf.dtype)
+    out = aligned_empty(region_shape(box), leaf.dtype)
     in_part = threading.Lock()
 
     def read(chunk: Region) -> None:
@@ -217,6 +219,17 @@ def _read_box(loc: Location, leaf: StoredLeaf, box: Region, vouched: _vouched.Re
             for chunk in chunks:
                 read(chunk)
     return out
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a `_DEVICE_ALIGNMENT`
+    boundary: a CPU device's `jax.device_put` takes such an array's memory as its own
+    (and every replica's) instead of copying it, so that a restored state on CPU devices
+    is its read bytes, not a second copy of them."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(_dtypes.nbytes(shape, dtype) + _DEVICE_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _DEVICE_ALIGNMENT
+    return raw[start:start + _dtypes.nbytes(shape, dtype)].view(dtype).reshape(shape)
 
 
 def read_chunk(loc: Location, codec: ChunkCodec | _seqax.Codec | _safetensors.TensorCodec, chunk: Region,
