@@ -198,7 +198,7 @@ def commit(loc: Location, group_document: dict[str, Any]) -> None:
             raise CheckpointWriteError(f"{loc.url} was deleted or replaced by someone else while it was being "
                                        "saved (zarrckpt gc, or another writer taking it for a leftover); not "
                                        "committing it")
-    write_marker(loc, "zarr.json", encoded)
+    write_marker(loc.unversioned(), "zarr.json", encoded)
 
 
 def write_marker(loc: Location, key: str, document: bytes) -> None:

@@ -27,11 +27,10 @@ import dataclasses
 import datetime
 import errno
 import functools
-import itertools
 import logging
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import jax
 import zarr
@@ -52,6 +51,7 @@ from .plan import ArrayPlan, WriteUnit
 from .plan_cache import PlanCache, Planned
 
 log = logging.getLogger("zarrckpt")
+_T = TypeVar("_T")
 
 
 def save(loc: _storage.Location, tree: Any, options: SaveOptions, *,
@@ -433,7 +433,8 @@ class SaveJob:
         meta = {**self.group["attributes"][_naming.META_ATTR], **found}
         self.group = _zarrjson.group_document({_naming.META_ATTR: {_commit.SAVE_ID: save_id, **meta}})
         if not self.loc.late_safe:  # else the commit alone is written (see `_commit.write_marker`)
-            self.loc.write("zarr.json", _zarrjson.encode_document(self.group), atomic=True, durable=True)
+            self.loc.unversioned().write("zarr.json", _zarrjson.encode_document(self.group), atomic=True,
+                                         durable=True)
         return save_id
 
 
@@ -469,10 +470,11 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
     never find a chunk only in the page cache. Array metadata is only read once
     committed, so it goes out alongside the chunks. Chunks are compressed where
     `compressor` finds it pays. Stops at the first failure (see `_concurrency`)."""
-    def write(out: _storage.Location, item: tuple[ArrayPlan, WriteUnit | dict[str, Any]]) -> None:
+    def write(out: _storage.Location, documents: _storage.Location,
+              item: tuple[ArrayPlan, WriteUnit | dict[str, Any]]) -> None:
         plan, what = item
         if isinstance(what, dict):
-            _write_metadata(out, plan, what)
+            _write_metadata(documents, plan, what)
         else:
             _write_one(out, plan, what, compressor, reuse, reused_of(reused, plan), made, crcs)
             advance(what.nbytes)
@@ -481,11 +483,30 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
         plan, what = item
         return 0 if isinstance(what, dict) or reused_of(reused, plan) is not None else what.nbytes
 
-    items: Iterable[tuple[ArrayPlan, WriteUnit | dict[str, Any]]] = itertools.chain(metadata, work)
+    # In turn, so that the copies off the devices start with the first writes, and the
+    # documents are written while the chunks wait for them.
+    items: Iterable[tuple[ArrayPlan, WriteUnit | dict[str, Any]]] = _in_turn(metadata, work)
     with loc.write_batch() as out, _concurrency.Operation(workers, "write") as op:
         # On a local disk small files (documents, links, small chunks) are written in turn;
         # the bytes of chunks, and writes that wait, add threads.
-        op.fan_out(items, functools.partial(write, out), nbytes=written, start=None if loc.requests_wait else 1)
+        op.fan_out(items, functools.partial(write, out, out.unversioned()), nbytes=written,
+                   start=None if loc.requests_wait else 1)
+
+
+def _in_turn(*sources: Iterable[_T]) -> Iterator[_T]:
+    """The items of `sources`, one of each in turn (each pulled only as it is yielded),
+    until all of them run out."""
+    pending = [iter(source) for source in sources]
+    while pending:
+        for source in list(pending):
+            item = next(source, _END)
+            if item is _END:
+                pending.remove(source)
+            else:
+                yield cast(_T, item)
+
+
+_END = object()
 
 
 def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str, Any]) -> None:
