@@ -27,10 +27,11 @@ import dataclasses
 import datetime
 import errno
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import jax
 import zarr
@@ -51,7 +52,6 @@ from .plan import ArrayPlan, WriteUnit
 from .plan_cache import PlanCache, Planned
 
 log = logging.getLogger("zarrckpt")
-_T = TypeVar("_T")
 
 
 def save(loc: _storage.Location, tree: Any, options: SaveOptions, *,
@@ -483,30 +483,13 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
         plan, what = item
         return 0 if isinstance(what, dict) or reused_of(reused, plan) is not None else what.nbytes
 
-    # In turn, so that the copies off the devices start with the first writes, and the
-    # documents are written while the chunks wait for them.
-    items: Iterable[tuple[ArrayPlan, WriteUnit | dict[str, Any]]] = _in_turn(metadata, work)
+    items: Iterable[tuple[ArrayPlan, WriteUnit | dict[str, Any]]] = itertools.chain(metadata, work)
     with loc.write_batch() as out, _concurrency.Operation(workers, "write") as op:
         # On a local disk small files (documents, links, small chunks) are written in turn;
-        # the bytes of chunks, and writes that wait, add threads.
+        # the bytes of chunks, and writes that wait, add threads. Nobody keeps a document's
+        # version: not asked of a store whose answers name none (`unversioned`).
         op.fan_out(items, functools.partial(write, out, out.unversioned()), nbytes=written,
                    start=None if loc.requests_wait else 1)
-
-
-def _in_turn(*sources: Iterable[_T]) -> Iterator[_T]:
-    """The items of `sources`, one of each in turn (each pulled only as it is yielded),
-    until all of them run out."""
-    pending = [iter(source) for source in sources]
-    while pending:
-        for source in list(pending):
-            item = next(source, _END)
-            if item is _END:
-                pending.remove(source)
-            else:
-                yield cast(_T, item)
-
-
-_END = object()
 
 
 def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str, Any]) -> None:
