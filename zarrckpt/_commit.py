@@ -101,11 +101,16 @@ def read_group(loc: Location) -> Group | None:
     try:
         return _v3_group(loc.read("zarr.json", cap=GROUP_BYTES))
     except FileNotFoundError:
-        pass
+        return _v2_group(loc)
     except IsADirectoryError:
         return Group(3, {}, {}, "is a directory")
     except (NotAFileInCheckpoint, TooLarge) as e:
         return Group(3, {}, {}, f"cannot be read: {e}")  # the error names the link: the step's own, maybe
+
+
+def _v2_group(loc: Location) -> Group | None:
+    """The group metadata at `loc` where `zarr.json` is absent: seqax's two v2 files,
+    asked for together; None where neither is there."""
     try:
         attributes, there = _seqax.read_group(loc)
     except TooLarge as e:
@@ -145,7 +150,10 @@ def head(loc: Location) -> Head:
     step skips them."""
     try:
         raw = loc.read("zarr.json", limit=_HEAD_BYTES)
-    except (FileNotFoundError, IsADirectoryError, NotAFileInCheckpoint):
+    except FileNotFoundError:  # not read again: seqax's files, where there are any
+        group = _v2_group(loc)
+        return Head(state(loc, group), None if group is None else group.save_id)
+    except (IsADirectoryError, NotAFileInCheckpoint):
         raw = None
     if raw is not None and (found := _HEAD.match(raw)):
         return Head(State.COMMITTED if found.group(1) else State.UNCOMMITTED, found.group(2).decode())
@@ -198,7 +206,7 @@ def commit(loc: Location, group_document: dict[str, Any]) -> None:
             raise CheckpointWriteError(f"{loc.url} was deleted or replaced by someone else while it was being "
                                        "saved (zarrckpt gc, or another writer taking it for a leftover); not "
                                        "committing it")
-    write_marker(loc, "zarr.json", encoded)
+    write_marker(loc.unversioned(), "zarr.json", encoded)
 
 
 def write_marker(loc: Location, key: str, document: bytes) -> None:

@@ -26,6 +26,7 @@ from . import _commit, _seqax
 from ._format import chunks as _chunks, naming as _naming, safetensors as _safetensors
 from ._restore import checkpoint as _reader
 from ._storage import Entry, Location
+from ._util import concurrency as _concurrency
 from ._util.regions import first_absent, indices
 from .errors import CheckpointError, CheckpointExistsError
 
@@ -175,8 +176,11 @@ def make_way(loc: Location, *, overwrite: bool) -> None:
     """Clears `loc` for a new checkpoint: a committed one is replaced only with
     `overwrite`, and only when `loc` holds nothing else; leftovers of a save, copy or
     deletion cut short are removed; anything that is not a checkpoint is refused
-    (CheckpointExistsError naming it)."""
-    if _commit.head(loc).state is _commit.State.COMMITTED:
+    (CheckpointExistsError naming it). Whether anything is there is asked together
+    with the group metadata (one round trip, not two, before a save into a new place)."""
+    found, there = _concurrency.run_all(lambda ask: ask(), (lambda: _commit.head(loc).state, loc.exists),
+                                        2 if loc.requests_wait else 1)
+    if found is _commit.State.COMMITTED:
         if not overwrite:
             raise CheckpointExistsError(
                 f"{loc.url} already holds a committed checkpoint; pass overwrite=True to replace it")
@@ -186,7 +190,7 @@ def make_way(loc: Location, *, overwrite: bool) -> None:
                 f"{loc.url} holds a committed checkpoint and also {_some(foreign)}, which is not the checkpoint's; "
                 "refusing to delete it: save somewhere else, or move that away first")
         _commit.remove(loc)
-    elif loc.exists():
+    elif there:
         remove_leftover(loc)
 
 

@@ -433,7 +433,8 @@ class SaveJob:
         meta = {**self.group["attributes"][_naming.META_ATTR], **found}
         self.group = _zarrjson.group_document({_naming.META_ATTR: {_commit.SAVE_ID: save_id, **meta}})
         if not self.loc.late_safe:  # else the commit alone is written (see `_commit.write_marker`)
-            self.loc.write("zarr.json", _zarrjson.encode_document(self.group), atomic=True, durable=True)
+            self.loc.unversioned().write("zarr.json", _zarrjson.encode_document(self.group), atomic=True,
+                                         durable=True)
         return save_id
 
 
@@ -469,10 +470,11 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
     never find a chunk only in the page cache. Array metadata is only read once
     committed, so it goes out alongside the chunks. Chunks are compressed where
     `compressor` finds it pays. Stops at the first failure (see `_concurrency`)."""
-    def write(out: _storage.Location, item: tuple[ArrayPlan, WriteUnit | dict[str, Any]]) -> None:
+    def write(out: _storage.Location, documents: _storage.Location,
+              item: tuple[ArrayPlan, WriteUnit | dict[str, Any]]) -> None:
         plan, what = item
         if isinstance(what, dict):
-            _write_metadata(out, plan, what)
+            _write_metadata(documents, plan, what)
         else:
             _write_one(out, plan, what, compressor, reuse, reused_of(reused, plan), made, crcs)
             advance(what.nbytes)
@@ -484,8 +486,10 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
     items: Iterable[tuple[ArrayPlan, WriteUnit | dict[str, Any]]] = itertools.chain(metadata, work)
     with loc.write_batch() as out, _concurrency.Operation(workers, "write") as op:
         # On a local disk small files (documents, links, small chunks) are written in turn;
-        # the bytes of chunks, and writes that wait, add threads.
-        op.fan_out(items, functools.partial(write, out), nbytes=written, start=None if loc.requests_wait else 1)
+        # the bytes of chunks, and writes that wait, add threads. Nobody keeps a document's
+        # version: not asked of a store whose answers name none (`unversioned`).
+        op.fan_out(items, functools.partial(write, out, out.unversioned()), nbytes=written,
+                   start=None if loc.requests_wait else 1)
 
 
 def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str, Any]) -> None:

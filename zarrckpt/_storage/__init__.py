@@ -81,6 +81,9 @@ class Location:
     # Whether an object found where a save creates one, not its own, is left as it is
     # (`_created`): where a lease guards the place, as a manager's run (see `keeping_found`).
     keep_found: bool = dataclasses.field(default=False, repr=False, compare=False)
+    # Whether a write, create or copy asks the store the version it made where its answer
+    # names none (`unversioned`: not for a document, whose version nobody keeps).
+    learns_versions: bool = dataclasses.field(default=True, repr=False, compare=False)
 
     @property
     def path(self) -> str:
@@ -154,6 +157,13 @@ class Location:
         never deleted (`write_new`, `copy_new`)."""
         return dataclasses.replace(self, keep_found=True)
 
+    def unversioned(self) -> Location:
+        """This location, for writes whose version nobody keeps (a save's documents: its
+        group's and arrays' metadata, its commit): where the store's answer names no
+        version (memory://, an fsspec file system zarrckpt has no protocol for), a write,
+        create or copy through it returns None, asking the store nothing more."""
+        return dataclasses.replace(self, learns_versions=False)
+
     def child(self, name: str) -> Location:
         return dataclasses.replace(self, url=posixpath.join(self.url.rstrip("/"), name),
                                    below=posixpath.join(self.below, name) if self.below else name)
@@ -218,12 +228,14 @@ class Location:
         stable storage when this returns, and so is every directory entry leading to it
         (on a local disk see `local`; a store that acknowledged a PUT has it).
         Returns the version of the object made (see `Entry.version`: a local file's; on
-        S3 and GCS from the answer to the request; elsewhere asked of the store at once),
-        None where the store says none; so do `write_new` and `copy_new`.
+        S3 and GCS from the answer to the request; elsewhere asked of the store at once,
+        except `unversioned`), None where the store says none; so do `write_new` and
+        `copy_new`.
         """
         nbytes = sum(memoryview(p).nbytes for p in parts)
         _stats.add("store_bytes_written", nbytes)
-        return self._call("write", key, self.store.write, parts, atomic=atomic, durable=durable, nbytes=nbytes)
+        return self._versioned(key, self._call("write", key, self.store.write, parts, atomic=atomic, durable=durable,
+                                               nbytes=nbytes))
 
     def create(self, key: str, *parts: Any) -> str | None:
         """Writes the object `key` (the concatenation of `parts`), durably, only if
@@ -234,7 +246,16 @@ class Location:
         Returns the version made, as `write`."""
         nbytes = sum(memoryview(p).nbytes for p in parts)
         _stats.add("store_bytes_written", nbytes)
-        return self._call("write", key, self.store.create, parts, nbytes=nbytes)
+        return self._versioned(key, self._call("write", key, self.store.create, parts, nbytes=nbytes))
+
+    def _versioned(self, key: str, made: str | None) -> str | None:
+        """The version of the object `key` that a write, create or copy just made, as
+        its store's call returned it (`made`): that, where the store says the version of
+        what it makes (a local disk, S3, GCS), or `unversioned`; else asked of the store
+        (one request). None where it says none."""
+        if made is not None or self.store.says_versions or not self.learns_versions:
+            return made
+        return self._call("check", key, self.store.version)
 
     @property
     def exclusive(self) -> bool:
@@ -320,8 +341,9 @@ class Location:
         made = functools.partial(self._call, "write", key, self.store.copy, source._key(key), size=nbytes,
                                  expect=expect, nbytes=nbytes)
         if not self.late_safe:
-            return made(exclusive=False)
-        return self._created(key, lambda: made(exclusive=True), lambda: source.read(key, limit=nbytes + 1))
+            return self._versioned(key, made(exclusive=False))
+        return self._created(key, lambda: self._versioned(key, made(exclusive=True)),
+                             lambda: source.read(key, limit=nbytes + 1))
 
     def _created(self, key: str, create: Callable[[], str | None], meant: Callable[[], bytes]) -> str | None:
         """Makes `key` by `create` (exclusive), against requests that land late: where an

@@ -186,6 +186,9 @@ class Fsspec(Store):
 
     # -- what this kind of store can do (the kinds below say otherwise)
 
+    # A write's answer names no version: asked only where a caller needs it (a chunk's).
+    says_versions = False
+
     @property
     def exclusive(self) -> bool:
         return False
@@ -325,13 +328,21 @@ class Fsspec(Store):
 
     def _made(self, path: str, answer: Any, size: int, timeout: float | None) -> str | None:
         """The version of the object at `path` (`size` bytes) that a request just made:
-        from the store's `answer` (S3's ETag, GCS's object resource), else (memory://,
-        an fsspec file system zarrckpt has no protocol for, S3's multipart upload past
-        5 GiB) asked of the store at once, one request; None where that fails."""
+        from the store's `answer` (S3's ETag, GCS's object resource), else, where
+        `says_versions` (S3's multipart upload past 5 GiB), asked of the store at once;
+        None where neither says it (memory://, an fsspec file system zarrckpt has no
+        protocol for: `version` asks where a caller needs it)."""
         if isinstance(answer, dict):
             fields = answer.get("CopyObjectResult") or answer.get("resource") or answer
             if "ETag" in fields or "generation" in fields:
                 return _version({**fields, "size": size})
+        return self._asked(path, timeout) if self.says_versions else None
+
+    def version(self, key: str, *, timeout: float | None) -> str | None:
+        return self._asked(self._path(key), timeout)
+
+    def _asked(self, path: str, timeout: float | None) -> str | None:
+        """The version of the object at `path`, one request; None where that fails."""
         try:
             self.fs.invalidate_cache(path)
             return _version(self._run("info", path, timeout=timeout))
@@ -479,6 +490,10 @@ class ObjectStore(Fsspec, abc.ABC):
     process's `HONOURED` unless given): a store found to ignore the first is one
     without an exclusive `create`, one found to ignore the second has a copy's bytes
     read and written through this process."""
+
+    # A write's answer names the version made (asked at once where it does not: S3's
+    # multipart upload).
+    says_versions = True
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, protocol: Protocol,
                  read_options: Mapping[str, Any], endpoint: str | None, honours: Honours = HONOURED) -> None:

@@ -100,6 +100,10 @@ class Store(abc.ABC):
     # The store is reached through a client that takes fsspec's storage options
     # (credentials, an endpoint).
     takes_options: bool = True
+    # `write`, `create` and `copy` return the version of the object made (from the store's
+    # answer, or asked at once where it says none); else they return None, and `version`
+    # asks where a caller needs it.
+    says_versions: bool = True
 
     @abc.abstractmethod
     def list_dir(self, key: str, *, timeout: float | None) -> list[Entry]:
@@ -116,8 +120,9 @@ class Store(abc.ABC):
               timeout: float | None) -> str | None:
         """Writes the object `key`, the concatenation of `parts` (see `Location.write`).
         Returns the version of the object made (`Entry.version`): from the store's
-        answer (a local file's, S3's ETag, GCS's generation), else asked of it at once;
-        None where neither says it. So do `create` and `copy`."""
+        answer (a local file's, S3's ETag, GCS's generation), where `says_versions`
+        else asked of it at once; None where neither says it (where `says_versions` is
+        false, `version` asks). So do `create` and `copy`."""
 
     @abc.abstractmethod
     def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> str | None:
@@ -133,6 +138,12 @@ class Store(abc.ABC):
         `Location.copy_new`), only if `source` is the version `expect` (`Entry.version`):
         else SourceChanged, and nothing made. With `exclusive`, only if nothing is at
         `key` (FileExistsError), as `create`."""
+
+    def version(self, key: str, *, timeout: float | None) -> str | None:
+        """The version of the object `key` (`Entry.version`) as the store says it now, one
+        request; None where it says none, or the request fails. Asked only of a store
+        whose writes do not say the version made (`says_versions` false): None here."""
+        return None
 
     def write_batch(self) -> contextlib.AbstractContextManager[Store]:
         """This store, for writes made together (see `Location.write_batch`)."""
