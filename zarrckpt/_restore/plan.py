@@ -39,18 +39,13 @@ def plan_reads(regions: Sequence[Region], chunks: Sequence[int], shape: Sequence
     their bounding box; each group is (box to read, regions cut from it).
     """
     groups = [[r] for r in dict.fromkeys(regions)]
-    merged = True
-    while merged:
-        merged = False
-        for i in range(len(groups)):
-            for j in range(i + 1, len(groups)):
-                if overlap(aligned(bounding_box(groups[i]), chunks, shape),
-                           aligned(bounding_box(groups[j]), chunks, shape)):
-                    groups[i] += groups.pop(j)
-                    merged = True
-                    break
-            if merged:
-                break
+    spans = [aligned(g[0], chunks, shape) for g in groups]  # each group's chunks' box
+    while pair := next(((i, j) for i in range(len(groups)) for j in range(i + 1, len(groups))
+                        if overlap(spans[i], spans[j])), None):
+        i, j = pair
+        groups[i] += groups.pop(j)
+        del spans[j]
+        spans[i] = aligned(bounding_box(groups[i]), chunks, shape)
     return [(bounding_box(g), g) for g in groups]
 
 
