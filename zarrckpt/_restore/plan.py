@@ -9,6 +9,7 @@ process holding each device given by `host_of` (by default the device's own
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Sequence
@@ -49,10 +50,13 @@ def plan_reads(regions: Sequence[Region], chunks: Sequence[int], shape: Sequence
     return [(bounding_box(g), g) for g in groups]
 
 
-def sharded_reads(sharding: jax.sharding.Sharding, shape: tuple[int, ...], chunks: Sequence[int], process: int,
+@functools.lru_cache(maxsize=256)
+def sharded_reads(sharding: jax.sharding.Sharding, shape: tuple[int, ...], chunks: tuple[int, ...], process: int,
                   host_of: HostOf = process_of) -> list[tuple[Region, Placement]]:
     """What `process` reads of a leaf on `sharding`: every region its devices hold, each
-    chunk once, with the devices each region goes to."""
+    chunk once, with the devices each region goes to. Cached: a model's leaves come in
+    a few shapes and shardings (a layer's, again and again), and every leaf is planned
+    before the first read; callers must not change what it returns."""
     devices: Placement = {}
     for region, holders in replicas_of(sharding, shape).items():
         if mine := [d for d in holders if host_of(d) == process]:
