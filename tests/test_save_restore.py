@@ -391,3 +391,36 @@ def test_the_chunks_of_a_shard_are_read_by_no_more_workers_than_the_restore_has(
     assert seen["calls"] == 24 and seen["most"] <= workers, seen
     for k, x in tree.items():
         np.testing.assert_array_equal(np.asarray(restored[k]), np.asarray(x))
+
+
+def test_on_cpu_devices_the_restored_shards_are_the_bytes_read(tmp_path, monkeypatch):
+    """Onto CPU devices, each box is read into memory the CPU client takes as a device's
+    buffer: no shard of an array is copied again after its read (small leaves and large,
+    sharded and replicated, of every item size), and the values are those saved."""
+    from zarrckpt._restore import checkpoint as _reader
+
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("the CPU client's own buffers")
+    rows = NamedSharding(mesh(), P(("data", "model")))
+    tree = {"big": jnp.arange(2048 * 2048, dtype=jnp.float32).reshape(2048, 2048),  # large: put by the readers
+            "rows": jnp.arange(64 * 24, dtype=jnp.bfloat16).reshape(64, 24), "norm": jnp.ones(5, jnp.int8),
+            "flags": jnp.array([True, False, True]), "scalar": jnp.float32(3.5),
+            "empty": jnp.zeros((0, 3), jnp.float16)}
+    zarrckpt.save_pytree(str(tmp_path / "ckpt"), tree)
+    made, aligned_empty = [], _reader.aligned_empty
+
+    def recorded(shape, dtype):
+        made.append(aligned_empty(shape, dtype))
+        return made[-1]
+
+    monkeypatch.setattr(_reader, "aligned_empty", recorded)
+    target = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows if x.ndim and x.shape[0] % 8 == 0 else
+                                      NamedSharding(mesh(), P())) for k, x in tree.items()}
+    restored = zarrckpt.load_pytree(str(tmp_path / "ckpt"), target)
+    spans = [(x.ctypes.data, x.ctypes.data + x.nbytes) for x in made]
+    for k, x in restored.items():
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(tree[k]))
+        assert x.sharding == target[k].sharding, k
+        for shard in x.addressable_shards if x.size and x.ndim else ():  # jax copies a 0-d array
+            at = shard.data.unsafe_buffer_pointer()
+            assert any(a <= at < b for a, b in spans), (k, shard.index)  # in a box read, not a copy of one

@@ -9,6 +9,7 @@ process holding each device given by `host_of` (by default the device's own
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Sequence
@@ -39,25 +40,23 @@ def plan_reads(regions: Sequence[Region], chunks: Sequence[int], shape: Sequence
     their bounding box; each group is (box to read, regions cut from it).
     """
     groups = [[r] for r in dict.fromkeys(regions)]
-    merged = True
-    while merged:
-        merged = False
-        for i in range(len(groups)):
-            for j in range(i + 1, len(groups)):
-                if overlap(aligned(bounding_box(groups[i]), chunks, shape),
-                           aligned(bounding_box(groups[j]), chunks, shape)):
-                    groups[i] += groups.pop(j)
-                    merged = True
-                    break
-            if merged:
-                break
+    spans = [aligned(g[0], chunks, shape) for g in groups]  # each group's chunks' box
+    while pair := next(((i, j) for i in range(len(groups)) for j in range(i + 1, len(groups))
+                        if overlap(spans[i], spans[j])), None):
+        i, j = pair
+        groups[i] += groups.pop(j)
+        del spans[j]
+        spans[i] = aligned(bounding_box(groups[i]), chunks, shape)
     return [(bounding_box(g), g) for g in groups]
 
 
-def sharded_reads(sharding: jax.sharding.Sharding, shape: tuple[int, ...], chunks: Sequence[int], process: int,
+@functools.lru_cache(maxsize=256)
+def sharded_reads(sharding: jax.sharding.Sharding, shape: tuple[int, ...], chunks: tuple[int, ...], process: int,
                   host_of: HostOf = process_of) -> list[tuple[Region, Placement]]:
     """What `process` reads of a leaf on `sharding`: every region its devices hold, each
-    chunk once, with the devices each region goes to."""
+    chunk once, with the devices each region goes to. Cached: a model's leaves come in
+    a few shapes and shardings (a layer's, again and again), and every leaf is planned
+    before the first read; callers must not change what it returns."""
     devices: Placement = {}
     for region, holders in replicas_of(sharding, shape).items():
         if mine := [d for d in holders if host_of(d) == process]:
