@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -138,4 +139,34 @@ def test_a_thread_that_yields_to_training_lowers_only_itself_and_the_threads_it_
 def test_a_save_beside_training_writes_a_local_disk_with_a_thread_for_every_4_cores(monkeypatch, cores,
                                                                                      requests_wait, expected):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
-    assert _concurrency.beside_training(16, requests_wait) == expected
+    share = _concurrency.Share.beside_training(16, requests_wait)
+    assert share.cap(16) == expected
+    share.hurry()
+    assert share.cap(16) == 16
+
+
+def test_a_fan_out_beside_training_adds_its_workers_once_someone_waits_for_it():
+    """One worker while the share is capped; more from the first item after `hurry`."""
+    share = _concurrency.Share(beside=1)
+    threads: list[str] = []
+
+    def item(i):
+        threads.append(threading.current_thread().name)
+        if i == 20:
+            share.hurry()
+        time.sleep(0.002)  # an item that takes long enough for the ramp to add a worker
+
+    with _concurrency.Operation(4, "test") as op:
+        op.fan_out(range(60), item, start=1, share=share)
+    assert set(threads[:21]) == {threads[0]}
+    assert len(set(threads[21:])) > 1
+
+
+def test_waiting_for_an_async_save_lets_it_write_with_all_its_threads(tmp_path, monkeypatch):
+    hurried = []
+    monkeypatch.setattr(_concurrency.Share, "hurry", lambda self: hurried.append(self._beside))
+    with zarrckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, sharded_state(1.0))
+        assert not hurried
+        mgr.wait()
+    assert hurried and hurried[0] != sys.maxsize  # a save beside training's share, not every worker

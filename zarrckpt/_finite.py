@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Hashable, Sequence, Set as AbstractSet
+from collections.abc import Callable, Sequence, Set as AbstractSet
 from typing import Any, NamedTuple
 
 import jax
@@ -30,7 +30,7 @@ import numpy as np
 
 from ._format.tree import Leaf, describe_path
 from ._util import devices as _devices
-from ._util.programs import Programs
+from ._util.programs import Key, Programs
 
 log = logging.getLogger("zarrckpt")
 
@@ -94,12 +94,13 @@ def start(leaves: Sequence[Leaf], programs: Programs, *, before: Findings | None
     named = [(leaf.name, leaf.path) for leaf in floats]
     pending: list[tuple[list[int], Any]] = []  # the flags of each group dispatched
     # The groups whose program is not compiled yet: their key, program, leaves and shards.
-    later: list[tuple[Hashable, Callable[[], Any], list[int], tuple[jax.Array, ...]]] = []
+    later: list[tuple[Key, Callable[[], Any], list[int], tuple[jax.Array, ...]]] = []
     for group in groups.values():
         xs = tuple(part for _, part in group)
         sample = CPU_SAMPLE if _on_cpu(xs[0]) else None
         key = ("finite", tuple((x.shape, x.dtype, x.sharding) for x in xs), sample)
-        program = programs.get(key, compile := functools.partial(_compile, xs, sample))
+        shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in xs)
+        program = programs.get(key, compile := functools.partial(_compile, shapes, sample))
         if program is None:
             later.append((key, compile, [i for i, _ in group], xs))
         else:
@@ -133,9 +134,9 @@ def start(leaves: Sequence[Leaf], programs: Programs, *, before: Findings | None
     return result
 
 
-def _compile(xs: tuple[jax.Array, ...], sample: int | None) -> Callable[..., Any]:
-    """`_finite_flags` compiled for arrays laid out as `xs` are (their values unread)."""
-    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in xs)
+def _compile(shapes: tuple[jax.ShapeDtypeStruct, ...], sample: int | None) -> Callable[..., Any]:
+    """`_finite_flags` compiled for arrays of `shapes` (shapes, dtypes and shardings: a
+    program kept for later never holds an array)."""
     with _devices.outside_callers_mesh():
         return _finite_flags.lower(shapes, sample).compile()
 

@@ -33,8 +33,9 @@ from .plan import Placement
 # Leaves at least this large are put on their devices by the reader threads (transfers
 # overlap); smaller ones by the main thread from host pieces (per-call cost dominates,
 # and threads contending for the GIL made a 1000-leaf restore 3x slower). On CPU devices
-# nothing is transferred (a put takes a whole box's memory, see `checkpoint.aligned_empty`,
-# or copies a piece cut from it), and one call per leaf beats one per piece up to larger
+# nothing is transferred (a put takes the memory of a box, see `checkpoint.aligned_empty`,
+# or of a piece cut from it at a 64-byte boundary, as its own: the box then lives as long
+# as the array; a piece elsewhere is copied), and one call per leaf beats one per piece up to larger
 # leaves (an 80 MiB model of 27 tensors onto 8 devices: 2x faster, warm). One
 # leaf's host pieces are what a restore holds beyond its byte budget.
 _READER_PLACEMENT_BYTES = 2**20

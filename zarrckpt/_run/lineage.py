@@ -404,7 +404,8 @@ class ReuseUnchanged(NoReuse):
 
     def failed(self, error: BaseException, *, prepared: bool) -> None:
         self._lineage.failed(error)
-        self._lineage.compile_programs()
+        if isinstance(error, Exception):  # not while a Ctrl-C or an exit goes up
+            self._lineage.compile_programs()
 
 
 def _check_source_still_committed(source: _storage.Location, save_id: str, plans: Sequence[ArrayPlan],

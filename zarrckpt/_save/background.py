@@ -12,7 +12,6 @@ save's own error, or one raised by `on_commit`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import queue
 import threading
@@ -36,7 +35,8 @@ class BackgroundSave:
 
     Started (`start`), its thread and those it writes with run at the lowest
     scheduling priority, and write with fewer threads unless the job's options say how
-    many (see `_concurrency.beside_training`): the caller's thread goes on training."""
+    many (see `_concurrency.Share.beside_training`): the caller's thread goes on
+    training. Once the caller waits for it (`join`), it writes with all of them."""
 
     def __init__(self, job: SaveJob, name: str, *, on_commit: Callable[[], None],
                  on_failure: Callable[[BaseException], None]) -> None:
@@ -50,6 +50,7 @@ class BackgroundSave:
         self.staged: float | None = None  # when `start` had dispatched every copy (perf_counter)
         self.save_id: str | None = None  # the identity of the save, once committed (see `_commit`)
         self._name = name
+        self._share = _concurrency.ALL_WORKERS  # how many of the job's writers may run
         self._thread: threading.Thread | None = None
         # Set by the save itself when it has committed or failed: a `Thread.join` that a
         # KeyboardInterrupt cut short leaves the thread reading as stopped while it
@@ -67,8 +68,7 @@ class BackgroundSave:
         job, self._job = self._job, None
         assert job is not None, "a save starts once"
         if job.options.max_workers is None:
-            job.options = dataclasses.replace(job.options, max_workers=_concurrency.beside_training(
-                job.loc.concurrency, job.loc.requests_wait))
+            job.share = self._share = _concurrency.Share.beside_training(job.loc.concurrency, job.loc.requests_wait)
         self._writing = job
         thread = threading.Thread(target=self._write, name=self._name, daemon=True)
         self._thread = thread
@@ -112,7 +112,9 @@ class BackgroundSave:
     def join(self, timeout: float | None = None) -> bool:
         """Waits until the save has committed (and `on_commit` has run) or failed, at most
         `timeout` seconds; returns whether it has. A KeyboardInterrupt leaves the save
-        going on, and a later `join` waits for it again."""
+        going on, and a later `join` waits for it again. The caller is not training
+        meanwhile: the save writes with all its threads from now on."""
+        self._share.hurry()
         return self._thread is None or self._finished.wait(timeout)
 
     @property

@@ -159,6 +159,8 @@ class SaveJob:
     commit: Commit = SHARED
     # Which chunks are compressed, with `options.compression` (a manager's outlasts a save).
     compressor: Compressor = dataclasses.field(default_factory=Compressor)
+    # How many of the writers may run at once (a save in the background's: see `BackgroundSave`).
+    share: _concurrency.Share = _concurrency.ALL_WORKERS
 
     @classmethod
     def create(cls, loc: _storage.Location, tree: Any, options: SaveOptions, *,
@@ -353,7 +355,7 @@ class SaveJob:
     def _write(self, work: Work, advance: Callable[[int], None]) -> dict[str, Any]:
         try:
             _write_all(self.loc, work, self._array_metadata(), self.options.max_workers or self.loc.concurrency,
-                       advance, self.compressor, self.reuse, self.reused, self.made, self.crcs)
+                       self.share, advance, self.compressor, self.reuse, self.reused, self.made, self.crcs)
         except Exception as e:
             # Say why where it can be known: the run taken over by another job (whose
             # objects refused this save's), or a chunk made from one not what it was.
@@ -460,12 +462,13 @@ def _tree_metadata(spec: dict[str, Any], version: int) -> dict[str, Any]:
 
 
 def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPlan, dict[str, Any]]],
-               workers: int, advance: Callable[[int], None], compressor: Compressor, reuse: Reuse,
-               reused: Mapping[str, Reused], made: dict[str, str | None], crcs: dict[str, int]) -> None:
+               workers: int, share: _concurrency.Share, advance: Callable[[int], None], compressor: Compressor,
+               reuse: Reuse, reused: Mapping[str, Reused], made: dict[str, str | None], crcs: dict[str, int]
+               ) -> None:
     """Writes each array's `metadata` document and every unit of `work` (each chunk's
     version into `made`; of a leaf in `reused`, made from the step named there; each
     chunk written, as `reuse.write_chunk` makes it),
-    `workers` at a time, all on stable storage before this
+    `workers` at a time (as many as `share` lets run), all on stable storage before this
     returns (written together: see `Location.write_batch`): the commit that follows must
     never find a chunk only in the page cache. Array metadata is only read once
     committed, so it goes out alongside the chunks. Chunks are compressed where
@@ -489,7 +492,7 @@ def _write_all(loc: _storage.Location, work: Work, metadata: list[tuple[ArrayPla
         # the bytes of chunks, and writes that wait, add threads. Nobody keeps a document's
         # version: not asked of a store whose answers name none (`unversioned`).
         op.fan_out(items, functools.partial(write, out, out.unversioned()), nbytes=written,
-                   start=None if loc.requests_wait else 1)
+                   start=None if loc.requests_wait else 1, share=share)
 
 
 def _write_metadata(loc: _storage.Location, plan: ArrayPlan, document: dict[str, Any]) -> None:

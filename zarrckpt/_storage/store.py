@@ -120,9 +120,9 @@ class Store(abc.ABC):
               timeout: float | None) -> str | None:
         """Writes the object `key`, the concatenation of `parts` (see `Location.write`).
         Returns the version of the object made (`Entry.version`): from the store's
-        answer (a local file's, S3's ETag, GCS's generation), where `says_versions`
-        else asked of it at once; None where neither says it (where `says_versions` is
-        false, `version` asks). So do `create` and `copy`."""
+        answer where it names one (a local file's, S3's ETag, GCS's generation); else,
+        where `says_versions`, asked of the store at once; else None (`version` asks
+        for it). So do `create` and `copy`."""
 
     @abc.abstractmethod
     def create(self, key: str, parts: Sequence[object], *, timeout: float | None) -> str | None:

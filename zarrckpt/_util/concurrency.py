@@ -61,19 +61,39 @@ _RAMP_S = 0.001
 _RAMP_BYTES = 2**20
 
 
-def beside_training(workers: int, requests_wait: bool) -> int:
-    """How many of `workers` a save in the background writes with: all of them where
-    each request waits on a store (such threads wait, they do not compute); else one
-    for every 4 cores this process may run on, at least one. Each of those copies
-    memory and computes checksums, and more of them took the cores and the
-    interpreter's lock from the training loop they ran beside."""
-    if requests_wait:
-        return workers
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(workers, cores // 4))
+class Share:
+    """How many of a fan-out's workers may run at once (`cap`): all of them, or, for
+    work in the background of a training loop (`Share.beside_training`), `beside` of
+    them until someone waits for the work (`hurry`; the caller is then not training)."""
+
+    def __init__(self, beside: int = sys.maxsize) -> None:
+        self._beside = beside
+        self._hurry = threading.Event()
+
+    @classmethod
+    def beside_training(cls, workers: int, requests_wait: bool) -> Share:
+        """Where each request waits on a store, all `workers` (such threads wait, they
+        do not compute); else one for every 4 cores this process may run on, at least
+        one: each of those copies memory and computes checksums, taking a core and
+        turns at the interpreter's lock from the training loop beside it."""
+        if requests_wait:
+            return cls()
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # not Linux
+            cores = os.cpu_count() or 1
+        return cls(max(1, cores // 4))
+
+    def hurry(self) -> None:
+        """Someone waits for the work: from now on every worker may run."""
+        self._hurry.set()
+
+    def cap(self, workers: int) -> int:
+        """How many of `workers` may run now."""
+        return workers if self._hurry.is_set() else max(1, min(workers, self._beside))
+
+
+ALL_WORKERS = Share()
 
 
 def yield_to_training() -> None:
@@ -366,7 +386,8 @@ class Operation:
 
     def fan_out(self, items: Iterable[_T], fn: Callable[[_T], _R], *, budget: ByteBudget | None = None,
                 nbytes: Callable[[_T], int] = lambda item: 0,
-                on_done: Callable[[_T, _R], None] | None = None, start: int | None = None) -> list[_R]:
+                on_done: Callable[[_T, _R], None] | None = None, start: int | None = None,
+                share: Share = ALL_WORKERS) -> list[_R]:
         """`fn(item)` for every item, concurrently; returns the results in order.
 
         Every worker of the pool takes the next item in turn (so `items` is pulled as
@@ -375,7 +396,9 @@ class Operation:
         `start` workers begin (default: all of them); one more starts as the items
         taken since the last one was added reach `_RAMP_BYTES` of `nbytes(item)`, and
         after each item that took `_RAMP_S` or longer, until all have: where most items
-        are small files on a local disk, fewer threads write them sooner. With
+        are small files on a local disk, fewer threads write them sooner. No more
+        than `share` lets run start (`Share.cap`, asked again as each worker would
+        be added). With
         `budget`, each item takes `nbytes(item)` before it starts (waiting for room)
         and gives them back when it ends. `on_done` runs as each item succeeds. Stops
         taking items at the first failure, waits for those running, and raises the
@@ -387,7 +410,8 @@ class Operation:
         results: dict[int, _R] = {}
         workers: list[concurrent.futures.Future[None]] = []
         grown = threading.Lock()
-        started = self._workers if start is None else max(1, min(start, self._workers))
+        started = min(self._workers if start is None else max(1, min(start, self._workers)),
+                      share.cap(self._workers))
         moved = 0  # bytes of the items taken since the last worker was added
 
         def add(nbytes: int, seconds: float) -> None:
@@ -396,11 +420,11 @@ class Operation:
             can start, `submit` runs the worker on this very thread (see `_Pool`), and
             there one more worker only nests deeper."""
             nonlocal started, moved
-            if started >= self._workers or self._pool._stranded:
+            if started >= share.cap(self._workers) or self._pool._stranded:
                 return
             with grown:
                 moved += nbytes
-                if started >= self._workers or (moved < _RAMP_BYTES and seconds < _RAMP_S):
+                if started >= share.cap(self._workers) or (moved < _RAMP_BYTES and seconds < _RAMP_S):
                     return
                 started, moved = started + 1, 0
             try:

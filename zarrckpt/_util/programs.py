@@ -19,6 +19,8 @@ from typing import Any
 log = logging.getLogger("zarrckpt")
 
 Program = Callable[..., Any]
+# What a program is (its name first), and the shapes, dtypes and shardings it takes.
+Key = tuple[Hashable, ...]
 
 
 class Programs:
@@ -26,16 +28,15 @@ class Programs:
     shapes, dtypes and shardings it takes). Thread-safe."""
 
     def __init__(self) -> None:
-        self._compiled: dict[Hashable, Program | None] = {}  # None: its compilation failed
-        self._pending: dict[Hashable, Callable[[], Program]] = {}
-        self._compiling: set[Hashable] = set()
+        self._compiled: dict[Key, Program] = {}
+        self._pending: dict[Key, Callable[[], Program]] = {}
+        self._compiling: set[Key] = set()
         self._lock = threading.Lock()
 
-    def get(self, key: Hashable, compile: Callable[[], Program]) -> Program | None:
+    def get(self, key: Key, compile: Callable[[], Program]) -> Program | None:
         """The program of `key` if it has been compiled; else None, and `compile` (which
-        returns it compiled, e.g. `jax.jit(f).lower(...).compile`) is kept for
-        `compile_pending`. Never compiles: this is asked on the training thread. A
-        program whose compilation failed stays None."""
+        returns it compiled, e.g. `jax.jit(f).lower(...).compile`; it holds no array) is
+        kept for `compile_pending`. Never compiles: this is asked on the training thread."""
         with self._lock:
             if key in self._compiled:
                 return self._compiled[key]
@@ -43,19 +44,23 @@ class Programs:
                 self._pending.setdefault(key, compile)
             return None
 
-    def compile_pending(self, keys: Collection[Hashable] | None = None) -> None:
+    def compile_pending(self, keys: Collection[Key] | None = None) -> None:
         """Compiles, on the calling thread, the programs asked for and not yet compiled
-        (those of `keys` alone, where given). A compilation that fails is logged, and its
-        program is left out of every later save: what it was for is done without it."""
+        (those of `keys` alone, where given). A compilation that fails (a device short of
+        memory as it tunes) is logged, and tried again once a later save asks for it:
+        what the program is for is done without it meanwhile."""
         with self._lock:
             todo = [(key, self._pending.pop(key)) for key in list(self._pending) if keys is None or key in keys]
             self._compiling.update(key for key, _ in todo)
         for key, compile in todo:
             try:
-                program: Program | None = compile()
+                program = compile()
             except Exception as e:
-                log.debug("could not compile a save's program %r: %s", key, e)
-                program = None
+                log.warning("could not compile a program that saves run on the devices (%s): %s; "
+                            "it is tried again at the next save", key[0], e)
+                with self._lock:
+                    self._compiling.discard(key)
+                continue
             with self._lock:
                 self._compiled[key] = program
                 self._compiling.discard(key)
