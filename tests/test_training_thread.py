@@ -1,5 +1,5 @@
 """What an async save leaves to the training thread: no compilation on the first save,
-its own threads at the lowest priority and fewer of them, the caller's thread as it
+its own threads at a lower priority and fewer of them, the caller's thread as it
 was."""
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def test_a_first_save_checks_for_nan_on_its_own_thread_and_commits_what_the_call
 
 @linux_only
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
-def test_a_background_saves_threads_run_at_the_lowest_priority_and_the_callers_keeps_its_own(tmp_path, async_save):
+def test_a_background_saves_threads_run_at_a_lower_priority_and_the_callers_keeps_its_own(tmp_path, async_save):
     """An async save's threads yield to training; a save the caller waits for (a sync
     manager's) writes at the caller's own priority."""
     seen: dict[str, int] = {}
@@ -108,7 +108,8 @@ def test_a_background_saves_threads_run_at_the_lowest_priority_and_the_callers_k
         with zarrckpt.CheckpointManager(str(tmp_path), async_save=async_save) as mgr:
             mgr.save(1, sharded_state(1.0))
             mgr.wait()
-    assert seen and set(seen.values()) == ({19} if async_save else {before}), seen
+    lowered_to = min(19, before + _concurrency.BACKGROUND_NICE)
+    assert seen and set(seen.values()) == ({lowered_to} if async_save else {before}), seen
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 
@@ -130,7 +131,8 @@ def test_a_thread_that_yields_to_training_lowers_only_itself_and_the_threads_it_
     thread = threading.Thread(target=lowered)
     thread.start()
     thread.join()
-    assert found == {"self": 19, "child": 19}
+    lowered_to = min(19, before + _concurrency.BACKGROUND_NICE)
+    assert found == {"self": lowered_to, "child": lowered_to}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 

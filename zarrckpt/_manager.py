@@ -78,7 +78,7 @@ class CheckpointManager:
         infinities are always kept; without keep_last or keep_best nothing is deleted.
       async_save: `save` returns once the copies off the devices are dispatched;
         writing and committing go on in the background (one save in flight), on threads
-        at the lowest priority (Linux), on a local disk one per 4 cores unless `max_workers`.
+        at a lower priority (Linux), on a local disk one per 4 cores unless `max_workers`.
       reuse_unchanged: a jax.Array leaf that holds exactly what it held in the newest step
         this manager saved or restored (the very same array, or every shard with the same
         fingerprint, computed on its device) has its chunks made from that step's (a hard

@@ -33,8 +33,8 @@ class BackgroundSave:
     """`job`, staged by `start` on the calling thread and written on a thread of its own.
     Once it has ended it holds nothing of the state saved (the caller may free it).
 
-    Started (`start`), its thread and those it writes with run at the lowest
-    scheduling priority, and write with fewer threads unless the job's options say how
+    Started (`start`), its thread and those it writes with run at a lower scheduling
+    priority (`_concurrency.yield_to_training`), and write with fewer threads unless the job's options say how
     many (see `_concurrency.Share.beside_training`): the caller's thread goes on
     training. Once the caller waits for it (`join`), it writes with all of them."""
 

@@ -96,8 +96,15 @@ class Share:
 ALL_WORKERS = Share()
 
 
+# How far a save in the background lowers its threads' priority (a nice value, Linux):
+# enough for a training loop's thread to get a core first whenever it can run, not so
+# far that processes busy beside it (data loaders, other ranks) starve the save. Each
+# busy thread of nice 0 leaves it about a tenth of a core.
+BACKGROUND_NICE = 10
+
+
 def yield_to_training() -> None:
-    """Lowers the calling thread's scheduling priority to the lowest (nice 19) on Linux,
+    """Lowers the calling thread's scheduling priority by `BACKGROUND_NICE` on Linux,
     where it is the thread's own and the threads it starts inherit it, so that the
     training loop beside a save in the background gets a core first whenever it can
     run (an idle core still runs the save at full speed). Nothing elsewhere: there it
@@ -106,7 +113,8 @@ def yield_to_training() -> None:
     if sys.platform != "linux":
         return
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + BACKGROUND_NICE))
     except OSError as e:  # a sandbox that refuses it: the save runs as it is
         log.debug("a save's thread kept its priority: %s", e)
 
