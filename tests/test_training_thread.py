@@ -141,7 +141,7 @@ def test_a_thread_that_yields_to_training_lowers_only_itself_and_the_threads_it_
 def test_a_save_beside_training_writes_a_local_disk_with_a_thread_for_every_4_cores(monkeypatch, cores,
                                                                                      requests_wait, expected):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
-    share = _concurrency.Share.beside_training(16, requests_wait)
+    share = _concurrency.Share.beside_training(requests_wait)
     assert share.cap(16) == expected
     share.hurry()
     assert share.cap(16) == 16

@@ -35,8 +35,8 @@ from .plan import Placement
 # and threads contending for the GIL made a 1000-leaf restore 3x slower). On CPU devices
 # nothing is transferred (a put takes the memory of a box, see `checkpoint.aligned_empty`,
 # or of a piece cut from it at a 64-byte boundary, as its own: the box then lives as long
-# as the array; a piece elsewhere is copied), and one call per leaf beats one per piece up to larger
-# leaves (an 80 MiB model of 27 tensors onto 8 devices: 2x faster, warm). One
+# as the array; a piece elsewhere is copied), and one call per leaf beats one per piece
+# up to larger leaves (an 80 MiB model of 27 tensors onto 8 devices: 2x faster, warm). One
 # leaf's host pieces are what a restore holds beyond its byte budget.
 _READER_PLACEMENT_BYTES = 2**20
 _CPU_READER_PLACEMENT_BYTES = 2**24

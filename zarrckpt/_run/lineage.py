@@ -50,7 +50,7 @@ from .._save.host_copies import shard_source
 from .._save.plan import ArrayPlan
 from .._save.protocol import missing
 from .._util import devices as _devices
-from .._util.programs import Programs
+from .._util.programs import Key, Programs
 from .._util.regions import Region, region_size, replicas_of
 from ..errors import CheckpointError, CheckpointWriteError
 from .same_chunks import NOTHING_SAME, SameChunks
@@ -504,24 +504,43 @@ def _dispatch(arrays: list[jax.Array], sample: bool, keys: np.ndarray, programs:
             mesh = Mesh(np.array([next(iter(a.devices())) for a in arrays]), ("shards",))
             shape, dtype = (len(arrays) * arrays[0].shape[0], *arrays[0].shape[1:]), arrays[0].dtype
             sharding = NamedSharding(mesh, PartitionSpec("shards"))
-            # Of its sample and of all of it, asked for at once: a leaf whose sample holds
-            # still is fingerprinted whole at its next save.
-            program = [programs.get(("fingerprints", mesh, shape, dtype, sampled),
-                                    functools.partial(_compile, _on_each(mesh, sampled), sharding, shape, dtype, mesh))
-                       for sampled in (sample, not sample)][0]
+            program = _asked(programs, sample, functools.partial(_side_by_side_program, mesh, sharding, shape, dtype))
             if program is None:
                 return None
             side_by_side = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
             return [program(side_by_side, _keys_on(mesh, keys.tobytes()))]
         meshes = [Mesh(np.array(list(a.devices())), ("shards",)) for a in arrays]
-        programs_of = [[programs.get(("fingerprint", a.sharding, a.shape, a.dtype, sampled),
-                                     functools.partial(_compile, functools.partial(_fingerprint, sample=sampled),
-                                                       a.sharding, a.shape, a.dtype, mesh))
-                        for sampled in (sample, not sample)][0] for a, mesh in zip(arrays, meshes)]
+        programs_of = [_asked(programs, sample, functools.partial(_one_shard_program, a, mesh))
+                       for a, mesh in zip(arrays, meshes)]
         ready = [program for program in programs_of if program is not None]
         if len(ready) < len(arrays):
             return None
         return [program(a, _keys_on(mesh, keys.tobytes())) for program, a, mesh in zip(ready, arrays, meshes)]
+
+
+def _asked(programs: Programs, sample: bool, program: Callable[[bool], tuple[Key, Callable[[], Any]]]
+           ) -> Any:
+    """The program fingerprinting a sample (`sample`) or all of an array, where compiled:
+    `program(sampled)` names it and how to compile it. The other is asked for at once
+    too: a leaf whose sample holds still is fingerprinted whole at its next save."""
+    wanted, _ = (programs.get(*program(sampled)) for sampled in (sample, not sample))
+    return wanted
+
+
+def _side_by_side_program(mesh: Mesh, sharding: NamedSharding, shape: tuple[int, ...], dtype: np.dtype,
+                          sampled: bool) -> tuple[Key, Callable[[], Any]]:
+    """The program fingerprinting each device's block of an array of `shape` laid out
+    side by side over `mesh` (`_on_each`), and how to compile it."""
+    return (("fingerprints", mesh, shape, dtype, sampled),
+            functools.partial(_compile, _on_each(mesh, sampled), sharding, shape, dtype, mesh))
+
+
+def _one_shard_program(shard: jax.Array, mesh: Mesh, sampled: bool) -> tuple[Key, Callable[[], Any]]:
+    """The program fingerprinting one shard laid out as `shard` is (`mesh`: its device),
+    and how to compile it (from its shape alone: what is kept holds no array)."""
+    return (("fingerprint", shard.sharding, shard.shape, shard.dtype, sampled),
+            functools.partial(_compile, functools.partial(_fingerprint, sample=sampled), shard.sharding, shard.shape,
+                              shard.dtype, mesh))
 
 
 def _compile(fingerprint: Any, sharding: jax.sharding.Sharding, shape: tuple[int, ...], dtype: np.dtype,

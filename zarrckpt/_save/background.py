@@ -34,9 +34,10 @@ class BackgroundSave:
     Once it has ended it holds nothing of the state saved (the caller may free it).
 
     Started (`start`), its thread and those it writes with run at a lower scheduling
-    priority (`_concurrency.yield_to_training`), and write with fewer threads unless the job's options say how
-    many (see `_concurrency.Share.beside_training`): the caller's thread goes on
-    training. Once the caller waits for it (`join`), it writes with all of them."""
+    priority (`_concurrency.yield_to_training`), and write with fewer threads unless
+    the job's options say how many (`_concurrency.Share.beside_training`): the caller's
+    thread goes on training. Once the caller waits for it (`join`), it writes with all
+    of them."""
 
     def __init__(self, job: SaveJob, name: str, *, on_commit: Callable[[], None],
                  on_failure: Callable[[BaseException], None]) -> None:
@@ -50,7 +51,7 @@ class BackgroundSave:
         self.staged: float | None = None  # when `start` had dispatched every copy (perf_counter)
         self.save_id: str | None = None  # the identity of the save, once committed (see `_commit`)
         self._name = name
-        self._share = _concurrency.ALL_WORKERS  # how many of the job's writers may run
+        self._share = _concurrency.Share()  # how many of the job's writers may run: all, unless `start` says
         self._thread: threading.Thread | None = None
         # Set by the save itself when it has committed or failed: a `Thread.join` that a
         # KeyboardInterrupt cut short leaves the thread reading as stopped while it
@@ -68,7 +69,7 @@ class BackgroundSave:
         job, self._job = self._job, None
         assert job is not None, "a save starts once"
         if job.options.max_workers is None:
-            job.share = self._share = _concurrency.Share.beside_training(job.loc.concurrency, job.loc.requests_wait)
+            job.share = self._share = _concurrency.Share.beside_training(job.loc.requests_wait)
         self._writing = job
         thread = threading.Thread(target=self._write, name=self._name, daemon=True)
         self._thread = thread

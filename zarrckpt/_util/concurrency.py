@@ -71,8 +71,8 @@ class Share:
         self._hurry = threading.Event()
 
     @classmethod
-    def beside_training(cls, workers: int, requests_wait: bool) -> Share:
-        """Where each request waits on a store, all `workers` (such threads wait, they
+    def beside_training(cls, requests_wait: bool) -> Share:
+        """Where each request waits on a store, all workers (such threads wait, they
         do not compute); else one for every 4 cores this process may run on, at least
         one: each of those copies memory and computes checksums, taking a core and
         turns at the interpreter's lock from the training loop beside it."""
