@@ -98,9 +98,9 @@ def start(leaves: Sequence[Leaf], programs: Programs, *, before: Findings | None
     for group in groups.values():
         xs = tuple(part for _, part in group)
         sample = CPU_SAMPLE if _on_cpu(xs[0]) else None
-        key = ("finite", tuple((x.shape, x.dtype, x.sharding) for x in xs), sample)
-        shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in xs)
-        program = programs.get(key, compile := functools.partial(_compile, shapes, sample))
+        layouts = tuple((x.shape, x.dtype, x.sharding) for x in xs)
+        key = ("finite", layouts, sample)
+        program = programs.get(key, compile := functools.partial(_compile, layouts, sample))
         if program is None:
             later.append((key, compile, [i for i, _ in group], xs))
         else:
@@ -134,9 +134,11 @@ def start(leaves: Sequence[Leaf], programs: Programs, *, before: Findings | None
     return result
 
 
-def _compile(shapes: tuple[jax.ShapeDtypeStruct, ...], sample: int | None) -> Callable[..., Any]:
-    """`_finite_flags` compiled for arrays of `shapes` (shapes, dtypes and shardings: a
+def _compile(layouts: tuple[tuple[tuple[int, ...], np.dtype, jax.sharding.Sharding], ...], sample: int | None
+             ) -> Callable[..., Any]:
+    """`_finite_flags` compiled for arrays of `layouts` (shape, dtype, sharding: a
     program kept for later never holds an array)."""
+    shapes = tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype, sharding in layouts)
     with _devices.outside_callers_mesh():
         return _finite_flags.lower(shapes, sample).compile()
 
